@@ -1,0 +1,1 @@
+"""fedjax_pfl: a JAX functional simulation engine for personalized federated learning."""
