@@ -1,0 +1,33 @@
+"""The shared engine: the client axis, local training, evaluation and metrics."""
+
+from fedjax_pfl.core.clients import (
+    BACKENDS,
+    ClientMapper,
+    broadcast,
+    client_mapper,
+    gather,
+    mean_over_clients,
+    num_sampled_clients,
+    sample_clients,
+    scatter,
+    sum_over_clients,
+    where_clients,
+)
+from fedjax_pfl.core.evaluate import ClientEval, Evaluator
+from fedjax_pfl.core.local import (
+    FullPass,
+    LocalResult,
+    LocalTrainer,
+    add_aux_gradient,
+    epoch_orders,
+    masked_mean_loss,
+    steps_per_epoch,
+)
+from fedjax_pfl.core.metrics import History, summarize
+
+__all__ = [
+    "BACKENDS", "ClientMapper", "broadcast", "client_mapper", "gather", "mean_over_clients",
+    "num_sampled_clients", "sample_clients", "scatter", "sum_over_clients", "where_clients",
+    "ClientEval", "Evaluator", "FullPass", "LocalResult", "LocalTrainer", "add_aux_gradient",
+    "epoch_orders", "masked_mean_loss", "steps_per_epoch", "History", "summarize",
+]

@@ -1,0 +1,13 @@
+"""Federated data: raw sources, partitioners, and the on-device `FederatedData`."""
+
+from fedjax_pfl.data import partition
+from fedjax_pfl.data.build import PartitionConfig, build_federated, partition_indices, plot_label_distribution
+from fedjax_pfl.data.federated import ClientSplits, FederatedData, label_counts
+from fedjax_pfl.data.partition import PARTITIONS, PartitionError
+from fedjax_pfl.data.sources import DATASETS, DatasetNotFoundError, RawDataset, load_raw
+
+__all__ = [
+    "partition", "PartitionConfig", "build_federated", "partition_indices", "plot_label_distribution",
+    "ClientSplits", "FederatedData", "label_counts", "PARTITIONS", "PartitionError", "DATASETS",
+    "DatasetNotFoundError", "RawDataset", "load_raw",
+]

@@ -1,0 +1,95 @@
+"""FedAvg and FedAvg-FT (McMahan et al., AISTATS 2017, Algorithm 1).
+
+Each round the sampled clients S_t start from the global model θ, run E epochs of local SGD, and
+the server takes the sample-weighted mean of their models:
+
+    θ ← Σ_{i∈S_t} (n_i / Σ_{k∈S_t} n_k) θ_i        (n_i: client i's number of TRAINING samples)
+
+FedAvg evaluates the global model on every client's test split. FedAvg-FT evaluates, for each
+client, the global model after `ft_epochs` local epochs of fine-tuning on that client's training
+data (fresh optimizer state, the same learning rate): the usual personalised baseline.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_pfl import core
+from fedjax_pfl.algorithms import base
+from fedjax_pfl.core.local import LocalTrainer
+from fedjax_pfl.models.model import Model
+
+
+class State(NamedTuple):
+    params: Any        # global model θ                                  leaves [...]
+    opt_state: Any     # per-client optimizer states (momentum_buffer=persist) [N, ...], else None
+    round: jax.Array   # rounds completed; shape=(), int32
+    rng: jax.Array     # base key for evaluation-time randomness (fine-tuning batch order)
+
+
+def fedavg(model: Model, *, ft_epochs: int | None = None, **common: Any) -> base.Algorithm:
+    """FedAvg; with `ft_epochs` set, FedAvg-FT (the global model fine-tuned before evaluation)."""
+    engine = base.Engine(model, **common)
+    fine_tuner = None
+    if ft_epochs is not None:
+        fine_tuner = LocalTrainer(
+            model, engine.trainer.optimizer, epochs=ft_epochs, batch_size=common["batch_size"],
+            mapper=engine.evaluator.mapper, drop_last=common["drop_last"],
+        )
+
+    def init(key: jax.Array, data) -> State:
+        model_key, rng = jax.random.split(key)
+        params = model.init(model_key)
+        return State(params, engine.init_client_opt_states(params, data.num_clients),
+                     jnp.zeros((), jnp.int32), rng)
+
+    def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
+        sample_key, train_key = jax.random.split(key)
+        idx = engine.sample(sample_key, data)                                    # S_t
+        start = core.broadcast(state.params, idx.shape[0])                       # θ_i ← θ
+        opt = engine.opt_states_for(state.opt_state, idx, start)
+        result = engine.train(data, idx, start, opt, train_key)                  # E local epochs
+        weights = core.gather(data.clients.train_count, idx).astype(jnp.float32)
+        params = core.mean_over_clients(result.params, weights)                  # Σ (n_i/n) θ_i
+        opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
+        return (State(params, opt_state, state.round + 1, state.rng),
+                base.train_metrics(result, idx))
+
+    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
+        global_eval = engine.evaluator.shared(data, state.params)
+        if fine_tuner is None:
+            return {"client": global_eval}
+        n = data.num_clients
+        ids = jnp.arange(n)
+        start = core.broadcast(state.params, n)
+        one_opt = fine_tuner.init_opt_state(state.params)
+        keys = base.client_keys(jax.random.fold_in(state.rng, state.round), ids)
+        tuned = fine_tuner(data, start, core.broadcast(one_opt, n), data.clients, keys)
+        return {"client": engine.evaluator.personal(data, tuned.params), "global": global_eval}
+
+    return base.Algorithm("fedavg", init, round_fn, evaluate, {})
+
+
+def fedavg_ft(model: Model, *, ft_epochs: int, **common: Any) -> base.Algorithm:
+    return fedavg(model, ft_epochs=ft_epochs, **common)
+
+
+base.register(base.AlgorithmSpec(
+    name="fedavg",
+    factory=fedavg,
+    summary="FedAvg: sample-weighted average of local models; the global model is evaluated",
+))
+
+base.register(base.AlgorithmSpec(
+    name="fedavg_ft",
+    factory=fedavg_ft,
+    summary="FedAvg-FT: FedAvg whose global model each client fine-tunes before evaluation",
+    hparams=(
+        base.HParam("ft_epochs", int, 1,
+                    "local epochs of fine-tuning the global model on each client before evaluation",
+                    check=base.AT_LEAST_ONE, flag="--ft-epochs"),
+    ),
+))

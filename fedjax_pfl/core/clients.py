@@ -1,0 +1,150 @@
+"""The client axis: the only place where code crosses the stacked leading axis of client state.
+
+Client state is one pytree whose leaves have a leading axis N (all clients). A round gathers the
+rows of the M sampled clients, maps a one-client function over them, reduces across them, and
+scatters the rows back. Algorithms use only the primitives below (DrJAX's vocabulary: broadcast,
+map, reduce), so the execution strategy (vmap, chunked, a Python loop) changes here once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Params = Any
+Backend = Literal["vmap", "chunked", "loop"]
+BACKENDS: tuple[str, ...] = ("vmap", "chunked", "loop")
+
+
+def broadcast(tree: Params, n: int) -> Params:
+    """[...] -> [n, ...]: the same value for every one of n clients."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+
+
+def gather(tree: Params, idx: jax.Array) -> Params:
+    """[N, ...] -> [m, ...]: the rows of the clients in `idx`."""
+    return jax.tree.map(lambda x: x[idx], tree)
+
+
+def scatter(tree: Params, idx: jax.Array, rows: Params) -> Params:
+    """Write `rows` [m, ...] into `tree` [N, ...] at `idx`; all other rows are unchanged bit for bit."""
+    return jax.tree.map(lambda x, r: x.at[idx].set(r.astype(x.dtype)), tree, rows)
+
+
+def where_clients(mask: jax.Array, if_true: Params, if_false: Params) -> Params:
+    """Per-client select: row i comes from `if_true` where mask[i], else from `if_false`."""
+
+    def select(a, b):
+        m = jnp.reshape(mask, mask.shape + (1,) * (a.ndim - mask.ndim))
+        return jnp.where(m, a, b)
+
+    return jax.tree.map(select, if_true, if_false)
+
+
+def sum_over_clients(tree: Params) -> Params:
+    """[m, ...] -> [...]: Σ over clients."""
+    return jax.tree.map(lambda x: jnp.sum(x, axis=0), tree)
+
+
+def mean_over_clients(tree: Params, weights: jax.Array | None = None) -> Params:
+    """[m, ...] -> [...]: the (weighted) mean over clients; weights are normalised here."""
+    if weights is None:
+        return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
+    w = weights / jnp.sum(weights)
+    return jax.tree.map(lambda x: jnp.tensordot(w.astype(x.dtype), x, axes=1), tree)
+
+
+def sample_clients(key: jax.Array, num_clients: int, num_sampled: int) -> jax.Array:
+    """M distinct client ids drawn uniformly without replacement, sorted ascending.
+
+    Deterministic in `key`; every client has probability M/N per round. Sorting makes logs and
+    scatters easier to read and changes nothing else (rows are keyed by client id).
+    """
+    if not 1 <= num_sampled <= num_clients:
+        raise ValueError(f"cannot sample {num_sampled} of {num_clients} clients")
+    if num_sampled == num_clients:
+        return jnp.arange(num_clients, dtype=jnp.int32)
+    ids = jax.random.choice(key, num_clients, (num_sampled,), replace=False)
+    return jnp.sort(ids).astype(jnp.int32)
+
+
+def num_sampled_clients(num_clients: int, participation: float) -> int:
+    """M = floor(N · rate), at least 1 (the reference codes use int(N * rate))."""
+    # The small epsilon keeps e.g. 25 * 0.28 = 7.000000000000001 -> 7 and 100 * 0.07 -> 7.
+    return max(1, int(np.floor(num_clients * participation + 1e-9)))
+
+
+class ClientMapper(NamedTuple):
+    """How a one-client function is run over the sampled clients.
+
+    backend:
+      "vmap":    one vectorised call over all M clients (fastest for small models);
+      "chunked": vmap over chunks of `chunk_size` clients, sequential over chunks (lax.map), so
+                 peak memory is bounded by the chunk; clients are sorted by `cost` first so each
+                 chunk's while-loops stop at the chunk's own longest client;
+      "loop":    a Python loop that calls the jitted one-client function once per client. It is
+                 the reference the vectorised backends are tested against, and the baseline of
+                 benchmarks/round_throughput.py. Under an outer jax.jit it still works but unrolls.
+    """
+
+    backend: str = "vmap"
+    chunk_size: int = 32
+
+    def __call__(
+        self, fn: Callable, *args: Params, shared: tuple = (), cost: jax.Array | None = None
+    ) -> Params:
+        """map_clients: out[i] = fn(*shared, *(a[i] for a in args)) for every client row i.
+
+        `shared` arguments (the dataset, a global model) are passed whole to every client and are
+        not copied per client. `cost` (optional, [m]) orders clients for the chunked backend.
+        Pass a function object that lives as long as the algorithm: the loop backend caches its
+        compiled form by identity.
+        """
+        if self.backend == "vmap":
+            in_axes = (None,) * len(shared) + (0,) * len(args)
+            return jax.vmap(fn, in_axes=in_axes)(*shared, *args)
+        if self.backend == "chunked":
+            return _chunked_map(fn, shared, args, self.chunk_size, cost)
+        if self.backend == "loop":
+            return _loop_map(fn, shared, args)
+        raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
+
+
+def client_mapper(backend: str = "vmap", chunk_size: int = 32) -> ClientMapper:
+    """Validated ClientMapper (see its docstring for the three backends)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {BACKENDS}, got {backend!r}")
+    if chunk_size < 1:
+        raise ValueError(f"--chunk-size must be >= 1, got {chunk_size}")
+    return ClientMapper(backend, int(chunk_size))
+
+
+def _num_rows(args) -> int:
+    return jax.tree.leaves(args)[0].shape[0]
+
+
+def _chunked_map(fn, shared, args, chunk_size, cost):
+    m = _num_rows(args)
+    batch = min(chunk_size, m)
+    one = lambda row: fn(*shared, *row)
+    if cost is None:
+        return jax.lax.map(one, args, batch_size=batch)
+    # Sort by cost so each chunk holds clients of similar length; results go back in input order.
+    order = jnp.argsort(-cost, stable=True)
+    inverse = jnp.argsort(order)
+    return gather(jax.lax.map(one, gather(args, order), batch_size=batch), inverse)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted(fn):
+    return jax.jit(fn)
+
+
+def _loop_map(fn, shared, args):
+    one_client = _jitted(fn)
+    outs = [one_client(*shared, *gather(args, i)) for i in range(_num_rows(args))]
+    return jax.tree.map(lambda *rows: jnp.stack(rows), *outs)

@@ -1,0 +1,248 @@
+"""Local training: one client's minibatch loop, written once and shared by every algorithm.
+
+`LocalTrainer` runs E epochs of minibatch optimisation for each sampled client, all clients at
+once through a `ClientMapper` (vmap, chunked or loop), inside whatever jit encloses it.
+
+Exact epoch semantics per client (spec/pfedsop.md A6, spec/pgfed.md A9): in every epoch client i
+visits each of its own n_i training samples once, in a fresh random order, in
+S_i = ⌈n_i/B⌉ steps (or ⌊n_i/B⌋ with drop_last, and one step of all n_i samples when n_i < B, as
+PGFed's `batch = min(B, n_i)`). The last partial batch is averaged over its real samples only.
+The step loop is a `lax.while_loop` that runs E·S_i steps: under vmap it runs to the longest
+client of the batch and leaves finished clients untouched (their parameters, optimizer state and
+hook state do not change), and with the chunked backend clients are sorted by step count so each
+chunk stops at its own longest client.
+
+Algorithms change local training by composition, not by writing loops:
+  * `optimizer` is any optax transformation; extra per-client inputs (`extra`) are passed to its
+    `update` as keyword arguments, so `optax.chain(add_aux_gradient(), optax.sgd(lr))` adds a
+    per-client vector to every minibatch gradient (PGFed) and a prox transform can read an anchor;
+  * `on_step(hook_state, params, extra) -> hook_state` runs at every active step with the
+    parameters BEFORE that step's update and carries its own state (PGFed's α row);
+  * `full_pass` gives the mean loss and gradient over all of a client's training samples.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_pfl.core.clients import ClientMapper
+from fedjax_pfl.data.federated import ClientSplits, FederatedData
+from fedjax_pfl.models.model import Model
+
+Params = Any
+OnStep = Callable[[Any, Params, dict], Any]
+
+
+class LocalResult(NamedTuple):
+    """What local training returns for each client (leading axis M when mapped)."""
+
+    params: Params
+    opt_state: Any
+    hook_state: Any
+    loss: jax.Array       # mean minibatch loss over the client's steps; [M] float32
+    num_steps: jax.Array  # steps actually taken, E·S_i; [M] int32
+
+
+def steps_per_epoch(count: jax.Array, batch_size: int, drop_last: bool = False) -> jax.Array:
+    """S_i = ⌈n_i/B⌉, or max(1, ⌊n_i/B⌋) with drop_last; 0 for a client without data."""
+    count = jnp.asarray(count, jnp.int32)
+    if drop_last:
+        steps = jnp.maximum(count // batch_size, 1)
+    else:
+        steps = (count + batch_size - 1) // batch_size
+    return jnp.where(count > 0, steps, 0)
+
+
+def epoch_orders(key: jax.Array, count: jax.Array, width: int, epochs: int) -> jax.Array:
+    """[epochs, width] int32: row e starts with a uniformly random permutation of 0..count−1.
+
+    Positions ≥ count hold the padding slots (never used unmasked).
+    """
+    slots = jnp.arange(width)
+
+    def one_epoch(k):
+        u = jax.random.uniform(k, (width,))
+        return jnp.argsort(jnp.where(slots < count, u, 2.0)).astype(jnp.int32)
+
+    return jax.vmap(one_epoch)(jax.random.split(key, epochs))
+
+
+def masked_mean_loss(model: Model, params: Params, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+    """Σ_j mask_j ℓ(params; x_j, y_j) / Σ_j mask_j: the mean over the real samples of a padded batch."""
+    per_example = model.loss(model.apply(params, x), y)
+    return jnp.sum(jnp.where(mask, per_example, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def _padded_row(row: jax.Array, multiple: int) -> jax.Array:
+    width = math.ceil(row.shape[0] / multiple) * multiple
+    return jnp.pad(row, (0, width - row.shape[0]))
+
+
+class LocalTrainer:
+    """E epochs of minibatch training for a batch of clients (see the module docstring).
+
+    Build it once in an algorithm factory (its per-client function is the jit cache key of the
+    loop backend), then call it inside `round_fn`.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        optimizer: optax.GradientTransformation,
+        *,
+        epochs: int,
+        batch_size: int,
+        mapper: ClientMapper,
+        drop_last: bool = False,
+        on_step: OnStep | None = None,
+    ):
+        if epochs < 1:
+            raise ValueError(f"--local-epochs must be >= 1, got {epochs}")
+        if batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+        self.model = model
+        self.optimizer = optax.with_extra_args_support(optimizer)
+        self.epochs = int(epochs)
+        self.batch_size = int(batch_size)
+        self.drop_last = bool(drop_last)
+        self.mapper = mapper
+        self.on_step = on_step
+        self._train_one = self._make_train_one()
+
+    def init_opt_state(self, params: Params) -> Any:
+        """The optimizer state of one client (use `core.broadcast` for a stack)."""
+        return self.optimizer.init(params)
+
+    def __call__(
+        self,
+        data: FederatedData,
+        params: Params,
+        opt_state: Any,
+        clients: ClientSplits,
+        keys: jax.Array,
+        extra: dict | None = None,
+        hook_state: Any = None,
+    ) -> LocalResult:
+        """Trains M clients. Every argument but `data` has leading axis M.
+
+        Args:
+          data: the federated dataset (shared, not mapped).
+          params, opt_state: each client's starting point.
+          clients: the M clients' index tables (`core.gather(data.clients, idx)`).
+          keys: [M] PRNG keys (one per client; fold the client id in for order independence).
+          extra: per-client inputs for the optimizer and the `on_step` hook.
+          hook_state: per-client state carried by `on_step`.
+        """
+        extra = {} if extra is None else extra
+        cost = steps_per_epoch(clients.train_count, self.batch_size, self.drop_last)
+        return self.mapper(
+            self._train_one, params, opt_state, hook_state, clients, keys, extra,
+            shared=(data,), cost=cost,
+        )
+
+    def _make_train_one(self):
+        model, optimizer, on_step = self.model, self.optimizer, self.on_step
+        epochs, batch, drop_last = self.epochs, self.batch_size, self.drop_last
+        loss_and_grad = jax.value_and_grad(lambda p, x, y, m: masked_mean_loss(model, p, x, y, m))
+
+        def train_one(data, params, opt_state, hook_state, client, key, extra):
+            count = client.train_count
+            per_epoch = steps_per_epoch(count, batch, drop_last)
+            total = epochs * per_epoch
+            rows_of_client = _padded_row(client.train_idx, batch)
+            orders = jax.vmap(lambda r: _padded_row(r, batch))(
+                epoch_orders(key, count, client.train_idx.shape[0], epochs)
+            )
+            # With drop_last only the first S_i·B positions of an epoch are used (all n_i if n_i < B).
+            used = jnp.where(count >= batch, per_epoch * batch, count) if drop_last else count
+
+            def body(carry):
+                t, params, opt_state, hook_state, loss_sum = carry
+                epoch, k = t // per_epoch, t % per_epoch
+                positions = k * batch + jnp.arange(batch)
+                local = jax.lax.dynamic_slice(orders[epoch], (k * batch,), (batch,))
+                rows = rows_of_client[local]
+                mask = positions < used
+                if on_step is not None:
+                    hook_state = on_step(hook_state, params, extra)
+                loss, grads = loss_and_grad(params, data.inputs(rows), data.labels(rows), mask)
+                updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
+                params = optax.apply_updates(params, updates)
+                return t + 1, params, opt_state, hook_state, loss_sum + loss
+
+            init = (jnp.zeros((), jnp.int32), params, opt_state, hook_state, jnp.zeros((), jnp.float32))
+            _, params, opt_state, hook_state, loss_sum = jax.lax.while_loop(
+                lambda c: c[0] < total, body, init
+            )
+            mean_loss = loss_sum / jnp.maximum(total, 1)
+            return LocalResult(params, opt_state, hook_state, mean_loss, total.astype(jnp.int32))
+
+        return train_one
+
+
+def add_aux_gradient(name: str = "aux_grad") -> optax.GradientTransformationExtraArgs:
+    """g ← g + v, with the per-client vector v passed to `update` as keyword `name`.
+
+    The gradient of f(θ) + ⟨v, θ⟩: PGFed adds its auxiliary gradient g̃_i this way (eq. 10),
+    before the momentum buffer (spec/pgfed.md A8).
+    """
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params
+        vector = extra_args[name]
+        return jax.tree.map(lambda g, v: g + v.astype(g.dtype), updates, vector), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
+class FullPass:
+    """Mean loss and mean gradient over ALL of a client's training samples, at fixed params.
+
+    f_i(θ) = (1/n_i) Σ_j ℓ(θ; x_j, y_j) and ∇f_i(θ), accumulated over batches of `batch_size`
+    (memory bound) with a masked last batch, so the result does not depend on the batch size.
+    """
+
+    def __init__(self, model: Model, *, batch_size: int, mapper: ClientMapper):
+        self.model = model
+        self.batch_size = int(batch_size)
+        self.mapper = mapper
+        self._one = self._make_one()
+
+    def __call__(self, data: FederatedData, params: Params, clients: ClientSplits) -> tuple[jax.Array, Params]:
+        """[M] mean losses and [M, ...] mean gradients for M clients (leading axis M on inputs)."""
+        return self.mapper(self._one, params, clients, shared=(data,), cost=clients.train_count)
+
+    def _make_one(self):
+        model, batch = self.model, self.batch_size
+
+        def summed_loss(params, x, y, mask):
+            per_example = model.loss(model.apply(params, x), y)
+            return jnp.sum(jnp.where(mask, per_example, 0.0))
+
+        grad_fn = jax.value_and_grad(summed_loss)
+
+        def one(data, params, client):
+            count = client.train_count
+            rows_of_client = _padded_row(client.train_idx, batch)
+            num_batches = (count + batch - 1) // batch
+
+            def body(carry):
+                b, loss_sum, grad_sum = carry
+                positions = b * batch + jnp.arange(batch)
+                rows = jax.lax.dynamic_slice(rows_of_client, (b * batch,), (batch,))
+                loss, grads = grad_fn(params, data.inputs(rows), data.labels(rows), positions < count)
+                return b + 1, loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            _, loss_sum, grad_sum = jax.lax.while_loop(
+                lambda c: c[0] < num_batches, body, (jnp.zeros((), jnp.int32), jnp.zeros(()), zeros)
+            )
+            n = jnp.maximum(count, 1).astype(jnp.float32)
+            return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
+
+        return one

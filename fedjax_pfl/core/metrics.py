@@ -1,0 +1,91 @@
+"""Round statistics over clients (host side, numpy), and best-over-rounds bookkeeping.
+
+Definitions (clients without test data are left out of every statistic):
+  acc_mean       unweighted mean over clients of correct_i / n_i   (the papers' "mean accuracy")
+  acc_weighted   Σ correct_i / Σ n_i                                 (sample-weighted)
+  acc_std        population standard deviation over clients (ddof = 0)
+  acc_min        lowest client accuracy
+  acc_p10        10th percentile over clients (numpy's linear interpolation)
+  acc_worst10    mean of the ⌈0.1·K⌉ lowest client accuracies (K clients with test data)
+  loss           unweighted mean over clients of the mean test loss; loss_weighted: Σ/Σ n_i
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+
+
+def summarize(correct, loss_sum, count, prefix: str = "") -> dict[str, float]:
+    """The statistics above for one evaluation; keys are prefixed with `prefix`."""
+    correct = np.asarray(correct, np.float64)
+    loss_sum = np.asarray(loss_sum, np.float64)
+    count = np.asarray(count, np.float64)
+    has = count > 0
+    if not has.any():
+        return {}
+    acc = correct[has] / count[has]
+    loss = loss_sum[has] / count[has]
+    worst = np.sort(acc)[: max(1, math.ceil(0.1 * acc.size))]
+    stats = {
+        "acc_mean": acc.mean(),
+        "acc_weighted": correct[has].sum() / count[has].sum(),
+        "acc_std": acc.std(),
+        "acc_min": acc.min(),
+        "acc_p10": np.percentile(acc, 10),
+        "acc_worst10": worst.mean(),
+        "loss": loss.mean(),
+        "loss_weighted": loss_sum[has].sum() / count[has].sum(),
+    }
+    return {prefix + k: float(v) for k, v in stats.items()}
+
+
+class History:
+    """Per-round metrics plus the per-client best accuracy over rounds in which a client took part.
+
+    `participant_best_mean` is pFedSOP's Table II statistic: for each client, the maximum of its
+    accuracy over the evaluated rounds in which it was sampled; averaged (unweighted) over the
+    clients that were ever evaluated after taking part.
+    """
+
+    def __init__(self, num_clients: int):
+        self.rounds: list[dict[str, float]] = []
+        self.best_when_sampled = np.full(num_clients, -np.inf)
+
+    def record_participants(self, accuracy: np.ndarray, sampled: np.ndarray) -> dict[str, float]:
+        """Updates per-client bests from this round's sampled clients; returns derived metrics."""
+        accuracy = np.asarray(accuracy, np.float64)
+        sampled = np.asarray(sampled)
+        acc = accuracy[sampled]
+        ok = ~np.isnan(acc)
+        ids = sampled[ok]
+        self.best_when_sampled[ids] = np.maximum(self.best_when_sampled[ids], acc[ok])
+        seen = np.isfinite(self.best_when_sampled)
+        out = {"participant_best_mean": float(self.best_when_sampled[seen].mean()),
+               "participant_best_clients": int(seen.sum())}
+        if ok.any():
+            out["acc_participants"] = float(acc[ok].mean())
+        return out
+
+    def append(self, metrics: Mapping[str, float]) -> None:
+        self.rounds.append(dict(metrics))
+
+    def best_and_last(self) -> dict[str, dict[str, float]]:
+        """For every numeric metric: its best value over rounds (max; min for losses) and its last."""
+        best: dict[str, float] = {}
+        last: dict[str, float] = {}
+        for row in self.rounds:
+            for k, v in row.items():
+                if k == "round" or not isinstance(v, (int, float)) or isinstance(v, bool):
+                    continue
+                if v != v:  # NaN
+                    continue
+                last[k] = v
+                lower_is_better = "loss" in k or k.endswith("_std") or k.endswith("_time")
+                if k not in best:
+                    best[k] = v
+                else:
+                    best[k] = min(best[k], v) if lower_is_better else max(best[k], v)
+        return {"best": best, "last": last}

@@ -1,0 +1,119 @@
+"""From a raw dataset to a `FederatedData` on device: partition, per-client split, statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from fedjax_pfl.data import partition as partition_lib
+from fedjax_pfl.data.federated import FederatedData, label_counts
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionConfig:
+    """How samples are dealt to clients (see data/partition.py for each scheme).
+
+    scheme: 'iid', 'dirichlet', 'pathological', 'shards' or 'natural' (the dataset's own clients).
+    """
+
+    scheme: str = "dirichlet"
+    num_clients: int = 20
+    alpha: float = 0.5
+    min_size: int = 10
+    max_tries: int = 100
+    classes_per_client: int = 2
+    shards_per_client: int | None = None
+    shard_size: int | None = None
+    test_fraction: float = 0.25
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Config-level checks that need no data (errors name the CLI flag)."""
+        if self.scheme not in partition_lib.PARTITIONS:
+            raise ValueError(f"--partition must be one of {list(partition_lib.PARTITIONS)}, got {self.scheme!r}")
+        if self.num_clients < 1:
+            raise ValueError(f"--clients must be >= 1, got {self.num_clients}")
+        if self.scheme == "dirichlet" and not self.alpha > 0:
+            raise ValueError(f"--alpha must be > 0, got {self.alpha}")
+        if self.min_size < 0:
+            raise ValueError(f"--min-size must be >= 0, got {self.min_size}")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ValueError(f"--test-fraction must be in (0, 1), got {self.test_fraction}")
+        if self.scheme == "pathological" and self.classes_per_client < 1:
+            raise ValueError(f"--classes-per-client must be >= 1, got {self.classes_per_client}")
+        if self.scheme == "shards" and (self.shards_per_client is None) == (self.shard_size is None):
+            raise ValueError("--partition shards needs exactly one of --shards-per-client or --shard-size")
+
+
+def partition_indices(raw: Any, cfg: PartitionConfig) -> list[np.ndarray]:
+    """Per-client sample indices of `raw` (a RawDataset) under `cfg`."""
+    cfg.validate()
+    labels = np.asarray(raw.y)
+    if cfg.scheme == "natural":
+        if getattr(raw, "client_ids", None) is None:
+            raise ValueError(f"--partition natural: dataset {raw.name!r} has no natural clients")
+        return partition_lib.natural(raw.client_ids, cfg.num_clients)
+    if cfg.scheme == "iid":
+        return partition_lib.iid(labels.size, cfg.num_clients, seed=cfg.seed)
+    if cfg.scheme == "dirichlet":
+        return partition_lib.dirichlet(labels, cfg.num_clients, alpha=cfg.alpha, seed=cfg.seed,
+                                       min_size=cfg.min_size, max_tries=cfg.max_tries)
+    if cfg.scheme == "pathological":
+        return partition_lib.pathological(labels, cfg.num_clients,
+                                          classes_per_client=cfg.classes_per_client, seed=cfg.seed)
+    return partition_lib.shards(labels, cfg.num_clients, seed=cfg.seed,
+                                shards_per_client=cfg.shards_per_client, shard_size=cfg.shard_size)
+
+
+def build_federated(raw: Any, cfg: PartitionConfig) -> tuple[FederatedData, dict[str, Any]]:
+    """Partitions `raw`, splits each client into train/test and moves everything to device.
+
+    Returns the data and a JSON-ready description (sizes, unassigned samples, label counts).
+    """
+    parts = partition_indices(raw, cfg)
+    train, test = partition_lib.split_train_test(parts, test_fraction=cfg.test_fraction,
+                                                 seed=cfg.seed + 1)
+    data = FederatedData.from_arrays(
+        raw.x, raw.y, train, test, num_classes=raw.num_classes,
+        input_scale=raw.input_scale, input_shift=raw.input_shift, name=raw.name,
+    )
+    train_sizes = np.array([t.size for t in train])
+    test_sizes = np.array([t.size for t in test])
+    info = {
+        "dataset": raw.name,
+        "source": getattr(raw, "source", ""),
+        "num_samples": int(np.asarray(raw.y).size),
+        "num_clients": len(parts),
+        "unassigned_samples": partition_lib.unassigned_count(parts, int(np.asarray(raw.y).size)),
+        "train_size": {"min": int(train_sizes.min()), "mean": float(train_sizes.mean()),
+                       "max": int(train_sizes.max()), "total": int(train_sizes.sum())},
+        "test_size": {"min": int(test_sizes.min()), "mean": float(test_sizes.mean()),
+                      "max": int(test_sizes.max()), "total": int(test_sizes.sum())},
+        "classes_per_client_mean": float((label_counts(data, "all") > 0).sum(axis=1).mean()),
+    }
+    return data, info
+
+
+def plot_label_distribution(counts: np.ndarray, path: str, title: str = "") -> None:
+    """Bubble chart of a [clients, classes] count matrix (area ∝ count), written as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = np.asarray(counts)
+    n_clients, n_classes = counts.shape
+    fig, ax = plt.subplots(figsize=(min(2 + 0.25 * n_clients, 24), min(2 + 0.3 * n_classes, 14)))
+    ci, cj = np.nonzero(counts)
+    size = 400.0 * counts[ci, cj] / max(counts.max(), 1)
+    ax.scatter(ci, cj, s=size, alpha=0.6, color="tab:blue", edgecolors="none")
+    ax.set_xlabel("client")
+    ax.set_ylabel("class")
+    ax.set_xlim(-1, n_clients)
+    ax.set_ylim(-1, n_classes)
+    ax.set_title(title or f"label distribution ({n_clients} clients, {n_classes} classes)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

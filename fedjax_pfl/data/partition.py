@@ -1,0 +1,215 @@
+"""Seeded, deterministic partitioners: which samples each client holds (host-side numpy).
+
+Each partitioner returns a list of N int64 arrays of sample indices (disjoint). The per-client
+train/test split is separate (`split_train_test`). The setups of our source papers map to:
+
+  PGFed (CIFAR, Dir(0.3), min 40 samples)      dirichlet(alpha=0.3, min_size=40)
+  pFedSOP Dir(0.07)                            dirichlet(alpha=0.07)
+  pFedSOP pathological (shard-COUNT reading)   shards(shards_per_client=2)   # 200 shards, 100 clients
+  pFedMe / TDPFed two labels per client        pathological(classes_per_client=2)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "pathological", "shards", "natural")
+
+
+class PartitionError(ValueError):
+    """A partition that cannot be built with the requested settings."""
+
+
+def iid(num_samples: int, num_clients: int, *, seed: int) -> list[np.ndarray]:
+    """A uniformly random split into N near-equal parts (sizes differ by at most one)."""
+    _check_clients(num_samples, num_clients)
+    perm = np.random.default_rng(seed).permutation(num_samples)
+    return [np.sort(part) for part in np.array_split(perm, num_clients)]
+
+
+def dirichlet(
+    labels: np.ndarray,
+    num_clients: int,
+    *,
+    alpha: float,
+    seed: int,
+    min_size: int = 10,
+    max_tries: int = 100,
+) -> list[np.ndarray]:
+    """Label-skew partition: for each class, proportions p ~ Dir(α·1_N) split its samples.
+
+    The recipe of the PGFed reference code (after IBM's PFNM): classes are processed in order; for
+    each, clients that already hold ≥ n/N samples get proportion 0 (the rest renormalised), which
+    keeps client sizes from running away; the shuffled class is cut at ⌊cumsum(p)·n_c⌋. The whole
+    draw is repeated until every client has at least `min_size` samples, at most `max_tries`
+    times; then a PartitionError says what to change (PFLlib loops forever here).
+    """
+    labels = np.asarray(labels)
+    _check_clients(labels.size, num_clients)
+    if not alpha > 0:
+        raise PartitionError(f"--alpha must be > 0, got {alpha}")
+    if min_size * num_clients > labels.size:
+        raise PartitionError(
+            f"--min-size {min_size} × --clients {num_clients} exceeds the {labels.size} samples"
+        )
+    rng = np.random.default_rng(seed)
+    classes = np.unique(labels)
+    cap = labels.size / num_clients
+    smallest = 0
+    for _ in range(max_tries):
+        parts: list[list[int]] = [[] for _ in range(num_clients)]
+        for c in classes:
+            members = np.flatnonzero(labels == c)
+            rng.shuffle(members)
+            p = rng.dirichlet(np.full(num_clients, alpha))
+            sizes = np.array([len(q) for q in parts])
+            p = np.where(sizes < cap, p, 0.0)
+            total = p.sum()
+            p = p / total if total > 0 else np.full(num_clients, 1.0 / num_clients)
+            cuts = (np.cumsum(p) * members.size).astype(int)[:-1]
+            for client, piece in enumerate(np.split(members, cuts)):
+                parts[client].extend(piece.tolist())
+        smallest = min(len(q) for q in parts)
+        if smallest >= min_size:
+            return [np.sort(np.asarray(q, dtype=np.int64)) for q in parts]
+    raise PartitionError(
+        f"dirichlet partition: after {max_tries} draws the smallest client still has {smallest} "
+        f"samples < --min-size {min_size} (alpha={alpha}, {num_clients} clients, {labels.size} "
+        "samples); increase --alpha, lower --min-size or use fewer --clients"
+    )
+
+
+def pathological(
+    labels: np.ndarray, num_clients: int, *, classes_per_client: int, seed: int
+) -> list[np.ndarray]:
+    """Each client holds `classes_per_client` labels: client k gets {(k + j) mod C : j < c}.
+
+    This is the label assignment of the pFedMe generator that TDPFed follows (k mod 10 and
+    (k+1) mod 10 for two labels). Each class's shuffled samples are split equally among the
+    clients that hold it. Samples of a class no client holds (possible when N·c < C) are unused.
+    """
+    labels = np.asarray(labels)
+    _check_clients(labels.size, num_clients)
+    classes = np.unique(labels)
+    if not 1 <= classes_per_client <= classes.size:
+        raise PartitionError(
+            f"--classes-per-client must be in [1, {classes.size}], got {classes_per_client}"
+        )
+    rng = np.random.default_rng(seed)
+    holders: dict[int, list[int]] = {int(c): [] for c in classes}
+    for k in range(num_clients):
+        for j in range(classes_per_client):
+            holders[int(classes[(k + j) % classes.size])].append(k)
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for c in classes:
+        members = np.flatnonzero(labels == c)
+        rng.shuffle(members)
+        owners = holders[int(c)]
+        if not owners:
+            continue
+        for owner, piece in zip(owners, np.array_split(members, len(owners))):
+            parts[owner].extend(piece.tolist())
+    return [np.sort(np.asarray(q, dtype=np.int64)) for q in parts]
+
+
+def shards(
+    labels: np.ndarray,
+    num_clients: int,
+    *,
+    seed: int,
+    shards_per_client: int | None = None,
+    shard_size: int | None = None,
+) -> list[np.ndarray]:
+    """McMahan-style shards: sort by label, cut into equal contiguous shards, deal them out.
+
+    Give exactly one of `shards_per_client` (b: N·b shards of size ⌊n/(N·b)⌋) or `shard_size`
+    (z: ⌊n/z⌋ shards, ⌊#shards/N⌋ per client). Each client receives its shards at random without
+    replacement, so "b classes" means AT MOST b classes (two shards may share a label). pFedSOP's
+    CIFAR-10 setting is the shard-count reading: 200 shards of 300, b = 2 (spec A11). The
+    remainder that does not fill a whole shard is left unassigned; `unassigned_count` reports it.
+    """
+    labels = np.asarray(labels)
+    _check_clients(labels.size, num_clients)
+    if (shards_per_client is None) == (shard_size is None):
+        raise PartitionError("shards: give exactly one of --shards-per-client or --shard-size")
+    n = labels.size
+    if shards_per_client is not None:
+        if shards_per_client < 1:
+            raise PartitionError(f"--shards-per-client must be >= 1, got {shards_per_client}")
+        num_shards = num_clients * shards_per_client
+        size = n // num_shards
+        if size < 1:
+            raise PartitionError(
+                f"{num_shards} shards ({num_clients} clients × {shards_per_client}) exceed {n} samples"
+            )
+    else:
+        if shard_size < 1:
+            raise PartitionError(f"--shard-size must be >= 1, got {shard_size}")
+        size = shard_size
+        shards_per_client = (n // size) // num_clients
+        if shards_per_client < 1:
+            raise PartitionError(
+                f"--shard-size {size} gives {n // size} shards, fewer than {num_clients} clients"
+            )
+        num_shards = num_clients * shards_per_client
+    rng = np.random.default_rng(seed)
+    # Shuffle first so the order inside a label (and so which samples fall in the remainder) is random.
+    perm = rng.permutation(n)
+    by_label = perm[np.argsort(labels[perm], kind="stable")]
+    cut = by_label[: num_shards * size].reshape(num_shards, size)
+    deal = rng.permutation(num_shards).reshape(num_clients, shards_per_client)
+    return [np.sort(cut[row].ravel()) for row in deal]
+
+
+def natural(client_ids: np.ndarray, num_clients: int | None = None) -> list[np.ndarray]:
+    """The dataset's own clients (e.g. Synthetic(α, β)): client k holds the samples with id k."""
+    client_ids = np.asarray(client_ids)
+    count = int(client_ids.max()) + 1
+    if num_clients is not None and num_clients != count:
+        raise PartitionError(
+            f"this dataset has {count} natural clients; --clients {num_clients} does not match "
+            "(for synthetic data set --synthetic-clients instead)"
+        )
+    return [np.flatnonzero(client_ids == k) for k in range(count)]
+
+
+def split_train_test(
+    parts: Sequence[np.ndarray], *, test_fraction: float, seed: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-client random split: ⌈f·n_i⌉ samples to test, the rest (⌊(1−f)·n_i⌋) to train.
+
+    Unstratified, as in the reference codes, so train and test share the client's label
+    distribution in expectation. Raises if a client would be left with no training sample.
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise PartitionError(f"--test-fraction must be in (0, 1), got {test_fraction}")
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for k, part in enumerate(parts):
+        part = rng.permutation(np.asarray(part))
+        n_test = int(math.ceil(test_fraction * part.size - 1e-9))
+        if part.size - n_test < 1:
+            raise PartitionError(
+                f"client {k} has {part.size} samples: none left for training after the "
+                f"{test_fraction} test split; use fewer --clients or a larger --min-size"
+            )
+        test.append(np.sort(part[:n_test]))
+        train.append(np.sort(part[n_test:]))
+    return train, test
+
+
+def unassigned_count(parts: Sequence[np.ndarray], num_samples: int) -> int:
+    """How many of the dataset's samples no client received."""
+    return num_samples - int(sum(len(p) for p in parts))
+
+
+def _check_clients(num_samples: int, num_clients: int) -> None:
+    if num_clients < 1:
+        raise PartitionError(f"--clients must be >= 1, got {num_clients}")
+    if num_clients > num_samples:
+        raise PartitionError(
+            f"--clients {num_clients} is more than the {num_samples} samples in the dataset"
+        )

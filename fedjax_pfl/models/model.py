@@ -1,0 +1,114 @@
+"""`Model`: the init/apply/loss triple every algorithm is written against.
+
+Algorithms never see flax. Any flax module (via `from_flax`) or any hand-written pair of pure
+functions works, so a notebook user can bring their own model:
+
+    model = Model(init=lambda key: {"w": jnp.zeros((64, 10))},
+                  apply=lambda p, x: x.reshape(len(x), -1) @ p["w"],
+                  loss=softmax_cross_entropy)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_pfl.models import nets
+
+Params = Any
+
+
+def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-example cross-entropy −log softmax(logits)[label]; [B, C], [B] -> [B]."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+class Model(NamedTuple):
+    """A model as pure functions.
+
+    init:  key -> params (a pytree of float arrays).
+    apply: (params, x [B, ...] float32) -> outputs [B, ...] (logits for classifiers).
+    loss:  (outputs [B, ...], labels [B]) -> per-example loss [B]. The engine masks and averages.
+    name:  for logs.
+    """
+
+    init: Callable[[jax.Array], Params]
+    apply: Callable[[Params, jax.Array], jax.Array]
+    loss: Callable[[jax.Array, jax.Array], jax.Array] = softmax_cross_entropy
+    name: str = "model"
+
+
+def from_flax(
+    module: nn.Module,
+    input_shape: Sequence[int],
+    *,
+    loss: Callable[[jax.Array, jax.Array], jax.Array] = softmax_cross_entropy,
+    name: str | None = None,
+) -> Model:
+    """Wraps a stateless flax.linen module (only a 'params' collection) as a `Model`.
+
+    Raises ValueError for modules with mutable collections such as BatchNorm's 'batch_stats':
+    the engine's client state holds trainable parameters only (use GroupNorm, see models/nets.py).
+    """
+    input_shape = tuple(int(s) for s in input_shape)
+    variables = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, *input_shape)))
+    extra = sorted(set(variables) - {"params"})
+    if extra:
+        raise ValueError(
+            f"{type(module).__name__} has non-parameter collections {extra}; the engine supports "
+            "stateless modules only (replace BatchNorm by GroupNorm or LayerNorm)"
+        )
+
+    def init(key: jax.Array) -> Params:
+        return module.init(key, jnp.zeros((1, *input_shape), jnp.float32))["params"]
+
+    def apply(params: Params, x: jax.Array) -> jax.Array:
+        return module.apply({"params": params}, x)
+
+    return Model(init=init, apply=apply, loss=loss, name=name or type(module).__name__)
+
+
+MODELS: tuple[str, ...] = ("mlp", "logreg", "cnn", "resnet9", "resnet18")
+
+
+def get(
+    name: str,
+    input_shape: Sequence[int],
+    num_classes: int,
+    *,
+    hidden: Sequence[int] = (100,),
+    width: int = 64,
+    norm: str = "group",
+) -> Model:
+    """A named model for inputs of `input_shape` (without the batch axis).
+
+    mlp: Flatten-Dense(hidden...)-Dense(C) (784-100-10 on MNIST, pFedMe/TDPFed);
+    logreg: multinomial logistic regression; cnn: the FedAvg CNN of the PGFed code (needs at
+    least 16×16 images); resnet9 / resnet18: pFedSOP's networks with GroupNorm.
+    """
+    input_shape = tuple(int(s) for s in input_shape)
+    if name == "mlp":
+        module = nets.MLP(num_classes, tuple(hidden))
+    elif name == "logreg":
+        module = nets.MLP(num_classes, ())
+    elif name in ("cnn", "resnet9", "resnet18"):
+        if len(input_shape) != 3:
+            raise ValueError(f"--model {name} needs image inputs [H, W, C], got shape {input_shape}")
+        if name == "cnn":
+            if min(input_shape[:2]) < 16:
+                raise ValueError(
+                    f"--model cnn needs images of at least 16x16 (two 5x5 valid convs and two "
+                    f"2x2 pools), got {input_shape[0]}x{input_shape[1]}; use --model mlp"
+                )
+            module = nets.FedAvgCNN(num_classes)
+        elif name == "resnet9":
+            module = nets.ResNet9(num_classes, width=width, norm=norm)
+        else:
+            module = nets.ResNet18(num_classes, width=width, norm=norm)
+    else:
+        raise ValueError(f"unknown --model {name!r}; expected one of {MODELS}")
+    return from_flax(module, input_shape, name=name)
