@@ -26,6 +26,13 @@ def _presets() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block), exit status 2."""
+
+    def error(self, message: str):
+        _fail(f"{message} (see --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fedjax_pfl import algorithms
     from fedjax_pfl.algorithms.base import COMMON_HPARAMS
@@ -33,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedjax_pfl.data import sources
     from fedjax_pfl import models
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="run.py", description="Simulate a (personalised) federated learning algorithm.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Algorithms: " + "; ".join(
@@ -198,8 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         cfg.validate()
         data, info = runner.load_data(cfg)
-    except (ValueError, DatasetNotFoundError) as e:
-        _fail(str(e).splitlines()[0] if isinstance(e, ValueError) else str(e))
+    except DatasetNotFoundError as e:
+        # One line, but keep everything the message says (where we looked, what to put where).
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        _fail(f"--dataset {args.dataset}: {lines[0]} " + "; ".join(lines[1:]))
+    except ValueError as e:
+        _fail(" ".join(str(e).split()))
     print(f"{cfg.algo} on {cfg.dataset}: {info['num_clients']} clients "
           f"({info['train_size']['total']} train / {info['test_size']['total']} test samples), "
           f"output in {cfg.out}")

@@ -52,7 +52,7 @@ def fedavg(model: Model, *, ft_epochs: int | None = None, **common: Any) -> base
         start = core.broadcast(state.params, idx.shape[0])                       # θ_i ← θ
         opt = engine.opt_states_for(state.opt_state, idx, start)
         result = engine.train(data, idx, start, opt, train_key)                  # E local epochs
-        weights = core.gather(data.clients.train_count, idx).astype(jnp.float32)
+        weights = core.gather(data.clients.train_count, idx)
         params = core.mean_over_clients(result.params, weights)                  # Σ (n_i/n) θ_i
         opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
         return (State(params, opt_state, state.round + 1, state.rng),

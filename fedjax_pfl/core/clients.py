@@ -54,8 +54,11 @@ def mean_over_clients(tree: Params, weights: jax.Array | None = None) -> Params:
     """[m, ...] -> [...]: the (weighted) mean over clients; weights are normalised here."""
     if weights is None:
         return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
-    w = weights / jnp.sum(weights)
-    return jax.tree.map(lambda x: jnp.tensordot(w.astype(x.dtype), x, axes=1), tree)
+    def weighted(x):
+        w = jnp.asarray(weights).astype(x.dtype)  # normalise in the leaf's precision
+        return jnp.tensordot(w / jnp.sum(w), x, axes=1)
+
+    return jax.tree.map(weighted, tree)
 
 
 def sample_clients(key: jax.Array, num_clients: int, num_sampled: int) -> jax.Array:
@@ -112,6 +115,13 @@ class ClientMapper(NamedTuple):
         if self.backend == "loop":
             return _loop_map(fn, shared, args)
         raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
+
+
+def jit_unless_loop(mapper: ClientMapper, fn: Callable) -> Callable:
+    """`jax.jit(fn)` for the vectorised backends (inlined under an outer jit, and fast when
+    called eagerly from a notebook); `fn` itself for the loop backend, whose per-client calls are
+    jitted separately and which must see concrete arrays to loop over."""
+    return fn if mapper.backend == "loop" else jax.jit(fn)
 
 
 def client_mapper(backend: str = "vmap", chunk_size: int = 32) -> ClientMapper:

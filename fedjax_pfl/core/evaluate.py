@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedjax_pfl.core.clients import ClientMapper
+from fedjax_pfl.core.clients import ClientMapper, jit_unless_loop
 from fedjax_pfl.core.local import _padded_row
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
 from fedjax_pfl.models.model import Model
@@ -53,18 +53,18 @@ class Evaluator:
         self.mapper = mapper
         self._personal_one = self._make_one()
         self._shared_one = lambda data, params, client: self._personal_one(data, params, client)
+        self._personal = jit_unless_loop(mapper, lambda data, params: self.mapper(
+            self._personal_one, params, data.clients, shared=(data,), cost=data.clients.test_count))
+        self._shared = jit_unless_loop(mapper, lambda data, params: self.mapper(
+            self._shared_one, data.clients, shared=(data, params), cost=data.clients.test_count))
 
     def personal(self, data: FederatedData, params: Params) -> ClientEval:
         """Client i's model params[i] on client i's test split; params leaves are [N, ...]."""
-        return self.mapper(
-            self._personal_one, params, data.clients, shared=(data,), cost=data.clients.test_count
-        )
+        return self._personal(data, params)
 
     def shared(self, data: FederatedData, params: Params) -> ClientEval:
         """One model (e.g. the global model) on every client's test split."""
-        return self.mapper(
-            self._shared_one, data.clients, shared=(data, params), cost=data.clients.test_count
-        )
+        return self._shared(data, params)
 
     def _make_one(self):
         model, batch = self.model, self.batch_size
@@ -82,11 +82,11 @@ class Evaluator:
                 labels = data.labels(rows)
                 hits = jnp.argmax(outputs, axis=-1) == labels
                 losses = model.loss(outputs, labels)
-                correct = correct + jnp.sum(jnp.where(mask, hits, False)).astype(jnp.float32)
+                correct = correct + jnp.sum(jnp.where(mask, hits, False)).astype(correct.dtype)
                 loss_sum = loss_sum + jnp.sum(jnp.where(mask, losses, 0.0))
                 return b + 1, correct, loss_sum
 
-            zero = jnp.zeros((), jnp.float32)
+            zero = jnp.zeros(())  # float64 under x64, float32 otherwise
             _, correct, loss_sum = jax.lax.while_loop(
                 lambda c: c[0] < num_batches, body, (jnp.zeros((), jnp.int32), zero, zero)
             )

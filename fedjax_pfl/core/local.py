@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_pfl.core.clients import ClientMapper
+from fedjax_pfl.core.clients import ClientMapper, jit_unless_loop
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
 from fedjax_pfl.models.model import Model
 
@@ -113,6 +113,7 @@ class LocalTrainer:
         self.mapper = mapper
         self.on_step = on_step
         self._train_one = self._make_train_one()
+        self._train_many = jit_unless_loop(mapper, self._map_clients)
 
     def init_opt_state(self, params: Params) -> Any:
         """The optimizer state of one client (use `core.broadcast` for a stack)."""
@@ -139,11 +140,12 @@ class LocalTrainer:
           hook_state: per-client state carried by `on_step`.
         """
         extra = {} if extra is None else extra
+        return self._train_many(data, params, opt_state, hook_state, clients, keys, extra)
+
+    def _map_clients(self, data, params, opt_state, hook_state, clients, keys, extra):
         cost = steps_per_epoch(clients.train_count, self.batch_size, self.drop_last)
-        return self.mapper(
-            self._train_one, params, opt_state, hook_state, clients, keys, extra,
-            shared=(data,), cost=cost,
-        )
+        return self.mapper(self._train_one, params, opt_state, hook_state, clients, keys, extra,
+                           shared=(data,), cost=cost)
 
     def _make_train_one(self):
         model, optimizer, on_step = self.model, self.optimizer, self.on_step
@@ -175,7 +177,7 @@ class LocalTrainer:
                 params = optax.apply_updates(params, updates)
                 return t + 1, params, opt_state, hook_state, loss_sum + loss
 
-            init = (jnp.zeros((), jnp.int32), params, opt_state, hook_state, jnp.zeros((), jnp.float32))
+            init = (jnp.zeros((), jnp.int32), params, opt_state, hook_state, jnp.zeros(()))
             _, params, opt_state, hook_state, loss_sum = jax.lax.while_loop(
                 lambda c: c[0] < total, body, init
             )
@@ -212,10 +214,12 @@ class FullPass:
         self.batch_size = int(batch_size)
         self.mapper = mapper
         self._one = self._make_one()
+        self._many = jit_unless_loop(mapper, lambda data, params, clients: self.mapper(
+            self._one, params, clients, shared=(data,), cost=clients.train_count))
 
     def __call__(self, data: FederatedData, params: Params, clients: ClientSplits) -> tuple[jax.Array, Params]:
         """[M] mean losses and [M, ...] mean gradients for M clients (leading axis M on inputs)."""
-        return self.mapper(self._one, params, clients, shared=(data,), cost=clients.train_count)
+        return self._many(data, params, clients)
 
     def _make_one(self):
         model, batch = self.model, self.batch_size

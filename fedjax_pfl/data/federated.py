@@ -66,8 +66,8 @@ class FederatedData:
         return tuple(self.x.shape[1:])
 
     def inputs(self, rows: jax.Array) -> jax.Array:
-        """Normalised float32 inputs for dataset rows `rows` (any shape of int indices)."""
-        x = self.x[rows].astype(jnp.float32)
+        """Normalised float inputs (float32; float64 under x64) for rows `rows` (any int shape)."""
+        x = self.x[rows].astype(jax.dtypes.canonicalize_dtype(jnp.float64))
         if self.input_scale != 1.0:
             x = x * self.input_scale
         if self.input_shift != 0.0:

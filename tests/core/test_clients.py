@@ -1,0 +1,73 @@
+"""The client-axis primitives: sampling, gather/scatter, reductions and the three backends."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_pfl import core
+
+
+@pytest.mark.parametrize("n,rate,m", [(25, 0.25, 6), (50, 0.25, 12), (100, 0.25, 25), (25, 0.5, 12),
+                                      (100, 0.2, 20), (100, 0.07, 7), (10, 1.0, 10), (3, 0.1, 1)])
+def test_num_sampled_is_floor_of_rate(n, rate, m):
+    # spec/pgfed.md §8.24: M = floor(rate·N): 6, 12, 25 at 25 %; at least one client.
+    assert core.num_sampled_clients(n, rate) == m
+
+
+def test_sampling_is_deterministic_distinct_and_uniform():
+    key = jax.random.key(7)
+    a = core.sample_clients(key, 100, 20)
+    np.testing.assert_array_equal(a, core.sample_clients(key, 100, 20))
+    assert len(set(np.asarray(a).tolist())) == 20
+    counts = np.zeros(100)
+    sample = jax.jit(lambda k: core.sample_clients(k, 100, 20))
+    for r in range(500):
+        counts[np.asarray(sample(jax.random.fold_in(key, r)))] += 1
+    # Each client is sampled with probability 0.2: 100 expected, sd = sqrt(500·0.2·0.8) ≈ 8.9.
+    assert counts.sum() == 500 * 20
+    assert np.all(np.abs(counts - 100) < 5 * 8.95)
+    assert not np.array_equal(np.asarray(sample(jax.random.fold_in(key, 0))),
+                              np.asarray(sample(jax.random.fold_in(key, 1))))
+
+
+def test_scatter_leaves_other_rows_bitwise_unchanged():
+    tree = {"a": jnp.arange(12.0).reshape(6, 2) / 3, "b": jnp.arange(6)}
+    idx = jnp.array([1, 4])
+    rows = {"a": jnp.full((2, 2), -1.0), "b": jnp.array([10, 40])}
+    out = core.scatter(tree, idx, rows)
+    keep = np.array([0, 2, 3, 5])
+    np.testing.assert_array_equal(np.asarray(out["a"])[keep], np.asarray(tree["a"])[keep])
+    np.testing.assert_array_equal(out["b"], [0, 10, 2, 3, 40, 5])
+    np.testing.assert_array_equal(core.gather(out, idx)["a"], rows["a"])
+
+
+def test_weighted_mean_and_where():
+    x = {"w": jnp.array([[1.0, 2.0], [3.0, 6.0]])}
+    # weights 1 and 3: (1·[1,2] + 3·[3,6]) / 4 = [2.5, 5].
+    np.testing.assert_allclose(core.mean_over_clients(x, jnp.array([1.0, 3.0]))["w"], [2.5, 5.0])
+    np.testing.assert_allclose(core.mean_over_clients(x)["w"], [2.0, 4.0])
+    np.testing.assert_allclose(core.sum_over_clients(x)["w"], [4.0, 8.0])
+    picked = core.where_clients(jnp.array([True, False]), x, {"w": jnp.zeros((2, 2))})
+    np.testing.assert_array_equal(picked["w"], [[1, 2], [0, 0]])
+    np.testing.assert_array_equal(core.broadcast({"v": jnp.array([1, 2])}, 3)["v"], [[1, 2]] * 3)
+
+
+@pytest.mark.parametrize("backend", ["vmap", "chunked", "loop"])
+def test_backends_agree_and_keep_order(backend):
+    mapper = core.client_mapper(backend, chunk_size=2)
+    fn = _row_fn
+    rows = {"x": jnp.arange(5.0), "y": jnp.arange(10.0).reshape(5, 2)}
+    out = mapper(fn, rows, shared=(jnp.asarray(10.0),), cost=jnp.array([3, 1, 4, 1, 5]))
+    np.testing.assert_allclose(out, 10.0 * np.arange(5) + np.arange(10).reshape(5, 2).sum(1))
+
+
+def _row_fn(scale, row):
+    return scale * row["x"] + row["y"].sum()
+
+
+def test_bad_backend_and_chunk_size_are_rejected():
+    with pytest.raises(ValueError, match="--backend"):
+        core.client_mapper("pmap")
+    with pytest.raises(ValueError, match="--chunk-size"):
+        core.client_mapper("chunked", 0)

@@ -1,0 +1,173 @@
+"""Local training: exact per-client epochs, masking of ragged clients, hooks and the full pass."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedjax_pfl import core
+from fedjax_pfl.core.local import FullPass, LocalTrainer, add_aux_gradient, steps_per_epoch
+from fedjax_pfl.data.federated import FederatedData
+from fedjax_pfl.models.model import Model
+from helpers import linear_model, make_data, tree_allclose, tree_equal
+
+
+def counting_data(sizes):
+    """Row r's input is the one-hot vector e_r, so a model x @ c reads the scalar c[r]."""
+    total = sum(sizes)
+    x = np.eye(total, dtype=np.float32)
+    starts = np.cumsum([0] + list(sizes))
+    train = [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:])]
+    return FederatedData.from_arrays(x, np.zeros(total, np.int32), train, train, num_classes=1)
+
+
+# Loss of sample r is c[r]; its gradient is e_r / (real batch size).
+COUNTER = Model(init=lambda key: {"c": jnp.zeros(1)}, apply=lambda p, x: x @ p["c"],
+                loss=lambda out, y: out)
+
+
+def train(data, model, idx, *, epochs, batch_size, backend="vmap", drop_last=False, lr=1.0,
+          params=None, key=0):
+    trainer = LocalTrainer(model, optax.sgd(lr), epochs=epochs, batch_size=batch_size,
+                           mapper=core.client_mapper(backend, 2), drop_last=drop_last)
+    idx = jnp.asarray(idx)
+    if params is None:
+        params = model.init(jax.random.key(0))
+    start = core.broadcast(params, idx.shape[0])
+    opt = core.broadcast(trainer.init_opt_state(params), idx.shape[0])
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(key), idx)
+    return trainer(data, start, opt, core.gather(data.clients, idx), keys)
+
+
+@pytest.mark.parametrize("drop_last,expected", [(False, [3, 1, 0, 1]), (True, [2, 1, 0, 1])])
+def test_steps_per_epoch(drop_last, expected):
+    # n = 7, 3, 0, 2 with B = 3: ceil gives 3, 1, 0, 1; floor gives 2, 1, 0 and 1 (n < B: one batch).
+    got = steps_per_epoch(jnp.array([7, 3, 0, 2]), 3, drop_last)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_each_sample_visited_once_per_epoch_with_masked_last_batch():
+    # Client sizes 7 and 2 padded to 7. One epoch, B = 3, lr = 1 on c from 0: sample r in a batch
+    # of b real samples moves by −1/b. Client 0 has batches of 3, 3, 1: six samples at −1/3 and one
+    # at −1. Client 1 (n = 2 < B) has one batch of 2: both at −1/2. No other coordinate moves.
+    data = counting_data([7, 2])
+    params = {"c": jnp.zeros(9)}
+    out = train(data, COUNTER, [0, 1], epochs=1, batch_size=3, params=params)
+    c0, c1 = np.asarray(out.params["c"])
+    np.testing.assert_allclose(np.sort(c0[:7]), [-1.0] + [-1 / 3] * 6, rtol=1e-6)
+    np.testing.assert_array_equal(c0[7:], 0.0)
+    np.testing.assert_allclose(c1[7:], -0.5)
+    np.testing.assert_array_equal(c1[:7], 0.0)
+    np.testing.assert_array_equal(out.num_steps, [3, 1])
+
+
+def test_epochs_reshuffle_and_cover_every_sample():
+    # B = 1: every step is one sample with gradient e_r, so after E epochs each of the client's
+    # samples moved by exactly −E, and E·n steps were taken.
+    data = counting_data([5, 3])
+    out = train(data, COUNTER, [0, 1], epochs=4, batch_size=1, params={"c": jnp.zeros(8)})
+    np.testing.assert_allclose(out.params["c"][0], [-4] * 5 + [0] * 3)
+    np.testing.assert_allclose(out.params["c"][1], [0] * 5 + [-4] * 3)
+    np.testing.assert_array_equal(out.num_steps, [20, 12])
+
+
+def test_epoch_orders_are_fresh_permutations():
+    orders = np.asarray(core.epoch_orders(jax.random.key(3), jnp.asarray(7), 10, 5))
+    for row in orders:
+        assert sorted(row[:7]) == list(range(7))
+        assert sorted(row[7:]) == [7, 8, 9]
+    assert len({tuple(r[:7]) for r in orders}) > 1
+
+
+def test_drop_last_skips_the_partial_batch():
+    # n = 7, B = 3, drop_last: two full batches per epoch; exactly one sample is not visited.
+    data = counting_data([7])
+    out = train(data, COUNTER, [0], epochs=1, batch_size=3, drop_last=True,
+                params={"c": jnp.zeros(7)})
+    np.testing.assert_allclose(np.sort(out.params["c"][0]), [-1 / 3] * 6 + [0.0], rtol=1e-6)
+    np.testing.assert_array_equal(out.num_steps, [2])
+
+
+@pytest.mark.parametrize("backend", ["vmap", "chunked", "loop"])
+def test_ragged_clients_trained_together_equal_each_alone(backend):
+    # Clients of 7 and 23 samples in one call equal each trained alone: the 7-sample client's
+    # masked steps after its last real step change nothing.
+    data = make_data([7, 23])
+    model = linear_model()
+    both = train(data, model, [0, 1], epochs=3, batch_size=4, backend=backend, lr=0.1)
+    for i in (0, 1):
+        alone = train(data, model, [i], epochs=3, batch_size=4, backend="loop", lr=0.1)
+        tree_allclose(jax.tree.map(lambda x: x[i], both.params),
+                      jax.tree.map(lambda x: x[0], alone.params), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(both.loss[i], alone.loss[0], rtol=1e-6)
+    np.testing.assert_array_equal(both.num_steps, [3 * 2, 3 * 6])
+
+
+def test_finished_clients_keep_optimizer_state():
+    # With momentum, a masked step would still decay the buffer if it were applied; it must not be.
+    data = make_data([2, 20])
+    model = linear_model()
+    trainer = LocalTrainer(model, optax.sgd(0.1, momentum=0.9), epochs=1, batch_size=2,
+                           mapper=core.client_mapper("vmap"))
+    params = model.init(jax.random.key(0))
+    keys = jax.random.split(jax.random.key(1), 2)
+
+    def run(idx):
+        idx = jnp.asarray(idx)
+        m = idx.shape[0]
+        return trainer(data, core.broadcast(params, m),
+                       core.broadcast(trainer.init_opt_state(params), m),
+                       core.gather(data.clients, idx), keys[idx])
+
+    together, alone = run([0, 1]), run([0])
+    tree_allclose(jax.tree.map(lambda x: x[0], together.opt_state),
+                  jax.tree.map(lambda x: x[0], alone.opt_state), rtol=1e-6)
+
+
+def test_plain_sgd_on_quadratic_matches_closed_form(x64):
+    # P(x) = ½‖x − c‖² with full batches: x_T − c = (1 − η)^T (x_0 − c).
+    c = np.array([[1.0, -2.0, 0.5]])
+    data = FederatedData.from_arrays(c, np.zeros(1), [np.array([0])], [np.array([0])], num_classes=1)
+    model = Model(init=lambda k: {"x": jnp.zeros(3)}, apply=lambda p, x: p["x"] - x,
+                  loss=lambda out, y: 0.5 * jnp.sum(out**2, axis=-1))
+    out = train(data, model, [0], epochs=5, batch_size=4, lr=0.3)
+    expected = c[0] + (1 - 0.3) ** 5 * (0 - c[0])
+    np.testing.assert_allclose(out.params["x"][0], expected, rtol=1e-12)
+
+
+def test_aux_gradient_and_on_step_hook(x64):
+    # Zero data gradient: θ moves by exactly −K·η·v after K steps (spec/pgfed.md §8.26), and the
+    # hook sees θ BEFORE each step: it accumulates Σ_k θ_{k−1}·1.
+    data = make_data([6])
+    model = Model(init=lambda k: {"w": jnp.zeros(2)}, apply=lambda p, x: 0.0 * x[:, :1] + 0 * p["w"][0],
+                  loss=lambda out, y: out[:, 0])
+    v = jnp.array([1.0, -2.0])
+
+    def hook(state, params, extra):
+        return state + jnp.sum(params["w"])
+
+    trainer = LocalTrainer(model, optax.chain(add_aux_gradient(), optax.sgd(0.5)), epochs=2,
+                           batch_size=2, mapper=core.client_mapper("vmap"), on_step=hook)
+    params = model.init(None)
+    out = trainer(data, core.broadcast(params, 1), core.broadcast(trainer.init_opt_state(params), 1),
+                  data.clients, jax.random.split(jax.random.key(0), 1),
+                  extra={"aux_grad": {"w": v[None]}}, hook_state=jnp.zeros(1))
+    steps = 2 * 3
+    np.testing.assert_allclose(out.params["w"][0], -steps * 0.5 * v)
+    # Σ(θ) before step k is −(k−1)·0.5·Σv = (k−1)·0.5; summed over k = 1..6 gives 0.5·15.
+    np.testing.assert_allclose(out.hook_state[0], 0.5 * 15)
+
+
+def test_full_pass_is_the_mean_loss_and_gradient_over_all_samples(x64):
+    data = make_data([11, 4])
+    model = linear_model()
+    params = model.init(jax.random.key(2))
+    full = FullPass(model, batch_size=3, mapper=core.client_mapper("vmap"))
+    losses, grads = full(data, core.broadcast(params, 2), data.clients)
+    reference = jax.jit(jax.value_and_grad(
+        lambda p, rows: jnp.mean(model.loss(model.apply(p, data.inputs(rows)), data.labels(rows)))))
+    for i, rows in enumerate([np.arange(0, 11), np.arange(11 + 3, 11 + 3 + 4)]):
+        ref_loss, ref_grad = reference(params, jnp.asarray(rows))
+        np.testing.assert_allclose(losses[i], ref_loss, rtol=1e-12)
+        tree_allclose(jax.tree.map(lambda g: g[i], grads), ref_grad, rtol=1e-10)

@@ -1,0 +1,109 @@
+"""Partitioners: disjointness, coverage, the papers' setups, determinism and clear failures."""
+
+import numpy as np
+import pytest
+
+from fedjax_pfl.data import partition as P
+from fedjax_pfl.data.build import PartitionConfig, build_federated
+from fedjax_pfl.data.federated import label_counts
+from fedjax_pfl.data.sources import load_raw
+
+LABELS = np.repeat(np.arange(10), 600)  # 6,000 samples, 600 per class
+
+
+def _check_disjoint(parts, n):
+    flat = np.concatenate(parts)
+    assert len(flat) == len(set(flat.tolist()))
+    assert flat.min() >= 0 and flat.max() < n
+
+
+def test_iid_covers_everything_in_near_equal_parts():
+    parts = P.iid(103, 10, seed=0)
+    _check_disjoint(parts, 103)
+    assert sorted(len(p) for p in parts) == [10] * 7 + [11] * 3
+    assert P.unassigned_count(parts, 103) == 0
+
+
+def test_dirichlet_properties():
+    parts = P.dirichlet(LABELS, 20, alpha=0.3, seed=1, min_size=40)
+    _check_disjoint(parts, LABELS.size)
+    assert P.unassigned_count(parts, LABELS.size) == 0          # every sample goes to a client
+    assert min(len(p) for p in parts) >= 40
+    again = P.dirichlet(LABELS, 20, alpha=0.3, seed=1, min_size=40)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))  # same seed, same partition
+
+
+def _mean_label_entropy(parts):
+    ent = []
+    for p in parts:
+        q = np.bincount(LABELS[p], minlength=10) / len(p)
+        q = q[q > 0]
+        ent.append(-(q * np.log(q)).sum())
+    return np.mean(ent)
+
+
+def test_smaller_alpha_means_more_label_skew():
+    skewed = P.dirichlet(LABELS, 20, alpha=0.1, seed=0, min_size=1)
+    mild = P.dirichlet(LABELS, 20, alpha=10.0, seed=0, min_size=1)
+    assert _mean_label_entropy(skewed) < _mean_label_entropy(mild) - 0.5
+
+
+def test_dirichlet_gives_up_with_a_clear_error():
+    with pytest.raises(P.PartitionError, match=r"after 5 draws.*--min-size 290"):
+        P.dirichlet(LABELS, 20, alpha=0.05, seed=0, min_size=290, max_tries=5)
+    with pytest.raises(P.PartitionError, match="--alpha"):
+        P.dirichlet(LABELS, 20, alpha=0.0, seed=0)
+
+
+def test_pathological_two_labels_per_client_pfedme_assignment():
+    parts = P.pathological(LABELS, 20, classes_per_client=2, seed=0)
+    _check_disjoint(parts, LABELS.size)
+    for k, p in enumerate(parts):
+        assert set(LABELS[p].tolist()) == {k % 10, (k + 1) % 10}   # pFedMe: k mod 10, k+1 mod 10
+    assert P.unassigned_count(parts, LABELS.size) == 0
+
+
+def test_shards_count_reading_of_pfedsop():
+    # pFedSOP CIFAR-10: 200 shards of 300 for 100 clients, b = 2 shards each (spec A11).
+    labels = np.repeat(np.arange(10), 6000)
+    parts = P.shards(labels, 100, seed=0, shards_per_client=2)
+    _check_disjoint(parts, labels.size)
+    assert all(len(p) == 600 for p in parts)
+    assert all(len(set(labels[p].tolist())) <= 2 for p in parts)       # at most b classes
+    by_size = P.shards(labels, 100, seed=0, shard_size=300)
+    assert all(len(p) == 600 for p in by_size)
+
+
+def test_shards_leftover_is_reported():
+    parts = P.shards(np.repeat(np.arange(3), 7), 4, seed=0, shards_per_client=1)  # 21 → 4×5
+    assert P.unassigned_count(parts, 21) == 1
+    with pytest.raises(P.PartitionError, match="exactly one"):
+        P.shards(LABELS, 10, seed=0)
+
+
+def test_train_test_split_sizes():
+    parts = [np.arange(0, 8), np.arange(8, 11), np.arange(11, 51)]
+    train, test = P.split_train_test(parts, test_fraction=0.25, seed=0)
+    # n_test = ceil(0.25 n), n_train = floor(0.75 n): 8 → 6/2, 3 → 2/1, 40 → 30/10.
+    assert [len(t) for t in train] == [6, 2, 30]
+    assert [len(t) for t in test] == [2, 1, 10]
+    for p, a, b in zip(parts, train, test):
+        assert set(a.tolist()) | set(b.tolist()) == set(p.tolist())
+        assert not set(a.tolist()) & set(b.tolist())
+    with pytest.raises(P.PartitionError, match="client 0 has 1 samples"):
+        P.split_train_test([np.array([3])], test_fraction=0.25, seed=0)
+
+
+def test_too_many_clients():
+    with pytest.raises(P.PartitionError, match="--clients 11 is more than the 10 samples"):
+        P.iid(10, 11, seed=0)
+
+
+def test_build_federated_on_digits():
+    raw = load_raw("digits")
+    data, info = build_federated(raw, PartitionConfig("dirichlet", 10, alpha=0.5, seed=3))
+    counts = label_counts(data, "all")
+    assert counts.sum() == raw.y.size == info["num_samples"]
+    assert info["train_size"]["total"] + info["test_size"]["total"] == raw.y.size
+    np.testing.assert_array_equal(counts.sum(0), np.bincount(raw.y, minlength=10))
+    assert data.num_clients == 10 and data.x.dtype == np.uint8

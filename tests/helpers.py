@@ -1,0 +1,59 @@
+"""Test helpers: tiny federated datasets and models whose behaviour can be worked out by hand."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pfl.data.federated import FederatedData
+from fedjax_pfl.models.model import Model
+
+
+def make_data(sizes, *, num_classes=3, feature_dim=5, test_sizes=None, seed=0, images=False):
+    """Clients with the given training sizes (ragged on purpose) and small test splits.
+
+    Rows are laid out client by client: client k's train rows, then its test rows.
+    """
+    rng = np.random.default_rng(seed)
+    test_sizes = test_sizes or [max(1, s // 3) for s in sizes]
+    total = sum(sizes) + sum(test_sizes)
+    if images:
+        x = rng.integers(0, 256, (total, 8, 8, 1), dtype=np.uint8)
+        scale, shift = 2 / 255, -1.0
+    else:
+        x = rng.normal(size=(total, feature_dim)).astype(np.float32)
+        scale, shift = 1.0, 0.0
+    y = rng.integers(0, num_classes, total)
+    train, test, start = [], [], 0
+    for n_train, n_test in zip(sizes, test_sizes):
+        train.append(np.arange(start, start + n_train))
+        test.append(np.arange(start + n_train, start + n_train + n_test))
+        start += n_train + n_test
+    return FederatedData.from_arrays(x, y, train, test, num_classes=num_classes,
+                                     input_scale=scale, input_shift=shift, name="toy")
+
+
+def linear_model(feature_dim=5, num_classes=3) -> Model:
+    """Softmax regression with parameters {'w': [F, C], 'b': [C]}."""
+
+    def init(key):
+        kw, kb = jax.random.split(key)
+        return {"w": 0.3 * jax.random.normal(kw, (feature_dim, num_classes)),
+                "b": 0.1 * jax.random.normal(kb, (num_classes,))}
+
+    def apply(params, x):
+        return x.reshape(x.shape[0], -1) @ params["w"] + params["b"]
+
+    return Model(init=init, apply=apply, name="linear")
+
+
+def tree_allclose(a, b, **kw):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
+
+
+def tree_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+

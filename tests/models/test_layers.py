@@ -1,0 +1,105 @@
+"""The im2col convolution equals lax.conv, parameter counts match the papers, stateless only."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_pfl import models
+from fedjax_pfl.ops import tree_size
+
+
+@pytest.mark.parametrize("padding", ["VALID", "SAME", ((2, 1), (0, 3))])
+@pytest.mark.parametrize("strides", [(1, 1), (2, 2), (1, 3)])
+@pytest.mark.parametrize("kernel", [(5, 5), (3, 2), (1, 1)])
+def test_im2col_conv_equals_lax_conv(padding, strides, kernel):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 11, 13, 3)).astype(np.float32)
+    k = rng.normal(size=(*kernel, 3, 4)).astype(np.float32)
+    got = models.conv2d_im2col(jnp.asarray(x), jnp.asarray(k), strides=strides, padding=padding)
+    want = jax.lax.conv_general_dilated(x, k, strides, padding,
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_im2col_conv_under_vmap_over_client_kernels():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3, 2, 9, 9, 2)).astype(np.float32)      # 3 clients
+    k = rng.normal(size=(3, 3, 3, 2, 5)).astype(np.float32)
+    got = jax.vmap(lambda a, b: models.conv2d_im2col(a, b, padding="SAME"))(x, k)
+    for c in range(3):
+        want = jax.lax.conv_general_dilated(x[c], k[c], (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        np.testing.assert_allclose(got[c], want, rtol=1e-5, atol=1e-5)
+
+
+def test_max_pool_matches_reduce_window():
+    x = np.random.default_rng(2).normal(size=(2, 7, 6, 3)).astype(np.float32)
+    want = jax.lax.reduce_window(x, -np.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    np.testing.assert_array_equal(models.max_pool_2x2(jnp.asarray(x)), want)
+
+
+@pytest.mark.parametrize("shape,classes,total", [
+    ((32, 32, 3), 10, 878_538), ((32, 32, 3), 100, 924_708),
+    ((28, 28, 1), 11, 582_539), ((32, 32, 3), 65, 906_753)])
+def test_fedavg_cnn_parameter_counts(shape, classes, total):
+    # spec/pgfed.md §2.7: CIFAR10, CIFAR100, OrganAMNIST, Office-home.
+    params = jax.eval_shape(models.get("cnn", shape, classes).init, jax.random.key(0))
+    assert tree_size(params) == total
+    fc1 = 1600 if shape[0] == 32 else 1024
+    assert params["Dense_0"]["Dense_0"]["kernel"].shape == (fc1, 512)
+
+
+def test_mlp_is_784_100_10():
+    params = jax.eval_shape(models.get("mlp", (28, 28, 1), 10).init, jax.random.key(0))
+    assert tree_size(params) == 784 * 100 + 100 + 100 * 10 + 10 == 79_510
+
+
+def _conv(cin, cout, k=3, bias=False):
+    return k * k * cin * cout + (cout if bias else 0)
+
+
+def test_resnet_parameter_counts_from_their_layer_lists():
+    gn = lambda c: 2 * c  # GroupNorm scale and bias
+    # ResNet-9 (w = 64): prep 3→64, 64→128, res 2×128→128, 128→256, 256→512, res 2×512→512, fc.
+    r9 = sum(_conv(a, b) + gn(b) for a, b in [(3, 64), (64, 128), (128, 128), (128, 128),
+                                               (128, 256), (256, 512), (512, 512), (512, 512)])
+    r9 += 512 * 10 + 10
+    assert tree_size(jax.eval_shape(models.get("resnet9", (32, 32, 3), 10).init, jax.random.key(0))) == r9
+    # ResNet-18: stem, 4 stages × 2 basic blocks, 1×1 shortcuts at stages 2–4, fc.
+    r18 = _conv(3, 64) + gn(64)
+    cin = 64
+    for w in (64, 128, 256, 512):
+        for block in range(2):
+            r18 += _conv(cin, w) + gn(w) + _conv(w, w) + gn(w)
+            if cin != w:
+                r18 += _conv(cin, w, k=1) + gn(w)
+            cin = w
+    r18 += 512 * 10 + 10
+    assert r18 == 11_173_962  # the well-known ResNet-18 (CIFAR) count
+    assert tree_size(jax.eval_shape(models.get("resnet18", (32, 32, 3), 10).init, jax.random.key(0))) == r18
+
+
+@pytest.mark.parametrize("name", ["resnet9", pytest.param("resnet18", marks=pytest.mark.slow)])
+def test_small_resnets_are_finite_and_translation_sensitive(name):
+    m = models.get(name, (16, 16, 3), 7, width=8)
+    forward = jax.jit(lambda x: m.apply(m.init(jax.random.key(0)), x))
+    x = jax.random.normal(jax.random.key(1), (2, 16, 16, 3))
+    out = forward(x)
+    assert out.shape == (2, 7) and bool(jnp.all(jnp.isfinite(out)))
+    assert not np.allclose(out[0], out[1])
+
+
+def test_batchnorm_modules_are_rejected_and_small_inputs_explained():
+    class WithBN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.BatchNorm(use_running_average=False)(x)
+
+    with pytest.raises(ValueError, match="batch_stats"):
+        models.from_flax(WithBN(), (4,))
+    with pytest.raises(ValueError, match="at least 16x16"):
+        models.get("cnn", (8, 8, 1), 10)
+    with pytest.raises(ValueError, match="unknown --model"):
+        models.get("vgg", (8, 8, 1), 10)
