@@ -197,6 +197,9 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import fedjax_pfl
+
+    fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (no-op on GPU)
     args = parse(argv)
     from fedjax_pfl import runner
     from fedjax_pfl.data.sources import DatasetNotFoundError

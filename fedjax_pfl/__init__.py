@@ -1,1 +1,37 @@
-"""fedjax_pfl: a JAX functional simulation engine for personalized federated learning."""
+"""fedjax_pfl: a JAX functional simulation engine for personalized federated learning.
+
+    import fedjax_pfl
+    fedjax_pfl.use_cpu_cores()          # optional, before any JAX computation: one device per core
+    from fedjax_pfl import algorithms, data, models, core, ops
+"""
+
+from __future__ import annotations
+
+import os
+
+__version__ = "0.1.0"
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def use_cpu_cores(count: int | None = None) -> int:
+    """Exposes `count` CPU cores (default: all, or $FEDJAX_PFL_CPU_DEVICES) as XLA devices.
+
+    XLA:CPU runs one vectorised client step on about one core; with one device per core the engine
+    splits the sampled clients across devices (shard_map) and uses the whole machine (1.7× on 2
+    cores, benchmarks/RESULTS.md). It only takes effect before JAX creates its CPU backend, i.e.
+    before the first computation; later it changes nothing. It does nothing either when XLA_FLAGS
+    already sets the device count. GPU runs are unaffected (the flag concerns the host platform).
+
+    Returns:
+      The device count requested (1 if nothing was changed).
+    """
+    import jax._src.xla_bridge as xla_bridge
+
+    env = os.environ.get("FEDJAX_PFL_CPU_DEVICES")
+    count = int(env) if env else (count or os.cpu_count() or 1)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if count <= 1 or _DEVICE_COUNT_FLAG in flags or xla_bridge.backends_are_initialized():
+        return 1
+    os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
+    return count

@@ -1,9 +1,15 @@
 """Shared fixtures (helper functions live in tests/helpers.py, importable as `helpers`)."""
 
-import jax
-import pytest
+import os
 
-from helpers import make_data
+# The suite runs on one XLA device, like a notebook that never calls use_cpu_cores(); the
+# multi-device (sharded) path is tested in a subprocess by tests/core/test_sharding.py.
+os.environ["FEDJAX_PFL_CPU_DEVICES"] = "1"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from helpers import make_data  # noqa: E402
 
 
 @pytest.fixture

@@ -5,6 +5,9 @@ from fedjax_pfl.core.clients import (
     ClientMapper,
     broadcast,
     client_mapper,
+    client_mesh,
+    replicate,
+    replicated_sharding,
     gather,
     mean_over_clients,
     num_sampled_clients,
@@ -26,7 +29,8 @@ from fedjax_pfl.core.local import (
 from fedjax_pfl.core.metrics import History, summarize
 
 __all__ = [
-    "BACKENDS", "ClientMapper", "broadcast", "client_mapper", "gather", "mean_over_clients",
+    "BACKENDS", "ClientMapper", "broadcast", "client_mapper", "client_mesh", "replicate",
+    "replicated_sharding", "gather", "mean_over_clients",
     "num_sampled_clients", "sample_clients", "scatter", "sum_over_clients", "where_clients",
     "ClientEval", "Evaluator", "FullPass", "LocalResult", "LocalTrainer", "add_aux_gradient",
     "epoch_orders", "masked_mean_loss", "steps_per_epoch", "History", "summarize",

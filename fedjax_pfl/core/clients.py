@@ -14,6 +14,7 @@ from typing import Any, Callable, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 Params = Any
 Backend = Literal["vmap", "chunked", "loop"]
@@ -92,10 +93,15 @@ class ClientMapper(NamedTuple):
       "loop":    a Python loop that calls the jitted one-client function once per client. It is
                  the reference the vectorised backends are tested against, and the baseline of
                  benchmarks/round_throughput.py. Under an outer jax.jit it still works but unrolls.
+    mesh: with several devices (GPUs, or one XLA:CPU device per core, see
+      `fedjax_pfl.use_cpu_cores`), "vmap" and "chunked" split the M clients across the devices
+      of this 1-D mesh (axis "clients") with shard_map, a contiguous block of rows per device
+      (padded to a multiple of the device count).
     """
 
     backend: str = "vmap"
     chunk_size: int = 32
+    mesh: Mesh | None = None
 
     def __call__(
         self, fn: Callable, *args: Params, shared: tuple = (), cost: jax.Array | None = None
@@ -107,14 +113,38 @@ class ClientMapper(NamedTuple):
         Pass a function object that lives as long as the algorithm: the loop backend caches its
         compiled form by identity.
         """
+        if self.backend == "loop":
+            return _loop_map(fn, shared, args)
+        if self.backend not in ("vmap", "chunked"):
+            raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
+        if self.mesh is None or self.mesh.size == 1:
+            return self._map_on_device(fn, shared, args, cost)
+        return self._map_sharded(fn, shared, args, cost)
+
+    def _map_on_device(self, fn, shared, args, cost):
         if self.backend == "vmap":
             in_axes = (None,) * len(shared) + (0,) * len(args)
             return jax.vmap(fn, in_axes=in_axes)(*shared, *args)
-        if self.backend == "chunked":
-            return _chunked_map(fn, shared, args, self.chunk_size, cost)
-        if self.backend == "loop":
-            return _loop_map(fn, shared, args)
-        raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
+        return _chunked_map(fn, shared, args, self.chunk_size, cost)
+
+    def _map_sharded(self, fn, shared, args, cost):
+        # Each device takes a contiguous block of rows: no cross-device permutation of the
+        # (large) outputs. Within a device, "chunked" still sorts its block by cost.
+        m = _num_rows(args)
+        pad = -m % self.mesh.size
+        if cost is None:
+            cost = jnp.zeros(m, jnp.int32)
+        if pad:  # repeat the last row; its results are dropped below
+            args, cost = jax.tree.map(
+                lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), (args, cost))
+
+        def per_device(shared, args, cost):
+            return self._map_on_device(fn, shared, args, cost)
+
+        rows = jax.sharding.PartitionSpec("clients")
+        out = jax.shard_map(per_device, mesh=self.mesh, in_specs=(jax.sharding.PartitionSpec(), rows, rows),
+                            out_specs=rows, check_vma=False)(shared, args, cost)
+        return jax.tree.map(lambda x: x[:m], out) if pad else out
 
 
 def jit_unless_loop(mapper: ClientMapper, fn: Callable) -> Callable:
@@ -124,13 +154,34 @@ def jit_unless_loop(mapper: ClientMapper, fn: Callable) -> Callable:
     return fn if mapper.backend == "loop" else jax.jit(fn)
 
 
-def client_mapper(backend: str = "vmap", chunk_size: int = 32) -> ClientMapper:
-    """Validated ClientMapper (see its docstring for the three backends)."""
+def client_mesh() -> Mesh | None:
+    """A 1-D mesh ("clients") over all local devices, or None with a single device."""
+    devices = jax.local_devices()
+    return Mesh(np.array(devices), ("clients",)) if len(devices) > 1 else None
+
+
+def replicated_sharding(mesh: Mesh) -> NamedSharding:
+    """The sharding of a value held whole on every device of `mesh`."""
+    return NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def replicate(tree: Params, mesh: Mesh | None) -> Params:
+    """Places `tree` on every device of `mesh` once (a no-op without a mesh), so jitted rounds do
+    not copy the dataset or the state between devices on every call."""
+    if mesh is None:
+        return tree
+    return jax.device_put(tree, replicated_sharding(mesh))
+
+
+def client_mapper(backend: str = "vmap", chunk_size: int = 32, shard: bool = True) -> ClientMapper:
+    """Validated ClientMapper (see its docstring). With `shard` and several local devices, the
+    vectorised backends split clients across devices."""
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {BACKENDS}, got {backend!r}")
     if chunk_size < 1:
         raise ValueError(f"--chunk-size must be >= 1, got {chunk_size}")
-    return ClientMapper(backend, int(chunk_size))
+    mesh = client_mesh() if shard and backend != "loop" else None
+    return ClientMapper(backend, int(chunk_size), mesh)
 
 
 def _num_rows(args) -> int:

@@ -111,8 +111,56 @@ class Conv2D(nn.Module):
         return y
 
 
+# Batches of at most this many rows take the outer-product path for the kernel gradient.
+OUTER_PRODUCT_MAX_ROWS = 16
+
+
+def _sum_of_outer_products(x: jax.Array, g: jax.Array) -> jax.Array:
+    """Σ_r x_r ⊗ g_r for x [R, D], g [R, H], unrolled over the (static, small) R rows."""
+    acc = x[0][:, None] * g[0][None, :]
+    for r in range(1, x.shape[0]):
+        acc = acc + x[r][:, None] * g[r][None, :]
+    return acc
+
+
+@jax.custom_vjp
+def matmul_small_batch_grad(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x @ kernel, whose kernel gradient xᵀg is computed for speed under vmap over clients.
+
+    Under vmap, XLA:CPU turns the kernel gradient xᵀg (contraction over a batch of B rows) into
+    a batched dot that runs at ~15 GFLOP/s. For B ≤ OUTER_PRODUCT_MAX_ROWS we write it as an
+    unrolled sum of B outer products instead: one elementwise loop that XLA fuses with the
+    optimizer's update, so the [D, H] gradient is never materialised (3.7× faster for the
+    784×100 layer at B = 10 over 100 clients; benchmarks/RESULTS.md). Larger batches use the dot.
+    Values are identical up to float rounding. Forward-mode differentiation (jvp) of this
+    function is not supported (custom_vjp); every algorithm here uses reverse mode only.
+    """
+    return x @ kernel
+
+
+def _matmul_fwd(x, kernel):
+    return x @ kernel, (x, kernel)
+
+
+def _matmul_bwd(res, g):
+    x, kernel = res
+    x2 = x.reshape(-1, x.shape[-1])
+    g2 = g.reshape(-1, g.shape[-1])
+    if x2.shape[0] <= OUTER_PRODUCT_MAX_ROWS:
+        d_kernel = _sum_of_outer_products(x2, g2)
+    else:
+        d_kernel = x2.T @ g2
+    return g @ kernel.T, d_kernel.astype(kernel.dtype)
+
+
+matmul_small_batch_grad.defvjp(_matmul_fwd, _matmul_bwd)
+
+
 class Dense(nn.Module):
-    """nn.Dense with PyTorch-default initialisation."""
+    """y = x W + b with PyTorch-default initialisation and a vmap-friendly kernel gradient.
+
+    Parameters are named like flax's nn.Dense ('kernel' [D, H], 'bias' [H]).
+    """
 
     features: int
     use_bias: bool = True
@@ -120,9 +168,8 @@ class Dense(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         fan_in = x.shape[-1]
-        return nn.Dense(
-            self.features,
-            use_bias=self.use_bias,
-            kernel_init=torch_default_kernel_init,
-            bias_init=torch_default_bias_init(fan_in),
-        )(x)
+        kernel = self.param("kernel", torch_default_kernel_init, (fan_in, self.features), jnp.float32)
+        y = matmul_small_batch_grad(x, kernel)
+        if self.use_bias:
+            y = y + self.param("bias", torch_default_bias_init(fan_in), (self.features,))
+        return y

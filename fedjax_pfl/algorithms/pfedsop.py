@@ -1,0 +1,150 @@
+"""pFedSOP (Sen & Mohan, arXiv:2506.07159, 2025), Algorithms 1–3; spec/pfedsop.md.
+
+Per round t, for each sampled client i (S1; server state: the previous round's Δ):
+
+  if i is new (first participation, at any round):   x_i ← x0                      (Alg. 3 l. 5–6)
+  else (Alg. 1):
+     φ   = arccos(⟨Δ_i, Δ⟩ / (‖Δ_i‖‖Δ‖))                                         (steps 1–2)
+     β   = 1 − exp(−exp(−λ(φ − 1)))                                                  (eq. 14)
+     Δᵖ  = (1 − β)Δ_i + βΔ                     β weights the GLOBAL Δ               (eq. 15)
+     x_i ← x_i − η₁ Δᵖ / (ρ + ‖Δᵖ‖²)          Sherman–Morrison (ΔᵖΔᵖᵀ + ρI)⁻¹Δᵖ    (eqs. 17–19)
+  z ← E epochs of plain SGD from x_i (lr η₂)                                       (Alg. 2, eq. 10)
+  Δ_i ← (x_i − z) / η₂                         = Σ_τ g_τ                             (eqs. 11–12)
+server: Δ ← (1/M) Σ_{i∈S_t} Δ_i                unweighted, this round's clients only  (eq. 13)
+
+Unsampled clients keep x_i, Δ_i and is_new bit for bit. There is no global model.
+
+Options (spec §1.6):
+  keep="newton" (default, the literal reading R1): the SGD run is a probe; x_i after the Newton
+      step is the personalised model and z is discarded. A client's model then moves only by
+      Newton steps, each of norm η₁‖Δᵖ‖/(ρ + ‖Δᵖ‖²) ≤ η₁/(2√ρ), so it moves at most that much per
+      round it takes part in (spec A3) — slow progress is expected under this reading.
+  keep="sgd" (R2): the client keeps z (local SGD training plus the Newton correction next round).
+  blend="gompertz" (default) | "local" (β ≡ 0) | "global" (β ≡ 1): the paper's ablation (A8).
+  η₁ (eta_personal) and η₂ (eta_local) default to --lr (tied, spec A5).
+BatchNorm (spec A4): the engine's models are stateless (GroupNorm), so Δ, the angle and the
+Newton step cover every trainable parameter and there are no running statistics to carry.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_pfl import core, ops
+from fedjax_pfl.algorithms import base
+from fedjax_pfl.models.model import Model
+
+Params = Any
+
+
+class ClientState(NamedTuple):
+    """pFedSOP's persistent per-client state. Every leaf has leading axis N (all clients)."""
+
+    x: Params          # personalised model x_i                  leaves [N, ...]
+    delta: Params      # latest local pseudo-gradient Δ_i         leaves [N, ...]
+    is_new: jax.Array  # True until client i first takes part     [N] bool
+
+
+class State(NamedTuple):
+    clients: ClientState
+    delta_glob: Params  # Δ_{t−1}, the previous round's global pseudo-gradient   leaves [...]
+    x0: Params          # the shared random initial model                          leaves [...]
+    round: jax.Array    # rounds completed; shape=(), int32
+
+
+def pfedsop(
+    model: Model,
+    *,
+    eta_personal: float | None,
+    eta_local: float | None,
+    rho: float,
+    gompertz_lambda: float,
+    keep: str,
+    blend: str,
+    **common: Any,
+) -> base.Algorithm:
+    """pFedSOP; see the module docstring for the round and the options."""
+    if common["momentum"] != 0:
+        raise ValueError("pfedsop's local probe is plain SGD (Algorithm 2): --momentum must be 0, "
+                         f"got {common['momentum']}")
+    eta_personal = common["lr"] if eta_personal is None else eta_personal
+    eta_local = common["lr"] if eta_local is None else eta_local
+    engine = base.Engine(model, **{**common, "lr": eta_local})          # Algorithm 2, shared engine
+
+    def personalize(delta_glob: Params, x: Params, delta_i: Params):   # Algorithm 1, one client
+        phi = ops.cosine_angle(delta_i, delta_glob)                                     # steps 1–2
+        if blend == "gompertz":
+            beta = ops.gompertz_weight(phi, gompertz_lambda)                            # eq. 14
+        else:
+            beta = jnp.asarray(0.0 if blend == "local" else 1.0, phi.dtype)
+        delta_p = ops.tree_lerp(delta_i, delta_glob, beta)                              # eq. 15
+        step = ops.sherman_morrison_step(delta_p, rho)                                  # eqs. 17–18
+        return ops.tree_axpy(-eta_personal, step, x), beta, phi, ops.tree_norm(step)    # eq. 19
+
+    def init(key: jax.Array, data) -> State:
+        x0 = model.init(key)
+        n = data.num_clients
+        clients = ClientState(core.broadcast(x0, n), core.broadcast(ops.tree_zeros_like(x0), n),
+                              jnp.ones(n, bool))
+        return State(clients, ops.tree_zeros_like(x0), x0, jnp.zeros((), jnp.int32))
+
+    def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
+        sample_key, train_key = jax.random.split(key)
+        idx = engine.sample(sample_key, data)                                          # S1
+        m = idx.shape[0]
+        c = core.gather(state.clients, idx)
+        x_newton, beta, phi, step_norm = engine.mapper(personalize, c.x, c.delta,
+                                                       shared=(state.delta_glob,))     # S2, C1–C7
+        x = core.where_clients(c.is_new, core.broadcast(state.x0, m), x_newton)        # C0
+        result = engine.train(data, idx, x, engine.opt_states_for(None, idx, x), train_key)  # C9
+        z = result.params
+        delta = ops.tree_scale(1.0 / eta_local, ops.tree_sub(x, z))                    # C10, eq. 11
+        kept = x if keep == "newton" else z                                            # spec A3
+        rows = ClientState(kept, delta, jnp.zeros(m, bool))                            # C11
+        clients = core.scatter(state.clients, idx, rows)
+        delta_glob = core.mean_over_clients(delta)                                     # S3, eq. 13
+        returning = ~c.is_new
+        n_ret = jnp.sum(returning)
+        per_returning = lambda v: jnp.where(n_ret > 0, jnp.sum(jnp.where(returning, v, 0)) /
+                                            jnp.maximum(n_ret, 1), jnp.nan)
+        metrics = base.train_metrics(result, idx)
+        metrics.update(returning_clients=n_ret, beta_mean=per_returning(beta),
+                       angle_mean=per_returning(phi), newton_step_norm=per_returning(step_norm),
+                       delta_glob_norm=ops.tree_norm(delta_glob))
+        return State(clients, delta_glob, state.x0, state.round + 1), metrics
+
+    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
+        return {"client": engine.evaluator.personal(data, state.clients.x)}
+
+    return base.Algorithm("pfedsop", init, round_fn, evaluate, {})
+
+
+base.register(base.AlgorithmSpec(
+    name="pfedsop",
+    factory=pfedsop,
+    summary="pFedSOP: Gompertz-blended pseudo-gradients with a Sherman–Morrison Newton step",
+    hparams=(
+        base.HParam("eta_personal", float, None,
+                    "η₁, learning rate of the personalisation (Newton) step x ← x − η₁F⁻¹Δᵖ "
+                    "(default: --lr)", check=base.NON_NEGATIVE),
+        base.HParam("eta_local", float, None,
+                    "η₂, learning rate of the local SGD probe; Δ_i = (x_i − z)/η₂ (default: --lr)",
+                    check=base.POSITIVE),
+        base.HParam("rho", float, 1.0, "ρ, regulariser of the rank-one FIM ΔᵖΔᵖᵀ + ρI",
+                    check=base.POSITIVE),
+        base.HParam("gompertz_lambda", float, 1.0,
+                    "λ, steepness of the Gompertz weight β = 1 − exp(−exp(−λ(φ − 1)))",
+                    check=base.POSITIVE, flag="--pfedsop-lambda"),
+        base.HParam("keep", str, "newton",
+                    "which point persists as the personalised model: 'newton' (the paper's "
+                    "literal reading: x after the Newton step; the SGD run is a probe) or 'sgd' "
+                    "(the end of local SGD)", choices=("newton", "sgd")),
+        base.HParam("blend", str, "gompertz",
+                    "ablation of the blend: 'gompertz' (β from the angle), 'local' (β = 0: own "
+                    "Δ_i only) or 'global' (β = 1: the global Δ only)",
+                    choices=("gompertz", "local", "global")),
+    ),
+))
