@@ -41,8 +41,8 @@ def fedavg(model: Model, *, ft_epochs: int | None = None, **common: Any) -> base
         )
 
     def init(key: jax.Array, data) -> State:
-        model_key, rng = jax.random.split(key)
-        params = model.init(model_key)
+        params = model.init(key)  # the same initial model as every other algorithm from this key
+        rng = jax.random.fold_in(key, 1)
         return State(params, engine.init_client_opt_states(params, data.num_clients),
                      jnp.zeros((), jnp.int32), rng)
 

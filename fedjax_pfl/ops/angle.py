@@ -15,8 +15,14 @@ def cosine_similarity(a: Params, b: Params, eps: float = 1e-30) -> jax.Array:
     per layer (spec/pfedsop.md §1.1). If either vector is zero the numerator is 0, so sim = 0
     (spec A7): no NaN. The clip removes rounding that would put |sim| above 1 (e.g. a == b).
     """
-    norms = jnp.sqrt(tree_sq_norm(a)) * jnp.sqrt(tree_sq_norm(b))
+    norms = _safe_sqrt(tree_sq_norm(a)) * _safe_sqrt(tree_sq_norm(b))
     return jnp.clip(tree_vdot(a, b) / jnp.maximum(norms, eps), -1.0, 1.0)
+
+
+def _safe_sqrt(x: jax.Array) -> jax.Array:
+    """√x with a finite (zero) gradient at x = 0, so a zero vector never produces NaN."""
+    positive = x > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1.0)), 0.0)
 
 
 def cosine_angle(a: Params, b: Params, eps: float = 1e-30) -> jax.Array:

@@ -1,0 +1,249 @@
+"""PGFed / PGFedMo / PGFed-CE: spec/pgfed.md §8 against an independent NumPy transcription."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_pfl import algorithms, core, ops
+from fedjax_pfl.data.federated import FederatedData
+from fedjax_pfl.models.model import Model
+from helpers import linear_model, tree_allclose, tree_equal
+
+THETA0 = np.array([0.5, -0.2, 0.1])
+# f_i(θ) = mean_j ½‖θ − x_j‖² over client i's samples: gradient θ − mean(x).
+QUADRATIC = Model(init=lambda key: {"x": jnp.asarray(THETA0)}, apply=lambda p, x: p["x"] - x,
+                  loss=lambda out, y: 0.5 * jnp.sum(out**2, axis=-1))
+SIZES = [3, 5, 2, 4, 6]
+
+
+def quadratic_clients(seed=0):
+    rng = np.random.default_rng(seed)
+    xs = [rng.normal(size=(n, 3)) + rng.normal(size=3) * 2 for n in SIZES]
+    starts = np.cumsum([0] + SIZES)
+    train = [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:])]
+    return FederatedData.from_arrays(np.concatenate(xs), np.zeros(starts[-1]), train, train,
+                                     num_classes=1), xs
+
+
+def reference_rounds(xs, sampled_per_round, *, mu, eta1, eta2, beta, epochs, momentum, ce=False):
+    """The reference code's round (spec §2.3), literally, one client at a time, in float64.
+
+    Full batches (B ≥ n_i with drop_last: one step of all n_i samples per epoch), so the batch
+    order cannot matter.
+    """
+    n, m = len(xs), len(sampled_per_round[0])
+    A = np.full((n, n), 1.0 / m)
+    theta = [THETA0.copy() for _ in range(n)]
+    buf = [np.zeros(3) for _ in range(n)]
+    held = [None] * n
+    G, b, gbar, prev = {}, {}, None, []
+    theta_g = THETA0.copy()
+    history = []
+    for S in sampled_per_round:
+        new_G, new_b = {}, {}
+        for i in S:
+            th = theta_g.copy()                                       # send: θ_i ← θ_g
+            if G:
+                c = sum(mu * A[i, j] * G[j] for j in prev)
+                held[i] = c if held[i] is None else (1 - beta) * c + beta * held[i]
+            for _ in range(epochs):
+                grad = th - xs[i].mean(0)
+                if G:
+                    grad = grad + held[i]
+                    for j in prev:
+                        g2 = (mu * G[j] @ theta_g) if ce else gbar @ th   # s = ḡ·θ_i before the step
+                        A[i, j] = max(0.0, A[i, j] - eta2 * (b[j] + g2))
+                buf[i] = momentum * buf[i] + grad
+                th = th - eta1 * buf[i]
+            theta[i] = th
+            L = np.mean(0.5 * np.sum((th - xs[i]) ** 2, axis=1))
+            new_G[i] = th - xs[i].mean(0)
+            new_b[i] = mu * (L - new_G[i] @ th)
+        weights = np.array([len(xs[i]) for i in S], float)
+        theta_g = sum(w * theta[i] for w, i in zip(weights / weights.sum(), S))
+        gbar = mu / m * sum(new_G[i] for i in S)
+        G, b, prev = new_G, new_b, list(S)
+        history.append(dict(theta=np.array(theta), A=A.copy(), theta_g=theta_g.copy(),
+                            held=[None if h is None else h.copy() for h in held]))
+    return history
+
+
+def run(name, data, rounds=5, **hp):
+    hp = dict(participation=0.6, local_epochs=2, batch_size=8, lr=0.1, mu=0.3, alpha_lr=0.05) | hp
+    algo = algorithms.get(name, model=QUADRATIC, **hp)
+    state = algo.init(jax.random.key(0), data)
+    step = algo.round_fn if hp.get("backend") == "loop" else jax.jit(algo.round_fn)
+    states, sampled = [], []
+    for r in range(rounds):
+        state, m = step(state, data, jax.random.fold_in(jax.random.key(1), r))
+        states.append(state)
+        sampled.append(np.asarray(m["sampled"]).tolist())
+    return algo, states, sampled
+
+
+@pytest.mark.parametrize("name,beta,ce", [("pgfed", 0.0, False), ("pgfedmo", 0.5, False),
+                                          ("pgfed_ce", 0.0, True)])
+def test_matches_reference_transcription(x64, name, beta, ce):
+    data, xs = quadratic_clients()
+    hp = {"beta": beta} if name == "pgfedmo" else {}
+    _, states, sampled = run(name, data, **hp)
+    assert all(len(s) == 3 for s in sampled)                      # M = floor(0.6 · 5)
+    ref = reference_rounds(xs, sampled, mu=0.3, eta1=0.1, eta2=0.05, beta=beta, epochs=2,
+                           momentum=0.9, ce=ce)
+    for state, expected in zip(states, ref):
+        np.testing.assert_allclose(state.clients.theta["x"], expected["theta"], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(state.alpha, expected["A"], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(state.global_params["x"], expected["theta_g"], rtol=1e-10)
+        for i, h in enumerate(expected["held"]):
+            if h is not None:
+                np.testing.assert_allclose(state.clients.aux["x"][i], h, rtol=1e-10, atol=1e-12)
+            else:
+                assert not bool(state.clients.aux_set[i])
+    assert any(np.any(s.alpha != s.alpha[0, 0]) for s in states)   # α actually moved
+
+
+def test_mu_zero_reproduces_fedavg_exactly(ragged_data):
+    # §8.1: same sampling, batch order, optimizer and init: identical θ trajectories.
+    hp = dict(participation=0.5, local_epochs=2, batch_size=4, lr=0.05, momentum=0.9,
+              momentum_buffer="persist", drop_last=True)
+    pg = algorithms.get("pgfed", model=linear_model(), mu=0.0, alpha_lr=0.5, **hp)
+    fa = algorithms.get("fedavg", model=linear_model(), **hp)
+    s_pg, s_fa = pg.init(jax.random.key(0), ragged_data), fa.init(jax.random.key(0), ragged_data)
+    for r in range(4):
+        key = jax.random.key(r)
+        s_pg, m_pg = jax.jit(pg.round_fn)(s_pg, ragged_data, key)
+        s_fa, m_fa = jax.jit(fa.round_fn)(s_fa, ragged_data, key)
+        tree_allclose(s_pg.global_params, s_fa.params, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(m_pg["train_loss"], m_fa["train_loss"], rtol=1e-6)
+    np.testing.assert_array_equal(s_pg.alpha, 1.0 / 2)              # A stays at 1/M
+
+
+def test_zero_alpha_and_zero_alpha_lr_is_fedavg_training(x64):
+    # §8.2: A ≡ 0 and η₂ = 0 give g̃ = 0 for any μ, and α never moves.
+    data, xs = quadratic_clients(1)
+    algo = algorithms.get("pgfed", model=QUADRATIC, participation=0.6, local_epochs=2,
+                          batch_size=8, lr=0.1, mu=0.5, alpha_lr=0.0)
+    fa = algorithms.get("fedavg", model=QUADRATIC, participation=0.6, local_epochs=2,
+                        batch_size=8, lr=0.1, momentum=0.9, momentum_buffer="persist", drop_last=True)
+    s, f = algo.init(jax.random.key(0), data), fa.init(jax.random.key(0), data)
+    s = s._replace(alpha=jnp.zeros_like(s.alpha))
+    for r in range(3):
+        s, _ = jax.jit(algo.round_fn)(s, data, jax.random.key(r))
+        f, _ = jax.jit(fa.round_fn)(f, data, jax.random.key(r))
+        np.testing.assert_allclose(s.global_params["x"], f.params["x"], rtol=1e-12)
+    assert float(jnp.abs(s.alpha).max()) == 0.0
+
+
+def test_beta_zero_pgfedmo_is_pgfed_bit_for_bit(ragged_data):
+    # §8.4
+    hp = dict(participation=0.75, local_epochs=1, batch_size=4)
+    a = algorithms.get("pgfed", model=linear_model(), **hp)
+    b = algorithms.get("pgfedmo", model=linear_model(), beta=0.0, **hp)
+    sa, sb = a.init(jax.random.key(0), ragged_data), b.init(jax.random.key(0), ragged_data)
+    for r in range(3):
+        sa, _ = jax.jit(a.round_fn)(sa, ragged_data, jax.random.key(r))
+        sb, _ = jax.jit(b.round_fn)(sb, ragged_data, jax.random.key(r))
+    tree_equal(sa, sb)
+
+
+def test_round_two_download_is_gbar_and_momentum_recursion(x64):
+    # §8.8: in round 2 every sampled client's α row is 1/M, so c_i = ḡ for all of them.
+    # §8.6: with full participation a client's held gradient follows c¹, (1−β)c² + βc¹,
+    # (1−β)c³ + β(1−β)c² + β²c¹.
+    data, xs = quadratic_clients(2)
+    beta = 0.3
+    algo = algorithms.get("pgfedmo", model=QUADRATIC, participation=1.0, local_epochs=1,
+                          batch_size=8, lr=0.1, mu=0.2, alpha_lr=0.05, beta=beta)
+    state = algo.init(jax.random.key(0), data)
+    step = jax.jit(algo.round_fn)
+    downloads = []
+    for r in range(4):
+        if r >= 1:   # the download this round: c = μ A[S, P] @ G from the state before the round
+            downloads.append(0.2 * np.asarray(state.alpha)[:, np.asarray(state.prev_idx)]
+                             @ np.asarray(state.prev_grads["x"]))
+        gbar_before = np.asarray(state.gbar["x"])
+        state, _ = step(state, data, jax.random.key(r))
+        if r == 1:
+            np.testing.assert_allclose(state.clients.aux["x"], np.tile(gbar_before, (5, 1)), rtol=1e-12)
+    c1, c2, c3 = downloads
+    expected = (1 - beta) * c3 + beta * (1 - beta) * c2 + beta**2 * c1
+    np.testing.assert_allclose(state.clients.aux["x"], expected, rtol=1e-12)
+
+
+def test_alpha_is_nonnegative_and_only_previous_columns_move(ragged_data):
+    # §8.15–16: α ≥ 0; columns j ∉ S_{t−1} are unchanged during round t; rows of unsampled
+    # clients are unchanged.
+    algo = algorithms.get("pgfed", model=linear_model(), participation=0.5, alpha_lr=5.0, mu=1.0,
+                          local_epochs=1, batch_size=4)
+    state = algo.init(jax.random.key(0), ragged_data)
+    step = jax.jit(algo.round_fn)
+    for r in range(5):
+        before = np.asarray(state.alpha)
+        prev = set(np.asarray(state.prev_idx).tolist()) if r else set()
+        state, m = step(state, ragged_data, jax.random.key(r))
+        after = np.asarray(state.alpha)
+        assert np.all(after >= 0)
+        sampled = set(np.asarray(m["sampled"]).tolist())
+        for i in range(4):
+            for j in range(4):
+                if i not in sampled or j not in prev:
+                    assert after[i, j] == before[i, j]
+    assert float(m["alpha_zero_fraction"]) > 0    # the projection at 0 is active here
+
+
+def test_gradients_of_the_auxiliary_risk(x64):
+    # §8.9–11: R_aux(θ_i, α_i) = μ Σ_{j∈P} α_ij [L_j + G_j·(θ_i − θ_j)]. jax.grad in θ gives the
+    # download c_i (constant in θ); in α_ij it gives b_j + μ G_j·θ_i; the surrogate b_j + ḡ·θ_i
+    # replaces μ G_j·θ_i by its mean over j.
+    data, xs = quadratic_clients(3)
+    mu = 0.4
+    algo = algorithms.get("pgfed", model=QUADRATIC, participation=0.6, local_epochs=2,
+                          batch_size=8, lr=0.1, mu=mu, alpha_lr=0.05)
+    state = algo.init(jax.random.key(0), data)
+    state, _ = jax.jit(algo.round_fn)(state, data, jax.random.key(0))
+    P = np.asarray(state.prev_idx)
+    G = np.asarray(state.prev_grads["x"])
+    theta_j = np.asarray(state.clients.theta["x"])[P]
+    L = np.asarray(state.prev_b) / mu + np.sum(G * theta_j, axis=1)
+    # L_j must be client j's mean loss at θ_j.
+    for k, j in enumerate(P):
+        np.testing.assert_allclose(L[k], np.mean(0.5 * np.sum((theta_j[k] - xs[j]) ** 2, 1)), rtol=1e-12)
+
+    def r_aux(theta_i, alpha_i):
+        return mu * jnp.sum(alpha_i * (L + G @ theta_i - jnp.sum(G * theta_j, axis=1)))
+
+    theta_i, alpha_i = jnp.array([0.3, 0.7, -1.0]), jnp.array([0.2, 0.5, 0.1])
+    d_theta, d_alpha = jax.grad(r_aux, argnums=(0, 1))(theta_i, alpha_i)
+    np.testing.assert_allclose(d_theta, mu * alpha_i @ G, rtol=1e-12)
+    np.testing.assert_allclose(jax.grad(r_aux)(theta_i * 3, alpha_i), d_theta, rtol=1e-12)
+    np.testing.assert_allclose(d_alpha, np.asarray(state.prev_b) + mu * G @ theta_i, rtol=1e-12)
+    surrogate = np.asarray(state.prev_b) + np.asarray(state.gbar["x"]) @ theta_i
+    np.testing.assert_allclose(np.mean(surrogate - np.asarray(state.prev_b)),
+                               np.mean(mu * G @ theta_i), rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["pgfed", "pgfedmo"])
+def test_vmapped_equals_loop_backend(ragged_data, name):
+    runs = {}
+    for backend in ("loop", "vmap", "chunked"):
+        algo = algorithms.get(name, model=linear_model(), participation=0.75, local_epochs=2,
+                              batch_size=4, backend=backend, chunk_size=2)
+        state = algo.init(jax.random.key(0), ragged_data)
+        step = algo.round_fn if backend == "loop" else jax.jit(algo.round_fn)
+        for r in range(3):
+            state, _ = step(state, ragged_data, jax.random.key(r))
+        runs[backend] = state
+    for backend in ("vmap", "chunked"):
+        tree_allclose(runs[backend].clients.theta, runs["loop"].clients.theta, rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(runs[backend].alpha, runs["loop"].alpha, rtol=2e-5, atol=1e-6)
+
+
+def test_defaults_follow_the_reference_code():
+    algo = algorithms.get("pgfedmo", model=linear_model())
+    hp = algo.hparams
+    assert (hp["lr"], hp["mu"], hp["alpha_lr"], hp["beta"], hp["batch_size"], hp["local_epochs"],
+            hp["participation"], hp["momentum"], hp["momentum_buffer"]) == \
+        (0.005, 0.1, 0.01, 0.5, 10, 5, 0.25, 0.9, "persist")
+    with pytest.raises(ValueError, match="has no hyperparameter beta"):
+        algorithms.get("pgfed", model=linear_model(), beta=0.5)
