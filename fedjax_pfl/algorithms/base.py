@@ -122,12 +122,15 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
            choices=("persist", "reset"), aliases=("--pgfed-momentum-buffer",)),
     HParam("drop_last", bool, False,
            "drop each epoch's last partial batch: ⌊n/B⌋ steps instead of ⌈n/B⌉"),
-    HParam("backend", str, "vmap",
-           "how sampled clients run: 'vmap' (one vectorised step), 'chunked' (vmap over chunks of "
-           "--chunk-size clients, bounded memory) or 'loop' (one client at a time, the reference)",
+    HParam("backend", str, "chunked",
+           "how sampled clients run: 'chunked' (vmap over chunks of --chunk-size clients, "
+           "sequential over chunks), 'vmap' (all clients in one vectorised step) or 'loop' (one "
+           "client at a time, the reference); with several devices clients are split across them",
            choices=core.BACKENDS),
-    HParam("chunk_size", int, 32, "clients per chunk for --backend chunked and for evaluation",
-           check=AT_LEAST_ONE),
+    HParam("chunk_size", int, 0,
+           "clients per chunk for --backend chunked and for evaluation; 0 picks the largest chunk "
+           "whose working set (XLA's memory analysis of one client) fits 32 MB per CPU device",
+           check=NON_NEGATIVE),
     HParam("eval_batch_size", int, 256, "test samples per evaluation batch", check=AT_LEAST_ONE),
 )
 

@@ -20,6 +20,12 @@ Params = Any
 Backend = Literal["vmap", "chunked", "loop"]
 BACKENDS: tuple[str, ...] = ("vmap", "chunked", "loop")
 
+AUTO_CHUNK = 0
+# Working-set budget of one chunk on one CPU device. Calibrated on this project's 2-core machines
+# (benchmarks/RESULTS.md): it picks whole vmap for the MLP (~0.6 MB per client) and 2 (B = 10) or
+# 1 (B = 32) clients per chunk for the FedAvg CNN (~11 / ~26 MB), the measured optima.
+CHUNK_BUDGET_BYTES = 32 * 2**20
+
 
 def broadcast(tree: Params, n: int) -> Params:
     """[...] -> [n, ...]: the same value for every one of n clients."""
@@ -89,7 +95,9 @@ class ClientMapper(NamedTuple):
       "vmap":    one vectorised call over all M clients (fastest for small models);
       "chunked": vmap over chunks of `chunk_size` clients, sequential over chunks (lax.map), so
                  peak memory is bounded by the chunk; clients are sorted by `cost` first so each
-                 chunk's while-loops stop at the chunk's own longest client;
+                 chunk's while-loops stop at the chunk's own longest client. chunk_size 0 means
+                 automatic (`auto_chunk_size`, resolved by the caller that knows the one-client
+                 function); a chunk at least as large as the clients on a device is plain vmap;
       "loop":    a Python loop that calls the jitted one-client function once per client. It is
                  the reference the vectorised backends are tested against, and the baseline of
                  benchmarks/round_throughput.py. Under an outer jax.jit it still works but unrolls.
@@ -99,8 +107,8 @@ class ClientMapper(NamedTuple):
       (padded to a multiple of the device count).
     """
 
-    backend: str = "vmap"
-    chunk_size: int = 32
+    backend: str = "chunked"
+    chunk_size: int = AUTO_CHUNK
     mesh: Mesh | None = None
 
     def __call__(
@@ -117,9 +125,22 @@ class ClientMapper(NamedTuple):
             return _loop_map(fn, shared, args)
         if self.backend not in ("vmap", "chunked"):
             raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
+        if self.backend == "chunked" and self.chunk_size == AUTO_CHUNK:
+            # Callers with a cheaper one-step probe resolve first (LocalTrainer does); otherwise
+            # the mapped function itself is analysed.
+            return self.resolved(fn, shared, args)(fn, *args, shared=shared, cost=cost)
         if self.mesh is None or self.mesh.size == 1:
             return self._map_on_device(fn, shared, args, cost)
         return self._map_sharded(fn, shared, args, cost)
+
+    def resolved(self, fn: Callable, shared: tuple, args: tuple) -> "ClientMapper":
+        """This mapper with an automatic chunk size replaced by `auto_chunk_size` for `fn`."""
+        if self.backend != "chunked" or self.chunk_size != AUTO_CHUNK:
+            return self
+        specs = (abstract(shared), abstract_row(args))
+        leaves, treedef = jax.tree.flatten(specs)
+        key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
+        return self._replace(chunk_size=_cached_auto_chunk(fn, key, specs))
 
     def _map_on_device(self, fn, shared, args, cost):
         if self.backend == "vmap":
@@ -173,13 +194,56 @@ def replicate(tree: Params, mesh: Mesh | None) -> Params:
     return jax.device_put(tree, replicated_sharding(mesh))
 
 
-def client_mapper(backend: str = "vmap", chunk_size: int = 32, shard: bool = True) -> ClientMapper:
+def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
+                    budget_bytes: int = CHUNK_BUDGET_BYTES) -> int:
+    """The largest chunk whose working set fits `budget_bytes` on a CPU device.
+
+    One client's working set is what XLA's memory analysis of `one_client_fn` compiled for a
+    single client reports as temporaries plus outputs (shared inputs such as the dataset are
+    not counted). Accelerators get no limit (whole vmap): they want the widest batch.
+    """
+    if jax.default_backend() != "cpu":
+        return 1 << 30
+    try:
+        # Buffer assignment (what memory_analysis reports) precedes LLVM code generation, so the
+        # unoptimised backend gives the same numbers in half the compile time.
+        compiled = jax.jit(one_client_fn).lower(*abstract_args).compile(
+            compiler_options={"xla_backend_optimization_level": 0})
+        analysis = compiled.memory_analysis()
+        per_client = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+    except Exception:  # no memory analysis on this backend: a conservative fixed chunk
+        return 32
+    return max(1, int(budget_bytes // max(per_client, 1)))
+
+
+_AUTO_CHUNK_CACHE: dict = {}
+
+
+def _cached_auto_chunk(fn: Callable, key: tuple, specs: tuple) -> int:
+    """auto_chunk_size, computed once per (function, argument shapes)."""
+    full_key = (fn, key)
+    if full_key not in _AUTO_CHUNK_CACHE:
+        shared, row = specs
+        _AUTO_CHUNK_CACHE[full_key] = auto_chunk_size(fn, *shared, *row)
+    return _AUTO_CHUNK_CACHE[full_key]
+
+
+def abstract_row(tree: Params) -> Params:
+    """Shape/dtype stand-ins for one client's row of a stacked tree (works on tracers too)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+
+
+def abstract(tree: Params) -> Params:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def client_mapper(backend: str = "chunked", chunk_size: int = AUTO_CHUNK, shard: bool = True) -> ClientMapper:
     """Validated ClientMapper (see its docstring). With `shard` and several local devices, the
     vectorised backends split clients across devices."""
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {BACKENDS}, got {backend!r}")
-    if chunk_size < 1:
-        raise ValueError(f"--chunk-size must be >= 1, got {chunk_size}")
+    if chunk_size < 0:
+        raise ValueError(f"--chunk-size must be >= 0 (0: automatic), got {chunk_size}")
     mesh = client_mesh() if shard and backend != "loop" else None
     return ClientMapper(backend, int(chunk_size), mesh)
 
@@ -190,14 +254,18 @@ def _num_rows(args) -> int:
 
 def _chunked_map(fn, shared, args, chunk_size, cost):
     m = _num_rows(args)
-    batch = min(chunk_size, m)
-    one = lambda row: fn(*shared, *row)
-    if cost is None:
-        return jax.lax.map(one, args, batch_size=batch)
-    # Sort by cost so each chunk holds clients of similar length; results go back in input order.
-    order = jnp.argsort(-cost, stable=True)
-    inverse = jnp.argsort(order)
-    return gather(jax.lax.map(one, gather(args, order), batch_size=batch), inverse)
+    in_axes = (None,) * len(shared) + (0,) * len(args)
+    if chunk_size >= m:  # one chunk: plain vmap, no sorting
+        return jax.vmap(fn, in_axes=in_axes)(*shared, *args)
+    # k equal chunks of at most chunk_size rows: lax.map then compiles one body (a remainder
+    # chunk would compile a second one); the at most k − 1 padding rows repeat the cheapest row.
+    chunks = -(-m // chunk_size)
+    size = -(-m // chunks)
+    order = jnp.arange(m) if cost is None else jnp.argsort(-cost, stable=True)
+    padded = jnp.concatenate([order, jnp.full(chunks * size - m, order[m - 1])])
+    out = jax.lax.map(lambda row: fn(*shared, *row), gather(args, padded), batch_size=size)
+    # Sorting by cost lets each chunk's while-loops stop at the chunk's own longest client.
+    return gather(out, jnp.argsort(order))
 
 
 @functools.lru_cache(maxsize=64)

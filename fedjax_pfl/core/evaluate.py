@@ -51,12 +51,22 @@ class Evaluator:
         if mapper.backend == "vmap":
             mapper = ClientMapper("chunked", mapper.chunk_size)
         self.mapper = mapper
-        self._personal_one = self._make_one()
+        self._personal_one, self._probe = self._make_one()
         self._shared_one = lambda data, params, client: self._personal_one(data, params, client)
-        self._personal = jit_unless_loop(mapper, lambda data, params: self.mapper(
-            self._personal_one, params, data.clients, shared=(data,), cost=data.clients.test_count))
-        self._shared = jit_unless_loop(mapper, lambda data, params: self.mapper(
-            self._shared_one, data.clients, shared=(data, params), cost=data.clients.test_count))
+        self._shared_probe = lambda data, params, client: self._probe(data, params, client)
+        self._personal = jit_unless_loop(mapper, self._map_personal)
+        self._shared = jit_unless_loop(mapper, self._map_shared)
+
+    def _map_personal(self, data, params):
+        fn = self._personal_one
+        mapper = self.mapper.resolved(self._probe, (data,), (params, data.clients))
+        return mapper(fn, params, data.clients, shared=(data,), cost=data.clients.test_count)
+
+    def _map_shared(self, data, params):
+        fn = self._shared_one
+        probe = self._shared_probe
+        mapper = self.mapper.resolved(probe, (data, params), (data.clients,))
+        return mapper(fn, data.clients, shared=(data, params), cost=data.clients.test_count)
 
     def personal(self, data: FederatedData, params: Params) -> ClientEval:
         """Client i's model params[i] on client i's test split; params leaves are [N, ...]."""
@@ -92,4 +102,8 @@ class Evaluator:
             )
             return ClientEval(correct, loss_sum, count.astype(jnp.int32))
 
-        return one
+        def probe(data, params, client):  # one batch, for the memory analysis of auto chunking
+            outputs = model.apply(params, data.inputs(jnp.zeros(batch, jnp.int32)))
+            return model.loss(outputs, data.labels(jnp.zeros(batch, jnp.int32)))
+
+        return one, probe

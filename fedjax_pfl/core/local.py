@@ -112,7 +112,7 @@ class LocalTrainer:
         self.drop_last = bool(drop_last)
         self.mapper = mapper
         self.on_step = on_step
-        self._train_one = self._make_train_one()
+        self._train_one, self._probe = self._make_train_one()
         self._train_many = jit_unless_loop(mapper, self._map_clients)
 
     def init_opt_state(self, params: Params) -> Any:
@@ -144,13 +144,23 @@ class LocalTrainer:
 
     def _map_clients(self, data, params, opt_state, hook_state, clients, keys, extra):
         cost = steps_per_epoch(clients.train_count, self.batch_size, self.drop_last)
-        return self.mapper(self._train_one, params, opt_state, hook_state, clients, keys, extra,
-                           shared=(data,), cost=cost)
+        rows = (params, opt_state, hook_state, clients, keys, extra)
+        mapper = self.mapper.resolved(self._probe, (data,), rows)
+        return mapper(self._train_one, *rows, shared=(data,), cost=cost)
 
     def _make_train_one(self):
+        """(train_one, probe): one client's E epochs, and one step of it for memory analysis."""
         model, optimizer, on_step = self.model, self.optimizer, self.on_step
         epochs, batch, drop_last = self.epochs, self.batch_size, self.drop_last
         loss_and_grad = jax.value_and_grad(lambda p, x, y, m: masked_mean_loss(model, p, x, y, m))
+
+        def step(data, params, opt_state, hook_state, rows, mask, extra):
+            """One minibatch: the hook (pre-step params), the gradient, the optimizer update."""
+            if on_step is not None:
+                hook_state = on_step(hook_state, params, extra)
+            loss, grads = loss_and_grad(params, data.inputs(rows), data.labels(rows), mask)
+            updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
+            return optax.apply_updates(params, updates), opt_state, hook_state, loss
 
         def train_one(data, params, opt_state, hook_state, client, key, extra):
             count = client.train_count
@@ -168,13 +178,8 @@ class LocalTrainer:
                 epoch, k = t // per_epoch, t % per_epoch
                 positions = k * batch + jnp.arange(batch)
                 local = jax.lax.dynamic_slice(orders[epoch], (k * batch,), (batch,))
-                rows = rows_of_client[local]
-                mask = positions < used
-                if on_step is not None:
-                    hook_state = on_step(hook_state, params, extra)
-                loss, grads = loss_and_grad(params, data.inputs(rows), data.labels(rows), mask)
-                updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
-                params = optax.apply_updates(params, updates)
+                params, opt_state, hook_state, loss = step(
+                    data, params, opt_state, hook_state, rows_of_client[local], positions < used, extra)
                 return t + 1, params, opt_state, hook_state, loss_sum + loss
 
             init = (jnp.zeros((), jnp.int32), params, opt_state, hook_state, jnp.zeros(()))
@@ -184,7 +189,12 @@ class LocalTrainer:
             mean_loss = loss_sum / jnp.maximum(total, 1)
             return LocalResult(params, opt_state, hook_state, mean_loss, total.astype(jnp.int32))
 
-        return train_one
+        def probe(data, params, opt_state, hook_state, client, key, extra):
+            rows = client.train_idx[:batch] if client.train_idx.shape[0] >= batch else \
+                jnp.zeros(batch, jnp.int32)
+            return step(data, params, opt_state, hook_state, rows, jnp.ones(batch, bool), extra)
+
+        return train_one, probe
 
 
 def add_aux_gradient(name: str = "aux_grad") -> optax.GradientTransformationExtraArgs:
@@ -213,13 +223,16 @@ class FullPass:
         self.model = model
         self.batch_size = int(batch_size)
         self.mapper = mapper
-        self._one = self._make_one()
-        self._many = jit_unless_loop(mapper, lambda data, params, clients: self.mapper(
-            self._one, params, clients, shared=(data,), cost=clients.train_count))
+        self._one, self._probe = self._make_one()
+        self._many = jit_unless_loop(mapper, self._map_clients)
 
     def __call__(self, data: FederatedData, params: Params, clients: ClientSplits) -> tuple[jax.Array, Params]:
         """[M] mean losses and [M, ...] mean gradients for M clients (leading axis M on inputs)."""
         return self._many(data, params, clients)
+
+    def _map_clients(self, data, params, clients):
+        mapper = self.mapper.resolved(self._probe, (data,), (params, clients))
+        return mapper(self._one, params, clients, shared=(data,), cost=clients.train_count)
 
     def _make_one(self):
         model, batch = self.model, self.batch_size
@@ -249,4 +262,8 @@ class FullPass:
             n = jnp.maximum(count, 1).astype(jnp.float32)
             return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
 
-        return one
+        def probe(data, params, client):  # one batch, for the memory analysis of auto chunking
+            rows = jnp.zeros(batch, jnp.int32)
+            return grad_fn(params, data.inputs(rows), data.labels(rows), jnp.ones(batch, bool))
+
+        return one, probe

@@ -70,4 +70,17 @@ def test_bad_backend_and_chunk_size_are_rejected():
     with pytest.raises(ValueError, match="--backend"):
         core.client_mapper("pmap")
     with pytest.raises(ValueError, match="--chunk-size"):
-        core.client_mapper("chunked", 0)
+        core.client_mapper("chunked", -1)
+
+
+def test_automatic_chunk_size_follows_the_working_set():
+    # One client's working set here is a [64, 64] float32 output (16 KB) plus temporaries; a
+    # 1 MB budget then allows a few dozen clients per chunk, a 16 KB budget only one.
+    fn = lambda row: jnp.tanh(row[:, None] * row[None, :])
+    spec = jax.ShapeDtypeStruct((64,), jnp.float32)
+    assert core.clients.auto_chunk_size(fn, spec, budget_bytes=16 * 1024) == 1
+    assert 8 <= core.clients.auto_chunk_size(fn, spec, budget_bytes=2**20) <= 64
+    # An automatic mapper gives the same result as plain vmap.
+    rows = jnp.arange(20.0).reshape(5, 4)
+    out = core.client_mapper("chunked", 0)(lambda r: r.sum() * r, rows)
+    np.testing.assert_allclose(out, jax.vmap(lambda r: r.sum() * r)(rows))
