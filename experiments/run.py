@@ -141,6 +141,11 @@ def config_from_args(args: argparse.Namespace):
     spec = algorithms.spec(args.algo)
     mine = {flag: hp for hp, flag in spec.all_hparams()}
     hparams = {}
+    # A preset's algorithm settings apply where the algorithm has them (a preset shared by
+    # pgfed and fedavg sets --pgfed-mu); explicit flags below override them.
+    for flag, value in getattr(args, "preset_hparams", {}).items():
+        if flag in mine:
+            hparams[mine[flag].name] = value
     for key, value in vars(args).items():
         if not key.startswith("hp__") or value is None:
             continue
@@ -181,13 +186,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         preset = json.loads(path.read_text())
         preset.pop("_doc", None)
         dests = {a.dest for a in parser._actions}
-        renamed = {}
+        defaults, preset_hparams = {}, {}
         for key, value in preset.items():
-            dest = key if key in dests else "hp__" + key
-            if dest not in dests:
+            if key in dests:
+                defaults[key] = value
+            elif "hp__" + key in dests:
+                preset_hparams["--" + key.replace("_", "-")] = value
+            else:
                 _fail(f"preset {pre.preset}: unknown setting {key!r}")
-            renamed[dest] = value
-        parser.set_defaults(**renamed)
+        parser.set_defaults(**defaults)
+        args = parser.parse_args(argv)
+        args.preset_hparams = preset_hparams
+        return args
     return parser.parse_args(argv)
 
 

@@ -190,8 +190,9 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
     }
     if out:
         _write_json(os.path.join(out, "summary.json"), summary)
-        plot_learning_curve(history.rounds, os.path.join(out, "learning_curve.png"),
-                            title=f"{cfg.algo} on {cfg.dataset}")
+        plot_learning_curves({cfg.algo: history.rounds}, os.path.join(out, "learning_curve.png"),
+                             title=f"{cfg.algo} on {cfg.dataset}",
+                             acc_keys=("acc_mean", "acc_worst10", "global_acc_mean"))
     return summary
 
 
@@ -219,26 +220,33 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="rounds", unit="round", dynamic_ncols=True, mininterval=interval)
 
 
-def plot_learning_curve(rows: list[dict], path: str, title: str = "") -> None:
-    """Accuracy (mean, worst 10 %) and training loss against rounds, as a PNG."""
+def plot_learning_curves(runs: dict[str, list[dict]], path: str, title: str = "",
+                         acc_keys: tuple[str, ...] = ("acc_mean",)) -> None:
+    """Accuracy (each of `acc_keys`) and mean local training loss against rounds, for one or
+    several runs (label -> per-round metric rows), as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, style in (("acc_mean", "-"), ("acc_worst10", ":"), ("global_acc_mean", "--")):
-        pts = [(r["round"], r[key]) for r in rows if key in r]
-        if pts:
-            xs, ys = zip(*pts)
-            ax_acc.plot(xs, ys, style, label=key)
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.2))
+    styles = ("-", ":", "--", "-.")
+    for label, rows in runs.items():
+        for key, style in zip(acc_keys, styles):
+            pts = [(r["round"], r[key]) for r in rows if key in r]
+            if pts:
+                name = key if len(runs) == 1 else (label if len(acc_keys) == 1 else f"{label} {key}")
+                ax_acc.plot(*zip(*pts), style, label=name)
+        ax_loss.plot([r["round"] for r in rows], [r["train_loss"] for r in rows], label=label)
     ax_acc.set_xlabel("round")
-    ax_acc.set_ylabel("test accuracy")
-    ax_acc.legend()
+    ax_acc.set_ylabel("client test accuracy")
+    ax_acc.legend(fontsize=8)
     ax_acc.grid(alpha=0.3)
-    ax_loss.plot([r["round"] for r in rows], [r["train_loss"] for r in rows], label="train loss")
     ax_loss.set_xlabel("round")
     ax_loss.set_ylabel("mean local training loss")
+    ax_loss.set_yscale("log")
+    if len(runs) > 1:
+        ax_loss.legend(fontsize=8)
     ax_loss.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()

@@ -128,8 +128,9 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
            "client at a time, the reference); with several devices clients are split across them",
            choices=core.BACKENDS),
     HParam("chunk_size", int, 0,
-           "clients per chunk for --backend chunked and for evaluation; 0 picks the largest chunk "
-           "whose working set (XLA's memory analysis of one client) fits 32 MB per CPU device",
+           "clients per chunk for --backend chunked and for evaluation; 0 picks it from XLA's "
+           "memory analysis of one client's step: temporaries within 16 MB and temporaries plus "
+           "parameters within 1 GiB per CPU device (whole vmap on accelerators)",
            check=NON_NEGATIVE),
     HParam("eval_batch_size", int, 256, "test samples per evaluation batch", check=AT_LEAST_ONE),
 )

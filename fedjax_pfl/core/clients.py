@@ -21,10 +21,14 @@ Backend = Literal["vmap", "chunked", "loop"]
 BACKENDS: tuple[str, ...] = ("vmap", "chunked", "loop")
 
 AUTO_CHUNK = 0
-# Working-set budget of one chunk on one CPU device. Calibrated on this project's 2-core machines
-# (benchmarks/RESULTS.md): it picks whole vmap for the MLP (~0.6 MB per client) and 2 (B = 10) or
-# 1 (B = 32) clients per chunk for the FedAvg CNN (~11 / ~26 MB), the measured optima.
-CHUNK_BUDGET_BYTES = 32 * 2**20
+# Budgets of one chunk on one CPU device, calibrated on this project's 2-core machines
+# (benchmarks/RESULTS.md). Speed: a chunk's temporaries (activations, im2col patches) should stay
+# near the cache; the MLP has almost none (whole vmap is fastest: per-op overhead dominates) and
+# the FedAvg CNN ~6.7 MB (B = 10) or ~22 MB (B = 32) per client, whose measured optima are
+# chunks of 2 and 1. Memory: temporaries plus outputs (the clients' parameters and optimizer
+# state) stay within a bound, so peak memory does not grow with the number of clients.
+CHUNK_TEMP_BUDGET_BYTES = 16 * 2**20
+CHUNK_MEMORY_BUDGET_BYTES = 2**30
 
 
 def broadcast(tree: Params, n: int) -> Params:
@@ -195,12 +199,14 @@ def replicate(tree: Params, mesh: Mesh | None) -> Params:
 
 
 def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
-                    budget_bytes: int = CHUNK_BUDGET_BYTES) -> int:
-    """The largest chunk whose working set fits `budget_bytes` on a CPU device.
+                    temp_budget_bytes: int = CHUNK_TEMP_BUDGET_BYTES,
+                    memory_budget_bytes: int = CHUNK_MEMORY_BUDGET_BYTES) -> int:
+    """The largest chunk within both budgets on a CPU device.
 
-    One client's working set is what XLA's memory analysis of `one_client_fn` compiled for a
-    single client reports as temporaries plus outputs (shared inputs such as the dataset are
-    not counted). Accelerators get no limit (whole vmap): they want the widest batch.
+    One client's temporaries and outputs are what XLA's memory analysis of `one_client_fn`,
+    compiled for a single client, reports (shared inputs such as the dataset are not counted).
+    The chunk keeps chunk·temp ≤ temp_budget and chunk·(temp + out) ≤ memory_budget.
+    Accelerators get no limit (whole vmap): they want the widest batch.
     """
     if jax.default_backend() != "cpu":
         return 1 << 30
@@ -210,10 +216,12 @@ def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
         compiled = jax.jit(one_client_fn).lower(*abstract_args).compile(
             compiler_options={"xla_backend_optimization_level": 0})
         analysis = compiled.memory_analysis()
-        per_client = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+        temp = analysis.temp_size_in_bytes
+        total = temp + analysis.output_size_in_bytes
     except Exception:  # no memory analysis on this backend: a conservative fixed chunk
         return 32
-    return max(1, int(budget_bytes // max(per_client, 1)))
+    by_speed = temp_budget_bytes // temp if temp > 0 else 1 << 30
+    return max(1, int(min(by_speed, memory_budget_bytes // max(total, 1))))
 
 
 _AUTO_CHUNK_CACHE: dict = {}

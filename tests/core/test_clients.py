@@ -74,12 +74,17 @@ def test_bad_backend_and_chunk_size_are_rejected():
 
 
 def test_automatic_chunk_size_follows_the_working_set():
-    # One client's working set here is a [64, 64] float32 output (16 KB) plus temporaries; a
-    # 1 MB budget then allows a few dozen clients per chunk, a 16 KB budget only one.
+    # One client's output here is a [64, 64] float32 array (16 KB): a 16 KB memory budget allows
+    # one client per chunk, a 1 MB one at most 64 (fewer if XLA keeps temporaries).
     fn = lambda row: jnp.tanh(row[:, None] * row[None, :])
     spec = jax.ShapeDtypeStruct((64,), jnp.float32)
-    assert core.clients.auto_chunk_size(fn, spec, budget_bytes=16 * 1024) == 1
-    assert 8 <= core.clients.auto_chunk_size(fn, spec, budget_bytes=2**20) <= 64
+    assert core.clients.auto_chunk_size(fn, spec, memory_budget_bytes=16 * 1024) == 1
+    assert 8 <= core.clients.auto_chunk_size(fn, spec, memory_budget_bytes=2**20) <= 64
+    # A function with a large temporary (a [64, 64, 64] intermediate reduced away) is limited by
+    # the temporaries budget instead.
+    big = lambda row: jnp.sum(jnp.sin(row[:, None, None] * row[None, :, None] * row), axis=0)
+    limited = core.clients.auto_chunk_size(big, spec, temp_budget_bytes=2**20)
+    assert 1 <= limited <= 2**20 // (64 * 64 * 4)
     # An automatic mapper gives the same result as plain vmap.
     rows = jnp.arange(20.0).reshape(5, 4)
     out = core.client_mapper("chunked", 0)(lambda r: r.sum() * r, rows)

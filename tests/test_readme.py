@@ -1,0 +1,14 @@
+"""The README's two set-up commands are the ones CI and users run."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = ROOT.joinpath("README.md").read_text()
+    ci = ROOT.joinpath(".ci", "run").read_text()
+    test_command = 'pip install -e ".[test]" && python -m pytest -n 2'
+    assert f"    {test_command}\n" in readme
+    assert ci.rstrip().endswith(test_command)
+    assert "    pip install -e . && python experiments/run.py --algo fedavg\n" in readme
