@@ -15,6 +15,8 @@ full participation, one local epoch of plain SGD. Reported per configuration:
   peak_rss_mb      peak resident memory of the process (includes the ~0.4 GB JAX runtime)
   devices          XLA devices the clients are split over (one per CPU core by default; the
                    loop backend always runs one client at a time on one device)
+  chunk            clients per chunk chosen by the automatic rule (--chunk-size 0); a chunk at
+                   least as large as a device's clients runs as plain vmap
 
 `--conv lax` swaps the CNN's im2col convolution for flax's nn.Conv (lax.conv_general_dilated) to
 measure why the engine does not use it under vmap.
@@ -105,6 +107,8 @@ def run_one(args) -> dict:
         "compile_s": compile_s, "round_s": steady,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "devices": len(jax.devices()) if args.backends != "loop" else 1,
+        # chunk sizes the automatic choice made (training step, evaluation); empty otherwise
+        "auto_chunks": sorted(set(core.clients._AUTO_CHUNK_CACHE.values())),
     }
 
 
@@ -117,7 +121,7 @@ def main() -> None:
                    choices=["vmap", "chunked", "loop"])
     p.add_argument("--conv", default="im2col", choices=["im2col", "lax"])
     p.add_argument("--samples-per-client", type=int, default=64)
-    p.add_argument("--chunk-size", type=int, default=100)
+    p.add_argument("--chunk-size", type=int, default=0, help="0: automatic (the engine's default)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds after the first")
     p.add_argument("--cpu-devices", type=int, default=0,
                    help="XLA:CPU devices to split clients over (default: one per core; 1 = off)")
@@ -132,7 +136,7 @@ def main() -> None:
         return
 
     header = (f"{'model':<12} {'backend':<8} {'clients':>7} {'batch':>5} {'client-steps/s':>15} "
-              f"{'samples/s':>10} {'compile_s':>9} {'round_s':>8} {'peak_MB':>8} {'devices':>7}")
+              f"{'samples/s':>10} {'compile_s':>9} {'round_s':>8} {'peak_MB':>8} {'devices':>7} chunk")
     print(header)
     print("-" * len(header))
     for model in args.models:
@@ -154,7 +158,7 @@ def main() -> None:
                     print(f"{row['model']:<12} {backend:<8} {clients:>7} {batch:>5} "
                           f"{row['client_steps_per_s']:>15.0f} {row['samples_per_s']:>10.0f} "
                           f"{row['compile_s']:>9.2f} {row['round_s']:>8.3f} {row['peak_rss_mb']:>8.0f} "
-                          f"{row['devices']:>7}",
+                          f"{row['devices']:>7} {','.join(map(str, row['auto_chunks'])) or '-'}",
                           flush=True)
                     if args.json:
                         with open(args.json, "a") as f:
