@@ -247,11 +247,11 @@ class Engine:
         return core.broadcast(self.trainer.init_opt_state(params), num_clients)
 
     def opt_states_for(self, stored: Any, idx: jax.Array, params: Params) -> Any:
-        """The sampled clients' optimizer states: their stored rows, or fresh ones."""
+        """The sampled clients' optimizer states: their stored rows, or fresh ones for a model
+        shaped like `params` (one model, unstacked)."""
         if self.persist_opt_state:
             return core.gather(stored, idx)
-        one = self.trainer.init_opt_state(jax.tree.map(lambda x: x[0], params))
-        return core.broadcast(one, idx.shape[0])
+        return core.broadcast(self.trainer.init_opt_state(params), idx.shape[0])
 
     def store_opt_states(self, stored: Any, idx: jax.Array, rows: Any) -> Any:
         return core.scatter(stored, idx, rows) if self.persist_opt_state else stored
@@ -265,11 +265,13 @@ class Engine:
         key: jax.Array,
         extra: dict | None = None,
         hook_state: Any = None,
+        shared_start: bool = False,
     ) -> LocalResult:
-        """Local training of the clients `idx`, starting from `params` ([M, ...])."""
+        """Local training of the clients `idx`, starting from `params` ([M, ...]; or one model
+        for all of them with `shared_start`)."""
         keys = client_keys(key, idx)
         return self.trainer(data, params, opt_state, core.gather(data.clients, idx), keys,
-                            extra=extra, hook_state=hook_state)
+                            extra=extra, hook_state=hook_state, shared_start=shared_start)
 
 
 def client_keys(key: jax.Array, idx: jax.Array) -> jax.Array:

@@ -49,9 +49,9 @@ def fedavg(model: Model, *, ft_epochs: int | None = None, **common: Any) -> base
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
         sample_key, train_key = jax.random.split(key)
         idx = engine.sample(sample_key, data)                                    # S_t
-        start = core.broadcast(state.params, idx.shape[0])                       # θ_i ← θ
-        opt = engine.opt_states_for(state.opt_state, idx, start)
-        result = engine.train(data, idx, start, opt, train_key)                  # E local epochs
+        opt = engine.opt_states_for(state.opt_state, idx, state.params)
+        result = engine.train(data, idx, state.params, opt, train_key,           # θ_i ← θ, then
+                              shared_start=True)                                 # E local epochs
         weights = core.gather(data.clients.train_count, idx)
         params = core.mean_over_clients(result.params, weights)                  # Σ (n_i/n) θ_i
         opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)

@@ -36,7 +36,7 @@ def local(model: Model, **common: Any) -> base.Algorithm:
         sample_key, train_key = jax.random.split(key)
         idx = engine.sample(sample_key, data)
         start = core.gather(state.params, idx)
-        opt = engine.opt_states_for(state.opt_state, idx, start)
+        opt = engine.opt_states_for(state.opt_state, idx, base.first_row(start))
         result = engine.train(data, idx, start, opt, train_key)
         return (State(core.scatter(state.params, idx, result.params),
                       engine.store_opt_states(state.opt_state, idx, result.opt_state),

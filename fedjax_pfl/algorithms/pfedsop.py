@@ -99,7 +99,7 @@ def pfedsop(
         x_newton, beta, phi, step_norm = engine.mapper(personalize, c.x, c.delta,
                                                        shared=(state.delta_glob,))     # S2, C1–C7
         x = core.where_clients(c.is_new, core.broadcast(state.x0, m), x_newton)        # C0
-        result = engine.train(data, idx, x, engine.opt_states_for(None, idx, x), train_key)  # C9
+        result = engine.train(data, idx, x, engine.opt_states_for(None, idx, state.x0), train_key)  # C9
         z = result.params
         delta = ops.tree_scale(1.0 / eta_local, ops.tree_sub(x, z))                    # C10, eq. 11
         kept = x if keep == "newton" else z                                            # spec A3

@@ -106,7 +106,6 @@ def pgfed(
         blended = ops.tree_lerp(downloaded, c.aux, beta)                             # eq. 15
         aux = core.where_clients(c.aux_set, blended, first)
         aux = core.where_clients(state.has_prev, aux, c.aux)                          # round 1
-        start = core.broadcast(state.global_params, m)                               # θ_i ← θ_g
         has_prev = jnp.broadcast_to(state.has_prev, (m,))
         extra = {"aux_grad": aux, "update_alpha": has_prev}
         if constant_alpha_grad:   # α gradient μ(L_j + G_j·(θ_g − θ_j)) = b_j + μ G_j·θ_g (A20)
@@ -114,8 +113,9 @@ def pgfed(
             extra["alpha_grad"] = core.broadcast(state.prev_b + mu * g_dot_global, m)
         else:
             extra.update(b=core.broadcast(state.prev_b, m), gbar=core.broadcast(state.gbar, m))
-        opt = engine.opt_states_for(state.clients.opt_state, idx, start)
-        result = engine.train(data, idx, start, opt, train_key, extra=extra, hook_state=alpha_sp)
+        opt = engine.opt_states_for(state.clients.opt_state, idx, state.global_params)
+        result = engine.train(data, idx, state.global_params, opt, train_key, extra=extra,
+                              hook_state=alpha_sp, shared_start=True)               # θ_i ← θ_g
         theta = result.params
         losses, grads = full_pass(data, theta, core.gather(data.clients, idx))       # L_i, G_i
         b = mu * (losses - jax.vmap(ops.tree_vdot)(grads, theta))                     # b_i

@@ -114,6 +114,7 @@ class LocalTrainer:
         self.on_step = on_step
         self._train_one, self._probe = self._make_train_one()
         self._train_many = jit_unless_loop(mapper, self._map_clients)
+        self._train_many_shared_start = jit_unless_loop(mapper, self._map_clients_shared_start)
 
     def init_opt_state(self, params: Params) -> Any:
         """The optimizer state of one client (use `core.broadcast` for a stack)."""
@@ -128,25 +129,36 @@ class LocalTrainer:
         keys: jax.Array,
         extra: dict | None = None,
         hook_state: Any = None,
+        shared_start: bool = False,
     ) -> LocalResult:
         """Trains M clients. Every argument but `data` has leading axis M.
 
         Args:
           data: the federated dataset (shared, not mapped).
-          params, opt_state: each client's starting point.
+          params, opt_state: each client's starting point. With `shared_start`, `params` is ONE
+            model that every client starts from (FedAvg's global model): it is not broadcast to
+            M copies up front.
           clients: the M clients' index tables (`core.gather(data.clients, idx)`).
           keys: [M] PRNG keys (one per client; fold the client id in for order independence).
           extra: per-client inputs for the optimizer and the `on_step` hook.
           hook_state: per-client state carried by `on_step`.
         """
         extra = {} if extra is None else extra
-        return self._train_many(data, params, opt_state, hook_state, clients, keys, extra)
+        train = self._train_many_shared_start if shared_start else self._train_many
+        return train(data, params, opt_state, hook_state, clients, keys, extra)
 
     def _map_clients(self, data, params, opt_state, hook_state, clients, keys, extra):
+        return self._map(self._train_one, self._probe, (data,),
+                         (params, opt_state, hook_state, clients, keys, extra), clients)
+
+    def _map_clients_shared_start(self, data, params, opt_state, hook_state, clients, keys, extra):
+        return self._map(self._train_one, self._probe, (data, params),
+                         (opt_state, hook_state, clients, keys, extra), clients)
+
+    def _map(self, fn, probe, shared, rows, clients):
         cost = steps_per_epoch(clients.train_count, self.batch_size, self.drop_last)
-        rows = (params, opt_state, hook_state, clients, keys, extra)
-        mapper = self.mapper.resolved(self._probe, (data,), rows)
-        return mapper(self._train_one, *rows, shared=(data,), cost=cost)
+        mapper = self.mapper.resolved(probe, shared, rows)
+        return mapper(fn, *rows, shared=shared, cost=cost)
 
     def _make_train_one(self):
         """(train_one, probe): one client's E epochs, and one step of it for memory analysis."""

@@ -137,3 +137,26 @@ def test_every_algorithm_starts_from_the_same_model(ragged_data):
         evals[name] = algo.evaluate(algo.init(jax.random.key(5), ragged_data), ragged_data)["client"]
     for name, ev in evals.items():
         np.testing.assert_allclose(ev.loss_sum, evals["fedavg"].loss_sum, rtol=1e-6, err_msg=name)
+
+
+def test_fedavg_rounds_on_a_linear_model_by_hand(x64):
+    # Linear regression ŷ = w·x, per-example loss ½(w·x − y)², full batches, one epoch, η = 0.5.
+    # Client A: x = [1,0], y = 2 and x = [0,1], y = 1.  Client B: x = [1,1], y = 1.
+    linear = Model(init=lambda key: {"w": jnp.zeros(2)}, apply=lambda p, x: x @ p["w"],
+                   loss=lambda out, y: 0.5 * (out - y) ** 2)
+    x = np.array([[1, 0], [0, 1], [1, 1], [5, 5]], np.float64)
+    y = np.array([2, 1, 1, 0])
+    data = FederatedData.from_arrays(x, y, [np.array([0, 1]), np.array([2])],
+                                     [np.array([3]), np.array([3])], num_classes=3)
+    algo = algorithms.get("fedavg", model=linear, participation=1.0, lr=0.5, batch_size=4)
+    state = algo.init(jax.random.key(0), data)
+    step = jax.jit(algo.round_fn)
+    # Round 1 from w = 0: ∇f = −mean(y·x). A: −[1, 0.5] → w_A = [0.5, 0.25]; B: −[1, 1] →
+    # w_B = [0.5, 0.5]. Weights 2 : 1 → θ = [0.5, 1/3].
+    state, _ = step(state, data, jax.random.key(1))
+    np.testing.assert_allclose(state.params["w"], [0.5, 1 / 3], rtol=1e-12)
+    # Round 2 from θ = [0.5, 1/3]. A: residuals −1.5 and −2/3 → ∇f = [−0.75, −1/3] →
+    # w_A = [0.875, 0.5]. B: residual −1/6 → ∇f = [−1/6, −1/6] → w_B = [7/12, 5/12].
+    # θ' = (2·w_A + w_B)/3 = [(1.75 + 7/12)/3, (1 + 5/12)/3] = [7/9, 17/36].
+    state, _ = step(state, data, jax.random.key(2))
+    np.testing.assert_allclose(state.params["w"], [7 / 9, 17 / 36], rtol=1e-12)
