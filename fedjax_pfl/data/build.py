@@ -15,7 +15,8 @@ from fedjax_pfl.data.federated import FederatedData, label_counts
 class PartitionConfig:
     """How samples are dealt to clients (see data/partition.py for each scheme).
 
-    scheme: 'iid', 'dirichlet', 'pathological', 'shards' or 'natural' (the dataset's own clients).
+    scheme: 'iid', 'dirichlet' (class-wise), 'dirichlet_client' (per-client proportions, equal
+      sizes), 'pathological', 'shards' or 'natural' (the dataset's own clients).
     """
 
     scheme: str = "dirichlet"
@@ -35,7 +36,7 @@ class PartitionConfig:
             raise ValueError(f"--partition must be one of {list(partition_lib.PARTITIONS)}, got {self.scheme!r}")
         if self.num_clients < 1:
             raise ValueError(f"--clients must be >= 1, got {self.num_clients}")
-        if self.scheme == "dirichlet" and not self.alpha > 0:
+        if self.scheme in ("dirichlet", "dirichlet_client") and not self.alpha > 0:
             raise ValueError(f"--alpha must be > 0, got {self.alpha}")
         if self.min_size < 0:
             raise ValueError(f"--min-size must be >= 0, got {self.min_size}")
@@ -60,6 +61,8 @@ def partition_indices(raw: Any, cfg: PartitionConfig) -> list[np.ndarray]:
     if cfg.scheme == "dirichlet":
         return partition_lib.dirichlet(labels, cfg.num_clients, alpha=cfg.alpha, seed=cfg.seed,
                                        min_size=cfg.min_size, max_tries=cfg.max_tries)
+    if cfg.scheme == "dirichlet_client":
+        return partition_lib.dirichlet_client(labels, cfg.num_clients, alpha=cfg.alpha, seed=cfg.seed)
     if cfg.scheme == "pathological":
         return partition_lib.pathological(labels, cfg.num_clients,
                                           classes_per_client=cfg.classes_per_client, seed=cfg.seed)

@@ -4,7 +4,8 @@ Each partitioner returns a list of N int64 arrays of sample indices (disjoint). 
 train/test split is separate (`split_train_test`). The setups of our source papers map to:
 
   PGFed (CIFAR, Dir(0.3), min 40 samples)      dirichlet(alpha=0.3, min_size=40)
-  pFedSOP Dir(0.07)                            dirichlet(alpha=0.07)
+  pFedSOP Dir(0.07)                            dirichlet(alpha=0.07)  (class-wise, spec A10)
+  the same skew with equal client sizes        dirichlet_client(alpha=0.07)  (Hsu et al. 2019)
   pFedSOP pathological (shard-COUNT reading)   shards(shards_per_client=2)   # 200 shards, 100 clients
   pFedMe / TDPFed two labels per client        pathological(classes_per_client=2)
 """
@@ -16,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "pathological", "shards", "natural")
+PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "dirichlet_client", "pathological", "shards", "natural")
 
 
 class PartitionError(ValueError):
@@ -80,6 +81,39 @@ def dirichlet(
         f"samples < --min-size {min_size} (alpha={alpha}, {num_clients} clients, {labels.size} "
         "samples); increase --alpha, lower --min-size or use fewer --clients"
     )
+
+
+def dirichlet_client(labels: np.ndarray, num_clients: int, *, alpha: float, seed: int) -> list[np.ndarray]:
+    """Label skew with equal client sizes: client k's label proportions are q_k ~ Dir(α·1_C).
+
+    The per-client reading of Dirichlet label skew (Hsu, Qi & Brown 2019). Every client gets
+    ⌊n/N⌋ or ⌈n/N⌉ samples, drawn class by class from q_k among the classes that still have
+    samples (renormalised when one runs out, so the last clients' labels drift toward what is
+    left). Unlike the class-wise `dirichlet`, it cannot leave a client empty, so it is feasible
+    for any α, e.g. Dir(0.07) over 100 clients of a 10-class dataset.
+    """
+    labels = np.asarray(labels)
+    _check_clients(labels.size, num_clients)
+    if not alpha > 0:
+        raise PartitionError(f"--alpha must be > 0, got {alpha}")
+    rng = np.random.default_rng(seed)
+    classes = np.unique(labels)
+    pools = [list(rng.permutation(np.flatnonzero(labels == c))) for c in classes]
+    sizes = [len(part) for part in np.array_split(np.arange(labels.size), num_clients)]
+    parts = []
+    for size in sizes:
+        q = rng.dirichlet(np.full(classes.size, alpha))
+        taken: list[int] = []
+        while len(taken) < size:
+            left = np.array([len(pool) for pool in pools], float)
+            weights = np.where(left > 0, q, 0.0)
+            weights = weights / weights.sum() if weights.sum() > 0 else left / left.sum()
+            counts = np.minimum(rng.multinomial(size - len(taken), weights), left.astype(int))
+            for c, k in enumerate(counts):
+                taken += pools[c][:k]
+                del pools[c][:k]
+        parts.append(np.sort(np.asarray(taken, dtype=np.int64)))
+    return parts
 
 
 def pathological(

@@ -107,3 +107,17 @@ def test_build_federated_on_digits():
     assert info["train_size"]["total"] + info["test_size"]["total"] == raw.y.size
     np.testing.assert_array_equal(counts.sum(0), np.bincount(raw.y, minlength=10))
     assert data.num_clients == 10 and data.x.dtype == np.uint8
+
+
+def test_dirichlet_client_equal_sizes_and_skew():
+    parts = P.dirichlet_client(LABELS, 30, alpha=0.07, seed=0)
+    _check_disjoint(parts, LABELS.size)
+    assert P.unassigned_count(parts, LABELS.size) == 0
+    assert sorted({len(p) for p in parts}) == [200]               # 6000 / 30
+    again = P.dirichlet_client(LABELS, 30, alpha=0.07, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    mild = P.dirichlet_client(LABELS, 30, alpha=10.0, seed=0)
+    assert _mean_label_entropy(parts) < _mean_label_entropy(mild) - 1.0
+    # Feasible where the class-wise recipe cannot give every client a sample.
+    tiny = P.dirichlet_client(np.repeat(np.arange(10), 18), 100, alpha=0.07, seed=1)
+    assert min(len(p) for p in tiny) >= 1
