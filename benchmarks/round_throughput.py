@@ -8,6 +8,7 @@ Every configuration runs in a fresh subprocess (so peak memory is its own) on MN
 random data (28×28×1 uint8, 10 classes), `--samples-per-client` training samples per client,
 full participation, one local epoch of plain SGD. Reported per configuration:
   client-steps/s   local SGD steps summed over clients, per second of steady-state round time
+                   (with --repeats, the median over independent processes; range in the JSON)
   samples/s        training samples processed per second (client-steps × batch)
   compile_s        jit compile time of round_fn (vmap/chunked); for the loop backend, the extra
                    time of the first round over a steady-state round (per-client jit compile)
@@ -125,6 +126,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds after the first")
     p.add_argument("--cpu-devices", type=int, default=0,
                    help="XLA:CPU devices to split clients over (default: one per core; 1 = off)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="independent runs (fresh processes) per configuration; the row reports the "
+                        "median client-steps/s and its min-max range (this VM varies ±20 %%)")
     p.add_argument("--json", default=None, help="append result rows to this JSON-lines file")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -148,13 +152,21 @@ def main() -> None:
                            "--conv", args.conv, "--samples-per-client", str(args.samples_per_client),
                            "--chunk-size", str(args.chunk_size), "--rounds", str(args.rounds),
                            "--cpu-devices", str(args.cpu_devices)]
-                    proc = subprocess.run(cmd, capture_output=True, text=True,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-                    if proc.returncode != 0:
+                    runs = []
+                    for _ in range(args.repeats):
+                        proc = subprocess.run(cmd, capture_output=True, text=True,
+                                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                        if proc.returncode != 0:
+                            break
+                        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                    if len(runs) < args.repeats:
                         print(f"{model:<12} {backend:<8} {clients:>7} {batch:>5}  FAILED: "
                               f"{proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}")
                         continue
-                    row = json.loads(proc.stdout.strip().splitlines()[-1])
+                    runs.sort(key=lambda r: r["client_steps_per_s"])
+                    row = dict(runs[len(runs) // 2])
+                    row["client_steps_per_s_range"] = [runs[0]["client_steps_per_s"],
+                                                       runs[-1]["client_steps_per_s"]]
                     print(f"{row['model']:<12} {backend:<8} {clients:>7} {batch:>5} "
                           f"{row['client_steps_per_s']:>15.0f} {row['samples_per_s']:>10.0f} "
                           f"{row['compile_s']:>9.2f} {row['round_s']:>8.3f} {row['peak_rss_mb']:>8.0f} "

@@ -9,7 +9,7 @@ map, reduce), so the execution strategy (vmap, chunked, a Python loop) changes h
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 Params = Any
-Backend = Literal["vmap", "chunked", "loop"]
 BACKENDS: tuple[str, ...] = ("vmap", "chunked", "loop")
 
 AUTO_CHUNK = 0
@@ -100,8 +99,9 @@ class ClientMapper(NamedTuple):
       "chunked": vmap over chunks of `chunk_size` clients, sequential over chunks (lax.map), so
                  peak memory is bounded by the chunk; clients are sorted by `cost` first so each
                  chunk's while-loops stop at the chunk's own longest client. chunk_size 0 means
-                 automatic (`auto_chunk_size`, resolved by the caller that knows the one-client
-                 function); a chunk at least as large as the clients on a device is plain vmap;
+                 automatic (`auto_chunk_size`; LocalTrainer resolves it with a one-step probe,
+                 other callers analyse the mapped function); a chunk at least as large as the
+                 clients on a device is plain vmap;
       "loop":    a Python loop that calls the jitted one-client function once per client. It is
                  the reference the vectorised backends are tested against, and the baseline of
                  benchmarks/round_throughput.py. Under an outer jax.jit it still works but unrolls.
@@ -148,8 +148,7 @@ class ClientMapper(NamedTuple):
 
     def _map_on_device(self, fn, shared, args, cost):
         if self.backend == "vmap":
-            in_axes = (None,) * len(shared) + (0,) * len(args)
-            return jax.vmap(fn, in_axes=in_axes)(*shared, *args)
+            return _vmap_rows(fn, shared, args)
         return _chunked_map(fn, shared, args, self.chunk_size, cost)
 
     def _map_sharded(self, fn, shared, args, cost):
@@ -242,6 +241,7 @@ def abstract_row(tree: Params) -> Params:
 
 
 def abstract(tree: Params) -> Params:
+    """Shape/dtype stand-ins for a whole tree."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
@@ -260,11 +260,14 @@ def _num_rows(args) -> int:
     return jax.tree.leaves(args)[0].shape[0]
 
 
+def _vmap_rows(fn, shared, args):
+    return jax.vmap(fn, in_axes=(None,) * len(shared) + (0,) * len(args))(*shared, *args)
+
+
 def _chunked_map(fn, shared, args, chunk_size, cost):
     m = _num_rows(args)
-    in_axes = (None,) * len(shared) + (0,) * len(args)
     if chunk_size >= m:  # one chunk: plain vmap, no sorting
-        return jax.vmap(fn, in_axes=in_axes)(*shared, *args)
+        return _vmap_rows(fn, shared, args)
     # k equal chunks of at most chunk_size rows: lax.map then compiles one body (a remainder
     # chunk would compile a second one); the at most k − 1 padding rows repeat the cheapest row.
     chunks = -(-m // chunk_size)
