@@ -247,3 +247,107 @@ def test_defaults_follow_the_reference_code():
         (0.005, 0.1, 0.01, 0.5, 10, 5, 0.25, 0.9, "persist")
     with pytest.raises(ValueError, match="has no hyperparameter beta"):
         algorithms.get("pgfed", model=linear_model(), beta=0.5)
+
+
+def test_alpha_recovers_from_zero_only_when_the_gradient_is_negative(x64):
+    # §8.3: from A ≡ 0 an entry leaves 0 only through a step with b_j + s < 0. With one local
+    # epoch of one full batch, each sampled client takes exactly one α step, at θ_i = θ_g, so
+    # α_ij = max(0, −η₂ (b_j + ḡ·θ_g)): positive exactly where the gradient is negative.
+    # Client 2 sits far from the others: its b_j = μ(L_j − G_j·θ_j) is strongly positive while
+    # the near clients' b_j + ḡ·θ_g are negative, so both cases occur.
+    rng = np.random.default_rng(0)
+    centres = [[0, 0, 0], [0.5, 0, 0], [6.0, -4.0, 2.0], [-0.3, 0.2, 0], [0, 0.4, 0.1]]
+    xs = [np.asarray(c) + 0.3 * rng.normal(size=(n, 3)) for c, n in zip(centres, SIZES)]
+    starts = np.cumsum([0] + SIZES)
+    train = [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:])]
+    data = FederatedData.from_arrays(np.concatenate(xs), np.zeros(starts[-1]), train, train,
+                                     num_classes=1)
+    algo = algorithms.get("pgfed", model=QUADRATIC, participation=0.6, local_epochs=1,
+                          batch_size=8, lr=0.1, mu=0.3, alpha_lr=0.05)
+    step = jax.jit(algo.round_fn)
+    state = algo.init(jax.random.key(0), data)
+    state = state._replace(alpha=jnp.zeros_like(state.alpha))
+    state, _ = step(state, data, jax.random.key(0))
+    theta_g = np.asarray(state.global_params["x"])
+    P, b, gbar = np.asarray(state.prev_idx), np.asarray(state.prev_b), np.asarray(state.gbar["x"])
+    state, m = step(state, data, jax.random.key(1))
+    grad = b + gbar @ theta_g
+    assert np.any(grad < 0) and np.any(grad > 0)        # both cases occur in this example
+    for i in np.asarray(m["sampled"]):
+        got = np.asarray(state.alpha)[i, P]
+        np.testing.assert_allclose(got, np.maximum(0.0, -0.05 * grad), rtol=1e-12, atol=0)
+        assert np.all(got[grad >= 0] == 0.0)
+
+
+def test_beta_one_keeps_the_first_download(x64):
+    # §8.5: with β = 1 the held auxiliary gradient stays at its first (copied) download.
+    data, xs = quadratic_clients(5)
+    algo = algorithms.get("pgfedmo", model=QUADRATIC, participation=1.0, local_epochs=1,
+                          batch_size=8, lr=0.1, mu=0.2, alpha_lr=0.05, beta=1.0)
+    state = algo.init(jax.random.key(0), data)
+    step = jax.jit(algo.round_fn)
+    state, _ = step(state, data, jax.random.key(0))
+    state, _ = step(state, data, jax.random.key(1))
+    first = np.asarray(state.clients.aux["x"])
+    for r in range(2, 5):
+        state, _ = step(state, data, jax.random.key(r))
+        np.testing.assert_array_equal(state.clients.aux["x"], first)
+
+
+def test_round_one_is_fedavg_for_any_mu(ragged_data):
+    # §8.7: no auxiliary term and no α update in round 1.
+    hp = dict(participation=0.5, local_epochs=2, batch_size=4, lr=0.05, momentum=0.9,
+              momentum_buffer="persist", drop_last=True)
+    pg = algorithms.get("pgfed", model=linear_model(), mu=0.7, alpha_lr=0.5, **hp)
+    fa = algorithms.get("fedavg", model=linear_model(), **hp)
+    s_pg, _ = jax.jit(pg.round_fn)(pg.init(jax.random.key(0), ragged_data), ragged_data, jax.random.key(3))
+    s_fa, _ = jax.jit(fa.round_fn)(fa.init(jax.random.key(0), ragged_data), ragged_data, jax.random.key(3))
+    tree_allclose(s_pg.global_params, s_fa.params, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(s_pg.alpha, 0.5)
+
+
+def test_taylor_gap_on_quadratic_clients(x64):
+    # §8.12: for f_j = mean ½‖θ − x‖², f_j(θ_i) − [L_j + G_j·(θ_i − θ_j)] = ½‖θ_i − θ_j‖².
+    data, xs = quadratic_clients(6)
+    algo = algorithms.get("pgfed", model=QUADRATIC, participation=0.6, local_epochs=2,
+                          batch_size=8, lr=0.1, mu=0.4, alpha_lr=0.05)
+    state, _ = jax.jit(algo.round_fn)(algo.init(jax.random.key(0), data), data, jax.random.key(0))
+    P = np.asarray(state.prev_idx)
+    G = np.asarray(state.prev_grads["x"])
+    theta = np.asarray(state.clients.theta["x"])
+    L = np.asarray(state.prev_b) / 0.4 + np.sum(G * theta[P], axis=1)
+    theta_i = np.array([1.0, -0.5, 0.25])
+    for k, j in enumerate(P):
+        exact = np.mean(0.5 * np.sum((theta_i - xs[j]) ** 2, axis=1))
+        gap = exact - (L[k] + G[k] @ (theta_i - theta[j]))
+        assert gap == pytest.approx(0.5 * np.sum((theta_i - theta[j]) ** 2), rel=1e-10)
+
+
+def test_unsampled_clients_keep_all_their_state(ragged_data):
+    # §8.14/§8.22: θ_i, the held g̃_i, its flag and the optimizer buffer of unsampled clients.
+    algo = algorithms.get("pgfedmo", model=linear_model(), participation=0.5, local_epochs=1,
+                          batch_size=4)
+    step = jax.jit(algo.round_fn)
+    state = algo.init(jax.random.key(0), ragged_data)
+    for r in range(3):
+        new, m = step(state, ragged_data, jax.random.key(r))
+        sampled = set(np.asarray(m["sampled"]).tolist())
+        for i in set(range(4)) - sampled:
+            tree_equal(jax.tree.map(lambda x: x[i], state.clients), jax.tree.map(lambda x: x[i], new.clients))
+        state = new
+
+
+def test_identical_clients_give_identical_models(x64):
+    # §8.27: full participation, identical data on every client, equal α rows.
+    x = np.random.default_rng(0).normal(size=(4, 3))
+    data = FederatedData.from_arrays(np.tile(x, (3, 1)), np.zeros(12),
+                                     [np.arange(0, 4), np.arange(4, 8), np.arange(8, 12)],
+                                     [np.arange(0, 4), np.arange(4, 8), np.arange(8, 12)], num_classes=1)
+    algo = algorithms.get("pgfedmo", model=QUADRATIC, participation=1.0, local_epochs=2,
+                          batch_size=8, lr=0.1, mu=0.3, alpha_lr=0.05)
+    state = algo.init(jax.random.key(0), data)
+    for r in range(3):
+        state, _ = jax.jit(algo.round_fn)(state, data, jax.random.key(r))
+    theta = np.asarray(state.clients.theta["x"])
+    np.testing.assert_allclose(theta, np.tile(theta[0], (3, 1)), rtol=1e-12)
+    np.testing.assert_allclose(state.global_params["x"], theta[0], rtol=1e-12)
