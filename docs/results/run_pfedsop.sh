@@ -12,7 +12,7 @@ OUT=${OUT:-runs/pfedsop}
 # Dir(0.07) over 100 clients with 10 classes leaves many clients (nearly) empty under the
 # class-wise recipe: Fashion-MNIST needs --min-size 5 (clients of 6 to 3,388 samples); on the
 # 1,797 digits no minimum is feasible, so digits uses the per-client reading dirichlet_client.
-for dataset in fashion_mnist digits; do
+for dataset in ${DATASETS:-fashion_mnist digits}; do
   for preset in pfedsop_paper pfedsop_paper_shards; do
     extra=""
     if [ "$preset" = pfedsop_paper ]; then

@@ -10,7 +10,7 @@ ROUNDS=${ROUNDS:-300}
 # E = 5, B = 10 (drop_last), SGD momentum 0.9 with persistent per-client buffers, lr 0.005,
 # μ = 0.1, η₂ = 0.01, β = 0.5, 300 rounds. The same settings for every method, as in the
 # reference code's example scripts.
-for dataset in fashion_mnist digits; do
+for dataset in ${DATASETS:-fashion_mnist digits}; do
   python experiments/compare.py --out "$OUT/$dataset" \
     --title "PGFed protocol (25 clients, Dir(0.3)) on $dataset, MLP" \
     --common "--preset pgfed_paper --dataset $dataset --model mlp --rounds $ROUNDS" \
