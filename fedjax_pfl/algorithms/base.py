@@ -112,6 +112,10 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
            check=UNIT_OPEN_CLOSED),
     HParam("local_epochs", int, 1, "local epochs E: every client visits each of its samples E times",
            check=AT_LEAST_ONE),
+    HParam("local_steps", int, None,
+           "if set: exactly K local minibatch steps per client and round instead of "
+           "--local-epochs (batches walk through reshuffled epochs of the client's data)",
+           check=AT_LEAST_ONE),
     HParam("batch_size", int, 10, "local minibatch size B", check=AT_LEAST_ONE),
     HParam("lr", float, 0.05, "client learning rate of local SGD", check=POSITIVE),
     HParam("momentum", float, 0.0, "SGD momentum of the client optimizer (0: plain SGD)",
@@ -209,6 +213,7 @@ class Engine:
         *,
         participation: float,
         local_epochs: int,
+        local_steps: int | None,
         batch_size: int,
         lr: float,
         momentum: float,
@@ -228,8 +233,8 @@ class Engine:
         if client_transform is not None:
             optimizer = optax.chain(client_transform, optimizer)
         self.trainer = LocalTrainer(
-            model, optimizer, epochs=local_epochs, batch_size=batch_size,
-            mapper=self.mapper, drop_last=drop_last, on_step=on_step,
+            model, optimizer, batch_size=batch_size, mapper=self.mapper, drop_last=drop_last,
+            on_step=on_step, **({"steps": local_steps} if local_steps else {"epochs": local_epochs}),
         )
         self.evaluator = Evaluator(model, batch_size=eval_batch_size, mapper=self.mapper)
 

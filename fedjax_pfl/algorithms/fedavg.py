@@ -38,7 +38,7 @@ def fedavg(model: Model, *, ft_epochs: int | None = None, **common: Any) -> base
         fine_tuner = LocalTrainer(
             model, engine.trainer.optimizer, epochs=ft_epochs, batch_size=common["batch_size"],
             mapper=engine.evaluator.mapper, drop_last=common["drop_last"],
-        )
+        )  # fine-tuning is always whole epochs (--ft-epochs), whatever --local-steps says
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)  # the same initial model as every other algorithm from this key

@@ -12,13 +12,20 @@ client of the batch and leaves finished clients untouched (their parameters, opt
 hook state do not change), and with the chunked backend clients are sorted by step count so each
 chunk stops at its own longest client.
 
+Instead of E epochs, `steps=K` gives every client exactly K minibatch steps (TDPFed's τ local
+rounds, FedPC's single stochastic gradient), walking through successive reshuffled epochs of its
+own data.
+
 Algorithms change local training by composition, not by writing loops:
   * `optimizer` is any optax transformation; extra per-client inputs (`extra`) are passed to its
     `update` as keyword arguments, so `optax.chain(add_aux_gradient(), optax.sgd(lr))` adds a
     per-client vector to every minibatch gradient (PGFed) and a prox transform can read an anchor;
   * `on_step(hook_state, params, extra) -> hook_state` runs at every active step with the
     parameters BEFORE that step's update and carries its own state (PGFed's α row);
-  * `full_pass` gives the mean loss and gradient over all of a client's training samples.
+  * `step_fn(params, opt_state, x, y, mask, extra) -> (params, opt_state, loss)` replaces the
+    default "one gradient, one optimizer update" for algorithms whose minibatch step is itself
+    an inner loop (TDPFed: s prox steps on θ, then s' data-free steps on the CP factors);
+  * `FullPass` gives the mean loss and gradient over all of a client's training samples.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from fedjax_pfl.models.model import Model
 
 Params = Any
 OnStep = Callable[[Any, Params, dict], Any]
+StepFn = Callable[..., tuple[Params, Any, jax.Array]]
 
 
 class LocalResult(NamedTuple):
@@ -45,7 +53,7 @@ class LocalResult(NamedTuple):
     opt_state: Any
     hook_state: Any
     loss: jax.Array       # mean minibatch loss over the client's steps; [M] float32
-    num_steps: jax.Array  # steps actually taken, E·S_i; [M] int32
+    num_steps: jax.Array  # steps actually taken, E·S_i (or K); [M] int32
 
 
 def steps_per_epoch(count: jax.Array, batch_size: int, drop_last: bool = False) -> jax.Array:
@@ -95,19 +103,28 @@ class LocalTrainer:
         model: Model,
         optimizer: optax.GradientTransformation,
         *,
-        epochs: int,
         batch_size: int,
         mapper: ClientMapper,
+        epochs: int | None = None,
+        steps: int | None = None,
         drop_last: bool = False,
         on_step: OnStep | None = None,
+        step_fn: StepFn | None = None,
     ):
-        if epochs < 1:
+        if (epochs is None) == (steps is None):
+            raise ValueError("give exactly one of epochs (E passes over each client's data) or "
+                             "steps (K minibatch steps per client)")
+        if epochs is not None and epochs < 1:
             raise ValueError(f"--local-epochs must be >= 1, got {epochs}")
+        if steps is not None and steps < 1:
+            raise ValueError(f"--local-steps must be >= 1, got {steps}")
         if batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
         self.model = model
         self.optimizer = optax.with_extra_args_support(optimizer)
-        self.epochs = int(epochs)
+        self.epochs = None if epochs is None else int(epochs)
+        self.steps = None if steps is None else int(steps)
+        self.step_fn = step_fn
         self.batch_size = int(batch_size)
         self.drop_last = bool(drop_last)
         self.mapper = mapper
@@ -115,6 +132,12 @@ class LocalTrainer:
         self._train_one, self._probe = self._make_train_one()
         self._train_many = jit_unless_loop(mapper, self._map_clients)
         self._train_many_shared_start = jit_unless_loop(mapper, self._map_clients_shared_start)
+
+    def num_steps(self, count: jax.Array) -> jax.Array:
+        """Steps each client takes: E·S_i, or K (0 for a client without data)."""
+        if self.steps is not None:
+            return jnp.where(jnp.asarray(count) > 0, self.steps, 0).astype(jnp.int32)
+        return self.epochs * steps_per_epoch(count, self.batch_size, self.drop_last)
 
     def init_opt_state(self, params: Params) -> Any:
         """The optimizer state of one client (use `core.broadcast` for a stack)."""
@@ -156,32 +179,45 @@ class LocalTrainer:
                          (opt_state, hook_state, clients, keys, extra), clients)
 
     def _map(self, fn, probe, shared, rows, clients):
-        cost = steps_per_epoch(clients.train_count, self.batch_size, self.drop_last)
+        cost = self.num_steps(clients.train_count)
         mapper = self.mapper.resolved(probe, shared, rows)
         return mapper(fn, *rows, shared=shared, cost=cost)
 
     def _make_train_one(self):
-        """(train_one, probe): one client's E epochs, and one step of it for memory analysis."""
-        model, optimizer, on_step = self.model, self.optimizer, self.on_step
-        epochs, batch, drop_last = self.epochs, self.batch_size, self.drop_last
+        """(train_one, probe): one client's local training, and one step of it for memory analysis."""
+        model, optimizer, on_step, step_fn = self.model, self.optimizer, self.on_step, self.step_fn
+        epochs, steps, batch, drop_last = self.epochs, self.steps, self.batch_size, self.drop_last
         loss_and_grad = jax.value_and_grad(lambda p, x, y, m: masked_mean_loss(model, p, x, y, m))
 
+        def gradient_step(params, opt_state, x, y, mask, extra):
+            loss, grads = loss_and_grad(params, x, y, mask)
+            updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        update = step_fn or gradient_step
+
         def step(data, params, opt_state, hook_state, rows, mask, extra):
-            """One minibatch: the hook (pre-step params), the gradient, the optimizer update."""
+            """One minibatch: the hook (pre-step params), then the update (default: gradient +
+            optimizer)."""
             if on_step is not None:
                 hook_state = on_step(hook_state, params, extra)
-            loss, grads = loss_and_grad(params, data.inputs(rows), data.labels(rows), mask)
-            updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
-            return optax.apply_updates(params, updates), opt_state, hook_state, loss
+            params, opt_state, loss = update(params, opt_state, data.inputs(rows),
+                                             data.labels(rows), mask, extra)
+            return params, opt_state, hook_state, loss
 
         def train_one(data, params, opt_state, hook_state, client, key, extra):
             count = client.train_count
+            width = client.train_idx.shape[0]
             per_epoch = steps_per_epoch(count, batch, drop_last)
-            total = epochs * per_epoch
+            total = self.num_steps(count)
             rows_of_client = _padded_row(client.train_idx, batch)
-            orders = jax.vmap(lambda r: _padded_row(r, batch))(
-                epoch_orders(key, count, client.train_idx.shape[0], epochs)
-            )
+            if steps is None:  # E epochs: all orders up front
+                orders = jax.vmap(lambda r: _padded_row(r, batch))(
+                    epoch_orders(key, count, width, epochs))
+                order_of = lambda epoch: orders[epoch]
+            else:  # K steps may span many epochs: draw each epoch's order when it is used
+                order_of = lambda epoch: _padded_row(
+                    epoch_orders(jax.random.fold_in(key, epoch), count, width, 1)[0], batch)
             # With drop_last only the first S_i·B positions of an epoch are used (all n_i if n_i < B).
             used = jnp.where(count >= batch, per_epoch * batch, count) if drop_last else count
 
@@ -189,7 +225,7 @@ class LocalTrainer:
                 t, params, opt_state, hook_state, loss_sum = carry
                 epoch, k = t // per_epoch, t % per_epoch
                 positions = k * batch + jnp.arange(batch)
-                local = jax.lax.dynamic_slice(orders[epoch], (k * batch,), (batch,))
+                local = jax.lax.dynamic_slice(order_of(epoch), (k * batch,), (batch,))
                 params, opt_state, hook_state, loss = step(
                     data, params, opt_state, hook_state, rows_of_client[local], positions < used, extra)
                 return t + 1, params, opt_state, hook_state, loss_sum + loss

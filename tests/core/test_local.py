@@ -7,7 +7,8 @@ import optax
 import pytest
 
 from fedjax_pfl import core
-from fedjax_pfl.core.local import FullPass, LocalTrainer, add_aux_gradient, steps_per_epoch
+from fedjax_pfl.core.local import (FullPass, LocalTrainer, add_aux_gradient, masked_mean_loss,
+                                   steps_per_epoch)
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
 from helpers import linear_model, make_data, tree_allclose, tree_equal
@@ -171,3 +172,54 @@ def test_full_pass_is_the_mean_loss_and_gradient_over_all_samples(x64):
         ref_loss, ref_grad = reference(params, jnp.asarray(rows))
         np.testing.assert_allclose(losses[i], ref_loss, rtol=1e-12)
         tree_allclose(jax.tree.map(lambda g: g[i], grads), ref_grad, rtol=1e-10)
+
+
+def test_fixed_number_of_steps_walks_through_reshuffled_epochs():
+    # steps = K: every client takes exactly K steps whatever its size. Client 0 (n = 7, B = 3,
+    # S = 3) takes 5 steps: all of epoch 0 (batches of 3, 3, 1) and two full batches of epoch 1.
+    # Each step moves Σ_j c[r_j] by −1 (batch mean), so the total movement is −5; every sample is
+    # visited in epoch 0. Client 1 (n = 2 < B) repeats its single batch 5 times.
+    data = counting_data([7, 2])
+    trainer = LocalTrainer(COUNTER, optax.sgd(1.0), steps=5, batch_size=3,
+                           mapper=core.client_mapper("vmap"))
+    params = {"c": jnp.zeros(9)}
+    keys = jax.random.split(jax.random.key(4), 2)
+    out = trainer(data, core.broadcast(params, 2), core.broadcast(trainer.init_opt_state(params), 2),
+                  data.clients, keys)
+    np.testing.assert_array_equal(out.num_steps, [5, 5])
+    c0, c1 = np.asarray(out.params["c"])
+    assert c0[:7].sum() == pytest.approx(-5.0) and np.all(c0[:7] <= -1 / 3 + 1e-6)
+    np.testing.assert_allclose(c1[7:], [-2.5, -2.5])
+    # Epoch 0 gives six samples −1/3 and one sample s −1; epoch 1 gives six samples −1/3 and
+    # skips one sample u. If u = s: {−1, −2/3 ×6}; otherwise {−4/3, −1/3 (u), −2/3 ×5}.
+    got = sorted(np.round(c0[:7] * 3).astype(int).tolist())
+    assert got in ([-3] + [-2] * 6, [-4] + [-2] * 5 + [-1])
+
+
+def test_custom_step_function_runs_an_inner_loop(x64):
+    # A pFedMe/TDPFed-style step: two inner gradient steps on the SAME minibatch. On the quadratic
+    # P(x) = ½‖x − c‖² with one sample, each engine step is two plain steps: after K engine steps
+    # x − c = (1 − η)^{2K} (x0 − c).
+    c = np.array([[1.0, -2.0, 0.5]])
+    data = FederatedData.from_arrays(c, np.zeros(1), [np.array([0])], [np.array([0])], num_classes=1)
+    model = Model(init=lambda k: {"x": jnp.zeros(3)}, apply=lambda p, x: p["x"] - x,
+                  loss=lambda out, y: 0.5 * jnp.sum(out**2, axis=-1))
+
+    def two_inner_steps(params, opt_state, x, y, mask, extra):
+        grad = jax.grad(lambda p: masked_mean_loss(model, p, x, y, mask))
+        for _ in range(2):
+            params = jax.tree.map(lambda p, g: p - 0.25 * g, params, grad(params))
+        return params, opt_state, masked_mean_loss(model, params, x, y, mask)
+
+    trainer = LocalTrainer(model, optax.identity(), steps=3, batch_size=1,
+                           mapper=core.client_mapper("vmap"), step_fn=two_inner_steps)
+    params = model.init(None)
+    out = trainer(data, core.broadcast(params, 1), core.broadcast(trainer.init_opt_state(params), 1),
+                  data.clients, jax.random.split(jax.random.key(0), 1))
+    np.testing.assert_allclose(out.params["x"][0], c[0] + 0.75 ** 6 * (0 - c[0]), rtol=1e-12)
+
+
+def test_epochs_or_steps_not_both():
+    with pytest.raises(ValueError, match="exactly one of epochs"):
+        LocalTrainer(COUNTER, optax.sgd(1.0), epochs=1, steps=2, batch_size=1,
+                     mapper=core.client_mapper("vmap"))
