@@ -103,3 +103,27 @@ def test_batchnorm_modules_are_rejected_and_small_inputs_explained():
         models.get("cnn", (8, 8, 1), 10)
     with pytest.raises(ValueError, match="unknown --model"):
         models.get("vgg", (8, 8, 1), 10)
+
+
+@pytest.mark.parametrize("rows", [1, 10, 16, 17, 40])
+def test_dense_kernel_gradient_equals_autodiff_of_the_matmul(x64, rows):
+    # The custom VJP (outer-product sum for ≤ 16 rows, dot above) against autodiff of x @ W,
+    # for batched (3-D) inputs too, and under vmap over clients.
+    from fedjax_pfl.models.layers import OUTER_PRODUCT_MAX_ROWS, matmul_small_batch_grad
+    assert OUTER_PRODUCT_MAX_ROWS == 16
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.normal(size=(rows, 7)))
+    w = jnp.asarray(rng.normal(size=(7, 5)))
+    g = jnp.asarray(rng.normal(size=(rows, 5)))
+    loss = lambda f: (lambda x, w: jnp.sum(f(x, w) * g))
+    got = jax.grad(loss(matmul_small_batch_grad), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(jnp.matmul), argnums=(0, 1))(x, w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    x3 = x.reshape(1, rows, 7)
+    got3 = jax.grad(lambda w: jnp.sum(matmul_small_batch_grad(x3, w)))(w)
+    np.testing.assert_allclose(got3, jnp.sum(x, 0)[:, None] * jnp.ones((1, 5)), rtol=1e-12)
+    per_client = jax.vmap(jax.grad(lambda w, x: jnp.sum(jnp.tanh(matmul_small_batch_grad(x, w)))))
+    ws, xs = jnp.stack([w, 2 * w]), jnp.stack([x, -x])
+    ref = jax.vmap(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w))))(ws, xs)
+    np.testing.assert_allclose(per_client(ws, xs), ref, rtol=1e-12, atol=1e-12)
