@@ -231,13 +231,16 @@ def plot_learning_curves(runs: dict[str, list[dict]], path: str, title: str = ""
 
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.2))
     styles = ("-", ":", "--", "-.")
-    for label, rows in runs.items():
+    palette = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
+    for (label, rows), color in zip(runs.items(), palette * (1 + len(runs) // len(palette))):
         for key, style in zip(acc_keys, styles):
             pts = [(r["round"], r[key]) for r in rows if key in r]
             if pts:
                 name = key if len(runs) == 1 else (label if len(acc_keys) == 1 else f"{label} {key}")
-                ax_acc.plot(*zip(*pts), style, label=name)
-        ax_loss.plot([r["round"] for r in rows], [r["train_loss"] for r in rows], label=label)
+                ax_acc.plot(*zip(*pts), style, label=name,
+                            color=None if len(runs) == 1 else color)
+        ax_loss.plot([r["round"] for r in rows], [r["train_loss"] for r in rows], label=label,
+                     color=color)
     ax_acc.set_xlabel("round")
     ax_acc.set_ylabel("client test accuracy")
     ax_acc.legend(fontsize=8)
