@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--common", default="", help="flags shared by every run")
     p.add_argument("--run", action="append", required=True, help='"LABEL: FLAGS"')
     p.add_argument("--title", default="", help="heading of results.md")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse runs whose directory already holds a summary.json")
     args = p.parse_args(argv)
 
     import fedjax_pfl
@@ -58,10 +60,24 @@ def main(argv: list[str] | None = None) -> int:
             data_cache[key] = runner.load_data(cfg)
         data, info = data_cache[key]
         print(f"== {label}: {' '.join(argv_run)}", flush=True)
-        summary = runner.run(cfg, data=data, data_info=info, log=print)
+        command = "python experiments/run.py " + " ".join(argv_run[:-3])
+        summary_path = os.path.join(cfg.out, "summary.json")
+        diverged = None
+        if args.resume and os.path.exists(summary_path):
+            summary = json.load(open(summary_path))
+        else:
+            try:
+                summary = runner.run(cfg, data=data, data_info=info, log=print)
+            except runner.NonFiniteError as e:  # keep the sweep going; the table says so
+                diverged = str(e).split(":")[0]
+                print(f"   diverged: {e}", flush=True)
+                with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
+                    curves[label] = [json.loads(line) for line in f]
+                rows.append({"label": label, "command": command, "diverged": diverged})
+                continue
         best, last = summary["best"], summary["last"]
         rows.append({
-            "label": label, "command": "python experiments/run.py " + " ".join(argv_run[:-3]),
+            "label": label, "command": command,
             "acc_last": last.get("acc_mean"), "acc_best": best.get("acc_mean"),
             "acc_weighted_last": last.get("acc_weighted"), "worst10_last": last.get("acc_worst10"),
             "participant_best": last.get("participant_best_mean"),
@@ -96,6 +112,10 @@ def write_table(args, rows, info) -> None:
              "| run | mean (last) | mean (best round) | weighted (last) | worst 10% (last) | part.-best | global model (last) | s/round |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("diverged"):
+            lines.append(f"| {r['label']} | diverged ({r['diverged']}: non-finite training loss) "
+                         "| | | | | | |")
+            continue
         lines.append(f"| {r['label']} | {_fmt(r['acc_last'])} | {_fmt(r['acc_best'])} | "
                      f"{_fmt(r['acc_weighted_last'])} | {_fmt(r['worst10_last'])} | "
                      f"{_fmt(r['participant_best'])} | {_fmt(r['global_last'])} | "

@@ -34,7 +34,7 @@ def main() -> int:
     p.add_argument("--title", default="")
     args = p.parse_args()
 
-    rows = json.load(open(os.path.join(args.group, "results.json")))
+    rows = [r for r in json.load(open(os.path.join(args.group, "results.json"))) if not r.get("diverged")]
     chosen = []
     for method in args.methods:
         # A label belongs to the method whose prefix is longest among those it starts with.

@@ -8,15 +8,18 @@ ROUNDS=${ROUNDS:-300}
 
 # The paper's CIFAR protocol (preset pgfed_paper): 25 clients, Dir(0.3), 25 % participation,
 # E = 5, B = 10 (drop_last), SGD momentum 0.9 with persistent per-client buffers, lr 0.005,
-# μ = 0.1, η₂ = 0.01, β = 0.5, 300 rounds. The same settings for every method, as in the
-# reference code's example scripts.
+# η₂ = 0.01, β = 0.5, 300 rounds. The same settings for every method, as in the reference code's
+# example scripts; μ = 0.1 (the example's value) and 0.01 (the next value of the paper's grid).
+# A run that diverges is recorded as such; --resume reuses finished runs.
 for dataset in ${DATASETS:-fashion_mnist digits}; do
-  python experiments/compare.py --out "$OUT/$dataset" \
+  python experiments/compare.py --resume --out "$OUT/$dataset" \
     --title "PGFed protocol (25 clients, Dir(0.3)) on $dataset, MLP" \
     --common "--preset pgfed_paper --dataset $dataset --model mlp --rounds $ROUNDS" \
     --run "local: --algo local" \
     --run "fedavg: --algo fedavg" \
     --run "fedavg_ft: --algo fedavg_ft" \
     --run "pgfed: --algo pgfed" \
-    --run "pgfedmo: --algo pgfedmo"
+    --run "pgfedmo: --algo pgfedmo" \
+    --run "pgfed mu=0.01: --algo pgfed --pgfed-mu 0.01" \
+    --run "pgfedmo mu=0.01: --algo pgfedmo --pgfed-mu 0.01"
 done
