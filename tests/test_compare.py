@@ -1,0 +1,28 @@
+"""experiments/compare.py: a table of runs on one partition, diverged runs recorded, --resume."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+import compare  # noqa: E402
+
+
+def test_compare_tabulates_records_divergence_and_resumes(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    argv = ["--out", str(out), "--common", "--clients 6 --rounds 2 --participation 0.5",
+            "--run", "fedavg: --algo fedavg", "--run", "blows up: --algo fedavg --lr 1e12"]
+    assert compare.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["label"] for r in rows] == ["fedavg", "blows up"]
+    assert 0 <= rows[0]["acc_last"] <= 1 and rows[1]["diverged"].startswith("round 1")
+    table = (out / "results.md").read_text()
+    assert "| blows up | diverged (round 1" in table
+    assert "python experiments/run.py --clients 6 --rounds 2 --participation 0.5 --algo fedavg" in table
+    assert (out / "curves.png").exists() and (out / "fedavg" / "summary.json").exists()
+    capsys.readouterr()
+    # --resume reuses the finished run (same numbers, no retraining).
+    assert compare.main(argv[:2] + ["--resume"] + argv[2:6]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again[0]["acc_last"] == rows[0]["acc_last"] and len(again) == 1
