@@ -158,7 +158,8 @@ def pgfed_ce(model: Model, *, mu: float, alpha_lr: float, **common: Any) -> base
 _REFERENCE_DEFAULTS = {"lr": 0.005, "momentum": 0.9, "momentum_buffer": "persist", "batch_size": 10,
                        "local_epochs": 5, "participation": 0.25, "drop_last": True}
 _MU = base.HParam("mu", float, 0.1,
-                  "μ, weight of the auxiliary risk: F_i = f_i + μ Σ_j α_ij [f_j(θ_j) + ∇f_j(θ_j)ᵀ(θ_i − θ_j)]",
+                  "μ, weight of the auxiliary risk: F_i = f_i + μ Σ_j α_ij [f_j(θ_j) + ∇f_j(θ_j)ᵀ(θ_i − θ_j)] "
+                  "(α is unbounded above: if PGFed diverges, lower μ; see docs/results/pgfed.md)",
                   check=base.NON_NEGATIVE)
 _ALPHA_LR = base.HParam("alpha_lr", float, 0.01,
                         "η₂, learning rate of the coefficients α_ij (projected at 0 every minibatch)",
