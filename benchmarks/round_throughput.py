@@ -8,7 +8,8 @@ Every configuration runs in a fresh subprocess (so peak memory is its own) on MN
 random data (28×28×1 uint8, 10 classes), `--samples-per-client` training samples per client,
 full participation, one local epoch of plain SGD. Reported per configuration:
   client-steps/s   local SGD steps summed over clients, per second of steady-state round time
-                   (with --repeats, the median over independent processes; range in the JSON)
+                   (with --repeats, the upper median over independent processes, i.e. the
+                   faster of 2; range in the JSON)
   samples/s        training samples processed per second (client-steps × batch)
   compile_s        jit compile time of round_fn (vmap/chunked); for the loop backend, the extra
                    time of the first round over a steady-state round (per-client jit compile)
@@ -128,7 +129,7 @@ def main() -> None:
                    help="XLA:CPU devices to split clients over (default: one per core; 1 = off)")
     p.add_argument("--repeats", type=int, default=1,
                    help="independent runs (fresh processes) per configuration; the row reports the "
-                        "median client-steps/s and its min-max range (this VM varies ±20 %%)")
+                        "upper median client-steps/s (the faster of 2) and its min-max range (this VM varies ±20 %%)")
     p.add_argument("--json", default=None, help="append result rows to this JSON-lines file")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
