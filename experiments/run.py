@@ -138,6 +138,8 @@ def config_from_args(args: argparse.Namespace):
     from fedjax_pfl.data.build import PartitionConfig
     from fedjax_pfl.runner import RunConfig
 
+    if args.algo not in algorithms.names():
+        raise ValueError(f"--algo must be one of {algorithms.names()}, got {args.algo!r}")
     spec = algorithms.spec(args.algo)
     mine = {flag: hp for hp, flag in spec.all_hparams()}
     hparams = {}

@@ -25,8 +25,9 @@ def no_compute(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--algo", "nope"], "unknown algorithm 'nope'"),
+    (["--algo", "nope"], "--algo must be one of ['fedavg', 'fedavg_ft', 'local', 'pfedsop', 'pgfed', "),
     (["--alpha", "0"], "--alpha must be > 0, got 0.0"),
+    (["--alpha", "0", "--partition", "iid"], "--alpha must be > 0, got 0.0"),
     (["--alpha", "-1"], "--alpha must be > 0"),
     (["--participation", "0"], "--participation must be in (0, 1], got 0.0"),
     (["--participation", "1.5"], "--participation must be in (0, 1]"),

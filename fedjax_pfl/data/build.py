@@ -36,7 +36,7 @@ class PartitionConfig:
             raise ValueError(f"--partition must be one of {list(partition_lib.PARTITIONS)}, got {self.scheme!r}")
         if self.num_clients < 1:
             raise ValueError(f"--clients must be >= 1, got {self.num_clients}")
-        if self.scheme in ("dirichlet", "dirichlet_client") and not self.alpha > 0:
+        if not self.alpha > 0:  # checked for every scheme: a bad value is a typo even where unused
             raise ValueError(f"--alpha must be > 0, got {self.alpha}")
         if self.min_size < 0:
             raise ValueError(f"--min-size must be >= 0, got {self.min_size}")
