@@ -1,8 +1,10 @@
 """PGFed, PGFedMo and PGFed-CE (Luo et al., ICCV 2023, arXiv:2212.01448); spec/pgfed.md.
 
-The round is the vectorised statement of the authors' code (spec §2.4). With S = S_t, P = S_{t−1}
-(both of size M), G ∈ R^{M×d} the full-data gradients G_j = ∇f_j(θ_j) of P's clients at their
-final models, b_j = μ(L_j − G_j·θ_j) and ḡ = (μ/M) Σ_{j∈P} G_j:
+The round is the vectorised statement of the authors' code (spec §2.4) of the paper's Algorithm 1
+(server lines S1–S14, client lines C1–C11). With S = S_t, P = S_{t−1} (both of size M),
+G ∈ R^{M×d} the full-data gradients G_j = ∇f_j(θ_j) of P's clients at their final models,
+b_j = μ(L_j − G_j·θ_j) (the first term g_α^(1) of eq. 11, Alg. 1 C10) and
+ḡ = (μ/M) Σ_{j∈P} G_j (eq. 14, Alg. 1 S10):
 
   C = μ · A[S, P] @ G                          c_i = μ Σ_{j∈P} α_ij G_j   (eq. 13, one matmul)
   h_i ← c_i the first time, else (1−β) c_i + β h_i                      (PGFedMo eq. 15, A6)
@@ -10,8 +12,9 @@ final models, b_j = μ(L_j − G_j·θ_j) and ḡ = (μ/M) Σ_{j∈P} G_j:
       s = ḡ·θ_i                                θ_i BEFORE this step    (eq. 12, A5)
       A[i, P] ← max(0, A[i, P] − η₂ (b + s))                            (eq. 11, A2, A4)
       buf ← 0.9 buf + ∇ℓ_B(θ_i) + h_i;  θ_i ← θ_i − η₁ buf             (eq. 10, A8)
-  L_i, G_i ← mean loss and gradient over ALL of i's training samples at the final θ_i (A10)
-  θ_g ← Σ_{i∈S} (n_i / Σ_S n) θ_i;  ḡ ← (μ/M) Σ_{i∈S} G_i             (A11, A12)
+  L_i, G_i ← mean loss and gradient over ALL of i's training samples at the final θ_i
+                                                                        (Alg. 1 C10, A10)
+  θ_g ← Σ_{i∈S} (n_i / Σ_S n) θ_i;  ḡ ← (μ/M) Σ_{i∈S} G_i     (Alg. 1 S13, eq. 14; A11, A12)
 
 Round 1 is FedAvg local training (no auxiliary gradient, no α update). A starts at 1/M with
 M = floor(N·rate) (A3). Unsampled clients keep θ_i, h_i, their α row and optimizer state (A14).

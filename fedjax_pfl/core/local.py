@@ -265,6 +265,7 @@ class FullPass:
 
     f_i(θ) = (1/n_i) Σ_j ℓ(θ; x_j, y_j) and ∇f_i(θ), accumulated over batches of `batch_size`
     (memory bound) with a masked last batch, so the result does not depend on the batch size.
+    PGFed uploads these at the end of local training (Algorithm 1 line C10; spec/pgfed.md A10).
     """
 
     def __init__(self, model: Model, *, batch_size: int, mapper: ClientMapper):

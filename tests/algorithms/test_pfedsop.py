@@ -147,15 +147,16 @@ def test_zero_personal_lr_keeps_every_model_at_x0(ragged_data):
 @pytest.mark.parametrize("keep", ["newton", "sgd"])
 def test_vmapped_equals_loop_backend(ragged_data, keep):
     runs = {}
-    for backend in ("loop", "vmap"):
+    for backend in ("loop", "vmap", "chunked"):
         algo = algorithms.get("pfedsop", model=linear_model(), participation=0.75, keep=keep,
-                              backend=backend, local_epochs=2, batch_size=4)
+                              backend=backend, chunk_size=2, local_epochs=2, batch_size=4)
         state = algo.init(jax.random.key(0), ragged_data)
         step = algo.round_fn if backend == "loop" else jax.jit(algo.round_fn)
         for r in range(3):
             state, m = step(state, ragged_data, jax.random.key(r))
         runs[backend] = state
-    tree_allclose(runs["vmap"].clients, runs["loop"].clients, rtol=2e-5, atol=1e-6)
+    for backend in ("vmap", "chunked"):
+        tree_allclose(runs[backend].clients, runs["loop"].clients, rtol=2e-5, atol=1e-6)
 
 
 def test_probe_must_be_plain_sgd():

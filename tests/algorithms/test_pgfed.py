@@ -8,7 +8,7 @@ import pytest
 from fedjax_pfl import algorithms, core, ops
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import linear_model, tree_allclose, tree_equal
+from helpers import linear_model, make_data, tree_allclose, tree_equal
 
 THETA0 = np.array([0.5, -0.2, 0.1])
 # f_i(θ) = mean_j ½‖θ − x_j‖² over client i's samples: gradient θ − mean(x).
@@ -114,8 +114,9 @@ def test_mu_zero_reproduces_fedavg_exactly(ragged_data):
         key = jax.random.key(r)
         s_pg, m_pg = jax.jit(pg.round_fn)(s_pg, ragged_data, key)
         s_fa, m_fa = jax.jit(fa.round_fn)(s_fa, ragged_data, key)
-        tree_allclose(s_pg.global_params, s_fa.params, rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(m_pg["train_loss"], m_fa["train_loss"], rtol=1e-6)
+        tree_equal(s_pg.global_params, s_fa.params)
+        np.testing.assert_array_equal(m_pg["train_loss"], m_fa["train_loss"])
+        tree_equal(s_pg.clients.opt_state, s_fa.opt_state)           # per-client momentum buffers
     np.testing.assert_array_equal(s_pg.alpha, 1.0 / 2)              # A stays at 1/M
 
 
@@ -193,15 +194,17 @@ def test_alpha_is_nonnegative_and_only_previous_columns_move(ragged_data):
 
 
 def test_gradients_of_the_auxiliary_risk(x64):
-    # §8.9–11: R_aux(θ_i, α_i) = μ Σ_{j∈P} α_ij [L_j + G_j·(θ_i − θ_j)]. jax.grad in θ gives the
-    # download c_i (constant in θ); in α_ij it gives b_j + μ G_j·θ_i; the surrogate b_j + ḡ·θ_i
-    # replaces μ G_j·θ_i by its mean over j.
+    # §8.9–11: R_aux(θ_i, α_i) = μ Σ_{j∈P} α_ij [L_j + G_j·(θ_i − θ_j)] (eq. 9), built from the
+    # state the implementation uploaded in round 1. In round 2, jax.grad of R_aux in θ must be
+    # the download the code adds to every step (constant in θ), and the code's α step must be
+    # −η₂ times jax.grad in α with the exact μ G_j·θ_i replaced by its mean over j, ḡ·θ_i.
     data, xs = quadratic_clients(3)
-    mu = 0.4
-    algo = algorithms.get("pgfed", model=QUADRATIC, participation=0.6, local_epochs=2,
-                          batch_size=8, lr=0.1, mu=mu, alpha_lr=0.05)
-    state = algo.init(jax.random.key(0), data)
-    state, _ = jax.jit(algo.round_fn)(state, data, jax.random.key(0))
+    mu, eta2 = 0.4, 0.05
+    # One full-batch step per round (B ≥ n_i), so round 2's only α step is taken at θ_i = θ_g.
+    algo = algorithms.get("pgfed", model=QUADRATIC, participation=0.6, local_epochs=1,
+                          batch_size=8, lr=0.1, mu=mu, alpha_lr=eta2)
+    step = jax.jit(algo.round_fn)
+    state, _ = step(algo.init(jax.random.key(0), data), data, jax.random.key(0))
     P = np.asarray(state.prev_idx)
     G = np.asarray(state.prev_grads["x"])
     theta_j = np.asarray(state.clients.theta["x"])[P]
@@ -213,14 +216,60 @@ def test_gradients_of_the_auxiliary_risk(x64):
     def r_aux(theta_i, alpha_i):
         return mu * jnp.sum(alpha_i * (L + G @ theta_i - jnp.sum(G * theta_j, axis=1)))
 
-    theta_i, alpha_i = jnp.array([0.3, 0.7, -1.0]), jnp.array([0.2, 0.5, 0.1])
-    d_theta, d_alpha = jax.grad(r_aux, argnums=(0, 1))(theta_i, alpha_i)
-    np.testing.assert_allclose(d_theta, mu * alpha_i @ G, rtol=1e-12)
-    np.testing.assert_allclose(jax.grad(r_aux)(theta_i * 3, alpha_i), d_theta, rtol=1e-12)
-    np.testing.assert_allclose(d_alpha, np.asarray(state.prev_b) + mu * G @ theta_i, rtol=1e-12)
-    surrogate = np.asarray(state.prev_b) + np.asarray(state.gbar["x"]) @ theta_i
-    np.testing.assert_allclose(np.mean(surrogate - np.asarray(state.prev_b)),
-                               np.mean(mu * G @ theta_i), rtol=1e-12)
+    after, metrics = step(state, data, jax.random.key(1))
+    theta_g = jnp.asarray(state.global_params["x"])
+    for i in np.asarray(metrics["sampled"]):
+        alpha_i = jnp.asarray(state.alpha)[i, P]
+        d_theta, d_alpha = jax.grad(r_aux, argnums=(0, 1))(theta_g, alpha_i)
+        np.testing.assert_allclose(after.clients.aux["x"][i], d_theta, rtol=1e-12)
+        np.testing.assert_allclose(jax.grad(r_aux)(3 * theta_g + 1, alpha_i), d_theta, rtol=1e-12)
+        exact = mu * G @ theta_g
+        np.testing.assert_allclose(np.asarray(state.gbar["x"]) @ theta_g, exact.mean(), rtol=1e-12)
+        surrogate = d_alpha - exact + exact.mean()
+        np.testing.assert_allclose(after.alpha[i, P], np.maximum(0.0, alpha_i - eta2 * surrogate),
+                                   rtol=1e-12, atol=1e-15)
+        assert not np.allclose(after.alpha[i, P], alpha_i)       # the step did move α
+
+
+def test_alpha_update_count_per_client(x64):
+    # §8.17: client i makes exactly E·⌊n_i/B⌋ α updates in a round (drop_last). With ḡ = 0 and
+    # b_j = −1 every update adds exactly η₂ to each touched α_ij, so the change counts them.
+    sizes = [7, 23, 12, 16]
+    data = make_data(sizes)
+    eta2, epochs, batch = 0.01, 2, 4
+    algo = algorithms.get("pgfed", model=linear_model(), participation=1.0, local_epochs=epochs,
+                          batch_size=batch, lr=0.05, mu=0.3, alpha_lr=eta2, drop_last=True)
+    step = jax.jit(algo.round_fn)
+    state, _ = step(algo.init(jax.random.key(0), data), data, jax.random.key(0))
+    state = state._replace(gbar=jax.tree.map(jnp.zeros_like, state.gbar),
+                           prev_b=-jnp.ones_like(state.prev_b))
+    after, _ = step(state, data, jax.random.key(1))
+    n_train = np.asarray(data.clients.train_count)
+    expected = epochs * (n_train // batch) * eta2
+    np.testing.assert_allclose(np.asarray(after.alpha - state.alpha),
+                               np.tile(expected[:, None], (1, 4)), rtol=1e-9)
+
+
+def test_first_aux_zero_weights_the_first_download(x64):
+    # A6 option: with --pgfed-first-aux zero the held gradient starts at 0, so the first download
+    # enters as (1−β) c instead of c; before any download both variants are identical.
+    data, _ = quadratic_clients(4)
+    hp = dict(participation=1.0, local_epochs=1, batch_size=8, lr=0.1, mu=0.2, alpha_lr=0.05,
+              beta=0.3)
+    states = {}
+    for first in ("copy", "zero"):
+        algo = algorithms.get("pgfedmo", model=QUADRATIC, first_aux=first, **hp)
+        state = algo.init(jax.random.key(0), data)
+        for r in range(2):
+            state, _ = jax.jit(algo.round_fn)(state, data, jax.random.key(r))
+            if r == 0:
+                before = state
+        states[first] = (before, state)
+    tree_equal(states["copy"][0], states["zero"][0])
+    copy, zero = states["copy"][1], states["zero"][1]
+    assert float(jnp.abs(copy.clients.aux["x"]).max()) > 0
+    np.testing.assert_allclose(zero.clients.aux["x"], 0.7 * copy.clients.aux["x"], rtol=1e-12)
+    assert bool(zero.clients.aux_set.all())
 
 
 @pytest.mark.parametrize("name", ["pgfed", "pgfedmo"])
