@@ -57,3 +57,18 @@ def tree_equal(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
+
+
+def states_per_backend(name, data, *, rounds=3, backends=("loop", "vmap", "chunked"), **hparams):
+    """The state after `rounds` rounds of algorithm `name` on each backend (same keys throughout)."""
+    from fedjax_pfl import algorithms
+
+    states = {}
+    for backend in backends:
+        algo = algorithms.get(name, backend=backend, **hparams)
+        state = algo.init(jax.random.key(0), data)
+        step = algo.round_fn if backend == "loop" else jax.jit(algo.round_fn)
+        for r in range(rounds):
+            state, _ = step(state, data, jax.random.key(r))
+        states[backend] = state
+    return states

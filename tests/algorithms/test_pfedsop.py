@@ -9,7 +9,7 @@ from fedjax_pfl import algorithms, core, ops
 from fedjax_pfl.algorithms.pfedsop import ClientState
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import linear_model, make_data, tree_allclose, tree_equal
+from helpers import linear_model, make_data, states_per_backend, tree_allclose, tree_equal
 
 # P_i(x) = ½‖x − c_i‖² with c_i the client's (single) training row: gradient x − c_i.
 QUADRATIC = Model(init=lambda key: {"x": jnp.zeros(2)}, apply=lambda p, x: p["x"] - x,
@@ -146,15 +146,8 @@ def test_zero_personal_lr_keeps_every_model_at_x0(ragged_data):
 
 @pytest.mark.parametrize("keep", ["newton", "sgd"])
 def test_vmapped_equals_loop_backend(ragged_data, keep):
-    runs = {}
-    for backend in ("loop", "vmap", "chunked"):
-        algo = algorithms.get("pfedsop", model=linear_model(), participation=0.75, keep=keep,
-                              backend=backend, chunk_size=2, local_epochs=2, batch_size=4)
-        state = algo.init(jax.random.key(0), ragged_data)
-        step = algo.round_fn if backend == "loop" else jax.jit(algo.round_fn)
-        for r in range(3):
-            state, m = step(state, ragged_data, jax.random.key(r))
-        runs[backend] = state
+    runs = states_per_backend("pfedsop", ragged_data, model=linear_model(), participation=0.75,
+                              keep=keep, chunk_size=2, local_epochs=2, batch_size=4)
     for backend in ("vmap", "chunked"):
         tree_allclose(runs[backend].clients, runs["loop"].clients, rtol=2e-5, atol=1e-6)
 

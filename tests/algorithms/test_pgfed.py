@@ -8,7 +8,7 @@ import pytest
 from fedjax_pfl import algorithms, core, ops
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import linear_model, make_data, tree_allclose, tree_equal
+from helpers import linear_model, make_data, states_per_backend, tree_allclose, tree_equal
 
 THETA0 = np.array([0.5, -0.2, 0.1])
 # f_i(θ) = mean_j ½‖θ − x_j‖² over client i's samples: gradient θ − mean(x).
@@ -274,15 +274,8 @@ def test_first_aux_zero_weights_the_first_download(x64):
 
 @pytest.mark.parametrize("name", ["pgfed", "pgfedmo"])
 def test_vmapped_equals_loop_backend(ragged_data, name):
-    runs = {}
-    for backend in ("loop", "vmap", "chunked"):
-        algo = algorithms.get(name, model=linear_model(), participation=0.75, local_epochs=2,
-                              batch_size=4, backend=backend, chunk_size=2)
-        state = algo.init(jax.random.key(0), ragged_data)
-        step = algo.round_fn if backend == "loop" else jax.jit(algo.round_fn)
-        for r in range(3):
-            state, _ = step(state, ragged_data, jax.random.key(r))
-        runs[backend] = state
+    runs = states_per_backend(name, ragged_data, model=linear_model(), participation=0.75,
+                              local_epochs=2, batch_size=4, chunk_size=2)
     for backend in ("vmap", "chunked"):
         tree_allclose(runs[backend].clients.theta, runs["loop"].clients.theta, rtol=2e-5, atol=1e-6)
         np.testing.assert_allclose(runs[backend].alpha, runs["loop"].alpha, rtol=2e-5, atol=1e-6)
