@@ -29,6 +29,37 @@ def slug(label: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
 
 
+def _same_config(run_dir: str, cfg) -> bool:
+    """Whether run_dir/config.json was written for the configuration `cfg` describes.
+
+    The saved record holds every hyperparameter resolved; `cfg` only the explicit ones, which
+    must all match.
+    """
+    import dataclasses
+
+    try:
+        saved = json.load(open(os.path.join(run_dir, "config.json")))
+    except (OSError, ValueError):
+        return False
+    wanted = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    if any(saved.get(k) != wanted[k] for k in ("algo", "dataset", "partition", "rounds", "seed",
+                                                "eval_every", "data_options")):
+        return False
+    if wanted["model"] is not None and saved.get("model") != wanted["model"]:
+        return False
+    return all(_same_value(saved.get("hparams", {}).get(k), v) for k, v in wanted["hparams"].items())
+
+
+def _same_value(saved, flag) -> bool:
+    """A resolved hyperparameter against a flag's value (the CLI keeps "0.01" as text)."""
+    if saved == flag:
+        return True
+    try:
+        return float(saved) == float(flag)
+    except (TypeError, ValueError):
+        return str(saved) == str(flag)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory")
@@ -36,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", action="append", required=True, help='"LABEL: FLAGS"')
     p.add_argument("--title", default="", help="heading of results.md")
     p.add_argument("--resume", action="store_true",
-                   help="reuse runs whose directory already holds a summary.json")
+                   help="reuse runs whose directory already holds a summary.json of the same "
+                        "configuration (a run whose flags changed is run again)")
     args = p.parse_args(argv)
 
     import fedjax_pfl
@@ -63,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         command = "python experiments/run.py " + " ".join(argv_run[:-3])
         summary_path = os.path.join(cfg.out, "summary.json")
         diverged = None
-        if args.resume and os.path.exists(summary_path):
+        reuse = args.resume and os.path.exists(summary_path) and _same_config(cfg.out, cfg)
+        if args.resume and os.path.exists(summary_path) and not reuse:
+            print("   its saved run has another configuration: running it again", flush=True)
+        if reuse:
             summary = json.load(open(summary_path))
         else:
             try:
