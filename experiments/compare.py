@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         command = "python experiments/run.py " + " ".join(argv_run[:-3])
         summary_path = os.path.join(cfg.out, "summary.json")
         diverged = None
-        reuse = args.resume and os.path.exists(summary_path) and _same_config(cfg.out, cfg)
-        if args.resume and os.path.exists(summary_path) and not reuse:
+        finished = args.resume and os.path.exists(summary_path)
+        reuse = finished and _same_config(cfg.out, cfg)
+        if finished and not reuse:
             print("   its saved run has another configuration: running it again", flush=True)
         if reuse:
             summary = json.load(open(summary_path))

@@ -91,8 +91,9 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
     if out:
         os.makedirs(out, exist_ok=True)
         # A summary left by an earlier run in this directory no longer describes its files.
-        if os.path.exists(os.path.join(out, "summary.json")):
-            os.remove(os.path.join(out, "summary.json"))
+        stale_summary = os.path.join(out, "summary.json")
+        if os.path.exists(stale_summary):
+            os.remove(stale_summary)
         _write_json(os.path.join(out, "config.json"), _config_record(cfg, hparams, model_name, data_info))
         plot_label_distribution(label_counts(data, "all"), os.path.join(out, "label_distribution.png"),
                                 title=f"{cfg.dataset}: {cfg.partition.scheme} partition")
