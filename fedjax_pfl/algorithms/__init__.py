@@ -1,9 +1,12 @@
-"""Algorithms: `get(name, model=..., **hparams)` returns an `Algorithm(init, round_fn, evaluate)`."""
+"""Algorithms: `get(name, model=..., **hparams)` returns an `Algorithm(init, round_fn, evaluate)`.
 
-from fedjax_pfl.algorithms import fedavg as _fedavg  # noqa: F401  (registers fedavg, fedavg_ft)
-from fedjax_pfl.algorithms import local as _local  # noqa: F401  (registers local)
-from fedjax_pfl.algorithms import pfedsop as _pfedsop  # noqa: F401  (registers pfedsop)
-from fedjax_pfl.algorithms import pgfed as _pgfed  # noqa: F401  (pgfed, pgfedmo, pgfed_ce)
+Every module of this package registers its algorithms with `base.register` when imported; all
+modules are imported here, so adding an algorithm is adding one module.
+"""
+
+import importlib as _importlib
+import pkgutil as _pkgutil
+
 from fedjax_pfl.algorithms.base import (
     COMMON_HPARAMS,
     Algorithm,
@@ -13,5 +16,9 @@ from fedjax_pfl.algorithms.base import (
     names,
     spec,
 )
+
+for _module in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
+    if _module != "base":
+        _importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["COMMON_HPARAMS", "Algorithm", "AlgorithmSpec", "HParam", "get", "names", "spec"]

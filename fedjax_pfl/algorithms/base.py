@@ -224,17 +224,23 @@ class Engine:
         eval_batch_size: int,
         client_transform: optax.GradientTransformation | None = None,
         on_step=None,
+        optimizer: optax.GradientTransformation | None = None,
+        step_fn=None,
     ):
+        """`optimizer` replaces the default client optimizer sgd(lr, momentum) (and
+        `client_transform`); `step_fn` replaces the default minibatch step (see LocalTrainer)."""
         self.model = model
         self.participation = participation
         self.persist_opt_state = momentum_buffer == "persist" and momentum > 0
         self.mapper = core.client_mapper(backend, chunk_size)
-        optimizer = optax.sgd(lr, momentum=momentum or None)
-        if client_transform is not None:
-            optimizer = optax.chain(client_transform, optimizer)
+        if optimizer is None:
+            optimizer = optax.sgd(lr, momentum=momentum or None)
+            if client_transform is not None:
+                optimizer = optax.chain(client_transform, optimizer)
         self.trainer = LocalTrainer(
             model, optimizer, batch_size=batch_size, mapper=self.mapper, drop_last=drop_last,
-            on_step=on_step, **({"steps": local_steps} if local_steps else {"epochs": local_epochs}),
+            on_step=on_step, step_fn=step_fn,
+            **({"steps": local_steps} if local_steps else {"epochs": local_epochs}),
         )
         self.evaluator = Evaluator(model, batch_size=eval_batch_size, mapper=self.mapper)
 
@@ -292,6 +298,21 @@ def train_metrics(result: LocalResult, idx: jax.Array) -> dict[str, jax.Array]:
         "train_loss": result.loss,
         "client_steps": jnp.sum(result.num_steps),
     }
+
+
+def communication(*, up_clients, up_floats_per_client, down_clients,
+                  down_floats_per_client, **more) -> dict[str, jax.Array]:
+    """Floats sent in one round, each direction summed over clients, as round metrics.
+
+    `comm_up_floats` (clients → server) and `comm_down_floats` (server → clients); `more` adds
+    variants under `comm_<name>` (e.g. the downlink with a dense tensor). The runner sums every
+    `comm_*` metric over rounds into summary.json's "communication" totals.
+    """
+    as_float = lambda v: jnp.asarray(v, jnp.float32)
+    out = {"comm_up_floats": as_float(up_clients) * as_float(up_floats_per_client),
+           "comm_down_floats": as_float(down_clients) * as_float(down_floats_per_client)}
+    out.update({f"comm_{k}": as_float(v) for k, v in more.items()})
+    return out
 
 
 def first_row(tree: Params) -> Params:
