@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--classes-per-client", type=int, default=2, help="pathological: labels per client")
     g.add_argument("--shards-per-client", type=int, default=None, help="shards: shards per client")
     g.add_argument("--shard-size", type=int, default=None, help="shards: samples per shard")
+    g.add_argument("--clusters", type=int, default=4,
+                   help="clustered: G groups of clients (contiguous ids), each group holding its "
+                        "own disjoint set of labels")
     g.add_argument("--test-fraction", type=float, default=0.25,
                    help="fraction of each client's samples held out as its test split")
 
@@ -164,7 +167,7 @@ def config_from_args(args: argparse.Namespace):
     partition = PartitionConfig(
         scheme=scheme, num_clients=clients, alpha=args.alpha, min_size=args.min_size,
         classes_per_client=args.classes_per_client, shards_per_client=args.shards_per_client,
-        shard_size=args.shard_size, test_fraction=args.test_fraction, seed=args.seed,
+        shard_size=args.shard_size, clusters=args.clusters, test_fraction=args.test_fraction, seed=args.seed,
     )
     data_options = {"data_dir": args.data_dir, "tfds_dir": args.tfds_dir, "download": args.download}
     if args.dataset == "emnist":

@@ -16,7 +16,8 @@ class PartitionConfig:
     """How samples are dealt to clients (see data/partition.py for each scheme).
 
     scheme: 'iid', 'dirichlet' (class-wise), 'dirichlet_client' (per-client proportions, equal
-      sizes), 'pathological', 'shards' or 'natural' (the dataset's own clients).
+      sizes), 'pathological', 'shards', 'clustered' (`clusters` groups of clients with disjoint
+      label sets) or 'natural' (the dataset's own clients).
     """
 
     scheme: str = "dirichlet"
@@ -27,6 +28,7 @@ class PartitionConfig:
     classes_per_client: int = 2
     shards_per_client: int | None = None
     shard_size: int | None = None
+    clusters: int = 4
     test_fraction: float = 0.25
     seed: int = 0
 
@@ -46,6 +48,8 @@ class PartitionConfig:
             raise ValueError(f"--classes-per-client must be >= 1, got {self.classes_per_client}")
         if self.scheme == "shards" and (self.shards_per_client is None) == (self.shard_size is None):
             raise ValueError("--partition shards needs exactly one of --shards-per-client or --shard-size")
+        if self.scheme == "clustered" and not 1 <= self.clusters <= self.num_clients:
+            raise ValueError(f"--clusters must be in [1, --clients {self.num_clients}], got {self.clusters}")
 
 
 def partition_indices(raw: Any, cfg: PartitionConfig) -> list[np.ndarray]:
@@ -63,6 +67,8 @@ def partition_indices(raw: Any, cfg: PartitionConfig) -> list[np.ndarray]:
                                        min_size=cfg.min_size, max_tries=cfg.max_tries)
     if cfg.scheme == "dirichlet_client":
         return partition_lib.dirichlet_client(labels, cfg.num_clients, alpha=cfg.alpha, seed=cfg.seed)
+    if cfg.scheme == "clustered":
+        return partition_lib.clustered(labels, cfg.num_clients, clusters=cfg.clusters, seed=cfg.seed)
     if cfg.scheme == "pathological":
         return partition_lib.pathological(labels, cfg.num_clients,
                                           classes_per_client=cfg.classes_per_client, seed=cfg.seed)
@@ -96,6 +102,8 @@ def build_federated(raw: Any, cfg: PartitionConfig) -> tuple[FederatedData, dict
                       "max": int(test_sizes.max()), "total": int(test_sizes.sum())},
         "classes_per_client_mean": float((label_counts(data, "all") > 0).sum(axis=1).mean()),
     }
+    if cfg.scheme == "clustered":  # the planted truth, e.g. to score a learned client graph
+        info["clusters"] = partition_lib.cluster_of_clients(len(parts), cfg.clusters).tolist()
     return data, info
 
 

@@ -8,6 +8,7 @@ train/test split is separate (`split_train_test`). The setups of our source pape
   the same skew with equal client sizes        dirichlet_client(alpha=0.07)  (Hsu et al. 2019)
   pFedSOP pathological (shard-COUNT reading)   shards(shards_per_client=2)   # 200 shards, 100 clients
   pFedMe / TDPFed two labels per client        pathological(classes_per_client=2)
+  clients in G groups with disjoint label sets clustered(clusters=G)   (FedPC's planted graph)
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "dirichlet_client", "pathological", "shards", "natural")
+PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "dirichlet_client", "pathological", "shards",
+                               "clustered", "natural")
 
 
 class PartitionError(ValueError):
@@ -146,6 +148,45 @@ def pathological(
             continue
         for owner, piece in zip(owners, np.array_split(members, len(owners))):
             parts[owner].extend(piece.tolist())
+    return [np.sort(np.asarray(q, dtype=np.int64)) for q in parts]
+
+
+def cluster_of_clients(num_clients: int, clusters: int) -> np.ndarray:
+    """[N] planted cluster of each client under `clustered`: contiguous near-equal blocks of ids,
+    client k in group g for the g-th block of np.array_split(range(N), G)."""
+    groups = np.zeros(num_clients, np.int64)
+    for g, block in enumerate(np.array_split(np.arange(num_clients), clusters)):
+        groups[block] = g
+    return groups
+
+
+def clustered(labels: np.ndarray, num_clients: int, *, clusters: int, seed: int) -> list[np.ndarray]:
+    """Clustered label skew: G groups of clients, each group with its own disjoint label set.
+
+    The classes (sorted) are cut into G near-equal contiguous sets (np.array_split), the clients
+    into G near-equal contiguous blocks of ids (`cluster_of_clients`); group g's clients hold
+    exactly the labels of set g, and each of those labels' shuffled samples is dealt in near-equal
+    parts among the group's clients. Every sample is assigned, clients of one group share their
+    label set and clients of different groups share none: a similarity graph has G clusters to
+    find (spec/fedpc.md §2), and `cluster_of_clients` gives the planted truth.
+    """
+    labels = np.asarray(labels)
+    _check_clients(labels.size, num_clients)
+    classes = np.unique(labels)
+    if not 1 <= clusters <= min(classes.size, num_clients):
+        raise PartitionError(
+            f"--clusters must be in [1, min(classes, clients)] = [1, {min(classes.size, num_clients)}], "
+            f"got {clusters}")
+    rng = np.random.default_rng(seed)
+    groups = cluster_of_clients(num_clients, clusters)
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for g, label_set in enumerate(np.array_split(classes, clusters)):
+        owners = np.flatnonzero(groups == g)
+        for c in label_set:
+            members = np.flatnonzero(labels == c)
+            rng.shuffle(members)
+            for owner, piece in zip(owners, np.array_split(members, owners.size)):
+                parts[owner].extend(piece.tolist())
     return [np.sort(np.asarray(q, dtype=np.int64)) for q in parts]
 
 

@@ -121,3 +121,40 @@ def test_dirichlet_client_equal_sizes_and_skew():
     # Feasible where the class-wise recipe cannot give every client a sample.
     tiny = P.dirichlet_client(np.repeat(np.arange(10), 18), 100, alpha=0.07, seed=1)
     assert min(len(p) for p in tiny) >= 1
+
+
+def test_clustered_groups_have_disjoint_label_sets_and_share_them_inside():
+    # 10 classes, G = 3: label sets {0,1,2,3}, {4,5,6}, {7,8,9}; 20 clients in blocks 7, 7, 6.
+    parts = P.clustered(LABELS, 20, clusters=3, seed=0)
+    _check_disjoint(parts, LABELS.size)
+    assert P.unassigned_count(parts, LABELS.size) == 0
+    groups = P.cluster_of_clients(20, 3)
+    np.testing.assert_array_equal(groups, [0] * 7 + [1] * 7 + [2] * 6)
+    label_sets = [{0, 1, 2, 3}, {4, 5, 6}, {7, 8, 9}]
+    for k, p in enumerate(parts):
+        assert set(LABELS[p].tolist()) == label_sets[groups[k]]
+    # Each label's 600 samples are dealt in near-equal parts among its group's clients.
+    assert sorted({int((LABELS[p] == 0).sum()) for p in parts[:7]}) == [85, 86]
+    assert [len(p) for p in parts[14:]] == [300] * 6                  # 3 labels × 600 / 6
+    again = P.clustered(LABELS, 20, clusters=3, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    other = P.clustered(LABELS, 20, clusters=3, seed=1)
+    assert not all(np.array_equal(a, b) for a, b in zip(parts, other))
+
+
+def test_clustered_limits_and_build_info():
+    with pytest.raises(P.PartitionError, match="--clusters must be in"):
+        P.clustered(LABELS, 20, clusters=11, seed=0)
+    with pytest.raises(P.PartitionError, match="--clusters must be in"):
+        P.clustered(LABELS, 5, clusters=6, seed=0)
+    with pytest.raises(ValueError, match="--clusters must be in"):
+        PartitionConfig("clustered", 4, clusters=0).validate()
+    one = P.clustered(LABELS, 4, clusters=1, seed=0)       # one group: every client all labels
+    assert all(set(LABELS[p].tolist()) == set(range(10)) for p in one)
+    data, info = build_federated(load_raw("digits"), PartitionConfig("clustered", 12, clusters=4))
+    assert info["clusters"] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    present = label_counts(data, "all") > 0
+    for k in range(12):
+        expected = np.zeros(10, bool)
+        expected[np.array_split(np.arange(10), 4)[info["clusters"][k]]] = True
+        np.testing.assert_array_equal(present[k], expected)
