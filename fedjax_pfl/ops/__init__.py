@@ -1,6 +1,19 @@
 """Pure math on one client's pytrees (the engine adds the client axis)."""
 
 from fedjax_pfl.ops.angle import cosine_angle, cosine_similarity
+from fedjax_pfl.ops.cp import (
+    cp_als,
+    cp_fit_grad,
+    cp_fit_loss,
+    cp_num_params,
+    cp_rank_for_compression,
+    cp_reconstruct,
+    cp_relative_error,
+    hadamard_gram,
+    khatri_rao,
+    mttkrp,
+    unfold,
+)
 from fedjax_pfl.ops.gompertz import gompertz_weight
 from fedjax_pfl.ops.sherman_morrison import sherman_morrison_step
 from fedjax_pfl.ops.tree import (
@@ -17,6 +30,8 @@ from fedjax_pfl.ops.tree import (
 )
 
 __all__ = [
+    "cp_als", "cp_fit_grad", "cp_fit_loss", "cp_num_params", "cp_rank_for_compression",
+    "cp_reconstruct", "cp_relative_error", "hadamard_gram", "khatri_rao", "mttkrp", "unfold",
     "cosine_angle", "cosine_similarity", "gompertz_weight", "sherman_morrison_step",
     "tree_add", "tree_axpy", "tree_lerp", "tree_norm", "tree_scale", "tree_size", "tree_sq_norm",
     "tree_sub", "tree_vdot", "tree_zeros_like",
