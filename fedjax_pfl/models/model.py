@@ -72,7 +72,7 @@ def from_flax(
     return Model(init=init, apply=apply, loss=loss, name=name or type(module).__name__)
 
 
-MODELS: tuple[str, ...] = ("mlp", "logreg", "cnn", "resnet9", "resnet18")
+MODELS: tuple[str, ...] = ("mlp", "logreg", "cnn", "vgg8", "resnet9", "resnet18", "cp_mlp", "cp_vgg8")
 
 
 def get(
@@ -83,18 +83,32 @@ def get(
     hidden: Sequence[int] = (100,),
     width: int = 64,
     norm: str = "group",
+    cr: float = 2.0,
 ) -> Model:
     """A named model for inputs of `input_shape` (without the batch axis).
 
     mlp: Flatten-Dense(hidden...)-Dense(C) (784-100-10 on MNIST, pFedMe/TDPFed);
     logreg: multinomial logistic regression; cnn: the FedAvg CNN of the PGFed code (needs at
-    least 16×16 images); resnet9 / resnet18: pFedSOP's networks with GroupNorm.
+    least 16×16 images); vgg8: TDPFed's VGG8 (32×32 images); resnet9 / resnet18: pFedSOP's
+    networks with GroupNorm; cp_mlp / cp_vgg8: TDPFed's CP-DNN / CP-VGG8, every weight tensor as
+    CP factors with ranks for compression rate `cr` (models/cp.py; cr = 1 is the dense model).
     """
+    from fedjax_pfl.models import cp
+
     input_shape = tuple(int(s) for s in input_shape)
+    if name in ("cp_mlp", "cp_vgg8") and cr == 1:
+        name = name[3:]  # CR ×1: no decomposition
     if name == "mlp":
         module = nets.MLP(num_classes, tuple(hidden))
     elif name == "logreg":
         module = nets.MLP(num_classes, ())
+    elif name == "cp_mlp":
+        module = cp.CPMLP(num_classes, tuple(hidden), cr=cr)
+    elif name in ("vgg8", "cp_vgg8"):
+        if len(input_shape) != 3 or min(input_shape[:2]) < 32:
+            raise ValueError(f"--model {name} needs images of at least 32x32 (five 2x2 pools), "
+                             f"got shape {input_shape}; use --model mlp or cnn")
+        module = nets.VGG8(num_classes) if name == "vgg8" else cp.CPVGG8(num_classes, cr=cr)
     elif name in ("cnn", "resnet9", "resnet18"):
         if len(input_shape) != 3:
             raise ValueError(f"--model {name} needs image inputs [H, W, C], got shape {input_shape}")

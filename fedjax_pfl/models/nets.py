@@ -143,3 +143,21 @@ class ResNet18(nn.Module):
             x = BasicBlock(mult * self.width, (1, 1), self.norm)(x)
         x = jnp.mean(x, axis=(1, 2))
         return Dense(self.num_classes)(x)
+
+
+class VGG8(nn.Module):
+    """VGG8 of TDPFed (Table I; spec/tdpfed.md §5): five 3×3 convs 32-64-128-256-256, each with
+    SAME padding, ReLU and a 2×2 max pool (32×32 → 1×1, so the flatten is exactly 256), then
+    Dense 256 → ReLU → Dense 256 → ReLU → Dense num_classes. No BatchNorm or dropout (the paper
+    lists none; Table I counts weights only). 1,112,650 parameters on 32×32×3 with 10 classes."""
+
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for width in (32, 64, 128, 256, 256):
+            x = max_pool_2x2(nn.relu(Conv2D(width, (3, 3), padding="SAME")(x)))
+        x = x.reshape(x.shape[0], -1)
+        x = nn.relu(Dense(256)(x))
+        x = nn.relu(Dense(256)(x))
+        return Dense(self.num_classes)(x)
