@@ -137,7 +137,8 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
             num_sampled = sampled.size
             losses = np.asarray(m["train_loss"], np.float64)
             if not np.all(np.isfinite(losses)):
-                bad = sampled[~np.isfinite(losses)].tolist()
+                trained = np.asarray(m.get("trained", sampled))  # TDPFed trains every client
+                bad = trained[~np.isfinite(losses)].tolist()
                 raise NonFiniteError(
                     f"round {r + 1}: clients {bad} have a non-finite training loss; lower --lr "
                     "or check the data")
@@ -204,7 +205,7 @@ def _scalar_metrics(m: dict) -> dict[str, float]:
     """Algorithm-specific scalar metrics (everything but the standard per-client arrays)."""
     out = {}
     for k, v in m.items():
-        if k in ("sampled", "train_loss", "client_steps"):
+        if k in ("sampled", "trained", "train_loss", "client_steps"):
             continue
         v = np.asarray(v)
         if v.ndim == 0:

@@ -1,0 +1,126 @@
+"""FedAvg (s.a.r.): FedAvg whose transmissions carry a random 1/CR of the coordinates, TDPFed's
+compression baseline ("selected at random", Wang et al. arXiv:2208.12959 Section VII-D;
+spec/tdpfed.md §3.4, §10.19).
+
+Per round, with global model w and sampled clients S:
+  downlink: client i receives m_i ⊙ w + (1 − m_i) ⊙ fill_i,   m_i a fresh random mask
+  local training from that model (as FedAvg);                  gives w_i
+  uplink:   the server receives m'_i ⊙ w_i + (1 − m'_i) ⊙ fill'_i, m'_i another fresh mask
+  w ← Σ_{i∈S} (n_i / Σ_S n) · received_i
+
+Unsent coordinates (`mask_fill`): "zero" (default: they arrive as 0, the paper's remark that zeroed
+positions still need encoding; it explains FedAvg (s.a.r.)'s collapse on CIFAR-10) or "keep" (the
+receiver's old value: the client's own model from its last round, the server's current w).
+Masks (`mask`): "bernoulli" (default: each coordinate sent with probability 1/CR, a fresh mask per
+transmission) or "fixed" (exactly round(d/CR) coordinates). Only the values of sent coordinates
+count as communicated floats (`comm_up_floats`, `comm_down_floats`); their positions could be
+sent as a shared seed and are not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_pfl import core, ops
+from fedjax_pfl.algorithms import base
+from fedjax_pfl.models.model import Model
+
+Params = Any
+
+
+class State(NamedTuple):
+    params: Params         # global model w                                            leaves [...]
+    client_params: Params  # mask_fill="keep": each client's own model from its last round [N, ...]
+    opt_state: Any         # per-client optimizer states (--momentum-buffer persist), else None
+    round: jax.Array       # shape=(), int32
+
+
+def random_mask(key: jax.Array, like: Params, cr: float, kind: str) -> Params:
+    """A 0/1 pytree shaped like `like`: each coordinate 1 with probability 1/CR ("bernoulli") or
+    exactly round(d/CR) ones over all coordinates together ("fixed")."""
+    leaves, treedef = jax.tree.flatten(like)
+    if kind == "bernoulli":
+        keys = jax.random.split(key, len(leaves))
+        masks = [jax.random.bernoulli(k, 1.0 / cr, x.shape).astype(x.dtype)
+                 for k, x in zip(keys, leaves)]
+        return jax.tree.unflatten(treedef, masks)
+    sizes = [x.size for x in leaves]
+    total = sum(sizes)
+    keep = int(round(total / cr))
+    rank = jnp.argsort(jnp.argsort(jax.random.uniform(key, (total,))))   # a random permutation
+    flat = (rank < keep)
+    out, start = [], 0
+    for x, n in zip(leaves, sizes):
+        out.append(flat[start:start + n].reshape(x.shape).astype(x.dtype))
+        start += n
+    return jax.tree.unflatten(treedef, out)
+
+
+def fedavg_sar(model: Model, *, cr: float, mask_fill: str, mask: str, **common: Any) -> base.Algorithm:
+    """FedAvg (s.a.r.); see the module docstring."""
+    engine = base.Engine(model, **common)
+    keep = mask_fill == "keep"
+
+    def send(key, value, fill):
+        """One transmission: the sent coordinates of `value`, `fill` elsewhere; floats sent."""
+        m = random_mask(key, value, cr, mask)
+        received = jax.tree.map(lambda v, f, mi: mi * v + (1 - mi) * f, value, fill, m)
+        return received, sum(jnp.sum(mi) for mi in jax.tree.leaves(m))
+
+    def downlink(w, key, own):
+        return send(key, w, own if keep else ops.tree_zeros_like(w))
+
+    def uplink(w, key, trained):
+        return send(key, trained, w if keep else ops.tree_zeros_like(w))
+
+    def init(key: jax.Array, data) -> State:
+        params = model.init(key)
+        n = data.num_clients
+        own = core.broadcast(params, n) if keep else None
+        return State(params, own, engine.init_client_opt_states(params, n), jnp.zeros((), jnp.int32))
+
+    def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
+        sample_key, train_key, down_key, up_key = jax.random.split(key, 4)
+        idx = engine.sample(sample_key, data)
+        own = core.gather(state.client_params, idx) if keep else ops.tree_zeros_like(state.params)
+        own_rows = own if keep else core.broadcast(own, idx.shape[0])
+        start, down_floats = engine.mapper(downlink, base.client_keys(down_key, idx), own_rows,
+                                           shared=(state.params,))
+        opt = engine.opt_states_for(state.opt_state, idx, state.params)
+        result = engine.train(data, idx, start, opt, train_key)
+        received, up_floats = engine.mapper(uplink, base.client_keys(up_key, idx), result.params,
+                                            shared=(state.params,))
+        weights = core.gather(data.clients.train_count, idx)
+        params = core.mean_over_clients(received, weights)
+        client_params = core.scatter(state.client_params, idx, result.params) if keep else None
+        metrics = base.train_metrics(result, idx)
+        metrics.update(base.communication(up_clients=1, up_floats_per_client=jnp.sum(up_floats),
+                                          down_clients=1, down_floats_per_client=jnp.sum(down_floats)))
+        return (State(params, client_params,
+                      engine.store_opt_states(state.opt_state, idx, result.opt_state),
+                      state.round + 1), metrics)
+
+    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
+        return {"client": engine.evaluator.shared(data, state.params)}
+
+    return base.Algorithm("fedavg_sar", init, round_fn, evaluate, {})
+
+
+base.register(base.AlgorithmSpec(
+    name="fedavg_sar", factory=fedavg_sar, flag_prefix="sar",
+    summary="FedAvg (s.a.r.): FedAvg sending a random 1/CR of the coordinates each way",
+    hparams=(
+        base.HParam("cr", float, 2.0, "compression rate: a random 1/CR of the coordinates is sent",
+                    check=base.AT_LEAST_ONE),
+        base.HParam("mask_fill", str, "zero",
+                    "unsent coordinates arrive as 'zero' or 'keep' the receiver's old value",
+                    choices=("zero", "keep")),
+        base.HParam("mask", str, "bernoulli",
+                    "'bernoulli': each coordinate sent with probability 1/CR; 'fixed': exactly "
+                    "round(d/CR) coordinates; a fresh mask per transmission",
+                    choices=("bernoulli", "fixed")),
+    ),
+))
