@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("acc_mean", "acc_weighted", "acc_worst10", "global_acc_mean", "participant_best_mean"):
         if key in last:
             print(f"  {key:<22} last {last[key]:.4f}   best {best[key]:.4f}")
+    for key, value in summary.get("communication", {}).items():
+        if key.endswith("_total"):
+            print(f"  {key:<32} {value:,.0f}")
     return 0
 
 

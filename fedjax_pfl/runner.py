@@ -193,12 +193,30 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
         "client_steps_per_s": total_steps / max(train_time, 1e-9),
         "devices": [str(d) for d in jax.devices()],
     }
+    communication = _communication_totals(history.rounds)
+    if communication:
+        summary["communication"] = communication
     if out:
         _write_json(os.path.join(out, "summary.json"), summary)
         plot_learning_curves({cfg.algo: history.rounds}, os.path.join(out, "learning_curve.png"),
                              title=f"{cfg.algo} on {cfg.dataset}",
                              acc_keys=("acc_mean", "acc_worst10", "global_acc_mean"))
     return summary
+
+
+def _communication_totals(rows: list[dict]) -> dict[str, float]:
+    """Every per-round `comm_*` metric summed over the rounds run (floats or bits sent), and
+    its per-round mean as `<name>_per_round`."""
+    totals: dict[str, float] = {}
+    for row in rows:
+        for k, v in row.items():
+            if k.startswith("comm_"):
+                totals[k] = totals.get(k, 0.0) + float(v)
+    out = {}
+    for k, v in sorted(totals.items()):
+        out[f"{k[5:]}_total"] = v
+        out[f"{k[5:]}_per_round"] = v / max(len(rows), 1)
+    return out
 
 
 def _scalar_metrics(m: dict) -> dict[str, float]:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedjax_pfl import core
+from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms import base
 from fedjax_pfl.core.local import LocalTrainer
 from fedjax_pfl.models.model import Model
@@ -55,8 +55,11 @@ def fedavg(model: Model, *, ft_epochs: int | None = None, **common: Any) -> base
         weights = core.gather(data.clients.train_count, idx)
         params = core.mean_over_clients(result.params, weights)                  # Σ (n_i/n) θ_i
         opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
-        return (State(params, opt_state, state.round + 1, state.rng),
-                base.train_metrics(result, idx))
+        metrics = base.train_metrics(result, idx)
+        d = ops.tree_size(params)
+        metrics.update(base.communication(up_clients=idx.shape[0], up_floats_per_client=d,
+                                          down_clients=idx.shape[0], down_floats_per_client=d))
+        return State(params, opt_state, state.round + 1, state.rng), metrics
 
     def evaluate(state: State, data) -> dict[str, core.ClientEval]:
         global_eval = engine.evaluator.shared(data, state.params)
