@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             "participant_best": last.get("participant_best_mean"),
             "global_last": last.get("global_acc_mean"),
             "time_per_round_s": summary["time_per_round_s"], "wall_s": summary["wall_time_s"],
+            "communication": summary.get("communication", {}),
         })
         with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
             curves[label] = [json.loads(line) for line in f]
@@ -136,7 +137,18 @@ def _fmt(v):
     return "–" if v is None else f"{100 * v:.2f}"
 
 
+# Communication columns (when any run reports floats sent): per round and in total.
+_COMM_COLUMNS = (("up_floats_per_round", "up floats/round"), ("down_floats_per_round", "down floats/round"),
+                 ("up_floats_total", "up floats total"), ("down_floats_total", "down floats total"))
+
+
+def _comm_cells(comm: dict) -> str:
+    return "".join(f" {comm[k]:,.0f} |" if k in comm else " – |" for k, _ in _COMM_COLUMNS)
+
+
 def write_table(args, rows, info) -> None:
+    has_comm = any(r.get("communication") for r in rows)
+    comm_header = "".join(f" {title} |" for _, title in _COMM_COLUMNS) if has_comm else ""
     lines = [f"# {args.title or 'Comparison'}", "",
              f"Data: {info['dataset']} ({info['source']}), {info['num_clients']} clients, "
              f"{info['train_size']['total']} train / {info['test_size']['total']} test samples, "
@@ -145,17 +157,19 @@ def write_table(args, rows, info) -> None:
              "`best` is the best round's mean; `part.-best` is pFedSOP's Table II statistic (each "
              "client's best accuracy over the rounds it took part in, averaged); `worst 10%` is the "
              "mean of the worst tenth of clients.", "",
-             "| run | mean (last) | mean (best round) | weighted (last) | worst 10% (last) | part.-best | global model (last) | s/round |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| run | mean (last) | mean (best round) | weighted (last) | worst 10% (last) | part.-best | global model (last) | s/round |"
+             + comm_header,
+             "|---|---|---|---|---|---|---|---|" + "---|" * comm_header.count("|")]
     for r in rows:
         if r.get("diverged"):
             lines.append(f"| {r['label']} | diverged ({r['diverged']}: non-finite training loss) "
-                         "| | | | | | |")
+                         "| | | | | | |" + " |" * comm_header.count("|"))
             continue
         lines.append(f"| {r['label']} | {_fmt(r['acc_last'])} | {_fmt(r['acc_best'])} | "
                      f"{_fmt(r['acc_weighted_last'])} | {_fmt(r['worst10_last'])} | "
                      f"{_fmt(r['participant_best'])} | {_fmt(r['global_last'])} | "
-                     f"{r['time_per_round_s']:.2f} |")
+                     f"{r['time_per_round_s']:.2f} |"
+                     + (_comm_cells(r.get("communication", {})) if has_comm else ""))
     lines += ["", "Commands:", ""] + [f"    {r['command']}" for r in rows] + [""]
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines))

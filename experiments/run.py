@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None,
                    help=f"one of {list(models.MODELS)}; default per dataset (mlp for digits/mnist-"
                         "like, logreg for synthetic, cnn for cifar)")
+    g.add_argument("--model-cr", type=float, default=2.0,
+                   help="compression rate of --model cp_mlp / cp_vgg8: rank round(ΠI/(CR·ΣI)) per "
+                        "weight tensor (TDPFed's rule; 1 = the dense model)")
 
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default="digits", help=f"one of {list(sources.DATASETS)}")
@@ -176,7 +179,8 @@ def config_from_args(args: argparse.Namespace):
         data_options.update(synthetic_alpha=args.synthetic_alpha, synthetic_beta=args.synthetic_beta,
                             synthetic_clients=args.synthetic_clients)
     out = args.out or os.path.join("runs", f"{args.algo}_{args.dataset}_{time.strftime('%Y%m%d-%H%M%S')}")
-    return RunConfig(algo=args.algo, dataset=args.dataset, model=args.model, partition=partition,
+    return RunConfig(algo=args.algo, dataset=args.dataset, model=args.model,
+                     model_cr=args.model_cr, partition=partition,
                      rounds=args.rounds, seed=args.seed, eval_every=args.eval_every, out=out,
                      hparams=hparams, data_options=data_options, progress=not args.quiet)
 

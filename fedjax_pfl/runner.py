@@ -43,6 +43,7 @@ class RunConfig:
     algo: str = "fedavg"
     dataset: str = "digits"
     model: str | None = None
+    model_cr: float = 2.0
     partition: PartitionConfig = dataclasses.field(default_factory=PartitionConfig)
     rounds: int = 50
     seed: int = 0
@@ -61,6 +62,8 @@ class RunConfig:
             raise ValueError(f"--eval-every must be >= 1, got {self.eval_every}")
         if self.model is not None and self.model not in models.MODELS:
             raise ValueError(f"--model must be one of {list(models.MODELS)}, got {self.model!r}")
+        if not self.model_cr >= 1:
+            raise ValueError(f"--model-cr must be >= 1, got {self.model_cr}")
         self.partition.validate()
         return spec.resolve(self.hparams)
 
@@ -85,7 +88,7 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
         data, data_info = load_data(cfg)
     data_info = data_info or {}
     model_name = cfg.model or DEFAULT_MODEL.get(cfg.dataset, "mlp")
-    model = models.get(model_name, data.input_shape, data.num_classes)
+    model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr)
     algo = algorithms.get(cfg.algo, model=model, **hparams)
     out = cfg.out
     if out:

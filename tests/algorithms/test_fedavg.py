@@ -132,8 +132,9 @@ def test_every_algorithm_starts_from_the_same_model(ragged_data):
     # "Same initialization for all methods" (pFedSOP §V; PGFed code): from one key, every
     # algorithm's round-0 models are the same, so they evaluate identically before training.
     evals = {}
-    for name in ("fedavg", "local", "pfedsop", "pgfed", "pgfedmo"):
-        algo = algorithms.get(name, model=linear_model())
+    for name, hp in (("fedavg", {}), ("local", {}), ("pfedsop", {}), ("pgfed", {}),
+                     ("pgfedmo", {}), ("pfedme", {}), ("fedavg_sar", {}), ("tdpfed", {"cr": 1.0})):
+        algo = algorithms.get(name, model=linear_model(), **hp)
         evals[name] = algo.evaluate(algo.init(jax.random.key(5), ragged_data), ragged_data)["client"]
     for name, ev in evals.items():
         np.testing.assert_allclose(ev.loss_sum, evals["fedavg"].loss_sum, rtol=1e-6, err_msg=name)
