@@ -19,6 +19,7 @@ part into an [N, d] matrix (FedPC's Z) and `unflatten_rows` turns it back.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -65,6 +66,17 @@ def head_pattern(params: Params) -> str:
     last = max(paths, key=_natural_key)
     parent = last.rsplit("/", 1)[0] if "/" in last else ""
     return "^" + re.escape(parent) + "/" if parent else r"^[^/]*$"
+
+
+def is_pattern(value: str) -> bool:
+    """Whether `value` is "head", "all", "none" or a valid regex (a config check without a model)."""
+    if value in SPECIAL_PATTERNS:
+        return True
+    try:
+        re.compile(value)
+    except re.error:
+        return False
+    return True
 
 
 def personal_mask(params: Params, pattern: str) -> Params:
@@ -131,13 +143,11 @@ def unflatten_rows(matrix: jax.Array, like: Params) -> Params:
     `like`'s per-row shapes (like's leaves are [N, ...] arrays or shape structs)."""
     leaves, treedef = jax.tree.flatten(like)
     n = matrix.shape[0]
+    sizes = [math.prod(leaf.shape[1:]) for leaf in leaves]
+    if sum(sizes) != matrix.shape[1]:
+        raise ValueError(f"unflatten_rows: matrix has {matrix.shape[1]} columns, the tree {sum(sizes)}")
     out, start = [], 0
-    for leaf in leaves:
-        size = 1
-        for s in leaf.shape[1:]:
-            size *= s
+    for leaf, size in zip(leaves, sizes):
         out.append(matrix[:, start:start + size].reshape((n, *leaf.shape[1:])).astype(leaf.dtype))
         start += size
-    if start != matrix.shape[1]:
-        raise ValueError(f"unflatten_rows: matrix has {matrix.shape[1]} columns, the tree {start}")
     return jax.tree.unflatten(treedef, out)

@@ -175,9 +175,11 @@ class AdmmResult(NamedTuple):
     dual: jax.Array     # ρ‖Q(W_K − W_{K−1})‖_F                           ()
 
 
+@functools.partial(jax.jit, static_argnames=("p", "iters", "method", "tol", "maxiter"))
 def graph_prox_admm(z_t: jax.Array, linear: jax.Array, w: jax.Array, omega: jax.Array,
-                    graph: Graph, *, eta: jax.typing.ArrayLike, lam: float, rho: jax.typing.ArrayLike,
-                    p, iters: int, method: str = "auto", **solver_kw) -> AdmmResult:
+                    graph: Graph, *, eta: jax.typing.ArrayLike, lam: jax.typing.ArrayLike,
+                    rho: jax.typing.ArrayLike, p, iters: int, method: str = "auto",
+                    tol: float = 1e-6, maxiter: int = 200) -> AdmmResult:
     """K iterations of ADMM on FedPC's Z-subproblem (spec §4 step 4; the draft's Algorithm 4):
 
         min_Z ⟨linear, Z⟩ + λ Σ_m ‖(QᵀZ)_m‖_p + ‖Z − Z_t‖_F²/(2η),   linear = G_t/N,
@@ -189,7 +191,8 @@ def graph_prox_admm(z_t: jax.Array, linear: jax.Array, w: jax.Array, omega: jax.
         Ω_{k+1} = Ω_k + ρ(W_{k+1} − QᵀZ_{k+1})
 
     The system matrix is factored (or its preconditioner built) once and reused by all K
-    iterations; the CG path starts each solve from the previous Z.
+    iterations; the CG path starts each solve from the previous Z. Jitted (p, K, the solver and
+    its tol/maxiter are static), so it compiles once even when called eagerly.
 
     Args:
       z_t: Z_t, [N, d2].
@@ -197,7 +200,7 @@ def graph_prox_admm(z_t: jax.Array, linear: jax.Array, w: jax.Array, omega: jax.
       w, omega: W_0 and Ω_0, [M, d2] (warm start: last round's; cold start: zeros).
       graph: the edges (M of them).
       eta: η_t > 0; lam: λ ≥ 0; rho: ρ > 0; p: 1, 2 or inf; iters: K ≥ 1 (static).
-      method: the Z-system solver, see `laplacian_solver`.
+      method, tol, maxiter: the Z-system solver, see `laplacian_solver`.
     Returns:
       AdmmResult(Z_K, W_K, Ω_K, primal residual, dual residual).
     """
@@ -205,7 +208,7 @@ def graph_prox_admm(z_t: jax.Array, linear: jax.Array, w: jax.Array, omega: jax.
     dtype = z_t.dtype
     eta = jnp.asarray(eta, dtype)
     rho = jnp.asarray(rho, dtype)
-    solve = laplacian_solver(graph, n, eta * rho, method=method, **solver_kw)
+    solve = laplacian_solver(graph, n, eta * rho, method=method, tol=tol, maxiter=maxiter)
     tau = jnp.asarray(lam, dtype) / rho
     prox_rows = jax.vmap(prox_norm, in_axes=(0, None, None))
     base = z_t - eta * linear
@@ -316,6 +319,11 @@ def median_heuristic(points: jax.Array, max_points: int = 2048, key: jax.Array |
     if points.shape[0] > max_points:
         key = jax.random.key(0) if key is None else key
         points = points[jax.random.choice(key, points.shape[0], (max_points,), replace=False)]
+    return _median_distance(points)
+
+
+@jax.jit
+def _median_distance(points):
     d = jnp.sqrt(_sq_dists(points, points))
     iu = np.triu_indices(points.shape[0], 1)
     return jnp.median(d[iu])
@@ -337,11 +345,7 @@ def mmd_rows(samples: jax.Array, counts: jax.Array, bandwidth: jax.typing.ArrayL
     rows are real (the rest padding). A block of B rows costs B·N·S² kernel entries; choose the
     block size accordingly (`mmd_block_size`).
     """
-    n, s, _ = samples.shape
-    weights = (jnp.arange(s)[None, :] < counts[:, None]).astype(samples.dtype)
-    weights = weights / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
-    self_terms = jax.lax.map(lambda xw: _mean_kernel(xw[0], xw[1], xw[0], xw[1], bandwidth),
-                             (samples, weights))
+    weights, self_terms = _mmd_self_terms(samples, counts, bandwidth)
 
     def cross(xa, wa):   # one client against all: [N]
         return jax.vmap(lambda xb, wb: _mean_kernel(xa, wa, xb, wb, bandwidth))(samples, weights)
@@ -352,6 +356,17 @@ def mmd_rows(samples: jax.Array, counts: jax.Array, bandwidth: jax.typing.ArrayL
         return jnp.maximum(self_a[:, None] + self_terms[None, :] - 2.0 * k_ab, 0.0)
 
     return lambda a, b: block(samples[a:b], weights[a:b], self_terms[a:b])
+
+
+@jax.jit
+def _mmd_self_terms(samples, counts, bandwidth):
+    """Normalised sample weights [N, S] and k̄(i, i) [N]."""
+    s = samples.shape[1]
+    weights = (jnp.arange(s)[None, :] < counts[:, None]).astype(samples.dtype)
+    weights = weights / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
+    self_terms = jax.lax.map(lambda xw: _mean_kernel(xw[0], xw[1], xw[0], xw[1], bandwidth),
+                             (samples, weights))
+    return weights, self_terms
 
 
 def mmd_block_size(num_nodes: int, samples_per_client: int) -> int:
