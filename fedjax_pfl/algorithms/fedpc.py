@@ -13,7 +13,7 @@ data, feature or model space (§2). One round t (§4, the draft's Algorithm 5):
   S_t ← sample ⌊N·rate⌋ clients                                                   (partial part.)
   y^(n) = M x_t + N z_t^(n) for n ∈ S_t                                           step 1
   ∇^(n) = Σ_{k<K} g_k, the minibatch gradients of K local SGD steps from y^(n)    step 2 (Alg. 1)
-        (K = --local-steps, default 1: the single stochastic gradient g_t^(n) at y^(n))
+        (K = --local-steps, default 10; K = 1 is the draft's single stochastic gradient at y^(n))
   ∇^(n) ← (x_t − v)/η_t, the compressed update, when γ > 0                        step 2 (Alg. 3)
   x_{t+1} = x_t − η_t · mean_{n∈S_t} Mᵀ∇^(n)                                     step 3
   G_t = [∇^(n) for n ∈ S_t, 0 for the others]; K ADMM iterations on
@@ -158,14 +158,30 @@ def fedpc(
                           drop_last=common["drop_last"])
 
     def step_sizes(t: jax.Array, num_clients: int):
-        """(η_t, η_z, ρ, ρ_c) for the round after t completed rounds."""
-        decay = 1.0 if eta_decay == "constant" else jax.lax.rsqrt(t.astype(jnp.float32) + 1.0)
-        eta_t = eta * decay
-        eta_z = (num_clients * eta if eta_personal is None else eta_personal) * decay
-        rho_t = 1.0 / eta_z if rho is None else jnp.asarray(rho, jnp.float32)
-        rho_c_t = (1.0 / (eta_t * gamma) if rho_c is None else jnp.asarray(rho_c, jnp.float32)) \
-            if gamma > 0 else jnp.ones(())
+        """(η_t, η_z, ρ, ρ_c) for the round after t completed rounds, as scalar arrays (float32;
+        float64 under x64)."""
+        dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+        f32 = lambda v: jnp.asarray(v, dtype)
+        decay = f32(1.0) if eta_decay == "constant" else jax.lax.rsqrt(t.astype(dtype) + 1.0)
+        eta_t = f32(eta) * decay
+        eta_z = f32(num_clients * eta if eta_personal is None else eta_personal) * decay
+        rho_t = 1.0 / eta_z if rho is None else f32(rho)
+        if gamma > 0:
+            rho_c_t = 1.0 / (eta_t * gamma) if rho_c is None else f32(rho_c)
+        else:
+            rho_c_t = f32(1.0)
         return eta_t, eta_z, rho_t, rho_c_t
+
+    def replicated(tree):
+        """`tree` held whole on every device of the engine's client mesh (no-op on one device).
+
+        The mapped clients' outputs are split across devices; without this constraint XLA's
+        partitioner splits the server's ADMM loop too and synchronises the devices at every
+        iteration (about 20× slower per round on two CPU devices)."""
+        mesh = engine.mapper.mesh
+        if mesh is None:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, core.replicated_sharding(mesh))
 
     def compress_one(eta_t, rho_c_t, grad):                             # Algorithm 3, one client
         return difference.compress_gradient(grad, eta=eta_t, gamma=gamma, rho_c=rho_c_t,
@@ -232,6 +248,7 @@ def fedpc(
             metrics["distinct_values"] = jnp.mean(packed.distinct.astype(jnp.float32))
         else:
             bits = jnp.full((s,), 32.0 * d)
+        grads = replicated(grads)       # the server's step below runs whole on every device
         g_x, g_z = split_lib.split(grads, mask)
         if shared_mean == "sampled":
             mean_gx = core.mean_over_clients(g_x)
@@ -296,7 +313,7 @@ base.register(base.AlgorithmSpec(
                     "which parameters are personal z^(n) (the rest is the shared x): 'head' (the "
                     "last dense layer), 'all', 'none', or a regex searched in each leaf path such "
                     "as 'Dense_1/'", check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
-        base.HParam("lam", float, 0.01,
+        base.HParam("lam", float, 0.05,
                     "λ, weight of the graph penalty Σ_edges ‖z^(i) − z^(j)‖_p (0: no coupling)",
                     check=base.NON_NEGATIVE, flag="--fedpc-lambda"),
         base.HParam("p", str, "2", "p of the edge norm ‖·‖_p", choices=("1", "2", "inf")),
@@ -353,5 +370,8 @@ base.register(base.AlgorithmSpec(
                     "(matrix-free, sparse Laplacian) or 'auto' (Cholesky up to 1024 clients)",
                     choices=("auto", "cholesky", "cg")),
     ),
-    defaults={"participation": 1.0, "local_steps": 1, "lr": 0.05},
+    # Defaults (tuned on the embedded digits, 20 clients, Dir(0.5), 50 rounds: 96.5 % mean
+    # personalised accuracy; docs/results/fedpc.md): every client takes part, as in the draft's
+    # Algorithm 5, and sends the sum of 10 local minibatch gradients (lr 0.1, B = 10); η = lr.
+    defaults={"participation": 1.0, "local_steps": 10, "lr": 0.1},
 ))

@@ -161,9 +161,9 @@ def test_solvers_and_graph_coupling_of_unsampled_clients():
 
 
 @functools.lru_cache(maxsize=None)
-def _backend_run(backend):
+def _backend_run(backend, chunk_size=1):
     data = make_data(SIZES)
-    algo = get(backend=backend, chunk_size=2, lam=0.05, participation=0.5, gamma=0.5,
+    algo = get(backend=backend, chunk_size=chunk_size, lam=0.05, participation=0.5, gamma=0.5,
                compress_iters=20, local_steps=2, batch_size=4)
     round_fn = algo.round_fn
     if backend == "vmap":
@@ -191,7 +191,7 @@ def test_vmapped_and_chunked_equal_loop_backend():
 
 
 def test_compressed_uplink_is_accounted_in_bits():
-    _, metrics, _ = _backend_run("vmap")
+    _, metrics, _ = _backend_run("chunked", chunk_size=0)          # automatic chunk size
     d = 5 * 4 + 4 + 4 * 3 + 3
     for m in metrics:
         assert float(m["bits_per_client_dense"]) == 32 * d
