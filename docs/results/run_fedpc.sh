@@ -15,10 +15,12 @@ EXTRA=${EXTRA:-}          # e.g. "--data-dir data" where Fashion-MNIST's files a
 # samples at lr 0.1), 100 rounds, seed 0. FedPC: λ = 0.05 for p = 2, scaled by the norm ratio of
 # a flat vector in the d2 = 1010 head coordinates for p = 1 (λ/√d2) and p = ∞ (λ·√d2); k = 3;
 # K = 10 ADMM iterations, warm start; the compressed uplink at γ = 0.01 and 0.05.
+# Groups (GROUPS_TO_RUN): digits, fashion_mnist (the main tables), digits_60_clients,
+# fashion_mnist_sweep (λ and partial participation).
 LAM2=0.05
 LAM1=0.0016      # 0.05 / √1010
 LAMINF=1.6       # 0.05 · √1010
-RUNS=(
+MAIN=(
   "local: --algo local"
   "fedavg: --algo fedavg"
   "fedavg_ft: --algo fedavg_ft"
@@ -26,29 +28,61 @@ RUNS=(
   "fedpc no graph (lambda=0): --algo fedpc --fedpc-lambda 0"
 )
 for space in data feature model; do
-  RUNS+=("fedpc $space p=1: --algo fedpc --fedpc-graph $space --fedpc-p 1 --fedpc-lambda $LAM1")
-  RUNS+=("fedpc $space p=2: --algo fedpc --fedpc-graph $space --fedpc-p 2 --fedpc-lambda $LAM2")
-  RUNS+=("fedpc $space p=inf: --algo fedpc --fedpc-graph $space --fedpc-p inf --fedpc-lambda $LAMINF")
+  MAIN+=("fedpc $space p=1: --algo fedpc --fedpc-graph $space --fedpc-p 1 --fedpc-lambda $LAM1")
+  MAIN+=("fedpc $space p=2: --algo fedpc --fedpc-graph $space --fedpc-p 2 --fedpc-lambda $LAM2")
+  MAIN+=("fedpc $space p=inf: --algo fedpc --fedpc-graph $space --fedpc-p inf --fedpc-lambda $LAMINF")
 done
 for gamma in 0.01 0.05; do
-  RUNS+=("fedpc data p=2 compressed gamma=$gamma: --algo fedpc --fedpc-graph data --fedpc-p 2 --fedpc-lambda $LAM2 --fedpc-gamma $gamma")
+  MAIN+=("fedpc data p=2 compressed gamma=$gamma: --algo fedpc --fedpc-graph data --fedpc-p 2 --fedpc-lambda $LAM2 --fedpc-gamma $gamma")
 done
+# Where a graph could matter more: digits with 60 clients (18–27 training samples each), and a
+# λ sweep and 25 % participation on Fashion-MNIST.
+SMALL=(
+  "local: --algo local"
+  "fedavg_ft: --algo fedavg_ft"
+  "fedper: --algo fedper"
+  "fedpc no graph (lambda=0): --algo fedpc --fedpc-lambda 0"
+  "fedpc data p=2 lambda=0.01: --algo fedpc --fedpc-lambda 0.01"
+  "fedpc data p=2 lambda=0.05: --algo fedpc --fedpc-lambda 0.05"
+  "fedpc data p=2 lambda=0.2: --algo fedpc --fedpc-lambda 0.2"
+  "fedpc model p=2 lambda=0.05: --algo fedpc --fedpc-graph model --fedpc-lambda 0.05"
+)
+SWEEP=(
+  "fedpc data p=2 lambda=0.01: --algo fedpc --fedpc-lambda 0.01"
+  "fedpc data p=2 lambda=0.2: --algo fedpc --fedpc-lambda 0.2"
+  "fedpc data p=2 lambda=1: --algo fedpc --fedpc-lambda 1"
+  "fedper, 25 % participation: --algo fedper --participation 0.25"
+  "fedpc no graph (lambda=0), 25 % participation: --algo fedpc --fedpc-lambda 0 --participation 0.25"
+  "fedpc data p=2, 25 % participation: --algo fedpc --participation 0.25"
+)
 
-for group in ${GROUPS_TO_RUN:-digits fashion_mnist}; do
+run_group() {   # run_group NAME "COMMON FLAGS" RUN...
+  local group=$1 common=$2
+  shift 2
+  local runs=("$@")
   mkdir -p "$OUT/$group"
-  printf '%s\n' "${RUNS[@]%%:*}" > "$OUT/$group/labels.txt"
-  common="--preset fedpc_clustered --dataset $group --rounds 100 --seed 0 $EXTRA"
-  title="FedPC protocol (20 clients, 4 label clusters) on $group, MLP, seed 0"
+  printf '%s\n' "${runs[@]%%:*}" > "$OUT/$group/labels.txt"
+  local title="FedPC protocol on $group, MLP, seed 0"
   for ((slot = 0; slot < SLOTS; slot++)); do
-    args=()
-    for ((i = slot; i < ${#RUNS[@]}; i += SLOTS)); do args+=(--run "${RUNS[$i]}"); done
-    pin=()
-    if ((SLOTS > 1)); then pin=(taskset -c "$((2 * slot)),$((2 * slot + 1))"); fi
+    local args=() pin=()
+    for ((i = slot; i < ${#runs[@]}; i += SLOTS)); do args+=(--run "${runs[$i]}"); done
+    ((${#args[@]})) || continue
+    if ((SLOTS > 1 && $(nproc) >= 2 * SLOTS)); then pin=(taskset -c "$((2 * slot)),$((2 * slot + 1))"); fi
     FEDJAX_PFL_CPU_DEVICES=2 nice -n 10 "${pin[@]}" python experiments/compare.py --resume \
       --out "$OUT/$group/slot$slot" --title "$title" --common "$common" "${args[@]}" \
       > "$OUT/$group/slot$slot.log" 2>&1 &
   done
   wait
+}
+
+base="--preset fedpc_clustered --rounds ${ROUNDS:-100} --seed 0 $EXTRA"
+for group in ${GROUPS_TO_RUN:-digits fashion_mnist digits_60_clients fashion_mnist_sweep}; do
+  case $group in
+    digits) run_group digits "$base --dataset digits" "${MAIN[@]}" ;;
+    fashion_mnist) run_group fashion_mnist "$base --dataset fashion_mnist" "${MAIN[@]}" ;;
+    digits_60_clients) run_group digits_60_clients "$base --dataset digits --clients 60" "${SMALL[@]}" ;;
+    fashion_mnist_sweep) run_group fashion_mnist_sweep "$base --dataset fashion_mnist" "${SWEEP[@]}" ;;
+  esac
 done
 
 # The table of docs/results/fedpc.md (accuracy, bits per client and round, graph recovery, time).
@@ -56,10 +90,16 @@ python - "$OUT" <<'EOF'
 import glob, json, os, sys
 
 sys.path.insert(0, "experiments")
+sys.path.insert(0, ".")
 from compare import slug
+from fedjax_pfl.runner import plot_learning_curves
 
 out = sys.argv[1]
-for group in ("digits", "fashion_mnist"):
+figures = os.environ.get("FIGURES")          # FIGURES=docs/results: write fedpc_<group>.png there
+plotted = ("local", "fedavg", "fedavg_ft", "fedper", "fedpc no graph (lambda=0)", "fedpc data p=2",
+           "fedpc data p=2 lambda=0.05", "fedpc data p=2 compressed gamma=0.01",
+           "fedpc data p=2 compressed gamma=0.05")
+for group in ("digits", "fashion_mnist", "digits_60_clients", "fashion_mnist_sweep"):
     labels_path = os.path.join(out, group, "labels.txt")
     if not os.path.exists(labels_path):
         continue
@@ -67,6 +107,7 @@ for group in ("digits", "fashion_mnist"):
     print("| method | mean acc % (last) | best round | worst 10 % (last) | uplink kbit / client / round | "
           "kNN edges inside a cluster | s / round |")
     print("|---|---|---|---|---|---|---|")
+    curves = {}
     for label in open(labels_path).read().splitlines():
         runs = glob.glob(os.path.join(out, group, "slot*", slug(label)))
         if not runs:
@@ -74,7 +115,10 @@ for group in ("digits", "fashion_mnist"):
             continue
         run = runs[0]
         summary = json.load(open(os.path.join(run, "summary.json")))
-        last = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))][-1]
+        rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+        last = rows[-1]
+        if label in plotted:
+            curves[label] = rows
         comm, per_round = summary.get("communication", {}), summary["clients_per_round"]
         if "up_bits_per_round" in comm:
             kbit = comm["up_bits_per_round"] / per_round / 1e3
@@ -87,4 +131,8 @@ for group in ("digits", "fashion_mnist"):
         print(f"| {label} | {100 * final['acc_mean']:.2f} | {100 * best['acc_mean']:.2f} | "
               f"{100 * final['acc_worst10']:.2f} | {kbit:,.1f} | {inside} | "
               f"{summary['time_per_round_s']:.3f} |")
+    if figures and curves and group != "fashion_mnist_sweep":
+        plot_learning_curves(curves, os.path.join(figures, f"fedpc_{group}.png"),
+                             f"FedPC protocol on {group}: mean personalised accuracy",
+                             acc_keys=("acc_mean",))
 EOF

@@ -46,8 +46,8 @@ Readings settled here (the draft is silent or ambiguous; spec §4–6):
   * The ‖·‖_p of an edge spans all personal leaves together (one vector in R^{d2}), so W and Ω are
     [M, d2] matrices over the flattened personal part (edge axis leading).
   * Compression (γ > 0, §5): per sampled client, on the whole ∇ (shared and personal leaves), Λ
-    per leaf; ρ_c defaults to 1/(η_t γ) (c = ρ_c η_t γ = 1); the output is the exactly
-    piecewise-constant ∇ rebuilt from the ADMM's sparse r (ops/difference.py). Uplink accounting:
+    per leaf; ρ_c defaults to 1/(η_t γ) (c = ρ_c η_t γ = 1); the output is exactly piecewise
+    constant: −δ_J/η fitted on the jump set of the ADMM's sparse r (ops/difference.py). Uplink accounting:
     Σ_leaves d_l⌈log2 k_l⌉ + 32k_l bits for k_l distinct values, against 32·d dense.
   * Downlink: the sampled clients receive their y^(n) (d floats each) before computing.
   * Graph (§2). data: squared MMD (RBF, median-heuristic bandwidth) between per-client subsamples
