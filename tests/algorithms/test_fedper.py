@@ -29,19 +29,20 @@ def _run(name, backend, hp_items):
     algo = algorithms.get(name, model=MLP, backend=backend, lr=0.1, batch_size=4, participation=0.5,
                           **dict(hp_items))
     state = algo.init(jax.random.key(0), DATA)
+    chex.clear_trace_counter()        # chex identifies functions by source and call site
     step = algo.round_fn if backend == "loop" else jax.jit(chex.assert_max_traces(algo.round_fn, n=1))
     states, metrics = [], []
     for r in range(2):
         state, m = step(state, DATA, jax.random.key(r))
         states.append(state)
         metrics.append(m)
-    return states, metrics, algo.evaluate(state, DATA)["client"]
+    return states, metrics, algo.evaluate(state, DATA)["client"], algo
 
 
 def run(name, data, rounds=2, backend="vmap", **hp):
     """(None, state after `rounds` rounds, metrics of every round, final evaluation); cached."""
     assert data is DATA
-    states, metrics, ev = _run(name, backend, tuple(sorted(hp.items())))
+    states, metrics, ev, _ = _run(name, backend, tuple(sorted(hp.items())))
     return None, states[rounds - 1], metrics[:rounds], ev
 
 
