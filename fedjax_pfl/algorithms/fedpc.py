@@ -34,7 +34,7 @@ Readings settled here (the draft is silent or ambiguous; spec §4–6):
     gives z^(n) ← z^(n) − (η_z/N)∇_z f_n (spec §7). The draft uses η_z = η_t, which moves the
     personal parts N times more slowly than the shared part; the default η_z = N·η_t
     (--fedpc-eta-personal unset) makes a λ = 0 round move z^(n) by η_t∇_z f_n, like local SGD.
-    Set --fedpc-eta-personal to the value of --lr for the literal draft.
+    Set --fedpc-eta-personal to η (--fedpc-eta, default --lr) for the literal draft.
   * Partial participation (not in the draft): unsampled clients contribute zero rows to G_t; their
     z still moves through the graph coupling (spec §4).
   * λ = 0 decouples the clients: the Z-subproblem's minimiser Z_t − η_z G_t/N is returned in closed
@@ -47,8 +47,9 @@ Readings settled here (the draft is silent or ambiguous; spec §4–6):
     [M, d2] matrices over the flattened personal part (edge axis leading).
   * Compression (γ > 0, §5): per sampled client, on the whole ∇ (shared and personal leaves), Λ
     per leaf; ρ_c defaults to 1/(η_t γ) (c = ρ_c η_t γ = 1); the output is exactly piecewise
-    constant: −δ_J/η fitted on the jump set of the ADMM's sparse r (ops/difference.py). Uplink accounting:
-    Σ_leaves d_l⌈log2 k_l⌉ + 32k_l bits for k_l distinct values, against 32·d dense.
+    constant: −δ_J/η fitted on the jump set of the ADMM's sparse r (ops/difference.py).
+    Uplink accounting: Σ_leaves d_l⌈log2 k_l⌉ + 32k_l bits for k_l distinct values, against
+    32·d dense.
   * Downlink: the sampled clients receive their y^(n) (d floats each) before computing.
   * Graph (§2). data: squared MMD (RBF, median-heuristic bandwidth) between per-client subsamples
     of --fedpc-graph-samples flattened training inputs (random Fourier features above 1,000
