@@ -24,6 +24,7 @@ for group in ${GROUPS_TO_RUN:-digits fashion_mnist}; do
     --run "tdpfed x2 AFM beta=1.8: --algo tdpfed --tdpfed-cr 2 --tdpfed-beta 1.8" \
     --run "pfedme: --algo pfedme" \
     --run "fedavg: --algo fedavg" \
-    --run "fedavg_sar x1.5: --algo fedavg_sar --sar-cr 1.5" \
-    --run "fedavg_sar x2: --algo fedavg_sar --sar-cr 2"
+    --run "fedavg_sar x1.5: --algo fedavg_sar --sar-cr 1.5 --sar-mask-fill zero" \
+    --run "fedavg_sar x2: --algo fedavg_sar --sar-cr 2 --sar-mask-fill zero" \
+    --run "fedavg_sar x2 keep: --algo fedavg_sar --sar-cr 2 --sar-mask-fill keep"
 done
