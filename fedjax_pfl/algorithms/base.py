@@ -245,11 +245,12 @@ class Engine:
         self.evaluator = Evaluator(model, batch_size=eval_batch_size, mapper=self.mapper)
 
     def num_sampled(self, data: FederatedData) -> int:
-        return core.num_sampled_clients(data.num_clients, self.participation)
+        """M = floor(N·rate) of the N real clients (padding clients are never sampled)."""
+        return core.num_sampled_clients(data.num_real_clients, self.participation)
 
     def sample(self, key: jax.Array, data: FederatedData) -> jax.Array:
         """This round's M client ids (sorted), deterministic in `key`."""
-        return core.sample_clients(key, data.num_clients, self.num_sampled(data))
+        return core.sample_clients(key, data.num_real_clients, self.num_sampled(data))
 
     def init_client_opt_states(self, params: Params, num_clients: int) -> Any:
         """[N] per-client optimizer states when they persist across rounds, else None."""

@@ -79,7 +79,7 @@ import optax
 from fedjax_pfl import core
 from fedjax_pfl.algorithms import base
 from fedjax_pfl.core import split as split_lib
-from fedjax_pfl.core.local import LocalTrainer, epoch_orders
+from fedjax_pfl.core.local import LocalTrainer, epoch_permutation
 from fedjax_pfl.data.federated import label_counts
 from fedjax_pfl.models.model import Model
 from fedjax_pfl.ops import difference
@@ -275,14 +275,12 @@ def fedpc(
 def client_subsamples(key: jax.Array, data, size: int) -> tuple[jax.Array, jax.Array]:
     """([N, S, D] flattened inputs, [N] counts): up to S = `size` training samples per client,
     drawn uniformly without replacement (all of them when n_i ≤ S; the rest is padding)."""
-    n, width = data.num_clients, data.max_train
+    n = data.num_clients
     counts = jnp.minimum(data.clients.train_count, size)
     keys = base.client_keys(key, jnp.arange(n))
-    orders = jax.vmap(lambda kk, c: epoch_orders(kk, c, width, 1)[0])(keys, data.clients.train_count)
-    if width < size:
-        orders = jnp.pad(orders, ((0, 0), (0, size - width)))
-    positions = orders[:, :size]
-    rows = jnp.take_along_axis(data.clients.train_idx, positions, axis=1)
+    positions = jax.vmap(lambda kk, c: epoch_permutation(kk, c, jnp.arange(size)))(
+        keys, data.clients.train_count)                  # the first S of a random order
+    rows = data.clients.train_start[:, None] + positions
     x = data.inputs(rows)
     return x.reshape(n, size, -1), counts
 

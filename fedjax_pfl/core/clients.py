@@ -74,15 +74,44 @@ def mean_over_clients(tree: Params, weights: jax.Array | None = None) -> Params:
 def sample_clients(key: jax.Array, num_clients: int, num_sampled: int) -> jax.Array:
     """M distinct client ids drawn uniformly without replacement, sorted ascending.
 
-    Deterministic in `key`; every client has probability M/N per round. Sorting makes logs and
+    Deterministic in `key`; every M-subset has the same probability. For N ≤ 4·M + 4096 the ids
+    are the first M of a random permutation (O(N)); otherwise (M ≪ N, large-client-count runs)
+    they are drawn in O(M log M) without touching all N: iid uniform draws, keeping the first
+    occurrence of each id in draw order until M distinct ids are found. The first M distinct
+    values of an iid uniform sequence are a uniformly random M-subset (sequential sampling with
+    rejection of repeats), so both paths sample the same distribution. Sorting makes logs and
     scatters easier to read and changes nothing else (rows are keyed by client id).
     """
     if not 1 <= num_sampled <= num_clients:
         raise ValueError(f"cannot sample {num_sampled} of {num_clients} clients")
     if num_sampled == num_clients:
         return jnp.arange(num_clients, dtype=jnp.int32)
-    ids = jax.random.choice(key, num_clients, (num_sampled,), replace=False)
-    return jnp.sort(ids).astype(jnp.int32)
+    if num_clients <= 4 * num_sampled + 4096:
+        ids = jax.random.choice(key, num_clients, (num_sampled,), replace=False)
+        return jnp.sort(ids).astype(jnp.int32)
+    return _sample_sparse(key, num_clients, num_sampled)
+
+
+def _sample_sparse(key: jax.Array, n: int, m: int) -> jax.Array:
+    # Draws per attempt: the expected number of repeats among k draws is about k²/(2n) ≤ m/8
+    # here, so m + m/4 + 16 draws almost always hold m distinct ids; otherwise draw again.
+    k = m + m // 4 + 16
+
+    def attempt(carry):
+        i, _, _ = carry
+        draws = jax.random.randint(jax.random.fold_in(key, i), (k,), 0, n, dtype=jnp.int32)
+        order = jnp.argsort(draws, stable=True)          # equal ids: earliest draw first
+        sorted_ids = draws[order]
+        first = jnp.concatenate([jnp.ones(1, bool), sorted_ids[1:] != sorted_ids[:-1]])
+        # The first occurrences, in draw order; the first m of them are the sample.
+        position = jnp.where(first, order, k)            # draw index of each first occurrence
+        chosen = jnp.sort(position)[:m]
+        return i + 1, jnp.sum(first) >= m, draws[jnp.minimum(chosen, k - 1)]
+
+    _, _, ids = jax.lax.while_loop(lambda c: ~c[1], attempt,
+                                   (jnp.zeros((), jnp.int32), jnp.zeros((), bool),
+                                    jnp.zeros(m, jnp.int32)))
+    return jnp.sort(ids)
 
 
 def num_sampled_clients(num_clients: int, participation: float) -> int:
@@ -91,24 +120,46 @@ def num_sampled_clients(num_clients: int, participation: float) -> int:
     return max(1, int(np.floor(num_clients * participation + 1e-9)))
 
 
+class ClientLoop(NamedTuple):
+    """One client's computation written as a loop: `length(row)` steps of `step` (local training
+    steps, evaluation batches), between `init` and `finish`.
+
+      init(shared, row) -> carry          everything the client's steps need (its model, key, …)
+      step(shared, carry, t) -> carry     step t = 0, 1, …, length − 1
+      finish(shared, carry) -> out        the client's result
+      length(row) -> int32 scalar         the client's number of steps (0 is allowed)
+
+    `shared` is a tuple of arguments common to all clients (the dataset, a global model). Written
+    this way, the mapper can run clients in "lanes" that pick up the next client as soon as theirs
+    is done, so no vectorised lane idles to the longest client of a batch (`ClientMapper`).
+    """
+
+    init: Callable
+    step: Callable
+    finish: Callable
+    length: Callable
+
+
 class ClientMapper(NamedTuple):
-    """How a one-client function is run over the sampled clients.
+    """How per-client work is run over the sampled clients: the one place execution lives.
 
     backend:
-      "vmap":    one vectorised call over all M clients (fastest for small models);
-      "chunked": vmap over chunks of `chunk_size` clients, sequential over chunks (lax.map), so
-                 peak memory is bounded by the chunk; clients are sorted by `cost` first so each
-                 chunk's while-loops stop at the chunk's own longest client. chunk_size 0 means
-                 automatic (`auto_chunk_size`; LocalTrainer resolves it with a one-step probe,
-                 other callers analyse the mapped function); a chunk at least as large as the
-                 clients on a device is plain vmap;
-      "loop":    a Python loop that calls the jitted one-client function once per client. It is
-                 the reference the vectorised backends are tested against, and the baseline of
-                 benchmarks/round_throughput.py. Under an outer jax.jit it still works but unrolls.
+      "vmap":    one vectorised call over all M clients; loops run to the longest client;
+      "chunked": (the default) bounded vectorisation. `ClientLoop`s run in W = `chunk_size`
+                 lanes: each lane steps its client and, when that client is done, writes its
+                 result and takes the next client (longest first), so a lane never runs past
+                 its own client's steps and a skewed client does not hold up a whole block.
+                 Plain functions (`__call__`) run as vmap over chunks of W clients (lax.map).
+                 chunk_size 0 means automatic (`auto_chunk_size`, from XLA's memory analysis of
+                 one step); W at least the clients on a device is plain vmap;
+      "loop":    a Python loop that calls the jitted one-client computation once per client. It
+                 is the reference the vectorised backends are tested against, and the baseline of
+                 the benchmarks. Under an outer jax.jit it still works but unrolls.
     mesh: with several devices (GPUs, or one XLA:CPU device per core, see
       `fedjax_pfl.use_cpu_cores`), "vmap" and "chunked" split the M clients across the devices
-      of this 1-D mesh (axis "clients") with shard_map, a contiguous block of rows per device
-      (padded to a multiple of the device count).
+      of this 1-D mesh (axis "clients") with shard_map. Loops are dealt to devices by cost
+      (longest first, in snake order) so devices finish together; plain functions take a
+      contiguous block of rows per device.
     """
 
     backend: str = "chunked"
@@ -130,12 +181,67 @@ class ClientMapper(NamedTuple):
         if self.backend not in ("vmap", "chunked"):
             raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
         if self.backend == "chunked" and self.chunk_size == AUTO_CHUNK:
-            # Callers with a cheaper one-step probe resolve first (LocalTrainer does); otherwise
-            # the mapped function itself is analysed.
             return self.resolved(fn, shared, args)(fn, *args, shared=shared, cost=cost)
         if self.mesh is None or self.mesh.size == 1:
             return self._map_on_device(fn, shared, args, cost)
         return self._map_sharded(fn, shared, args, cost)
+
+    def run(self, loop: ClientLoop, rows: Params, *, shared: tuple = (),
+            probe: Callable | None = None) -> Params:
+        """out[i] = the result of client i's loop, for every row i of `rows`.
+
+        `probe(shared, row)` (optional) is one step of one client, whose memory analysis picks
+        an automatic chunk size; without it the chunk size is analysed from `loop.step`.
+        The loop object must live as long as the algorithm (the loop backend caches by identity).
+        """
+        if self.backend == "loop":
+            return _loop_map(_whole_loop(loop), shared, (rows,))
+        if self.backend not in ("vmap", "chunked"):
+            raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
+        mapper = self
+        if self.backend == "chunked" and self.chunk_size == AUTO_CHUNK:
+            probe = probe or _step_probe(loop)
+            mapper = self.resolved(probe, shared, (rows,))
+        m = _num_rows(rows)
+        valid = jnp.ones(m, bool)
+        if mapper.mesh is None or mapper.mesh.size == 1:
+            return mapper._run_on_device(loop, shared, rows, valid)
+        return mapper._run_sharded(loop, shared, rows)
+
+    def _run_on_device(self, loop, shared, rows, valid):
+        if self.backend == "vmap":
+            out = _vmap_rows(_whole_loop(loop, masked=True), shared, (rows, valid))
+            return out
+        return _run_lanes(loop, shared, rows, valid, self.chunk_size)
+
+    def _run_sharded(self, loop, shared, rows):
+        d = self.mesh.size
+        m = _num_rows(rows)
+        lengths = jax.vmap(loop.length)(rows)
+        # Deal clients to devices longest first in snake order (0,1,…,d−1,d−1,…,0, …): every
+        # device gets ⌈m/d⌉ rows and about the same number of steps (padding rows do nothing).
+        m_pad = -(-m // d) * d
+        by_cost = jnp.argsort(-lengths, stable=True)
+        by_cost = jnp.concatenate([by_cost, jnp.full(m_pad - m, m)])    # m: a padding row
+        rank = jnp.arange(m_pad)
+        lap, pos = rank // d, rank % d
+        device = jnp.where(lap % 2 == 0, pos, d - 1 - pos)
+        placed = by_cost[jnp.argsort(device * m_pad + rank, stable=True)]  # device-major order
+        valid = placed < m
+        take = jnp.minimum(placed, m - 1)
+        local_rows = gather(rows, take)
+
+        def per_device(shared, rows, valid):
+            return self._run_on_device(loop, shared, rows, valid)
+
+        spec = jax.sharding.PartitionSpec("clients")
+        out = jax.shard_map(per_device, mesh=self.mesh,
+                            in_specs=(jax.sharding.PartitionSpec(), spec, spec),
+                            out_specs=spec, check_vma=False)(shared, local_rows, valid)
+        # Row j of `out` belongs to client placed[j]; undo the placement.
+        back = jnp.zeros(m_pad, jnp.int32).at[jnp.where(valid, placed, m_pad)].set(
+            jnp.arange(m_pad, dtype=jnp.int32), mode="drop")
+        return gather(out, back[:m])
 
     def resolved(self, fn: Callable, shared: tuple, args: tuple) -> "ClientMapper":
         """This mapper with an automatic chunk size replaced by `auto_chunk_size` for `fn`."""
@@ -171,11 +277,11 @@ class ClientMapper(NamedTuple):
         return jax.tree.map(lambda x: x[:m], out) if pad else out
 
 
-def jit_unless_loop(mapper: ClientMapper, fn: Callable) -> Callable:
+def jit_unless_loop(mapper: ClientMapper, fn: Callable, **jit_kwargs) -> Callable:
     """`jax.jit(fn)` for the vectorised backends (inlined under an outer jit, and fast when
     called eagerly from a notebook); `fn` itself for the loop backend, whose per-client calls are
     jitted separately and which must see concrete arrays to loop over."""
-    return fn if mapper.backend == "loop" else jax.jit(fn)
+    return fn if mapper.backend == "loop" else jax.jit(fn, **jit_kwargs)
 
 
 def client_mesh() -> Mesh | None:
@@ -288,3 +394,96 @@ def _loop_map(fn, shared, args):
     one_client = _jitted(fn)
     outs = [one_client(*shared, *gather(args, i)) for i in range(_num_rows(args))]
     return jax.tree.map(lambda *rows: jnp.stack(rows), *outs)
+
+
+@functools.lru_cache(maxsize=64)
+def _whole_loop(loop: ClientLoop, masked: bool = False) -> Callable:
+    """One client's loop as a function (shared..., row) -> out (a lax.while_loop); with
+    `masked`, (shared..., row, valid), where an invalid (padding) row takes no steps. Cached, so
+    the same loop gives the same function object (the loop backend's jit cache is by identity)."""
+
+    def run_one(*args):
+        if masked:
+            *shared, row, valid = args
+        else:
+            *shared, row = args
+            valid = True
+        shared = tuple(shared)
+        length = jnp.where(valid, loop.length(row), 0)
+        carry = loop.init(shared, row)
+        _, carry = jax.lax.while_loop(lambda c: c[0] < length,
+                                      lambda c: (c[0] + 1, loop.step(shared, c[1], c[0])),
+                                      (jnp.zeros((), jnp.int32), carry))
+        return loop.finish(shared, carry)
+
+    return run_one
+
+
+def _step_probe(loop: ClientLoop) -> Callable:
+    """(shared..., row) -> one step of one client: what the automatic chunk size analyses."""
+    def probe(*args):
+        *shared, row = args
+        shared = tuple(shared)
+        return loop.step(shared, loop.init(shared, row), jnp.zeros((), jnp.int32))
+
+    return probe
+
+
+def _run_lanes(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array, width: int) -> Params:
+    """Runs every row's loop in W = min(width, m) lanes with refill (see ClientMapper).
+
+    Clients are queued longest first. All lanes step together (vmap); after each step, every
+    lane whose client has taken all its steps writes that client's result and loads the next
+    queued client (one lane at a time, O(row) each), or goes idle when the queue is empty. The
+    loop ends when no lane is busy. Idle lanes keep their carry unchanged (masked).
+    """
+    m = _num_rows(rows)
+    w = max(1, min(int(width), m))
+    lengths = jnp.where(valid, jax.vmap(loop.length)(rows), 0).astype(jnp.int32)
+    queue = jnp.argsort(-lengths, stable=True).astype(jnp.int32)     # longest first
+    init_one = lambda row: loop.init(shared, row)
+    out_spec = jax.eval_shape(lambda row: loop.finish(shared, init_one(row)), abstract_row(rows))
+    outs = jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), out_spec)
+
+    first = queue[:w]
+    carry = jax.vmap(init_one)(gather(rows, first))
+    state = dict(client=first, t=jnp.zeros(w, jnp.int32), length=lengths[first],
+                 busy=jnp.ones(w, bool), carry=carry, next=jnp.asarray(w, jnp.int32), outs=outs)
+
+    def settle(state):
+        """Writes out every lane whose client is done and refills it (one lane per iteration)."""
+        def done(s):
+            return s["busy"] & (s["t"] >= s["length"])
+
+        def one(s):
+            lane = jnp.argmax(done(s))
+            client = s["client"][lane]
+            lane_carry = jax.tree.map(lambda a: a[lane], s["carry"])
+            result = loop.finish(shared, lane_carry)
+            outs = jax.tree.map(lambda o, r: o.at[client].set(r), s["outs"], result)
+            has_next = s["next"] < m
+            nxt = queue[jnp.minimum(s["next"], m - 1)]
+            new_carry = init_one(gather(rows, nxt))
+            carry = jax.tree.map(lambda a, b: a.at[lane].set(jnp.where(has_next, b, a[lane])),
+                                 s["carry"], new_carry)
+            return dict(client=s["client"].at[lane].set(jnp.where(has_next, nxt, client)),
+                        t=s["t"].at[lane].set(0),
+                        length=s["length"].at[lane].set(jnp.where(has_next, lengths[nxt], 0)),
+                        busy=s["busy"].at[lane].set(has_next), carry=carry,
+                        next=s["next"] + has_next.astype(jnp.int32), outs=outs)
+
+        return jax.lax.while_loop(lambda s: jnp.any(done(s)), one, state)
+
+    def body(s):
+        stepped = jax.vmap(lambda c, t: loop.step(shared, c, t))(s["carry"], s["t"])
+        active = s["busy"] & (s["t"] < s["length"])
+        if w > 1:   # a single lane is never idle while the loop runs: nothing to mask
+            stepped = jax.tree.map(
+                lambda new, old: jnp.where(active.reshape((w,) + (1,) * (new.ndim - 1)), new, old),
+                stepped, s["carry"])
+        return settle({**s, "carry": stepped, "t": s["t"] + active.astype(jnp.int32)})
+
+    state = settle(state)                       # clients with no steps finish at once
+    state = jax.lax.while_loop(lambda s: jnp.any(s["busy"]), body, state)
+    return state["outs"]
+
