@@ -55,6 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the partition, the model init and every round's sampling")
     g.add_argument("--eval-every", type=int, default=1, help="evaluate every k rounds (and the last)")
+    g.add_argument("--eval-clients", default="all",
+                   help="clients evaluated at each evaluation: 'all', 'participants' (the round's "
+                        "sampled clients) or K (a fixed random subset of K clients); the last round "
+                        "always evaluates every client. For large N, evaluation of all clients "
+                        "costs more than training")
+
+    g = p.add_argument_group("execution")
+    g.add_argument("--rounds-per-call", type=int, default=1,
+                   help="K rounds per compiled call (one lax.scan, sampling and metrics on device): "
+                        "fewer dispatches for small models; --eval-every must be a multiple of K")
+    g.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="storage of per-client float state (bfloat16 halves its memory; "
+                        "arithmetic stays float32)")
+    g.add_argument("--no-memory-check", action="store_true",
+                   help="run even when the memory plan printed at start says it will not fit")
     g.add_argument("--out", default=None, help="output directory (default runs/ALGO_DATASET_TIME)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--model", default=None,
@@ -181,7 +196,9 @@ def config_from_args(args: argparse.Namespace):
     out = args.out or os.path.join("runs", f"{args.algo}_{args.dataset}_{time.strftime('%Y%m%d-%H%M%S')}")
     return RunConfig(algo=args.algo, dataset=args.dataset, model=args.model,
                      model_cr=args.model_cr, partition=partition,
-                     rounds=args.rounds, seed=args.seed, eval_every=args.eval_every, out=out,
+                     rounds=args.rounds, seed=args.seed, eval_every=args.eval_every,
+                     eval_clients=args.eval_clients, rounds_per_call=args.rounds_per_call,
+                     state_dtype=args.state_dtype, memory_check=not args.no_memory_check, out=out,
                      hparams=hparams, data_options=data_options, progress=not args.quiet)
 
 
@@ -220,13 +237,14 @@ def main(argv: list[str] | None = None) -> int:
 
     fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (no-op on GPU)
     args = parse(argv)
-    from fedjax_pfl import runner
+    from fedjax_pfl import core, runner
     from fedjax_pfl.data.sources import DatasetNotFoundError
 
     try:
         cfg = config_from_args(args)
         cfg.validate()
         data, info = runner.load_data(cfg)
+        prepared = runner.prepare(cfg, data, info)     # builds the algorithm: its checks too
     except DatasetNotFoundError as e:
         # One line, but keep everything the message says (where we looked, what to put where).
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
@@ -237,9 +255,11 @@ def main(argv: list[str] | None = None) -> int:
           f"({info['train_size']['total']} train / {info['test_size']['total']} test samples), "
           f"output in {cfg.out}")
     try:
-        summary = runner.run(cfg, data=data, data_info=info)
+        summary = runner.run(cfg, prepared=prepared)
     except runner.NonFiniteError as e:
         _fail(str(e), code=1)
+    except core.MemoryPlanError as e:
+        _fail(" ".join(str(e).split()))
     best, last = summary["best"], summary["last"]
     print(f"done in {summary['wall_time_s']:.1f}s (compile {summary['compile_time_s']:.1f}s, "
           f"{summary['time_per_round_s'] * 1e3:.1f} ms/round, "

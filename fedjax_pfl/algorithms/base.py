@@ -6,10 +6,11 @@ An algorithm is a factory of pure functions (FedJAX's `FederatedAlgorithm(init, 
     state = algo.init(key, data)
     state, metrics = algo.round_fn(state, data, key)    # pure; jax.jit-able as is
     evals = algo.evaluate(state, data)                   # {"client": ClientEval, ...}
+    evals = algo.evaluate(state, data, ids)              # only the clients `ids` ([K] int32)
 
-`evaluate` returns per-client arrays: key "client" is the model each client would use (its
-personalised model, or the global model for FedAvg) and is the headline accuracy; "global" is
-the global model where an algorithm also has one.
+`evaluate` returns per-client arrays (leading axis N, or K with `ids`): key "client" is the model
+each client would use (its personalised model, or the global model for FedAvg) and is the
+headline accuracy; "global" is the global model where an algorithm also has one.
 
 `round_fn` returns at least: "sampled" [M] client ids, "train_loss" [M] mean local minibatch loss
 per sampled client, "client_steps" () the number of local steps taken (for throughput).
@@ -284,6 +285,11 @@ class Engine:
         keys = client_keys(key, idx)
         return self.trainer(data, params, opt_state, core.gather(data.clients, idx), keys,
                             extra=extra, hook_state=hook_state, shared_start=shared_start)
+
+
+def evaluated_ids(data: FederatedData, ids: jax.Array | None) -> jax.Array:
+    """The clients an `evaluate(state, data, ids)` call covers: `ids`, or every client."""
+    return jnp.arange(data.num_clients, dtype=jnp.int32) if ids is None else jnp.asarray(ids)
 
 
 def client_keys(key: jax.Array, idx: jax.Array) -> jax.Array:

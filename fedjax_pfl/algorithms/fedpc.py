@@ -264,9 +264,11 @@ def fedpc(
                        graph_same_labels=state.same_labels)
         return State(x, z, w, omega, state.graph, state.same_labels, state.round + 1), metrics
 
-    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
-        y = split_lib.merge(core.broadcast(state.x, data.num_clients), state.z, mask)   # step 5
-        return {"client": engine.evaluator.personal(data, y)}
+    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        ids = base.evaluated_ids(data, ids)
+        y = split_lib.merge(core.broadcast(state.x, ids.shape[0]), core.gather(state.z, ids),
+                            mask)                                                         # step 5
+        return {"client": engine.evaluator.rows(data, y, ids)}
 
     return base.Algorithm("fedpc", init, round_fn, evaluate, {})
 

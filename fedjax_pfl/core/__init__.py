@@ -28,6 +28,14 @@ from fedjax_pfl.core.local import (
     steps_per_epoch,
 )
 from fedjax_pfl.core.metrics import History, summarize
+from fedjax_pfl.core.program import (
+    STATE_DTYPES,
+    MemoryPlan,
+    MemoryPlanError,
+    Program,
+    check_memory,
+    prepare_data,
+)
 
 __all__ = [
     "BACKENDS", "ClientLoop", "ClientMapper", "broadcast", "client_mapper", "client_mesh", "replicate",
@@ -35,4 +43,5 @@ __all__ = [
     "num_sampled_clients", "sample_clients", "scatter", "sum_over_clients", "where_clients",
     "ClientEval", "Evaluator", "FullPass", "LocalResult", "LocalTrainer", "add_aux_gradient",
     "epoch_permutation", "masked_mean_loss", "steps_per_epoch", "History", "summarize",
+    "STATE_DTYPES", "MemoryPlan", "MemoryPlanError", "Program", "check_memory", "prepare_data",
 ]

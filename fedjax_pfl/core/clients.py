@@ -36,8 +36,13 @@ def broadcast(tree: Params, n: int) -> Params:
 
 
 def gather(tree: Params, idx: jax.Array) -> Params:
-    """[N, ...] -> [m, ...]: the rows of the clients in `idx`."""
-    return jax.tree.map(lambda x: x[idx], tree)
+    """[N, ...] -> [m, ...]: the rows of the clients in `idx`. Rows stored in bfloat16 (client
+    state under --state-dtype bfloat16) come back as float32: computation stays in float32."""
+    def rows(x):
+        r = x[idx]
+        return r.astype(jnp.float32) if r.dtype == jnp.bfloat16 else r
+
+    return jax.tree.map(rows, tree)
 
 
 def scatter(tree: Params, idx: jax.Array, rows: Params) -> Params:
@@ -285,8 +290,8 @@ def jit_unless_loop(mapper: ClientMapper, fn: Callable, **jit_kwargs) -> Callabl
 
 
 def client_mesh() -> Mesh | None:
-    """A 1-D mesh ("clients") over all local devices, or None with a single device."""
-    devices = jax.local_devices()
+    """A 1-D mesh ("clients") over all devices (of every process), or None with a single one."""
+    devices = jax.devices()
     return Mesh(np.array(devices), ("clients",)) if len(devices) > 1 else None
 
 
@@ -297,10 +302,38 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicate(tree: Params, mesh: Mesh | None) -> Params:
     """Places `tree` on every device of `mesh` once (a no-op without a mesh), so jitted rounds do
-    not copy the dataset or the state between devices on every call."""
+    not copy the dataset between devices on every call."""
     if mesh is None:
         return tree
     return jax.device_put(tree, replicated_sharding(mesh))
+
+
+def is_client_leaf(leaf: Any, num_clients: int) -> bool:
+    """Whether a state leaf is per-client: an array whose leading axis has N rows."""
+    shape = getattr(leaf, "shape", ())
+    return len(shape) >= 1 and shape[0] == num_clients
+
+
+def client_shardings(tree: Params, num_clients: int, mesh: Mesh) -> Params:
+    """Shardings for a state pytree: per-client leaves (leading axis N, `is_client_leaf`) split
+    along the client axis over the mesh, every other leaf replicated. N must be a multiple of
+    the device count (`FederatedData.pad_clients`). Works on abstract trees (eval_shape)."""
+    rows = NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
+    whole = replicated_sharding(mesh)
+    return jax.tree.map(lambda x: rows if is_client_leaf(x, num_clients) else whole, tree)
+
+
+def cast_client_leaves(tree: Params, num_clients: int, dtype) -> Params:
+    """Per-client float leaves stored as `dtype` (e.g. bfloat16 for --state-dtype); other leaves
+    unchanged. `gather` returns such rows as float32 again."""
+    def cast(x):
+        if not (is_client_leaf(x, num_clients) and jnp.issubdtype(x.dtype, jnp.floating)):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):                 # abstract shapes (memory plans)
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, tree)
 
 
 def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,

@@ -84,6 +84,10 @@ class Evaluator:
             params, clients = _rows(params, ids), _rows(clients, ids)
         return self._personal(data, params, clients, self.batch_for(data))
 
+    def rows(self, data: FederatedData, params: Params, ids: jax.Array) -> ClientEval:
+        """params[k] (already one row per evaluated client) on client ids[k]'s test split."""
+        return self._personal(data, params, _rows(data.clients, ids), self.batch_for(data))
+
     def shared(self, data: FederatedData, params: Params, ids: jax.Array | None = None) -> ClientEval:
         """One model (e.g. the global model) on every client's test split (or the clients `ids`)."""
         clients = data.clients if ids is None else _rows(data.clients, ids)
