@@ -161,6 +161,10 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
     prep = prepared or prepare(cfg, data, data_info)
     program, data = prep.program, prep.data
     out = cfg.out
+    init_key = jax.random.fold_in(prep.root, 0)
+    state = None
+    if not program.traceable_init:     # e.g. FedPC's host-side graph: shapes known after init
+        state = program.init(init_key)
     compile_time = program.compile(prep.round_keys)                     # phase 2: compile, plan
     plan = program.memory_plan()
     if cfg.progress or cfg.memory_check:
@@ -179,7 +183,8 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
                                 os.path.join(out, "label_distribution.png"),
                                 title=f"{cfg.dataset}: {cfg.partition.scheme} partition")
 
-    state = program.init(jax.random.fold_in(prep.root, 0))             # phase 3: rounds
+    if state is None:
+        state = program.init(init_key)                                   # phase 3: rounds
     n_real = data.num_real_clients
     history = core.History(n_real)
     sampled_log, acc_log, eval_rounds = [], [], []

@@ -67,6 +67,8 @@ of edges inside a planted cluster).
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 from typing import Any, NamedTuple
 
@@ -203,8 +205,11 @@ def fedpc(
         params0 = model.init(key)                 # the same initial model as every algorithm
         n = data.num_clients
         x, z0 = split_lib.split(params0, mask)
-        if d2 > 0 and lam > 0:
-            edges = build_graph(jax.random.fold_in(key, 7), data, params0)
+        if d2 > 0 and lam > 0:      # over the real clients; padding clients stay isolated nodes
+            real = dataclasses.replace(
+                data, clients=jax.tree.map(lambda a: a[:data.num_real_clients], data.clients),
+                real_clients=None)
+            edges = build_graph(jax.random.fold_in(key, 7), real, params0)
         else:   # no personal part or λ = 0: the graph plays no role and is not built
             edges = graph_ops.Graph(jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
         present = label_counts(data, "train") > 0
@@ -215,8 +220,8 @@ def fedpc(
                      jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        n = data.num_clients
-        chex.assert_tree_shape_prefix(state.z, (n,))              # every personal leaf is [N, ...]
+        chex.assert_tree_shape_prefix(state.z, (data.num_clients,))   # every personal leaf is [N, ...]
+        n = data.num_real_clients      # the objective's 1/N (padding clients of a sharded run excluded)
         sample_key, train_key = jax.random.split(key)
         idx = engine.sample(sample_key, data)                                        # S_t
         s = idx.shape[0]

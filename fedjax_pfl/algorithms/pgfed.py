@@ -92,7 +92,8 @@ def pgfed(
         zeros = ops.tree_zeros_like(params)
         clients = ClientState(core.broadcast(params, n), engine.init_client_opt_states(params, n),
                               core.broadcast(zeros, n), jnp.zeros(n, bool))
-        return State(clients, jnp.full((n, n), 1.0 / m), jnp.full(n, n / m),
+        real = data.num_real_clients     # padding clients (sharded runs) stay out of the statistics
+        return State(clients, jnp.full((n, n), 1.0 / m), jnp.full(n, real / m),
                      jnp.zeros((), jnp.int32), jnp.arange(m, dtype=jnp.int32),
                      core.broadcast(zeros, m), jnp.zeros(m), zeros, jnp.zeros((), bool), params,
                      jnp.zeros((), jnp.int32))
@@ -128,7 +129,9 @@ def pgfed(
         block = (idx[:, None], state.prev_idx[None, :])
         alpha = state.alpha.at[block].set(result.hook_state.astype(state.alpha.dtype))
         # The α statistics in O(M·N), never an N×N temporary: only rows S changed.
-        row_sum = state.alpha_row_sum.at[idx].set(jnp.sum(alpha[idx].astype(jnp.float32), axis=1))
+        real = data.num_real_clients
+        row_sum = state.alpha_row_sum.at[idx].set(
+            jnp.sum(alpha[idx, :real].astype(jnp.float32), axis=1))
         zeros = (state.alpha_zeros + jnp.sum(alpha[block] == 0) - jnp.sum(state.alpha[block] == 0)
                  ).astype(jnp.int32)
         rows = ClientState(theta, result.opt_state if engine.persist_opt_state else None, aux,
@@ -140,11 +143,10 @@ def pgfed(
         new_state = State(clients, alpha, row_sum, zeros, idx, grads, b, gbar, jnp.ones((), bool),
                           global_params, state.round + 1)
         metrics = base.train_metrics(result, idx)
-        n = alpha.shape[0]
-        row_means = row_sum / n
+        row_means = row_sum[:real] / real
         metrics.update(
-            alpha_mean=jnp.sum(row_sum) / n**2, alpha_row_mean_min=row_means.min(),
-            alpha_row_mean_max=row_means.max(), alpha_zero_fraction=zeros / n**2,
+            alpha_mean=jnp.sum(row_sum[:real]) / real**2, alpha_row_mean_min=row_means.min(),
+            alpha_row_mean_max=row_means.max(), alpha_zero_fraction=zeros / real**2,
             aux_norm_mean=jnp.mean(jax.vmap(ops.tree_norm)(aux)), gbar_norm=ops.tree_norm(gbar),
             full_loss_mean=jnp.mean(losses),
         )

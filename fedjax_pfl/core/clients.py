@@ -462,7 +462,8 @@ def _step_probe(loop: ClientLoop) -> Callable:
     return probe
 
 
-def _run_lanes(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array, width: int) -> Params:
+def _run_lanes(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array, width: int,
+               return_iterations: bool = False) -> Params:
     """Runs every row's loop in W = min(width, m) lanes with refill (see ClientMapper).
 
     Clients are queued longest first. All lanes step together (vmap); after each step, every
@@ -481,7 +482,8 @@ def _run_lanes(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array, 
     first = queue[:w]
     carry = jax.vmap(init_one)(gather(rows, first))
     state = dict(client=first, t=jnp.zeros(w, jnp.int32), length=lengths[first],
-                 busy=jnp.ones(w, bool), carry=carry, next=jnp.asarray(w, jnp.int32), outs=outs)
+                 busy=jnp.ones(w, bool), carry=carry, next=jnp.asarray(w, jnp.int32), outs=outs,
+                 iterations=jnp.zeros((), jnp.int32))
 
     def settle(state):
         """Writes out every lane whose client is done and refills it (one lane per iteration)."""
@@ -503,7 +505,8 @@ def _run_lanes(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array, 
                         t=s["t"].at[lane].set(0),
                         length=s["length"].at[lane].set(jnp.where(has_next, lengths[nxt], 0)),
                         busy=s["busy"].at[lane].set(has_next), carry=carry,
-                        next=s["next"] + has_next.astype(jnp.int32), outs=outs)
+                        next=s["next"] + has_next.astype(jnp.int32), outs=outs,
+                        iterations=s["iterations"])
 
         return jax.lax.while_loop(lambda s: jnp.any(done(s)), one, state)
 
@@ -514,9 +517,10 @@ def _run_lanes(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array, 
             stepped = jax.tree.map(
                 lambda new, old: jnp.where(active.reshape((w,) + (1,) * (new.ndim - 1)), new, old),
                 stepped, s["carry"])
-        return settle({**s, "carry": stepped, "t": s["t"] + active.astype(jnp.int32)})
+        return settle({**s, "carry": stepped, "t": s["t"] + active.astype(jnp.int32),
+                       "iterations": s["iterations"] + 1})
 
     state = settle(state)                       # clients with no steps finish at once
     state = jax.lax.while_loop(lambda s: jnp.any(s["busy"]), body, state)
-    return state["outs"]
+    return (state["outs"], state["iterations"]) if return_iterations else state["outs"]
 

@@ -138,10 +138,31 @@ class Program:
         self.storage = jnp.bfloat16 if state_dtype == "bfloat16" else None
         self.num_clients = data.num_clients
         key_spec = jax.eval_shape(lambda: jax.random.key(0))
-        self.abstract_state = self._store(jax.eval_shape(algo.init, key_spec, data))
-        self.shardings = (client_shardings(self.abstract_state, self.num_clients, mesh)
-                          if mesh is not None else None)
+        try:
+            abstract = jax.eval_shape(algo.init, key_spec, data)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError):
+            # An init that needs concrete data (FedPC builds its kNN graph on the host, so its
+            # state's shapes depend on the data): it runs eagerly, once, in `init`.
+            abstract = None
+        self.traceable_init = abstract is not None
+        self.abstract_state = self._store(abstract) if abstract is not None else None
+        self.shardings = None
         self._compiled: dict = {}
+        self._update_shardings()
+
+    def _update_shardings(self):
+        if self.mesh is not None and self.abstract_state is not None:
+            self.shardings = client_shardings(self.abstract_state, self.num_clients, self.mesh)
+
+    def _eager_init(self, key):
+        """Runs an untraceable init once (on the host) and learns the state's shapes from it."""
+        state = self._store(self.algo.init(key, self.data))
+        self.abstract_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+        self._update_shardings()
+        if self.shardings is not None:
+            state = jax.device_put(state, self.shardings)
+        return state
 
     # -- pieces ---------------------------------------------------------------------------------
 
@@ -177,6 +198,8 @@ class Program:
         """The algorithm's initial state, created directly in its sharded layout."""
         if not self.jit:
             return self._store(self.algo.init(key, self.data))
+        if not self.traceable_init:
+            return self._eager_init(key)
         fn = self._jitted("init", lambda k, d: self._store(self.algo.init(k, d)),
                           out_shardings=self._state_out())
         return fn(key, self.data)
@@ -222,6 +245,9 @@ class Program:
         if not self.jit:
             return 0.0
         t0 = time.perf_counter()
+        if self.abstract_state is None:
+            raise RuntimeError("this algorithm's init needs concrete data: call init(key) first "
+                               "(Program.traceable_init is False)")
         abstract = self._abstract_with_shardings()
         fn = self._round_function(self.rounds_per_call)
         self._round_compiled = fn.lower(abstract, self.data, round_keys,
