@@ -151,6 +151,9 @@ class AlgorithmSpec:
     hparams: tuple[HParam, ...] = ()
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     flag_prefix: str | None = None
+    # Hyperparameters the factory uses only in arithmetic: a sweep may pass them as traced
+    # arrays and vmap one compiled program over their values (fedjax_pfl.sweep).
+    traceable: tuple[str, ...] = ("lr",)
 
     def all_hparams(self) -> list[tuple[HParam, str]]:
         """(hparam with this algorithm's default, CLI flag) for common and own hyperparameters."""

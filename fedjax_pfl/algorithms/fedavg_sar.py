@@ -123,4 +123,5 @@ base.register(base.AlgorithmSpec(
                     "round(d/CR) coordinates; a fresh mask per transmission",
                     choices=("bernoulli", "fixed")),
     ),
+    traceable=('lr',),
 ))

@@ -359,4 +359,5 @@ base.register(base.AlgorithmSpec(
                     choices=("auto", "cholesky", "cg")),
     ),
     defaults={"participation": 1.0, "local_steps": 1, "lr": 0.05},
+    traceable=(),
 ))

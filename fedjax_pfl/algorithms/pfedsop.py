@@ -147,4 +147,5 @@ base.register(base.AlgorithmSpec(
                     "Δ_i only) or 'global' (β = 1: the global Δ only)",
                     choices=("gompertz", "local", "global")),
     ),
+    traceable=('lr', 'rho', 'gompertz_lambda', 'eta_personal'),
 ))

@@ -277,4 +277,5 @@ base.register(base.AlgorithmSpec(
                     check=base.AT_LEAST_ONE),
     ),
     defaults=_DEFAULTS,
+    traceable=('lr', 'lam', 'personal_lr', 'beta'),
 ))

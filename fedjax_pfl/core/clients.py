@@ -8,6 +8,7 @@ map, reduce), so the execution strategy (vmap, chunked, a Python loop) changes h
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -384,13 +385,29 @@ def abstract(tree: Params) -> Params:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
+_SINGLE_DEVICE = [False]
+
+
+@contextlib.contextmanager
+def single_device_clients():
+    """Within this block `client_mapper` keeps each computation's clients on one device (no
+    mesh): a sweep that already splits whole runs across devices builds its algorithms here."""
+    previous = _SINGLE_DEVICE[0]
+    _SINGLE_DEVICE[0] = True
+    try:
+        yield
+    finally:
+        _SINGLE_DEVICE[0] = previous
+
+
 def client_mapper(backend: str = "chunked", chunk_size: int = AUTO_CHUNK, shard: bool = True) -> ClientMapper:
-    """Validated ClientMapper (see its docstring). With `shard` and several local devices, the
+    """Validated ClientMapper (see its docstring). With `shard` and several devices, the
     vectorised backends split clients across devices."""
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {BACKENDS}, got {backend!r}")
     if chunk_size < 0:
         raise ValueError(f"--chunk-size must be >= 0 (0: automatic), got {chunk_size}")
+    shard = shard and not _SINGLE_DEVICE[0]
     mesh = client_mesh() if shard and backend != "loop" else None
     return ClientMapper(backend, int(chunk_size), mesh)
 
