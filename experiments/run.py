@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "arithmetic stays float32)")
     g.add_argument("--no-memory-check", action="store_true",
                    help="run even when the memory plan printed at start says it will not fit")
+    g.add_argument("--coordinator", default=None,
+                   help="multi-process run: HOST:PORT of process 0 (start every process with the "
+                        "same flags and its own --process-id; jax.distributed, gloo on CPU)")
+    g.add_argument("--num-processes", type=int, default=1, help="multi-process run: process count")
+    g.add_argument("--process-id", type=int, default=0, help="multi-process run: this process")
     g.add_argument("--out", default=None, help="output directory (default runs/ALGO_DATASET_TIME)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--model", default=None,
@@ -239,8 +244,13 @@ def _fail(message: str, code: int = 2) -> None:
 def main(argv: list[str] | None = None) -> int:
     import fedjax_pfl
 
-    fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (no-op on GPU)
     args = parse(argv)
+    if args.coordinator:
+        if not 0 <= args.process_id < args.num_processes:
+            _fail(f"--process-id must be in [0, --num-processes), got {args.process_id}")
+        fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
+    else:
+        fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (no-op on GPU)
     from fedjax_pfl import core, runner
     from fedjax_pfl.data.sources import DatasetNotFoundError
 

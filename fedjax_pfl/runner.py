@@ -160,7 +160,10 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
     t_start = time.perf_counter()
     prep = prepared or prepare(cfg, data, data_info)
     program, data = prep.program, prep.data
-    out = cfg.out
+    primary = jax.process_index() == 0       # in a multi-process run only process 0 writes
+    out = cfg.out if primary else None
+    if not primary:
+        log = lambda *_: None
     init_key = jax.random.fold_in(prep.root, 0)
     state = None
     if not program.traceable_init:     # e.g. FedPC's host-side graph: shapes known after init
@@ -189,7 +192,7 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
     history = core.History(n_real)
     sampled_log, acc_log, eval_rounds = [], [], []
     metrics_file = open(os.path.join(out, "metrics.jsonl"), "w") if out else None
-    bar = _progress(cfg.rounds, cfg.progress)
+    bar = _progress(cfg.rounds, cfg.progress and primary)
     train_time = eval_time = 0.0
     total_steps = 0
     num_sampled = None
