@@ -13,7 +13,7 @@ data, feature or model space (§2). One round t (§4, the draft's Algorithm 5):
   S_t ← sample ⌊N·rate⌋ clients                                                   (partial part.)
   y^(n) = M x_t + N z_t^(n) for n ∈ S_t                                           step 1
   ∇^(n) = Σ_{k<K} g_k, the minibatch gradients of K local SGD steps from y^(n)    step 2 (Alg. 1)
-        (K = --local-steps, default 1: the single stochastic gradient g_t^(n) at y^(n))
+        (K = --local-steps, default 10; K = 1 is the draft's single stochastic gradient at y^(n))
   ∇^(n) ← (x_t − v)/η_t, the compressed update, when γ > 0                        step 2 (Alg. 3)
   x_{t+1} = x_t − η_t · mean_{n∈S_t} Mᵀ∇^(n)                                     step 3
   G_t = [∇^(n) for n ∈ S_t, 0 for the others]; K ADMM iterations on
@@ -34,7 +34,7 @@ Readings settled here (the draft is silent or ambiguous; spec §4–6):
     gives z^(n) ← z^(n) − (η_z/N)∇_z f_n (spec §7). The draft uses η_z = η_t, which moves the
     personal parts N times more slowly than the shared part; the default η_z = N·η_t
     (--fedpc-eta-personal unset) makes a λ = 0 round move z^(n) by η_t∇_z f_n, like local SGD.
-    Set --fedpc-eta-personal to the value of --lr for the literal draft.
+    Set --fedpc-eta-personal to η (--fedpc-eta, default --lr) for the literal draft.
   * Partial participation (not in the draft): unsampled clients contribute zero rows to G_t; their
     z still moves through the graph coupling (spec §4).
   * λ = 0 decouples the clients: the Z-subproblem's minimiser Z_t − η_z G_t/N is returned in closed
@@ -46,9 +46,10 @@ Readings settled here (the draft is silent or ambiguous; spec §4–6):
   * The ‖·‖_p of an edge spans all personal leaves together (one vector in R^{d2}), so W and Ω are
     [M, d2] matrices over the flattened personal part (edge axis leading).
   * Compression (γ > 0, §5): per sampled client, on the whole ∇ (shared and personal leaves), Λ
-    per leaf; ρ_c defaults to 1/(η_t γ) (c = ρ_c η_t γ = 1); the output is the exactly
-    piecewise-constant ∇ rebuilt from the ADMM's sparse r (ops/difference.py). Uplink accounting:
-    Σ_leaves d_l⌈log2 k_l⌉ + 32k_l bits for k_l distinct values, against 32·d dense.
+    per leaf; ρ_c defaults to 1/(η_t γ) (c = ρ_c η_t γ = 1); the output is exactly piecewise
+    constant: −δ_J/η fitted on the jump set of the ADMM's sparse r (ops/difference.py).
+    Uplink accounting: Σ_leaves d_l⌈log2 k_l⌉ + 32k_l bits for k_l distinct values, against
+    32·d dense.
   * Downlink: the sampled clients receive their y^(n) (d floats each) before computing.
   * Graph (§2). data: squared MMD (RBF, median-heuristic bandwidth) between per-client subsamples
     of --fedpc-graph-samples flattened training inputs (random Fourier features above 1,000
@@ -160,14 +161,30 @@ def fedpc(
                           drop_last=common["drop_last"])
 
     def step_sizes(t: jax.Array, num_clients: int):
-        """(η_t, η_z, ρ, ρ_c) for the round after t completed rounds."""
-        decay = 1.0 if eta_decay == "constant" else jax.lax.rsqrt(t.astype(jnp.float32) + 1.0)
-        eta_t = eta * decay
-        eta_z = (num_clients * eta if eta_personal is None else eta_personal) * decay
-        rho_t = 1.0 / eta_z if rho is None else jnp.asarray(rho, jnp.float32)
-        rho_c_t = (1.0 / (eta_t * gamma) if rho_c is None else jnp.asarray(rho_c, jnp.float32)) \
-            if gamma > 0 else jnp.ones(())
+        """(η_t, η_z, ρ, ρ_c) for the round after t completed rounds, as scalar arrays (float32;
+        float64 under x64)."""
+        dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+        f32 = lambda v: jnp.asarray(v, dtype)
+        decay = f32(1.0) if eta_decay == "constant" else jax.lax.rsqrt(t.astype(dtype) + 1.0)
+        eta_t = f32(eta) * decay
+        eta_z = f32(num_clients * eta if eta_personal is None else eta_personal) * decay
+        rho_t = 1.0 / eta_z if rho is None else f32(rho)
+        if gamma > 0:
+            rho_c_t = 1.0 / (eta_t * gamma) if rho_c is None else f32(rho_c)
+        else:
+            rho_c_t = f32(1.0)
         return eta_t, eta_z, rho_t, rho_c_t
+
+    def replicated(tree):
+        """`tree` held whole on every device of the engine's client mesh (no-op on one device).
+
+        The mapped clients' outputs are split across devices; without this constraint XLA's
+        partitioner splits the server's ADMM loop too and synchronises the devices at every
+        iteration (about 20× slower per round on two CPU devices)."""
+        mesh = engine.mapper.mesh
+        if mesh is None:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, core.replicated_sharding(mesh))
 
     def compress_one(eta_t, rho_c_t, grad):                             # Algorithm 3, one client
         return difference.compress_gradient(grad, eta=eta_t, gamma=gamma, rho_c=rho_c_t,
@@ -237,6 +254,7 @@ def fedpc(
             metrics["distinct_values"] = jnp.mean(packed.distinct.astype(jnp.float32))
         else:
             bits = jnp.full((s,), 32.0 * d)
+        grads = replicated(grads)       # the server's step below runs whole on every device
         g_x, g_z = split_lib.split(grads, mask)
         if shared_mean == "sampled":
             mean_gx = core.mean_over_clients(g_x)
@@ -245,7 +263,7 @@ def fedpc(
         x = jax.tree.map(lambda xi, gi: (xi - eta_t * gi).astype(xi.dtype), state.x, mean_gx)  # step 3
         z, w, omega = state.z, state.w, state.omega
         if d2 > 0:                                                                   # step 4
-            z_t = split_lib.flatten_rows(state.z)
+            z_t = replicated(split_lib.flatten_rows(state.z))  # z is sharded by client: gather it
             g_rows = jnp.zeros_like(z_t).at[idx].set(split_lib.flatten_rows(g_z).astype(z_t.dtype))
             linear = g_rows / n                                                      # NᵀG_t / N
             if lam == 0:
@@ -301,7 +319,7 @@ base.register(base.AlgorithmSpec(
                     "which parameters are personal z^(n) (the rest is the shared x): 'head' (the "
                     "last dense layer), 'all', 'none', or a regex searched in each leaf path such "
                     "as 'Dense_1/'", check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
-        base.HParam("lam", float, 0.01,
+        base.HParam("lam", float, 0.05,
                     "λ, weight of the graph penalty Σ_edges ‖z^(i) − z^(j)‖_p (0: no coupling)",
                     check=base.NON_NEGATIVE, flag="--fedpc-lambda"),
         base.HParam("p", str, "2", "p of the edge norm ‖·‖_p", choices=("1", "2", "inf")),
@@ -358,6 +376,9 @@ base.register(base.AlgorithmSpec(
                     "(matrix-free, sparse Laplacian) or 'auto' (Cholesky up to 1024 clients)",
                     choices=("auto", "cholesky", "cg")),
     ),
-    defaults={"participation": 1.0, "local_steps": 1, "lr": 0.05},
+    # Defaults (tuned on the embedded digits, 20 clients, Dir(0.5), 50 rounds: 96.5 % mean
+    # personalised accuracy; docs/results/fedpc.md): every client takes part, as in the draft's
+    # Algorithm 5, and sends the sum of 10 local minibatch gradients (lr 0.1, B = 10); η = lr.
+    defaults={"participation": 1.0, "local_steps": 10, "lr": 0.1},
     traceable=(),
 ))

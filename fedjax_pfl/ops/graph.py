@@ -222,7 +222,7 @@ def graph_prox_admm(z_t: jax.Array, linear: jax.Array, w: jax.Array, omega: jax.
         omega = omega + rho * (w_new - diffs)
         return z, w_new, omega, w
 
-    z, w_last, omega_last, w_prev = jax.lax.fori_loop(0, iters, body, (z_t, w, omega, w))
+    z, w_last, omega_last, w_prev = jax.lax.fori_loop(0, iters, body, (z_t, w, omega, w), unroll=iters <= 16)
     primal = jnp.sqrt(jnp.sum((w_last - edge_differences(graph, z)) ** 2))
     dual = rho * jnp.sqrt(jnp.sum(incidence_apply(graph, w_last - w_prev, n) ** 2))
     return AdmmResult(z, w_last, omega_last, primal, dual)
