@@ -253,8 +253,15 @@ class Engine:
         return core.num_sampled_clients(data.num_real_clients, self.participation)
 
     def sample(self, key: jax.Array, data: FederatedData) -> jax.Array:
-        """This round's M client ids (sorted), deterministic in `key`."""
-        return core.sample_clients(key, data.num_real_clients, self.num_sampled(data))
+        """This round's M client ids, deterministic in `key`: sorted ascending, or, when clients
+        are split over several devices, in the order that gives every device an equal share of
+        the local steps (`core.balanced_order`); rows of the round keep that order throughout."""
+        idx = core.sample_clients(key, data.num_real_clients, self.num_sampled(data))
+        devices = 1 if self.mapper.mesh is None else self.mapper.mesh.size
+        if devices > 1:
+            steps = self.trainer.num_steps(core.gather(data.clients.train_count, idx))
+            idx = idx[core.balanced_order(steps, devices)]
+        return idx
 
     def init_client_opt_states(self, params: Params, num_clients: int) -> Any:
         """[N] per-client optimizer states when they persist across rounds, else None."""

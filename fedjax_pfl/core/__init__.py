@@ -4,6 +4,7 @@ from fedjax_pfl.core.clients import (
     BACKENDS,
     ClientLoop,
     ClientMapper,
+    balanced_order,
     broadcast,
     client_mapper,
     client_mesh,
@@ -38,7 +39,7 @@ from fedjax_pfl.core.program import (
 )
 
 __all__ = [
-    "BACKENDS", "ClientLoop", "ClientMapper", "broadcast", "client_mapper", "client_mesh", "replicate",
+    "BACKENDS", "ClientLoop", "ClientMapper", "balanced_order", "broadcast", "client_mapper", "client_mesh", "replicate",
     "replicated_sharding", "gather", "mean_over_clients",
     "num_sampled_clients", "sample_clients", "scatter", "sum_over_clients", "where_clients",
     "ClientEval", "Evaluator", "FullPass", "LocalResult", "LocalTrainer", "add_aux_gradient",

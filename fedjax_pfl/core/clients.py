@@ -136,8 +136,8 @@ class ClientLoop(NamedTuple):
       length(row) -> int32 scalar         the client's number of steps (0 is allowed)
 
     `shared` is a tuple of arguments common to all clients (the dataset, a global model). Written
-    this way, the mapper can run clients in "lanes" that pick up the next client as soon as theirs
-    is done, so no vectorised lane idles to the longest client of a batch (`ClientMapper`).
+    this way, the mapper knows each client's cost before running it and can group clients of
+    similar length, so a long client does not hold up a wide vectorised batch (`ClientMapper`).
     """
 
     init: Callable
@@ -151,13 +151,13 @@ class ClientMapper(NamedTuple):
 
     backend:
       "vmap":    one vectorised call over all M clients; loops run to the longest client;
-      "chunked": (the default) bounded vectorisation. `ClientLoop`s run in W = `chunk_size`
-                 lanes: each lane steps its client and, when that client is done, writes its
-                 result and takes the next client (longest first), so a lane never runs past
-                 its own client's steps and a skewed client does not hold up a whole block.
-                 Plain functions (`__call__`) run as vmap over chunks of W clients (lax.map).
-                 chunk_size 0 means automatic (`auto_chunk_size`, from XLA's memory analysis of
-                 one step); W at least the clients on a device is plain vmap;
+      "chunked": (the default) bounded vectorisation over W = `chunk_size` clients.
+                 `ClientLoop`s run in chunks of at most W vectorised clients sorted by length,
+                 and the few longest clients finish in a narrow second stage (`_run_capped`),
+                 so a skewed client does not hold up the rest; W = 1 runs clients one after
+                 another without any masking. Plain functions (`__call__`) run as vmap
+                 over chunks of W clients (lax.map). chunk_size 0 means automatic
+                 (`auto_chunk_size`, from XLA's memory analysis of one step);
       "loop":    a Python loop that calls the jitted one-client computation once per client. It
                  is the reference the vectorised backends are tested against, and the baseline of
                  the benchmarks. Under an outer jax.jit it still works but unrolls.
@@ -218,24 +218,19 @@ class ClientMapper(NamedTuple):
         if self.backend == "vmap":
             out = _vmap_rows(_whole_loop(loop, masked=True), shared, (rows, valid))
             return out
-        return _run_lanes(loop, shared, rows, valid, self.chunk_size)
+        return _run_capped(loop, shared, rows, valid, self.chunk_size)
 
     def _run_sharded(self, loop, shared, rows):
+        # Each device takes a contiguous block of rows (padded with rows that take no steps), so
+        # outputs stay where they were computed: reductions over clients are local sums plus a
+        # small all-reduce, never a gather of every client's output. Callers order rows so that
+        # the blocks carry equal work (`balanced_order`; Engine.sample does).
         d = self.mesh.size
         m = _num_rows(rows)
-        lengths = jax.vmap(loop.length)(rows)
-        # Deal clients to devices longest first in snake order (0,1,…,d−1,d−1,…,0, …): every
-        # device gets ⌈m/d⌉ rows and about the same number of steps (padding rows do nothing).
-        m_pad = -(-m // d) * d
-        by_cost = jnp.argsort(-lengths, stable=True)
-        by_cost = jnp.concatenate([by_cost, jnp.full(m_pad - m, m)])    # m: a padding row
-        rank = jnp.arange(m_pad)
-        lap, pos = rank // d, rank % d
-        device = jnp.where(lap % 2 == 0, pos, d - 1 - pos)
-        placed = by_cost[jnp.argsort(device * m_pad + rank, stable=True)]  # device-major order
-        valid = placed < m
-        take = jnp.minimum(placed, m - 1)
-        local_rows = gather(rows, take)
+        pad = -m % d
+        valid = jnp.arange(m + pad) < m
+        if pad:  # repeat the last row; it is marked invalid and takes no steps
+            rows = jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), rows)
 
         def per_device(shared, rows, valid):
             return self._run_on_device(loop, shared, rows, valid)
@@ -243,11 +238,8 @@ class ClientMapper(NamedTuple):
         spec = jax.sharding.PartitionSpec("clients")
         out = jax.shard_map(per_device, mesh=self.mesh,
                             in_specs=(jax.sharding.PartitionSpec(), spec, spec),
-                            out_specs=spec, check_vma=False)(shared, local_rows, valid)
-        # Row j of `out` belongs to client placed[j]; undo the placement.
-        back = jnp.zeros(m_pad, jnp.int32).at[jnp.where(valid, placed, m_pad)].set(
-            jnp.arange(m_pad, dtype=jnp.int32), mode="drop")
-        return gather(out, back[:m])
+                            out_specs=spec, check_vma=False)(shared, rows, valid)
+        return jax.tree.map(lambda x: x[:m], out) if pad else out
 
     def resolved(self, fn: Callable, shared: tuple, args: tuple) -> "ClientMapper":
         """This mapper with an automatic chunk size replaced by `auto_chunk_size` for `fn`."""
@@ -446,6 +438,25 @@ def _loop_map(fn, shared, args):
     return jax.tree.map(lambda *rows: jnp.stack(rows), *outs)
 
 
+def balanced_order(costs: jax.Array, num_devices: int) -> jax.Array:
+    """A permutation of m rows such that contiguous blocks of ⌈m/D⌉ rows (one per device) carry
+    about equal total cost: rows dealt longest first in snake order (0, 1, …, D−1, D−1, …, 0, …),
+    then grouped by device. With one device, the identity."""
+    m = costs.shape[0]
+    if num_devices <= 1 or m <= 1:
+        return jnp.arange(m)
+    by_cost = jnp.argsort(-costs, stable=True)
+    rank = jnp.arange(m)
+    lap, pos = rank // num_devices, rank % num_devices
+    device = jnp.where(lap % 2 == 0, pos, num_devices - 1 - pos)
+    # The blocks are ⌈m/D⌉ rows with the padding in the last: the devices that receive the
+    # partial lap's extra rows must be the first ones, so mirror the labels when that lap runs
+    # backwards (an odd number of full laps before it).
+    if (m // num_devices) % 2 == 1:
+        device = num_devices - 1 - device
+    return by_cost[jnp.argsort(device * m + rank, stable=True)]
+
+
 @functools.lru_cache(maxsize=64)
 def _whole_loop(loop: ClientLoop, masked: bool = False) -> Callable:
     """One client's loop as a function (shared..., row) -> out (a lax.while_loop); with
@@ -479,65 +490,71 @@ def _step_probe(loop: ClientLoop) -> Callable:
     return probe
 
 
-def _run_lanes(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array, width: int,
-               return_iterations: bool = False) -> Params:
-    """Runs every row's loop in W = min(width, m) lanes with refill (see ClientMapper).
+def tail_widths(m: int) -> list[int]:
+    """How many of the longest clients go on to each later stage of `_run_capped`: m/16 of them,
+    then the longest one alone (each stage only where it is narrower than the one before)."""
+    widths = [k for k in (m // 16, 1) if 1 <= k < m]
+    return sorted(set(widths), reverse=True)
 
-    Clients are queued longest first. All lanes step together (vmap); after each step, every
-    lane whose client has taken all its steps writes that client's result and loads the next
-    queued client (one lane at a time, O(row) each), or goes idle when the queue is empty. The
-    loop ends when no lane is busy. Idle lanes keep their carry unchanged (masked).
+
+def capped_work(lengths, width: int) -> int:
+    """Lane-steps (masked lanes included) of `_run_capped` for clients with these step counts."""
+    lengths = np.sort(np.asarray(lengths))[::-1]
+    m = len(lengths)
+    if width <= 1 or m <= 2:
+        return int(lengths.sum())
+    stops = [int(lengths[k]) for k in tail_widths(m)] + [int(lengths[0])]
+    first = np.minimum(lengths, stops[0])[::-1]      # ascending, as the chunks see them
+    chunks = -(-m // width)
+    per = -(-m // chunks)
+    work = sum(per * int(first[i * per:(i + 1) * per].max()) for i in range(chunks)
+               if first[i * per:(i + 1) * per].size)
+    for k, start, stop in zip(tail_widths(m), stops[:-1], stops[1:]):
+        work += k * (stop - start)
+    return work
+
+
+def _run_capped(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array, width: int) -> Params:
+    """Size-aware execution in stages, so a few long clients do not hold up the rest.
+
+    Stage 1 runs every client for min(its steps, cap) steps, cap = the step count of the
+    (k+1)-th longest client (k = m/16), in chunks of at most `width` vectorised clients sorted
+    by length; stage 2 continues the k longest clients up to the second-longest's count, k
+    lanes wide; stage 3 finishes the longest alone (`tail_widths`). With equal clients the later
+    stages take no steps; one client of 2,000 steps among 99 of 2 runs ~2,000 single-lane steps
+    instead of 2,000 steps of every lane (`capped_work`). A lane whose client is done is masked
+    (it still computes, which the narrow stages keep small). `width` = 1 runs clients one after
+    another with no masking at all.
     """
     m = _num_rows(rows)
-    w = max(1, min(int(width), m))
     lengths = jnp.where(valid, jax.vmap(loop.length)(rows), 0).astype(jnp.int32)
-    queue = jnp.argsort(-lengths, stable=True).astype(jnp.int32)     # longest first
-    init_one = lambda row: loop.init(shared, row)
-    out_spec = jax.eval_shape(lambda row: loop.finish(shared, init_one(row)), abstract_row(rows))
-    outs = jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), out_spec)
+    if width <= 1 or m <= 2:
+        return _chunked_map(_whole_loop(loop, masked=True), shared, (rows, valid), width, lengths)
+    ranked = jnp.sort(lengths)[::-1]                                   # longest first
+    widths = tail_widths(m)
 
-    first = queue[:w]
-    carry = jax.vmap(init_one)(gather(rows, first))
-    state = dict(client=first, t=jnp.zeros(w, jnp.int32), length=lengths[first],
-                 busy=jnp.ones(w, bool), carry=carry, next=jnp.asarray(w, jnp.int32), outs=outs,
-                 iterations=jnp.zeros((), jnp.int32))
+    def run_to(*args):
+        """(shared..., row, stop) -> (steps taken, carry after min(length, stop) steps)."""
+        *sh, row, stop = args
+        sh = tuple(sh)
+        return _steps(loop, sh, (jnp.zeros((), jnp.int32), loop.init(sh, row)), stop)
 
-    def settle(state):
-        """Writes out every lane whose client is done and refills it (one lane per iteration)."""
-        def done(s):
-            return s["busy"] & (s["t"] >= s["length"])
+    def resume(*args):
+        *sh, t_carry, stop = args
+        return _steps(loop, tuple(sh), t_carry, stop)
 
-        def one(s):
-            lane = jnp.argmax(done(s))
-            client = s["client"][lane]
-            lane_carry = jax.tree.map(lambda a: a[lane], s["carry"])
-            result = loop.finish(shared, lane_carry)
-            outs = jax.tree.map(lambda o, r: o.at[client].set(r), s["outs"], result)
-            has_next = s["next"] < m
-            nxt = queue[jnp.minimum(s["next"], m - 1)]
-            new_carry = init_one(gather(rows, nxt))
-            carry = jax.tree.map(lambda a, b: a.at[lane].set(jnp.where(has_next, b, a[lane])),
-                                 s["carry"], new_carry)
-            return dict(client=s["client"].at[lane].set(jnp.where(has_next, nxt, client)),
-                        t=s["t"].at[lane].set(0),
-                        length=s["length"].at[lane].set(jnp.where(has_next, lengths[nxt], 0)),
-                        busy=s["busy"].at[lane].set(has_next), carry=carry,
-                        next=s["next"] + has_next.astype(jnp.int32), outs=outs,
-                        iterations=s["iterations"])
+    stops = jnp.minimum(lengths, ranked[widths[0]])
+    t_carry = _chunked_map(run_to, shared, (rows, stops), width, stops)            # stage 1
+    top = jnp.argsort(-lengths, stable=True)
+    for i, k in enumerate(widths):                                                 # stages 2, 3
+        stop = ranked[widths[i + 1]] if i + 1 < len(widths) else ranked[0]
+        ids = top[:k]
+        part = _vmap_rows(resume, shared, (gather(t_carry, ids), jnp.minimum(lengths[ids], stop)))
+        t_carry = scatter(t_carry, ids, part)
+    return jax.vmap(lambda c: loop.finish(shared, c))(t_carry[1])
 
-        return jax.lax.while_loop(lambda s: jnp.any(done(s)), one, state)
 
-    def body(s):
-        stepped = jax.vmap(lambda c, t: loop.step(shared, c, t))(s["carry"], s["t"])
-        active = s["busy"] & (s["t"] < s["length"])
-        if w > 1:   # a single lane is never idle while the loop runs: nothing to mask
-            stepped = jax.tree.map(
-                lambda new, old: jnp.where(active.reshape((w,) + (1,) * (new.ndim - 1)), new, old),
-                stepped, s["carry"])
-        return settle({**s, "carry": stepped, "t": s["t"] + active.astype(jnp.int32),
-                       "iterations": s["iterations"] + 1})
-
-    state = settle(state)                       # clients with no steps finish at once
-    state = jax.lax.while_loop(lambda s: jnp.any(s["busy"]), body, state)
-    return (state["outs"], state["iterations"]) if return_iterations else state["outs"]
-
+def _steps(loop: ClientLoop, shared: tuple, t_carry, stop):
+    """Steps t, t + 1, …, stop − 1 of one client's loop from (t, carry)."""
+    return jax.lax.while_loop(lambda c: c[0] < stop,
+                              lambda c: (c[0] + 1, loop.step(shared, c[1], c[0])), t_carry)

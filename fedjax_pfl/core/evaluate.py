@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedjax_pfl.core.clients import ClientLoop, ClientMapper, jit_unless_loop
+from fedjax_pfl.core.clients import ClientLoop, ClientMapper, balanced_order, jit_unless_loop
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
 from fedjax_pfl.models.model import Model
 
@@ -70,11 +70,23 @@ class Evaluator:
 
     def _map_personal(self, data, params, clients, batch):
         loop, probe = self._loop_for(batch, True)
-        return self.mapper.run(loop, (params, clients), shared=(data, None), probe=probe)
+        return self._balanced(lambda rows: self.mapper.run(loop, rows, shared=(data, None),
+                                                           probe=probe), (params, clients), clients)
 
     def _map_shared(self, data, params, clients, batch):
         loop, probe = self._loop_for(batch, False)
-        return self.mapper.run(loop, (None, clients), shared=(data, params), probe=probe)
+        return self._balanced(lambda rows: self.mapper.run(loop, rows, shared=(data, params),
+                                                           probe=probe), (None, clients), clients)
+
+    def _balanced(self, run, rows, clients):
+        """With several devices, clients are evaluated in an order that gives each device an equal
+        share of test samples; the (small) results are put back in client order."""
+        devices = 1 if self.mapper.mesh is None else self.mapper.mesh.size
+        if devices == 1 or self.mapper.backend == "loop":
+            return run(rows)
+        order = balanced_order(clients.test_count, devices)
+        out = run(_rows(rows, order))
+        return _rows(out, jnp.argsort(order))
 
     def personal(self, data: FederatedData, params: Params, ids: jax.Array | None = None) -> ClientEval:
         """Client i's model params[i] on client i's test split, for every client (params leaves
