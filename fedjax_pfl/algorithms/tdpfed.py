@@ -34,9 +34,11 @@ Readings of the spec's ambiguities (§10):
 
 Evaluated: "client" = each θ_k after this round's training (the paper's headline personalised
 accuracy); "global" = the CP network ⟦A_{t+1}⟧ on each client's test split. Communication per
-round (floats, weights and biases): uplink S·|A|; downlink K·|A| (factors only: AFM clients can
-rebuild ⟦A⟧) and, as `comm_down_floats_with_tensor`, K·(|A| + |W|) with the dense tensor, which
-the paper's text sends and ACT needs (spec §3.4).
+round (floats, weights and biases): uplink S·|A|; downlink `comm_down_floats` = what the
+configuration needs: K·|A| for AFM (clients rebuild ⟦A⟧ from the factors) and K·(|A| + |W|) for
+ACT (its ω̃ is not ⟦A⟧, so the dense tensor is sent); also reported: `comm_down_floats_factors_only`
+= K·|A| and `comm_down_floats_with_tensor` = K·(|A| + |W|), the paper's literal "full tensor and
+factors" (spec §3.4).
 """
 
 from __future__ import annotations
@@ -204,9 +206,12 @@ def tdpfed(
                           state.round + 1)
         metrics.update(base.train_metrics(result, idx))
         metrics["trained"] = everyone
+        # Downlink: AFM clients rebuild ⟦A⟧ from the factors; ACT's ω̃ ≠ ⟦A⟧ must be sent dense.
+        down = factor_floats + (dense_floats if aggregate == "act" else 0)
         metrics.update(base.communication(
             up_clients=idx.shape[0], up_floats_per_client=factor_floats,
-            down_clients=k, down_floats_per_client=factor_floats,
+            down_clients=k, down_floats_per_client=down,
+            down_floats_factors_only=k * factor_floats,
             down_floats_with_tensor=k * (factor_floats + dense_floats)))
         return new_state, metrics
 

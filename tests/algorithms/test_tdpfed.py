@@ -297,7 +297,12 @@ def test_communication_counts_of_the_mnist_dnn_at_cr2():
     _, m = jax.jit(algo.round_fn)(state, data, jax.random.key(0))
     assert float(m["comm_up_floats"]) == 1 * 39_556
     assert float(m["comm_down_floats"]) == 2 * 39_556
+    assert float(m["comm_down_floats_factors_only"]) == 2 * 39_556
     assert float(m["comm_down_floats_with_tensor"]) == 2 * (39_556 + 79_510)
+    act = algorithms.get("tdpfed", model=model, participation=0.5, local_steps=1, personal_steps=1,
+                         factor_steps=1, batch_size=4, aggregate="act", als_iters=1)
+    _, m = jax.jit(act.round_fn)(act.init(jax.random.key(0), data), data, jax.random.key(0))
+    assert float(m["comm_down_floats"]) == 2 * (39_556 + 79_510)   # ACT needs the dense ω̃
     me = algorithms.get("pfedme", model=model, participation=0.5, local_steps=1, batch_size=4)
     _, m = jax.jit(me.round_fn)(me.init(jax.random.key(0), data), data, jax.random.key(0))
     assert float(m["comm_up_floats"]) == 79_510 and float(m["comm_down_floats"]) == 2 * 79_510
