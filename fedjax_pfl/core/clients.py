@@ -28,6 +28,12 @@ AUTO_CHUNK = 0
 # chunks of 2 and 1. Memory: temporaries plus outputs (the clients' parameters and optimizer
 # state) stay within a bound, so peak memory does not grow with the number of clients.
 CHUNK_TEMP_BUDGET_BYTES = 16 * 2**20
+# Vectorising clients pays while one client's step is too small to keep the cores busy (small
+# GEMMs, per-op overhead); past about this much work per chunk step, wider chunks only spill the
+# caches. Calibrated on 2 AVX2 cores (benchmarks/RESULTS.md, "chunk size"): the 784-100-10 MLP
+# at B = 10 (~4.8 MFLOP per client step) was fastest at chunks of 8-16, the FedAvg CNN at B = 10
+# (~250 MFLOP) at 1.
+CHUNK_FLOP_TARGET = 48e6
 CHUNK_MEMORY_BUDGET_BYTES = 2**30
 
 
@@ -331,12 +337,14 @@ def cast_client_leaves(tree: Params, num_clients: int, dtype) -> Params:
 
 def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
                     temp_budget_bytes: int = CHUNK_TEMP_BUDGET_BYTES,
-                    memory_budget_bytes: int = CHUNK_MEMORY_BUDGET_BYTES) -> int:
-    """The largest chunk within both budgets on a CPU device.
+                    memory_budget_bytes: int = CHUNK_MEMORY_BUDGET_BYTES,
+                    flop_target: float = CHUNK_FLOP_TARGET) -> int:
+    """The largest chunk within the budgets on a CPU device.
 
-    One client's temporaries and outputs are what XLA's memory analysis of `one_client_fn`,
-    compiled for a single client, reports (shared inputs such as the dataset are not counted).
-    The chunk keeps chunk·temp ≤ temp_budget and chunk·(temp + out) ≤ memory_budget.
+    One client's temporaries, outputs and floating-point operations are what XLA's memory and
+    cost analyses of `one_client_fn`, compiled for a single client, report (shared inputs such as
+    the dataset are not counted). The chunk keeps chunk·temp ≤ temp_budget,
+    chunk·(temp + out) ≤ memory_budget and chunk·flops ≤ flop_target (rounded down, at least 1).
     Accelerators get no limit (whole vmap): they want the widest batch.
     """
     if jax.default_backend() != "cpu":
@@ -349,10 +357,14 @@ def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
         analysis = compiled.memory_analysis()
         temp = analysis.temp_size_in_bytes
         total = temp + analysis.output_size_in_bytes
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        flops = float((cost or {}).get("flops", 0.0))
     except Exception:  # no memory analysis on this backend: a conservative fixed chunk
         return 32
     by_speed = temp_budget_bytes // temp if temp > 0 else 1 << 30
-    return max(1, int(min(by_speed, memory_budget_bytes // max(total, 1))))
+    by_work = int(flop_target // flops) if flops > 0 else 1 << 30
+    return max(1, int(min(by_speed, by_work, memory_budget_bytes // max(total, 1))))
 
 
 _AUTO_CHUNK_CACHE: dict = {}
