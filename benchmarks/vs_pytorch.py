@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (default 3)")
     parser.add_argument("--torch-threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--engine-args", default="", help="extra run.py flags for the engine, e.g. '--chunk-size 1'")
+    parser.add_argument("--cpu-devices", type=int, default=None,
+                        help="XLA:CPU devices for the engine (default: one per core, as run.py)")
     parser.add_argument("--json", help="append one JSON line per side with the raw timings")
     args = parser.parse_args(argv)
     try:
@@ -137,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         print("vs_pytorch.py: error: needs PyTorch: pip install torch==2.13.0 (the CPU wheel)", file=sys.stderr)
         return 2
 
+    import fedjax_pfl
+
+    fedjax_pfl.use_cpu_cores(args.cpu_devices)     # as run.py: one XLA device per core
     import jax
 
     preps = {a: _engine(a, args.split, args.engine_args.split()) for a in args.algos}
@@ -145,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     clients = _client_arrays(first.data)
     sizes = [len(c[1]) for c in clients]
     print(f"{args.split}: {len(clients)} clients, train sizes {min(sizes)}-{max(sizes)}, "
-          f"{first.program.algo.name if hasattr(first.program, 'algo') else ''}"
-          f"devices {len(jax.devices())}, B={hp['batch_size']}, E={hp['local_epochs']}")
+          f"{len(jax.devices())} engine devices, B={hp['batch_size']}, E={hp['local_epochs']}, "
+          f"torch threads {args.torch_threads}")
     torch_side = TorchFedAvg(clients, hp["lr"], hp["momentum"], hp["local_epochs"], hp["batch_size"],
                              args.torch_threads)
     engines = {}
