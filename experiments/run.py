@@ -54,7 +54,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rounds", type=int, default=50, help="communication rounds R")
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the partition, the model init and every round's sampling")
+    g.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="several runs that differ in model init and client sampling (the "
+                        "partition comes from --seed), vmapped as one compiled program "
+                        "(fedjax_pfl.sweep); OUT/seed_S/ per run and mean ± std at the end")
     g.add_argument("--eval-every", type=int, default=1, help="evaluate every k rounds (and the last)")
+    g.add_argument("--eval-clients", default="all",
+                   help="clients evaluated at each evaluation: 'all', 'participants' (the round's "
+                        "sampled clients) or K (a fixed random subset of K clients); the last round "
+                        "always evaluates every client. For large N, evaluation of all clients "
+                        "costs more than training")
+
+    g = p.add_argument_group("execution")
+    g.add_argument("--rounds-per-call", type=int, default=1,
+                   help="K rounds per compiled call (one lax.scan, sampling and metrics on device): "
+                        "fewer dispatches for small models; --eval-every must be a multiple of K")
+    g.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="storage of per-client float state (bfloat16 halves its memory; "
+                        "arithmetic stays float32)")
+    g.add_argument("--no-memory-check", action="store_true",
+                   help="run even when the memory plan printed at start says it will not fit")
+    g.add_argument("--coordinator", default=None,
+                   help="multi-process run: HOST:PORT of process 0 (start every process with the "
+                        "same flags and its own --process-id; jax.distributed, gloo on CPU)")
+    g.add_argument("--num-processes", type=int, default=1, help="multi-process run: process count")
+    g.add_argument("--process-id", type=int, default=0, help="multi-process run: this process")
     g.add_argument("--out", default=None, help="output directory (default runs/ALGO_DATASET_TIME)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--model", default=None,
@@ -181,7 +205,9 @@ def config_from_args(args: argparse.Namespace):
     out = args.out or os.path.join("runs", f"{args.algo}_{args.dataset}_{time.strftime('%Y%m%d-%H%M%S')}")
     return RunConfig(algo=args.algo, dataset=args.dataset, model=args.model,
                      model_cr=args.model_cr, partition=partition,
-                     rounds=args.rounds, seed=args.seed, eval_every=args.eval_every, out=out,
+                     rounds=args.rounds, seed=args.seed, eval_every=args.eval_every,
+                     eval_clients=args.eval_clients, rounds_per_call=args.rounds_per_call,
+                     state_dtype=args.state_dtype, memory_check=not args.no_memory_check, out=out,
                      hparams=hparams, data_options=data_options, progress=not args.quiet)
 
 
@@ -218,15 +244,21 @@ def _fail(message: str, code: int = 2) -> None:
 def main(argv: list[str] | None = None) -> int:
     import fedjax_pfl
 
-    fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (no-op on GPU)
     args = parse(argv)
-    from fedjax_pfl import runner
+    if args.coordinator:
+        if not 0 <= args.process_id < args.num_processes:
+            _fail(f"--process-id must be in [0, --num-processes), got {args.process_id}")
+        fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
+    else:
+        fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (no-op on GPU)
+    from fedjax_pfl import core, runner
     from fedjax_pfl.data.sources import DatasetNotFoundError
 
     try:
         cfg = config_from_args(args)
         cfg.validate()
         data, info = runner.load_data(cfg)
+        prepared = runner.prepare(cfg, data, info)     # builds the algorithm: its checks too
     except DatasetNotFoundError as e:
         # One line, but keep everything the message says (where we looked, what to put where).
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
@@ -236,10 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.algo} on {cfg.dataset}: {info['num_clients']} clients "
           f"({info['train_size']['total']} train / {info['test_size']['total']} test samples), "
           f"output in {cfg.out}")
+    if args.seeds and len(args.seeds) > 1:
+        return _run_seeds(cfg, args.seeds, data, info)
     try:
-        summary = runner.run(cfg, data=data, data_info=info)
+        summary = runner.run(cfg, prepared=prepared)
     except runner.NonFiniteError as e:
         _fail(str(e), code=1)
+    except core.MemoryPlanError as e:
+        _fail(" ".join(str(e).split()))
     best, last = summary["best"], summary["last"]
     print(f"done in {summary['wall_time_s']:.1f}s (compile {summary['compile_time_s']:.1f}s, "
           f"{summary['time_per_round_s'] * 1e3:.1f} ms/round, "
@@ -250,6 +286,38 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in summary.get("communication", {}).items():
         if key.endswith("_total"):
             print(f"  {key:<32} {value:,.0f}")
+    return 0
+
+
+def _run_seeds(cfg, seeds, data, info) -> int:
+    """--seeds: one vmapped program over the seeds; per-seed directories and mean ± std."""
+    import numpy as np
+
+    from fedjax_pfl import runner, sweep
+
+    runs = [sweep.RunSpec(s) for s in seeds]
+    try:
+        summaries = sweep.run_group(cfg, runs, data=data, data_info=info, out=cfg.out,
+                                    progress=cfg.progress)
+    except runner.NonFiniteError as e:
+        _fail(str(e), code=1)
+    except (ValueError, TypeError) as e:
+        _fail(f"--seeds: {' '.join(str(e).split())}")
+    keys = ("acc_mean", "acc_weighted", "acc_worst10", "global_acc_mean")
+    aggregate = {"seeds": list(seeds), "runs": [s["seed"] for s in summaries]}
+    for kind in ("best", "last"):
+        for key in keys:
+            values = [s[kind][key] for s in summaries if key in s[kind]]
+            if values:
+                aggregate[f"{kind}_{key}"] = {"mean": float(np.mean(values)),
+                                              "std": float(np.std(values)), "values": values}
+    runner._write_json(os.path.join(cfg.out, "summary.json"), aggregate)
+    print(f"{len(seeds)} seeds in one program, {summaries[0]['group_wall_time_s']:.1f}s")
+    for key in keys:
+        if f"last_{key}" in aggregate:
+            last, best = aggregate[f"last_{key}"], aggregate[f"best_{key}"]
+            print(f"  {key:<22} last {last['mean']:.4f} ± {last['std']:.4f}   "
+                  f"best {best['mean']:.4f} ± {best['std']:.4f}")
     return 0
 
 

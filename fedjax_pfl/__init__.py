@@ -2,6 +2,7 @@
 
     import fedjax_pfl
     fedjax_pfl.use_cpu_cores()          # optional, before any JAX computation: one device per core
+    fedjax_pfl.init_distributed("10.0.0.1:1234", num_processes=2, process_id=0)   # multi-process
     from fedjax_pfl import algorithms, data, models, core, ops
 """
 
@@ -35,3 +36,27 @@ def use_cpu_cores(count: int | None = None) -> int:
         return 1
     os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
     return count
+
+
+def init_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Joins a multi-process run (one process per host, or several on one host): afterwards
+    `jax.devices()` lists the devices of every process, and the engine's mesh, sharded client
+    state and rounds span them all. Call it before any JAX computation, in every process, with the
+    same coordinator address (host:port of process 0) and process count.
+
+    On CPU the processes exchange data through gloo (set here); on GPUs through NCCL. Only
+    process 0 writes the run's files.
+    """
+    import jax
+
+    if _backend_started():
+        raise RuntimeError("init_distributed must run before the first JAX computation")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+
+
+def _backend_started() -> bool:
+    import jax._src.xla_bridge as xla_bridge
+
+    return xla_bridge.backends_are_initialized()

@@ -48,6 +48,10 @@ class RunConfig:
     rounds: int = 50
     seed: int = 0
     eval_every: int = 1
+    eval_clients: str = "all"
+    rounds_per_call: int = 1
+    state_dtype: str = "float32"
+    memory_check: bool = True
     out: str | None = None
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
     data_options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -64,8 +68,36 @@ class RunConfig:
             raise ValueError(f"--model must be one of {list(models.MODELS)}, got {self.model!r}")
         if not self.model_cr >= 1:
             raise ValueError(f"--model-cr must be >= 1, got {self.model_cr}")
+        if self.state_dtype not in core.STATE_DTYPES:
+            raise ValueError(f"--state-dtype must be one of {list(core.STATE_DTYPES)}, "
+                             f"got {self.state_dtype!r}")
+        if self.rounds_per_call < 1:
+            raise ValueError(f"--rounds-per-call must be >= 1, got {self.rounds_per_call}")
+        if self.eval_every % self.rounds_per_call:
+            raise ValueError(f"--eval-every {self.eval_every} must be a multiple of "
+                             f"--rounds-per-call {self.rounds_per_call} (evaluation runs between calls)")
+        _eval_clients(self.eval_clients)
         self.partition.validate()
-        return spec.resolve(self.hparams)
+        hparams = spec.resolve(self.hparams)
+        if self.rounds_per_call > 1 and hparams["backend"] == "loop":
+            raise ValueError("--rounds-per-call needs --backend chunked or vmap (the loop backend "
+                             "runs one client at a time from Python)")
+        return hparams
+
+
+def _eval_clients(value: str) -> str | int:
+    """'all', 'participants', or K (a fixed random subset of K clients)."""
+    value = str(value)
+    if value in ("all", "participants"):
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        raise ValueError(f"--eval-clients must be 'all', 'participants' or a number of clients, "
+                         f"got {value!r}") from None
+    if k < 1:
+        raise ValueError(f"--eval-clients must be >= 1, got {k}")
+    return k
 
 
 def load_data(cfg: RunConfig) -> tuple[FederatedData, dict[str, Any]]:
@@ -80,99 +112,122 @@ def load_data(cfg: RunConfig) -> tuple[FederatedData, dict[str, Any]]:
     return build_federated(raw, part)
 
 
-def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Runs `cfg` and returns the summary (also written to `cfg.out` when it is set)."""
+@dataclasses.dataclass
+class Prepared:
+    """A run after its checks: data on device, the algorithm, its compiled program."""
+
+    cfg: RunConfig
+    hparams: dict[str, Any]
+    data: FederatedData
+    data_info: dict[str, Any]
+    model_name: str
+    algo: Any
+    program: core.Program
+    root: jax.Array
+    round_keys: jax.Array
+    eval_ids: np.ndarray | None        # a fixed evaluation subset (--eval-clients K), or None
+
+
+def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict | None = None) -> Prepared:
+    """Phase 1: validate, load the data, build the model, the algorithm and its program."""
     hparams = cfg.validate()
     if data is None:
         data, data_info = load_data(cfg)
-    data_info = data_info or {}
     model_name = cfg.model or DEFAULT_MODEL.get(cfg.dataset, "mlp")
     model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr)
     algo = algorithms.get(cfg.algo, model=model, **hparams)
-    out = cfg.out
+    vectorised = hparams["backend"] != "loop"
+    mesh = core.client_mesh() if vectorised else None
+    data = core.prepare_data(data, mesh)
+    program = core.Program(algo, data, mesh=mesh, jit=vectorised, state_dtype=cfg.state_dtype,
+                           rounds_per_call=cfg.rounds_per_call)
+    root = jax.random.key(cfg.seed)
+    subset = _eval_clients(cfg.eval_clients)
+    eval_ids = None
+    if isinstance(subset, int):
+        if subset > data.num_real_clients:
+            raise ValueError(f"--eval-clients {subset} is more than the {data.num_real_clients} clients")
+        rng = np.random.default_rng(cfg.seed + 7)
+        eval_ids = np.sort(rng.choice(data.num_real_clients, subset, replace=False)).astype(np.int32)
+    return Prepared(cfg, hparams, data, data_info or {}, model_name, algo, program, root,
+                    jax.random.fold_in(root, 1), eval_ids)
+
+
+def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | None = None,
+        log: Callable[[str], None] = print, prepared: Prepared | None = None) -> dict[str, Any]:
+    """Runs `cfg` and returns the summary (also written to `cfg.out` when it is set).
+    `prepared` is the result of `prepare(cfg, …)` when the caller already has it."""
+    t_start = time.perf_counter()
+    prep = prepared or prepare(cfg, data, data_info)
+    program, data = prep.program, prep.data
+    primary = jax.process_index() == 0       # in a multi-process run only process 0 writes
+    out = cfg.out if primary else None
+    if not primary:
+        log = lambda *_: None
+    init_key = jax.random.fold_in(prep.root, 0)
+    state = None
+    if not program.traceable_init:     # e.g. FedPC's host-side graph: shapes known after init
+        state = program.init(init_key)
+    compile_time = program.compile(prep.round_keys)                     # phase 2: compile, plan
+    plan = program.memory_plan()
+    if cfg.progress or cfg.memory_check:
+        log(plan.describe())
+    if cfg.memory_check:
+        core.check_memory(plan)
     if out:
         os.makedirs(out, exist_ok=True)
         # A summary left by an earlier run in this directory no longer describes its files.
         stale_summary = os.path.join(out, "summary.json")
         if os.path.exists(stale_summary):
             os.remove(stale_summary)
-        _write_json(os.path.join(out, "config.json"), _config_record(cfg, hparams, model_name, data_info))
-        plot_label_distribution(label_counts(data, "all"), os.path.join(out, "label_distribution.png"),
+        _write_json(os.path.join(out, "config.json"),
+                    _config_record(cfg, prep.hparams, prep.model_name, prep.data_info))
+        plot_label_distribution(label_counts(data, "all")[: data.num_real_clients],
+                                os.path.join(out, "label_distribution.png"),
                                 title=f"{cfg.dataset}: {cfg.partition.scheme} partition")
 
-    root = jax.random.key(cfg.seed)
-    round_keys = jax.random.fold_in(root, 1)
-    backend = hparams["backend"]
-    t_start = time.perf_counter()
-    state = algo.init(jax.random.fold_in(root, 0), data)
-    if backend == "loop":
-        round_step, evaluate = algo.round_fn, algo.evaluate
-        compile_time = 0.0
-    else:
-        # With several devices the engine splits clients across them; data and state then live
-        # on every device once instead of being copied there on every round.
-        mesh = core.client_mesh()
-        data, state = core.replicate((data, state), mesh)
-        everywhere = None if mesh is None else core.replicated_sharding(mesh)
-        t0 = time.perf_counter()
-        round_step = jax.jit(algo.round_fn, donate_argnums=0, out_shardings=everywhere).lower(
-            state, data, jax.random.fold_in(round_keys, 0)).compile()
-        evaluate = jax.jit(algo.evaluate).lower(state, data).compile()
-        compile_time = time.perf_counter() - t0
-
-    history = core.History(data.num_clients)
+    if state is None:
+        state = program.init(init_key)                                   # phase 3: rounds
+    n_real = data.num_real_clients
+    history = core.History(n_real)
     sampled_log, acc_log, eval_rounds = [], [], []
-    metrics_path = os.path.join(out, "metrics.jsonl") if out else None
-    metrics_file = open(metrics_path, "w") if metrics_path else None
-    bar = _progress(cfg.rounds, cfg.progress)
+    metrics_file = open(os.path.join(out, "metrics.jsonl"), "w") if out else None
+    bar = _progress(cfg.rounds, cfg.progress and primary)
     train_time = eval_time = 0.0
     total_steps = 0
     num_sampled = None
     try:
-        for r in range(cfg.rounds):
+        r = 0
+        while r < cfg.rounds:
+            count = min(cfg.rounds_per_call, cfg.rounds - r)
             t0 = time.perf_counter()
-            state, m = round_step(state, data, jax.random.fold_in(round_keys, r))
-            m = jax.device_get(m)
-            round_time = time.perf_counter() - t0
-            train_time += round_time
-            sampled = np.asarray(m["sampled"])
-            num_sampled = sampled.size
-            losses = np.asarray(m["train_loss"], np.float64)
-            if not np.all(np.isfinite(losses)):
-                trained = np.asarray(m.get("trained", sampled))  # TDPFed trains every client
-                bad = trained[~np.isfinite(losses)].tolist()
-                raise NonFiniteError(
-                    f"round {r + 1}: clients {bad} have a non-finite training loss; lower --lr "
-                    "or check the data")
-            steps = int(m["client_steps"])
-            total_steps += steps
-            row: dict[str, Any] = {"round": r + 1, "train_loss": float(losses.mean()),
-                                   "client_steps": steps, "round_time": round_time}
-            row.update(_scalar_metrics(m))
-            sampled_log.append(sampled)
-            if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
-                t1 = time.perf_counter()
-                evals = jax.device_get(evaluate(state, data))
-                eval_time += time.perf_counter() - t1
-                client = evals["client"]
-                row.update(core.summarize(client.correct, client.loss_sum, client.count))
-                accuracy = np.asarray(client.correct) / np.maximum(np.asarray(client.count), 1)
-                accuracy = np.where(np.asarray(client.count) > 0, accuracy, np.nan)
-                row.update(history.record_participants(accuracy, sampled))
-                for name, ev in evals.items():
-                    if name != "client":
-                        row.update(core.summarize(ev.correct, ev.loss_sum, ev.count, prefix=f"{name}_"))
-                acc_log.append(accuracy)
-                eval_rounds.append(r + 1)
-            history.append(row)
-            if metrics_file:
-                metrics_file.write(json.dumps(row) + "\n")
-                metrics_file.flush()
-            if bar is not None:
-                bar.set_postfix(loss=f"{row['train_loss']:.3f}",
-                                acc=f"{row['acc_mean']:.3f}" if "acc_mean" in row else "-")
-                bar.update(1)
+            state, per_round = program.run_rounds(state, prep.round_keys, r, count)
+            call_time = time.perf_counter() - t0
+            train_time += call_time
+            for i, m in enumerate(per_round):
+                row = _round_row(r + i + 1, m, call_time / count)
+                sampled = np.asarray(m["sampled"])
+                num_sampled = sampled.size
+                total_steps += row["client_steps"]
+                sampled_log.append(sampled)
+                last_of_call = i == len(per_round) - 1
+                if last_of_call and ((r + count) % cfg.eval_every == 0 or r + count == cfg.rounds):
+                    t1 = time.perf_counter()
+                    ids = _eval_ids(prep, sampled, final=r + count == cfg.rounds)
+                    evals = program.evaluate(state, ids)
+                    eval_time += time.perf_counter() - t1
+                    accuracy = _record_evaluation(row, evals, ids, n_real, history, sampled)
+                    acc_log.append(accuracy)
+                    eval_rounds.append(r + i + 1)
+                history.append(row)
+                if metrics_file:
+                    metrics_file.write(json.dumps(row) + "\n")
+                    metrics_file.flush()
+                if bar is not None:
+                    bar.set_postfix(loss=f"{row['train_loss']:.3f}",
+                                    acc=f"{row['acc_mean']:.3f}" if "acc_mean" in row else "-")
+                    bar.update(1)
+            r += count
     finally:
         if bar is not None:
             bar.close()
@@ -182,19 +237,20 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
             np.savez_compressed(
                 os.path.join(out, "client_metrics.npz"), sampled=np.stack(sampled_log),
                 eval_rounds=np.asarray(eval_rounds, np.int32),
-                accuracy=np.stack(acc_log) if acc_log else np.zeros((0, data.num_clients)))
+                accuracy=np.stack(acc_log) if acc_log else np.zeros((0, n_real)))
 
-    wall = time.perf_counter() - t_start
+    wall = time.perf_counter() - t_start                                 # phase 4: report
     rounds_after_first = history.rounds[1:] if len(history.rounds) > 1 else history.rounds
     per_round = float(np.median([row["round_time"] for row in rounds_after_first]))
     summary = {
-        "algo": cfg.algo, "dataset": cfg.dataset, "model": model_name, "rounds": cfg.rounds,
-        "clients": data.num_clients, "clients_per_round": num_sampled, "backend": backend,
+        "algo": cfg.algo, "dataset": cfg.dataset, "model": prep.model_name, "rounds": cfg.rounds,
+        "clients": n_real, "clients_per_round": num_sampled, "backend": prep.hparams["backend"],
         **history.best_and_last(),
         "wall_time_s": wall, "compile_time_s": compile_time, "train_time_s": train_time,
         "eval_time_s": eval_time, "time_per_round_s": per_round,
         "client_steps_per_s": total_steps / max(train_time, 1e-9),
         "devices": [str(d) for d in jax.devices()],
+        "memory_plan": dataclasses.asdict(plan),
     }
     communication = _communication_totals(history.rounds)
     if communication:
@@ -205,6 +261,48 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
                              title=f"{cfg.algo} on {cfg.dataset}",
                              acc_keys=("acc_mean", "acc_worst10", "global_acc_mean"))
     return summary
+
+
+def _round_row(round_number: int, m: dict, round_time: float) -> dict[str, Any]:
+    """One metrics.jsonl row from a round's metrics; stops the run on a non-finite loss."""
+    sampled = np.asarray(m["sampled"])
+    losses = np.asarray(m["train_loss"], np.float64)
+    if not np.all(np.isfinite(losses)):
+        trained = np.asarray(m.get("trained", sampled))  # TDPFed trains every client
+        bad = trained[~np.isfinite(losses)].tolist()
+        raise NonFiniteError(f"round {round_number}: clients {bad} have a non-finite training "
+                             "loss; lower --lr or check the data")
+    row: dict[str, Any] = {"round": round_number, "train_loss": float(losses.mean()),
+                           "client_steps": int(m["client_steps"]), "round_time": round_time}
+    row.update(_scalar_metrics(m))
+    return row
+
+
+def _eval_ids(prep: Prepared, sampled: np.ndarray, *, final: bool) -> np.ndarray | None:
+    """The clients evaluated this time: all at the last round, else per --eval-clients."""
+    if final or prep.cfg.eval_clients == "all":
+        return None
+    if prep.cfg.eval_clients == "participants":
+        return np.asarray(sampled, np.int32)
+    return prep.eval_ids
+
+
+def _record_evaluation(row: dict, evals: dict, ids, n_real: int, history, sampled) -> np.ndarray:
+    """Adds the evaluation statistics to `row`; returns the per-client accuracy [n_real] (NaN
+    for clients not evaluated this time)."""
+    client = evals["client"]
+    correct, count = np.asarray(client.correct), np.asarray(client.count)
+    accuracy = np.full(n_real, np.nan)
+    acc = np.where(count > 0, correct / np.maximum(count, 1), np.nan)
+    where = np.arange(n_real) if ids is None else np.asarray(ids)
+    accuracy[where] = acc[: len(where)]
+    row.update(core.summarize(client.correct, client.loss_sum, client.count))
+    row["eval_clients"] = int(np.sum(count > 0))
+    row.update(history.record_participants(accuracy, sampled))
+    for name, ev in evals.items():
+        if name != "client":
+            row.update(core.summarize(ev.correct, ev.loss_sum, ev.count, prefix=f"{name}_"))
+    return accuracy
 
 
 def _communication_totals(rows: list[dict]) -> dict[str, float]:

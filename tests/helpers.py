@@ -11,9 +11,18 @@ from fedjax_pfl.models.model import Model
 
 
 def make_data(sizes, *, num_classes=3, feature_dim=5, test_sizes=None, seed=0, images=False):
-    """Clients with the given training sizes (ragged on purpose) and small test splits.
+    """Clients with the given training sizes (ragged on purpose) and small test splits."""
+    x, y, train, test, scale, shift = make_raw(sizes, num_classes=num_classes,
+                                               feature_dim=feature_dim, test_sizes=test_sizes,
+                                               seed=seed, images=images)
+    return FederatedData.from_arrays(x, y, train, test, num_classes=num_classes,
+                                     input_scale=scale, input_shift=shift, name="toy")
 
-    Rows are laid out client by client: client k's train rows, then its test rows.
+
+def make_raw(sizes, *, num_classes=3, feature_dim=5, test_sizes=None, seed=0, images=False):
+    """The arrays behind `make_data`: (x, y, train index lists, test index lists, scale, shift).
+
+    Raw rows are laid out client by client: client k's train rows, then its test rows.
     """
     rng = np.random.default_rng(seed)
     test_sizes = test_sizes or [max(1, s // 3) for s in sizes]
@@ -30,8 +39,7 @@ def make_data(sizes, *, num_classes=3, feature_dim=5, test_sizes=None, seed=0, i
         train.append(np.arange(start, start + n_train))
         test.append(np.arange(start + n_train, start + n_train + n_test))
         start += n_train + n_test
-    return FederatedData.from_arrays(x, y, train, test, num_classes=num_classes,
-                                     input_scale=scale, input_shift=shift, name="toy")
+    return x, y, train, test, scale, shift
 
 
 def linear_model(feature_dim=5, num_classes=3) -> Model:

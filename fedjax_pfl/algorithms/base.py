@@ -6,10 +6,11 @@ An algorithm is a factory of pure functions (FedJAX's `FederatedAlgorithm(init, 
     state = algo.init(key, data)
     state, metrics = algo.round_fn(state, data, key)    # pure; jax.jit-able as is
     evals = algo.evaluate(state, data)                   # {"client": ClientEval, ...}
+    evals = algo.evaluate(state, data, ids)              # only the clients `ids` ([K] int32)
 
-`evaluate` returns per-client arrays: key "client" is the model each client would use (its
-personalised model, or the global model for FedAvg) and is the headline accuracy; "global" is
-the global model where an algorithm also has one.
+`evaluate` returns per-client arrays (leading axis N, or K with `ids`): key "client" is the model
+each client would use (its personalised model, or the global model for FedAvg) and is the
+headline accuracy; "global" is the global model where an algorithm also has one.
 
 `round_fn` returns at least: "sampled" [M] client ids, "train_loss" [M] mean local minibatch loss
 per sampled client, "client_steps" () the number of local steps taken (for throughput).
@@ -150,6 +151,9 @@ class AlgorithmSpec:
     hparams: tuple[HParam, ...] = ()
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     flag_prefix: str | None = None
+    # Hyperparameters the factory uses only in arithmetic: a sweep may pass them as traced
+    # arrays and vmap one compiled program over their values (fedjax_pfl.sweep).
+    traceable: tuple[str, ...] = ("lr",)
 
     def all_hparams(self) -> list[tuple[HParam, str]]:
         """(hparam with this algorithm's default, CLI flag) for common and own hyperparameters."""
@@ -245,11 +249,19 @@ class Engine:
         self.evaluator = Evaluator(model, batch_size=eval_batch_size, mapper=self.mapper)
 
     def num_sampled(self, data: FederatedData) -> int:
-        return core.num_sampled_clients(data.num_clients, self.participation)
+        """M = floor(N·rate) of the N real clients (padding clients are never sampled)."""
+        return core.num_sampled_clients(data.num_real_clients, self.participation)
 
     def sample(self, key: jax.Array, data: FederatedData) -> jax.Array:
-        """This round's M client ids (sorted), deterministic in `key`."""
-        return core.sample_clients(key, data.num_clients, self.num_sampled(data))
+        """This round's M client ids, deterministic in `key`: sorted ascending, or, when clients
+        are split over several devices, in the order that gives every device an equal share of
+        the local steps (`core.balanced_order`); rows of the round keep that order throughout."""
+        idx = core.sample_clients(key, data.num_real_clients, self.num_sampled(data))
+        devices = 1 if self.mapper.mesh is None else self.mapper.mesh.size
+        if devices > 1:
+            steps = self.trainer.num_steps(core.gather(data.clients.train_count, idx))
+            idx = idx[core.balanced_order(steps, devices)]
+        return idx
 
     def init_client_opt_states(self, params: Params, num_clients: int) -> Any:
         """[N] per-client optimizer states when they persist across rounds, else None."""
@@ -283,6 +295,11 @@ class Engine:
         keys = client_keys(key, idx)
         return self.trainer(data, params, opt_state, core.gather(data.clients, idx), keys,
                             extra=extra, hook_state=hook_state, shared_start=shared_start)
+
+
+def evaluated_ids(data: FederatedData, ids: jax.Array | None) -> jax.Array:
+    """The clients an `evaluate(state, data, ids)` call covers: `ids`, or every client."""
+    return jnp.arange(data.num_clients, dtype=jnp.int32) if ids is None else jnp.asarray(ids)
 
 
 def client_keys(key: jax.Array, idx: jax.Array) -> jax.Array:

@@ -61,17 +61,17 @@ def fedavg(model: Model, *, ft_epochs: int | None = None, **common: Any) -> base
                                           down_clients=idx.shape[0], down_floats_per_client=d))
         return State(params, opt_state, state.round + 1, state.rng), metrics
 
-    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
-        global_eval = engine.evaluator.shared(data, state.params)
+    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        global_eval = engine.evaluator.shared(data, state.params, ids)
         if fine_tuner is None:
             return {"client": global_eval}
-        n = data.num_clients
-        ids = jnp.arange(n)
-        start = core.broadcast(state.params, n)
+        ids = base.evaluated_ids(data, ids)
+        n = ids.shape[0]
         one_opt = fine_tuner.init_opt_state(state.params)
         keys = base.client_keys(jax.random.fold_in(state.rng, state.round), ids)
-        tuned = fine_tuner(data, start, core.broadcast(one_opt, n), data.clients, keys)
-        return {"client": engine.evaluator.personal(data, tuned.params), "global": global_eval}
+        tuned = fine_tuner(data, state.params, core.broadcast(one_opt, n),
+                           core.gather(data.clients, ids), keys, shared_start=True)
+        return {"client": engine.evaluator.rows(data, tuned.params, ids), "global": global_eval}
 
     return base.Algorithm("fedavg", init, round_fn, evaluate, {})
 

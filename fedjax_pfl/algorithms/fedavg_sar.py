@@ -103,8 +103,8 @@ def fedavg_sar(model: Model, *, cr: float, mask_fill: str, mask: str, **common: 
                       engine.store_opt_states(state.opt_state, idx, result.opt_state),
                       state.round + 1), metrics)
 
-    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.shared(data, state.params)}
+    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        return {"client": engine.evaluator.shared(data, state.params, ids)}
 
     return base.Algorithm("fedavg_sar", init, round_fn, evaluate, {})
 
@@ -123,4 +123,5 @@ base.register(base.AlgorithmSpec(
                     "round(d/CR) coordinates; a fresh mask per transmission",
                     choices=("bernoulli", "fixed")),
     ),
+    traceable=('lr',),
 ))

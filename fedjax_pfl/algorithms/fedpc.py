@@ -68,6 +68,8 @@ of edges inside a planted cluster).
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 from typing import Any, NamedTuple
 
@@ -80,7 +82,7 @@ import optax
 from fedjax_pfl import core
 from fedjax_pfl.algorithms import base
 from fedjax_pfl.core import split as split_lib
-from fedjax_pfl.core.local import LocalTrainer, epoch_orders
+from fedjax_pfl.core.local import LocalTrainer, epoch_permutation
 from fedjax_pfl.data.federated import label_counts
 from fedjax_pfl.models.model import Model
 from fedjax_pfl.ops import difference
@@ -220,8 +222,11 @@ def fedpc(
         params0 = model.init(key)                 # the same initial model as every algorithm
         n = data.num_clients
         x, z0 = split_lib.split(params0, mask)
-        if d2 > 0 and lam > 0:
-            edges = build_graph(jax.random.fold_in(key, 7), data, params0)
+        if d2 > 0 and lam > 0:      # over the real clients; padding clients stay isolated nodes
+            real = dataclasses.replace(
+                data, clients=jax.tree.map(lambda a: a[:data.num_real_clients], data.clients),
+                real_clients=None)
+            edges = build_graph(jax.random.fold_in(key, 7), real, params0)
         else:   # no personal part or λ = 0: the graph plays no role and is not built
             edges = graph_ops.Graph(jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
         present = label_counts(data, "train") > 0
@@ -232,8 +237,8 @@ def fedpc(
                      jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        n = data.num_clients
-        chex.assert_tree_shape_prefix(state.z, (n,))              # every personal leaf is [N, ...]
+        chex.assert_tree_shape_prefix(state.z, (data.num_clients,))   # every personal leaf is [N, ...]
+        n = data.num_real_clients      # the objective's 1/N (padding clients of a sharded run excluded)
         sample_key, train_key = jax.random.split(key)
         idx = engine.sample(sample_key, data)                                        # S_t
         s = idx.shape[0]
@@ -258,7 +263,7 @@ def fedpc(
         x = jax.tree.map(lambda xi, gi: (xi - eta_t * gi).astype(xi.dtype), state.x, mean_gx)  # step 3
         z, w, omega = state.z, state.w, state.omega
         if d2 > 0:                                                                   # step 4
-            z_t = split_lib.flatten_rows(state.z)
+            z_t = replicated(split_lib.flatten_rows(state.z))  # z is sharded by client: gather it
             g_rows = jnp.zeros_like(z_t).at[idx].set(split_lib.flatten_rows(g_z).astype(z_t.dtype))
             linear = g_rows / n                                                      # NᵀG_t / N
             if lam == 0:
@@ -282,9 +287,11 @@ def fedpc(
                        graph_same_labels=state.same_labels)
         return State(x, z, w, omega, state.graph, state.same_labels, state.round + 1), metrics
 
-    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
-        y = split_lib.merge(core.broadcast(state.x, data.num_clients), state.z, mask)   # step 5
-        return {"client": engine.evaluator.personal(data, y)}
+    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        ids = base.evaluated_ids(data, ids)
+        y = split_lib.merge(core.broadcast(state.x, ids.shape[0]), core.gather(state.z, ids),
+                            mask)                                                         # step 5
+        return {"client": engine.evaluator.rows(data, y, ids)}
 
     return base.Algorithm("fedpc", init, round_fn, evaluate, {})
 
@@ -293,14 +300,12 @@ def fedpc(
 def client_subsamples(key: jax.Array, data, size: int) -> tuple[jax.Array, jax.Array]:
     """([N, S, D] flattened inputs, [N] counts): up to S = `size` training samples per client,
     drawn uniformly without replacement (all of them when n_i ≤ S; the rest is padding)."""
-    n, width = data.num_clients, data.max_train
+    n = data.num_clients
     counts = jnp.minimum(data.clients.train_count, size)
     keys = base.client_keys(key, jnp.arange(n))
-    orders = jax.vmap(lambda kk, c: epoch_orders(kk, c, width, 1)[0])(keys, data.clients.train_count)
-    if width < size:
-        orders = jnp.pad(orders, ((0, 0), (0, size - width)))
-    positions = orders[:, :size]
-    rows = jnp.take_along_axis(data.clients.train_idx, positions, axis=1)
+    positions = jax.vmap(lambda kk, c: epoch_permutation(kk, c, jnp.arange(size)))(
+        keys, data.clients.train_count)                  # the first S of a random order
+    rows = data.clients.train_start[:, None] + positions
     x = data.inputs(rows)
     return x.reshape(n, size, -1), counts
 
@@ -375,4 +380,5 @@ base.register(base.AlgorithmSpec(
     # personalised accuracy; docs/results/fedpc.md): every client takes part, as in the draft's
     # Algorithm 5, and sends the sum of 10 local minibatch gradients (lr 0.1, B = 10); η = lr.
     defaults={"participation": 1.0, "local_steps": 10, "lr": 0.1},
+    traceable=(),
 ))

@@ -75,11 +75,13 @@ def fedper(model: Model, *, head: str, **common: Any) -> base.Algorithm:
                                           down_clients=m, down_floats_per_client=body_size))
         return new_state, metrics
 
-    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
+    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         if not has_head:
-            return {"client": engine.evaluator.shared(data, state.body)}
-        params = split_lib.merge(core.broadcast(state.body, data.num_clients), state.heads, mask)
-        return {"client": engine.evaluator.personal(data, params)}
+            return {"client": engine.evaluator.shared(data, state.body, ids)}
+        ids = base.evaluated_ids(data, ids)
+        params = split_lib.merge(core.broadcast(state.body, ids.shape[0]),
+                                 core.gather(state.heads, ids), mask)
+        return {"client": engine.evaluator.rows(data, params, ids)}
 
     return base.Algorithm("fedper", init, round_fn, evaluate, {})
 

@@ -43,8 +43,8 @@ def local(model: Model, **common: Any) -> base.Algorithm:
                       state.round + 1),
                 base.train_metrics(result, idx))
 
-    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.params)}
+    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        return {"client": engine.evaluator.personal(data, state.params, ids)}
 
     return base.Algorithm("local", init, round_fn, evaluate, {})
 

@@ -95,9 +95,9 @@ def pfedme(model: Model, *, lam: float, personal_lr: float, personal_steps: int,
                                           down_clients=k, down_floats_per_client=d))
         return State(theta, params, result.opt_state if persist else None, state.round + 1), metrics
 
-    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.theta),
-                "global": engine.evaluator.shared(data, state.params)}
+    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        return {"client": engine.evaluator.personal(data, state.theta, ids),
+                "global": engine.evaluator.shared(data, state.params, ids)}
 
     return base.Algorithm("pfedme", init, round_fn, evaluate, {})
 
@@ -121,4 +121,5 @@ base.register(base.AlgorithmSpec(
     ),
     # TDPFed's comparison (Section VII-D): local lr 0.05, the rest as TDPFed's MNIST setting.
     defaults={"lr": 0.05, "batch_size": 20, "local_steps": 23, "participation": 1.0},
+    traceable=('lr', 'lam', 'personal_lr', 'beta'),
 ))

@@ -116,8 +116,8 @@ def pfedsop(
                        delta_glob_norm=ops.tree_norm(delta_glob))
         return State(clients, delta_glob, state.x0, state.round + 1), metrics
 
-    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.clients.x)}
+    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        return {"client": engine.evaluator.personal(data, state.clients.x, ids)}
 
     return base.Algorithm("pfedsop", init, round_fn, evaluate, {})
 
@@ -147,4 +147,5 @@ base.register(base.AlgorithmSpec(
                     "Δ_i only) or 'global' (β = 1: the global Δ only)",
                     choices=("gompertz", "local", "global")),
     ),
+    traceable=('lr', 'rho', 'gompertz_lambda', 'eta_personal'),
 ))

@@ -50,6 +50,8 @@ class ClientState(NamedTuple):
 class State(NamedTuple):
     clients: ClientState
     alpha: jax.Array          # A, the N×N coefficient matrix                 [N, N]
+    alpha_row_sum: jax.Array  # Σ_j A[i, j] per row (for the α statistics)     [N]
+    alpha_zeros: jax.Array    # number of zero entries of A; shape=(), int32
     prev_idx: jax.Array       # S_{t−1}                                        [M] int32
     prev_grads: Params        # G_j for j ∈ S_{t−1}                            leaves [M, ...]
     prev_b: jax.Array         # b_j = μ(L_j − G_j·θ_j)                          [M]
@@ -90,7 +92,9 @@ def pgfed(
         zeros = ops.tree_zeros_like(params)
         clients = ClientState(core.broadcast(params, n), engine.init_client_opt_states(params, n),
                               core.broadcast(zeros, n), jnp.zeros(n, bool))
-        return State(clients, jnp.full((n, n), 1.0 / m), jnp.arange(m, dtype=jnp.int32),
+        real = data.num_real_clients     # padding clients (sharded runs) stay out of the statistics
+        return State(clients, jnp.full((n, n), 1.0 / m), jnp.full(n, real / m),
+                     jnp.zeros((), jnp.int32), jnp.arange(m, dtype=jnp.int32),
                      core.broadcast(zeros, m), jnp.zeros(m), zeros, jnp.zeros((), bool), params,
                      jnp.zeros((), jnp.int32))
 
@@ -122,28 +126,35 @@ def pgfed(
         theta = result.params
         losses, grads = full_pass(data, theta, core.gather(data.clients, idx))       # L_i, G_i
         b = mu * (losses - jax.vmap(ops.tree_vdot)(grads, theta))                     # b_i
-        alpha = state.alpha.at[idx[:, None], state.prev_idx[None, :]].set(result.hook_state)
+        block = (idx[:, None], state.prev_idx[None, :])
+        alpha = state.alpha.at[block].set(result.hook_state.astype(state.alpha.dtype))
+        # The α statistics in O(M·N), never an N×N temporary: only rows S changed.
+        real = data.num_real_clients
+        row_sum = state.alpha_row_sum.at[idx].set(
+            jnp.sum(alpha[idx, :real].astype(jnp.float32), axis=1))
+        zeros = (state.alpha_zeros + jnp.sum(alpha[block] == 0) - jnp.sum(state.alpha[block] == 0)
+                 ).astype(jnp.int32)
         rows = ClientState(theta, result.opt_state if engine.persist_opt_state else None, aux,
                            c.aux_set | has_prev)
         clients = core.scatter(state.clients, idx, rows)
         weights = core.gather(data.clients.train_count, idx)
         global_params = core.mean_over_clients(theta, weights)                        # θ_g
         gbar = ops.tree_scale(mu / m, core.sum_over_clients(grads))                   # ḡ
-        new_state = State(clients, alpha, idx, grads, b, gbar, jnp.ones((), bool),
+        new_state = State(clients, alpha, row_sum, zeros, idx, grads, b, gbar, jnp.ones((), bool),
                           global_params, state.round + 1)
         metrics = base.train_metrics(result, idx)
-        row_means = alpha.mean(axis=1)
+        row_means = row_sum[:real] / real
         metrics.update(
-            alpha_mean=alpha.mean(), alpha_row_mean_min=row_means.min(),
-            alpha_row_mean_max=row_means.max(), alpha_zero_fraction=jnp.mean(alpha == 0),
+            alpha_mean=jnp.sum(row_sum[:real]) / real**2, alpha_row_mean_min=row_means.min(),
+            alpha_row_mean_max=row_means.max(), alpha_zero_fraction=zeros / real**2,
             aux_norm_mean=jnp.mean(jax.vmap(ops.tree_norm)(aux)), gbar_norm=ops.tree_norm(gbar),
             full_loss_mean=jnp.mean(losses),
         )
         return new_state, metrics
 
-    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.clients.theta),
-                "global": engine.evaluator.shared(data, state.global_params)}
+    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        return {"client": engine.evaluator.personal(data, state.clients.theta, ids),
+                "global": engine.evaluator.shared(data, state.global_params, ids)}
 
     return base.Algorithm("pgfed", init, round_fn, evaluate, {})
 
@@ -171,7 +182,7 @@ _ALPHA_LR = base.HParam("alpha_lr", float, 0.01,
 base.register(base.AlgorithmSpec(
     name="pgfed", factory=pgfed_plain, flag_prefix="pgfed",
     summary="PGFed: local risk plus a first-order estimate of other clients' risks (μ, α_ij)",
-    hparams=(_MU, _ALPHA_LR), defaults=_REFERENCE_DEFAULTS,
+    hparams=(_MU, _ALPHA_LR), defaults=_REFERENCE_DEFAULTS, traceable=("lr", "mu", "alpha_lr"),
 ))
 base.register(base.AlgorithmSpec(
     name="pgfedmo", factory=pgfed, flag_prefix="pgfed",
@@ -183,10 +194,10 @@ base.register(base.AlgorithmSpec(
              base.HParam("first_aux", str, "copy",
                          "first download of the auxiliary gradient: 'copy' it (the reference code) "
                          "or blend it with 'zero' ((1−β)·download)", choices=("copy", "zero"))),
-    defaults=_REFERENCE_DEFAULTS,
+    defaults=_REFERENCE_DEFAULTS, traceable=("lr", "mu", "alpha_lr", "beta"),
 ))
 base.register(base.AlgorithmSpec(
     name="pgfed_ce", factory=pgfed_ce, flag_prefix="pgfed",
     summary="PGFed-CE: PGFed whose α gradient uses the global model (no ḡ download)",
-    hparams=(_MU, _ALPHA_LR), defaults=_REFERENCE_DEFAULTS,
+    hparams=(_MU, _ALPHA_LR), defaults=_REFERENCE_DEFAULTS, traceable=("lr", "mu", "alpha_lr"),
 ))

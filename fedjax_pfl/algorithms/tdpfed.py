@@ -229,9 +229,9 @@ def tdpfed(
         worst = jnp.max(jnp.stack(errors)) if errors else jnp.zeros(())
         return jax.tree.unflatten(treedef, fitted), worst
 
-    def evaluate(state: State, data) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.theta),
-                "global": engine.evaluator.shared(data, cp.reconstruct(state.factors))}
+    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        return {"client": engine.evaluator.personal(data, state.theta, ids),
+                "global": engine.evaluator.shared(data, cp.reconstruct(state.factors), ids)}
 
     return base.Algorithm("tdpfed", init, round_fn, evaluate, {})
 
@@ -282,4 +282,5 @@ base.register(base.AlgorithmSpec(
                     check=base.AT_LEAST_ONE),
     ),
     defaults=_DEFAULTS,
+    traceable=('lr', 'lam', 'personal_lr', 'beta'),
 ))

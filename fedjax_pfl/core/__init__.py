@@ -2,7 +2,9 @@
 
 from fedjax_pfl.core.clients import (
     BACKENDS,
+    ClientLoop,
     ClientMapper,
+    balanced_order,
     broadcast,
     client_mapper,
     client_mesh,
@@ -22,16 +24,25 @@ from fedjax_pfl.core.local import (
     LocalResult,
     LocalTrainer,
     add_aux_gradient,
-    epoch_orders,
+    epoch_permutation,
     masked_mean_loss,
     steps_per_epoch,
 )
 from fedjax_pfl.core.metrics import History, summarize
+from fedjax_pfl.core.program import (
+    STATE_DTYPES,
+    MemoryPlan,
+    MemoryPlanError,
+    Program,
+    check_memory,
+    prepare_data,
+)
 
 __all__ = [
-    "BACKENDS", "ClientMapper", "broadcast", "client_mapper", "client_mesh", "replicate",
+    "BACKENDS", "ClientLoop", "ClientMapper", "balanced_order", "broadcast", "client_mapper", "client_mesh", "replicate",
     "replicated_sharding", "gather", "mean_over_clients",
     "num_sampled_clients", "sample_clients", "scatter", "sum_over_clients", "where_clients",
     "ClientEval", "Evaluator", "FullPass", "LocalResult", "LocalTrainer", "add_aux_gradient",
-    "epoch_orders", "masked_mean_loss", "steps_per_epoch", "History", "summarize",
+    "epoch_permutation", "masked_mean_loss", "steps_per_epoch", "History", "summarize",
+    "STATE_DTYPES", "MemoryPlan", "MemoryPlanError", "Program", "check_memory", "prepare_data",
 ]

@@ -8,6 +8,7 @@ map, reduce), so the execution strategy (vmap, chunked, a Python loop) changes h
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -27,6 +28,12 @@ AUTO_CHUNK = 0
 # chunks of 2 and 1. Memory: temporaries plus outputs (the clients' parameters and optimizer
 # state) stay within a bound, so peak memory does not grow with the number of clients.
 CHUNK_TEMP_BUDGET_BYTES = 16 * 2**20
+# Vectorising clients pays while one client's step is too small to keep the cores busy (small
+# GEMMs, per-op overhead); past about this much work per chunk step, wider chunks only spill the
+# caches. Calibrated on 2 AVX2 cores (benchmarks/RESULTS.md, "chunk size"): the 784-100-10 MLP
+# at B = 10 (~4.8 MFLOP per client step) was fastest at chunks of 8-16, the FedAvg CNN at B = 10
+# (~250 MFLOP) at 1.
+CHUNK_FLOP_TARGET = 48e6
 CHUNK_MEMORY_BUDGET_BYTES = 2**30
 
 
@@ -36,8 +43,13 @@ def broadcast(tree: Params, n: int) -> Params:
 
 
 def gather(tree: Params, idx: jax.Array) -> Params:
-    """[N, ...] -> [m, ...]: the rows of the clients in `idx`."""
-    return jax.tree.map(lambda x: x[idx], tree)
+    """[N, ...] -> [m, ...]: the rows of the clients in `idx`. Rows stored in bfloat16 (client
+    state under --state-dtype bfloat16) come back as float32: computation stays in float32."""
+    def rows(x):
+        r = x[idx]
+        return r.astype(jnp.float32) if r.dtype == jnp.bfloat16 else r
+
+    return jax.tree.map(rows, tree)
 
 
 def scatter(tree: Params, idx: jax.Array, rows: Params) -> Params:
@@ -74,15 +86,44 @@ def mean_over_clients(tree: Params, weights: jax.Array | None = None) -> Params:
 def sample_clients(key: jax.Array, num_clients: int, num_sampled: int) -> jax.Array:
     """M distinct client ids drawn uniformly without replacement, sorted ascending.
 
-    Deterministic in `key`; every client has probability M/N per round. Sorting makes logs and
+    Deterministic in `key`; every M-subset has the same probability. For N ≤ 4·M + 4096 the ids
+    are the first M of a random permutation (O(N)); otherwise (M ≪ N, large-client-count runs)
+    they are drawn in O(M log M) without touching all N: iid uniform draws, keeping the first
+    occurrence of each id in draw order until M distinct ids are found. The first M distinct
+    values of an iid uniform sequence are a uniformly random M-subset (sequential sampling with
+    rejection of repeats), so both paths sample the same distribution. Sorting makes logs and
     scatters easier to read and changes nothing else (rows are keyed by client id).
     """
     if not 1 <= num_sampled <= num_clients:
         raise ValueError(f"cannot sample {num_sampled} of {num_clients} clients")
     if num_sampled == num_clients:
         return jnp.arange(num_clients, dtype=jnp.int32)
-    ids = jax.random.choice(key, num_clients, (num_sampled,), replace=False)
-    return jnp.sort(ids).astype(jnp.int32)
+    if num_clients <= 4 * num_sampled + 4096:
+        ids = jax.random.choice(key, num_clients, (num_sampled,), replace=False)
+        return jnp.sort(ids).astype(jnp.int32)
+    return _sample_sparse(key, num_clients, num_sampled)
+
+
+def _sample_sparse(key: jax.Array, n: int, m: int) -> jax.Array:
+    # Draws per attempt: the expected number of repeats among k draws is about k²/(2n) ≤ m/8
+    # here, so m + m/4 + 16 draws almost always hold m distinct ids; otherwise draw again.
+    k = m + m // 4 + 16
+
+    def attempt(carry):
+        i, _, _ = carry
+        draws = jax.random.randint(jax.random.fold_in(key, i), (k,), 0, n, dtype=jnp.int32)
+        order = jnp.argsort(draws, stable=True)          # equal ids: earliest draw first
+        sorted_ids = draws[order]
+        first = jnp.concatenate([jnp.ones(1, bool), sorted_ids[1:] != sorted_ids[:-1]])
+        # The first occurrences, in draw order; the first m of them are the sample.
+        position = jnp.where(first, order, k)            # draw index of each first occurrence
+        chosen = jnp.sort(position)[:m]
+        return i + 1, jnp.sum(first) >= m, draws[jnp.minimum(chosen, k - 1)]
+
+    _, _, ids = jax.lax.while_loop(lambda c: ~c[1], attempt,
+                                   (jnp.zeros((), jnp.int32), jnp.zeros((), bool),
+                                    jnp.zeros(m, jnp.int32)))
+    return jnp.sort(ids)
 
 
 def num_sampled_clients(num_clients: int, participation: float) -> int:
@@ -91,24 +132,46 @@ def num_sampled_clients(num_clients: int, participation: float) -> int:
     return max(1, int(np.floor(num_clients * participation + 1e-9)))
 
 
+class ClientLoop(NamedTuple):
+    """One client's computation written as a loop: `length(row)` steps of `step` (local training
+    steps, evaluation batches), between `init` and `finish`.
+
+      init(shared, row) -> carry          everything the client's steps need (its model, key, …)
+      step(shared, carry, t) -> carry     step t = 0, 1, …, length − 1
+      finish(shared, carry) -> out        the client's result
+      length(row) -> int32 scalar         the client's number of steps (0 is allowed)
+
+    `shared` is a tuple of arguments common to all clients (the dataset, a global model). Written
+    this way, the mapper knows each client's cost before running it and can group clients of
+    similar length, so a long client does not hold up a wide vectorised batch (`ClientMapper`).
+    """
+
+    init: Callable
+    step: Callable
+    finish: Callable
+    length: Callable
+
+
 class ClientMapper(NamedTuple):
-    """How a one-client function is run over the sampled clients.
+    """How per-client work is run over the sampled clients: the one place execution lives.
 
     backend:
-      "vmap":    one vectorised call over all M clients (fastest for small models);
-      "chunked": vmap over chunks of `chunk_size` clients, sequential over chunks (lax.map), so
-                 peak memory is bounded by the chunk; clients are sorted by `cost` first so each
-                 chunk's while-loops stop at the chunk's own longest client. chunk_size 0 means
-                 automatic (`auto_chunk_size`; LocalTrainer resolves it with a one-step probe,
-                 other callers analyse the mapped function); a chunk at least as large as the
-                 clients on a device is plain vmap;
-      "loop":    a Python loop that calls the jitted one-client function once per client. It is
-                 the reference the vectorised backends are tested against, and the baseline of
-                 benchmarks/round_throughput.py. Under an outer jax.jit it still works but unrolls.
+      "vmap":    one vectorised call over all M clients; loops run to the longest client;
+      "chunked": (the default) bounded vectorisation over W = `chunk_size` clients.
+                 `ClientLoop`s run in chunks of at most W vectorised clients sorted by length,
+                 and the few longest clients finish in a narrow second stage (`_run_capped`),
+                 so a skewed client does not hold up the rest; W = 1 runs clients one after
+                 another without any masking. Plain functions (`__call__`) run as vmap
+                 over chunks of W clients (lax.map). chunk_size 0 means automatic
+                 (`auto_chunk_size`, from XLA's memory analysis of one step);
+      "loop":    a Python loop that calls the jitted one-client computation once per client. It
+                 is the reference the vectorised backends are tested against, and the baseline of
+                 the benchmarks. Under an outer jax.jit it still works but unrolls.
     mesh: with several devices (GPUs, or one XLA:CPU device per core, see
       `fedjax_pfl.use_cpu_cores`), "vmap" and "chunked" split the M clients across the devices
-      of this 1-D mesh (axis "clients") with shard_map, a contiguous block of rows per device
-      (padded to a multiple of the device count).
+      of this 1-D mesh (axis "clients") with shard_map. Loops are dealt to devices by cost
+      (longest first, in snake order) so devices finish together; plain functions take a
+      contiguous block of rows per device.
     """
 
     backend: str = "chunked"
@@ -130,12 +193,59 @@ class ClientMapper(NamedTuple):
         if self.backend not in ("vmap", "chunked"):
             raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
         if self.backend == "chunked" and self.chunk_size == AUTO_CHUNK:
-            # Callers with a cheaper one-step probe resolve first (LocalTrainer does); otherwise
-            # the mapped function itself is analysed.
             return self.resolved(fn, shared, args)(fn, *args, shared=shared, cost=cost)
         if self.mesh is None or self.mesh.size == 1:
             return self._map_on_device(fn, shared, args, cost)
         return self._map_sharded(fn, shared, args, cost)
+
+    def run(self, loop: ClientLoop, rows: Params, *, shared: tuple = (),
+            probe: Callable | None = None) -> Params:
+        """out[i] = the result of client i's loop, for every row i of `rows`.
+
+        `probe(shared, row)` (optional) is one step of one client, whose memory analysis picks
+        an automatic chunk size; without it the chunk size is analysed from `loop.step`.
+        The loop object must live as long as the algorithm (the loop backend caches by identity).
+        """
+        if self.backend == "loop":
+            return _loop_map(_whole_loop(loop), shared, (rows,))
+        if self.backend not in ("vmap", "chunked"):
+            raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
+        mapper = self
+        if self.backend == "chunked" and self.chunk_size == AUTO_CHUNK:
+            probe = probe or _step_probe(loop)
+            mapper = self.resolved(probe, shared, (rows,))
+        m = _num_rows(rows)
+        valid = jnp.ones(m, bool)
+        if mapper.mesh is None or mapper.mesh.size == 1:
+            return mapper._run_on_device(loop, shared, rows, valid)
+        return mapper._run_sharded(loop, shared, rows)
+
+    def _run_on_device(self, loop, shared, rows, valid):
+        if self.backend == "vmap":
+            out = _vmap_rows(_whole_loop(loop, masked=True), shared, (rows, valid))
+            return out
+        return _run_capped(loop, shared, rows, valid, self.chunk_size)
+
+    def _run_sharded(self, loop, shared, rows):
+        # Each device takes a contiguous block of rows (padded with rows that take no steps), so
+        # outputs stay where they were computed: reductions over clients are local sums plus a
+        # small all-reduce, never a gather of every client's output. Callers order rows so that
+        # the blocks carry equal work (`balanced_order`; Engine.sample does).
+        d = self.mesh.size
+        m = _num_rows(rows)
+        pad = -m % d
+        valid = jnp.arange(m + pad) < m
+        if pad:  # repeat the last row; it is marked invalid and takes no steps
+            rows = jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), rows)
+
+        def per_device(shared, rows, valid):
+            return self._run_on_device(loop, shared, rows, valid)
+
+        spec = jax.sharding.PartitionSpec("clients")
+        out = jax.shard_map(per_device, mesh=self.mesh,
+                            in_specs=(jax.sharding.PartitionSpec(), spec, spec),
+                            out_specs=spec, check_vma=False)(shared, rows, valid)
+        return jax.tree.map(lambda x: x[:m], out) if pad else out
 
     def resolved(self, fn: Callable, shared: tuple, args: tuple) -> "ClientMapper":
         """This mapper with an automatic chunk size replaced by `auto_chunk_size` for `fn`."""
@@ -171,16 +281,16 @@ class ClientMapper(NamedTuple):
         return jax.tree.map(lambda x: x[:m], out) if pad else out
 
 
-def jit_unless_loop(mapper: ClientMapper, fn: Callable) -> Callable:
+def jit_unless_loop(mapper: ClientMapper, fn: Callable, **jit_kwargs) -> Callable:
     """`jax.jit(fn)` for the vectorised backends (inlined under an outer jit, and fast when
     called eagerly from a notebook); `fn` itself for the loop backend, whose per-client calls are
     jitted separately and which must see concrete arrays to loop over."""
-    return fn if mapper.backend == "loop" else jax.jit(fn)
+    return fn if mapper.backend == "loop" else jax.jit(fn, **jit_kwargs)
 
 
 def client_mesh() -> Mesh | None:
-    """A 1-D mesh ("clients") over all local devices, or None with a single device."""
-    devices = jax.local_devices()
+    """A 1-D mesh ("clients") over all devices (of every process), or None with a single one."""
+    devices = jax.devices()
     return Mesh(np.array(devices), ("clients",)) if len(devices) > 1 else None
 
 
@@ -191,20 +301,50 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicate(tree: Params, mesh: Mesh | None) -> Params:
     """Places `tree` on every device of `mesh` once (a no-op without a mesh), so jitted rounds do
-    not copy the dataset or the state between devices on every call."""
+    not copy the dataset between devices on every call."""
     if mesh is None:
         return tree
     return jax.device_put(tree, replicated_sharding(mesh))
 
 
+def is_client_leaf(leaf: Any, num_clients: int) -> bool:
+    """Whether a state leaf is per-client: an array whose leading axis has N rows."""
+    shape = getattr(leaf, "shape", ())
+    return len(shape) >= 1 and shape[0] == num_clients
+
+
+def client_shardings(tree: Params, num_clients: int, mesh: Mesh) -> Params:
+    """Shardings for a state pytree: per-client leaves (leading axis N, `is_client_leaf`) split
+    along the client axis over the mesh, every other leaf replicated. N must be a multiple of
+    the device count (`FederatedData.pad_clients`). Works on abstract trees (eval_shape)."""
+    rows = NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
+    whole = replicated_sharding(mesh)
+    return jax.tree.map(lambda x: rows if is_client_leaf(x, num_clients) else whole, tree)
+
+
+def cast_client_leaves(tree: Params, num_clients: int, dtype) -> Params:
+    """Per-client float leaves stored as `dtype` (e.g. bfloat16 for --state-dtype); other leaves
+    unchanged. `gather` returns such rows as float32 again."""
+    def cast(x):
+        if not (is_client_leaf(x, num_clients) and jnp.issubdtype(x.dtype, jnp.floating)):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):                 # abstract shapes (memory plans)
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, tree)
+
+
 def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
                     temp_budget_bytes: int = CHUNK_TEMP_BUDGET_BYTES,
-                    memory_budget_bytes: int = CHUNK_MEMORY_BUDGET_BYTES) -> int:
-    """The largest chunk within both budgets on a CPU device.
+                    memory_budget_bytes: int = CHUNK_MEMORY_BUDGET_BYTES,
+                    flop_target: float = CHUNK_FLOP_TARGET) -> int:
+    """The largest chunk within the budgets on a CPU device.
 
-    One client's temporaries and outputs are what XLA's memory analysis of `one_client_fn`,
-    compiled for a single client, reports (shared inputs such as the dataset are not counted).
-    The chunk keeps chunk·temp ≤ temp_budget and chunk·(temp + out) ≤ memory_budget.
+    One client's temporaries, outputs and floating-point operations are what XLA's memory and
+    cost analyses of `one_client_fn`, compiled for a single client, report (shared inputs such as
+    the dataset are not counted). The chunk keeps chunk·temp ≤ temp_budget,
+    chunk·(temp + out) ≤ memory_budget and chunk·flops ≤ flop_target (rounded down, at least 1).
     Accelerators get no limit (whole vmap): they want the widest batch.
     """
     if jax.default_backend() != "cpu":
@@ -217,10 +357,14 @@ def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
         analysis = compiled.memory_analysis()
         temp = analysis.temp_size_in_bytes
         total = temp + analysis.output_size_in_bytes
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        flops = float((cost or {}).get("flops", 0.0))
     except Exception:  # no memory analysis on this backend: a conservative fixed chunk
         return 32
     by_speed = temp_budget_bytes // temp if temp > 0 else 1 << 30
-    return max(1, int(min(by_speed, memory_budget_bytes // max(total, 1))))
+    by_work = int(flop_target // flops) if flops > 0 else 1 << 30
+    return max(1, int(min(by_speed, by_work, memory_budget_bytes // max(total, 1))))
 
 
 _AUTO_CHUNK_CACHE: dict = {}
@@ -245,13 +389,29 @@ def abstract(tree: Params) -> Params:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
+_SINGLE_DEVICE = [False]
+
+
+@contextlib.contextmanager
+def single_device_clients():
+    """Within this block `client_mapper` keeps each computation's clients on one device (no
+    mesh): a sweep that already splits whole runs across devices builds its algorithms here."""
+    previous = _SINGLE_DEVICE[0]
+    _SINGLE_DEVICE[0] = True
+    try:
+        yield
+    finally:
+        _SINGLE_DEVICE[0] = previous
+
+
 def client_mapper(backend: str = "chunked", chunk_size: int = AUTO_CHUNK, shard: bool = True) -> ClientMapper:
-    """Validated ClientMapper (see its docstring). With `shard` and several local devices, the
+    """Validated ClientMapper (see its docstring). With `shard` and several devices, the
     vectorised backends split clients across devices."""
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {BACKENDS}, got {backend!r}")
     if chunk_size < 0:
         raise ValueError(f"--chunk-size must be >= 0 (0: automatic), got {chunk_size}")
+    shard = shard and not _SINGLE_DEVICE[0]
     mesh = client_mesh() if shard and backend != "loop" else None
     return ClientMapper(backend, int(chunk_size), mesh)
 
@@ -288,3 +448,125 @@ def _loop_map(fn, shared, args):
     one_client = _jitted(fn)
     outs = [one_client(*shared, *gather(args, i)) for i in range(_num_rows(args))]
     return jax.tree.map(lambda *rows: jnp.stack(rows), *outs)
+
+
+def balanced_order(costs: jax.Array, num_devices: int) -> jax.Array:
+    """A permutation of m rows such that contiguous blocks of ⌈m/D⌉ rows (one per device) carry
+    about equal total cost: rows dealt longest first in snake order (0, 1, …, D−1, D−1, …, 0, …),
+    then grouped by device. With one device, the identity."""
+    m = costs.shape[0]
+    if num_devices <= 1 or m <= 1:
+        return jnp.arange(m)
+    by_cost = jnp.argsort(-costs, stable=True)
+    rank = jnp.arange(m)
+    lap, pos = rank // num_devices, rank % num_devices
+    device = jnp.where(lap % 2 == 0, pos, num_devices - 1 - pos)
+    # The blocks are ⌈m/D⌉ rows with the padding in the last: the devices that receive the
+    # partial lap's extra rows must be the first ones, so mirror the labels when that lap runs
+    # backwards (an odd number of full laps before it).
+    if (m // num_devices) % 2 == 1:
+        device = num_devices - 1 - device
+    return by_cost[jnp.argsort(device * m + rank, stable=True)]
+
+
+@functools.lru_cache(maxsize=64)
+def _whole_loop(loop: ClientLoop, masked: bool = False) -> Callable:
+    """One client's loop as a function (shared..., row) -> out (a lax.while_loop); with
+    `masked`, (shared..., row, valid), where an invalid (padding) row takes no steps. Cached, so
+    the same loop gives the same function object (the loop backend's jit cache is by identity)."""
+
+    def run_one(*args):
+        if masked:
+            *shared, row, valid = args
+        else:
+            *shared, row = args
+            valid = True
+        shared = tuple(shared)
+        length = jnp.where(valid, loop.length(row), 0)
+        carry = loop.init(shared, row)
+        _, carry = jax.lax.while_loop(lambda c: c[0] < length,
+                                      lambda c: (c[0] + 1, loop.step(shared, c[1], c[0])),
+                                      (jnp.zeros((), jnp.int32), carry))
+        return loop.finish(shared, carry)
+
+    return run_one
+
+
+def _step_probe(loop: ClientLoop) -> Callable:
+    """(shared..., row) -> one step of one client: what the automatic chunk size analyses."""
+    def probe(*args):
+        *shared, row = args
+        shared = tuple(shared)
+        return loop.step(shared, loop.init(shared, row), jnp.zeros((), jnp.int32))
+
+    return probe
+
+
+def tail_widths(m: int) -> list[int]:
+    """How many of the longest clients go on to each later stage of `_run_capped`: m/16 of them,
+    then the longest one alone (each stage only where it is narrower than the one before)."""
+    widths = [k for k in (m // 16, 1) if 1 <= k < m]
+    return sorted(set(widths), reverse=True)
+
+
+def capped_work(lengths, width: int) -> int:
+    """Lane-steps (masked lanes included) of `_run_capped` for clients with these step counts."""
+    lengths = np.sort(np.asarray(lengths))[::-1]
+    m = len(lengths)
+    if width <= 1 or m <= 2:
+        return int(lengths.sum())
+    stops = [int(lengths[k]) for k in tail_widths(m)] + [int(lengths[0])]
+    first = np.minimum(lengths, stops[0])[::-1]      # ascending, as the chunks see them
+    chunks = -(-m // width)
+    per = -(-m // chunks)
+    work = sum(per * int(first[i * per:(i + 1) * per].max()) for i in range(chunks)
+               if first[i * per:(i + 1) * per].size)
+    for k, start, stop in zip(tail_widths(m), stops[:-1], stops[1:]):
+        work += k * (stop - start)
+    return work
+
+
+def _run_capped(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array, width: int) -> Params:
+    """Size-aware execution in stages, so a few long clients do not hold up the rest.
+
+    Stage 1 runs every client for min(its steps, cap) steps, cap = the step count of the
+    (k+1)-th longest client (k = m/16), in chunks of at most `width` vectorised clients sorted
+    by length; stage 2 continues the k longest clients up to the second-longest's count, k
+    lanes wide; stage 3 finishes the longest alone (`tail_widths`). With equal clients the later
+    stages take no steps; one client of 2,000 steps among 99 of 2 runs ~2,000 single-lane steps
+    instead of 2,000 steps of every lane (`capped_work`). A lane whose client is done is masked
+    (it still computes, which the narrow stages keep small). `width` = 1 runs clients one after
+    another with no masking at all.
+    """
+    m = _num_rows(rows)
+    lengths = jnp.where(valid, jax.vmap(loop.length)(rows), 0).astype(jnp.int32)
+    if width <= 1 or m <= 2:
+        return _chunked_map(_whole_loop(loop, masked=True), shared, (rows, valid), width, lengths)
+    ranked = jnp.sort(lengths)[::-1]                                   # longest first
+    widths = tail_widths(m)
+
+    def run_to(*args):
+        """(shared..., row, stop) -> (steps taken, carry after min(length, stop) steps)."""
+        *sh, row, stop = args
+        sh = tuple(sh)
+        return _steps(loop, sh, (jnp.zeros((), jnp.int32), loop.init(sh, row)), stop)
+
+    def resume(*args):
+        *sh, t_carry, stop = args
+        return _steps(loop, tuple(sh), t_carry, stop)
+
+    stops = jnp.minimum(lengths, ranked[widths[0]])
+    t_carry = _chunked_map(run_to, shared, (rows, stops), width, stops)            # stage 1
+    top = jnp.argsort(-lengths, stable=True)
+    for i, k in enumerate(widths):                                                 # stages 2, 3
+        stop = ranked[widths[i + 1]] if i + 1 < len(widths) else ranked[0]
+        ids = top[:k]
+        part = _vmap_rows(resume, shared, (gather(t_carry, ids), jnp.minimum(lengths[ids], stop)))
+        t_carry = scatter(t_carry, ids, part)
+    return jax.vmap(lambda c: loop.finish(shared, c))(t_carry[1])
+
+
+def _steps(loop: ClientLoop, shared: tuple, t_carry, stop):
+    """Steps t, t + 1, …, stop − 1 of one client's loop from (t, carry)."""
+    return jax.lax.while_loop(lambda c: c[0] < stop,
+                              lambda c: (c[0] + 1, loop.step(shared, c[1], c[0])), t_carry)

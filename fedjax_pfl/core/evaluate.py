@@ -13,8 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedjax_pfl.core.clients import ClientMapper, jit_unless_loop
-from fedjax_pfl.core.local import _padded_row
+from fedjax_pfl.core.clients import ClientLoop, ClientMapper, balanced_order, jit_unless_loop
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
 from fedjax_pfl.models.model import Model
 
@@ -40,70 +39,112 @@ class ClientEval(NamedTuple):
 
 
 class Evaluator:
-    """Evaluates models on clients' test splits in batches of `batch_size` test samples."""
+    """Evaluates models on clients' test splits in batches of `batch_size` test samples.
+
+    The batch is min(batch_size, the largest client's test set rounded up to a multiple of 8), so
+    clients with a handful of test samples are not padded to a large batch. Each client is a
+    `ClientLoop` of ⌈test_count / batch⌉ steps, run by the mapper in lanes (chunked) or vmapped.
+    """
 
     def __init__(self, model: Model, *, batch_size: int, mapper: ClientMapper):
         if batch_size < 1:
             raise ValueError(f"--eval-batch-size must be >= 1, got {batch_size}")
         self.model = model
         self.batch_size = int(batch_size)
-        # Evaluation touches all N clients: never vmap them all at once (memory), chunk instead.
+        # Evaluation touches all N clients: never vmap them all at once (memory), use lanes.
         if mapper.backend == "vmap":
-            mapper = ClientMapper("chunked", mapper.chunk_size)
+            mapper = ClientMapper("chunked", mapper.chunk_size, mapper.mesh)
         self.mapper = mapper
-        self._personal_one, self._probe = self._make_one()
-        self._shared_one = lambda data, params, client: self._personal_one(data, params, client)
-        self._shared_probe = lambda data, params, client: self._probe(data, params, client)
-        self._personal = jit_unless_loop(mapper, self._map_personal)
-        self._shared = jit_unless_loop(mapper, self._map_shared)
+        self._loops = {}
+        self._personal = jit_unless_loop(mapper, self._map_personal, static_argnums=3)
+        self._shared = jit_unless_loop(mapper, self._map_shared, static_argnums=3)
 
-    def _map_personal(self, data, params):
-        fn = self._personal_one
-        mapper = self.mapper.resolved(self._probe, (data,), (params, data.clients))
-        return mapper(fn, params, data.clients, shared=(data,), cost=data.clients.test_count)
+    def batch_for(self, data: FederatedData) -> int:
+        """The evaluation batch for `data`: min(batch_size, largest test split rounded up to 8)."""
+        return max(1, min(self.batch_size, -(-max(data.max_test, 1) // 8) * 8))
 
-    def _map_shared(self, data, params):
-        fn = self._shared_one
-        probe = self._shared_probe
-        mapper = self.mapper.resolved(probe, (data, params), (data.clients,))
-        return mapper(fn, data.clients, shared=(data, params), cost=data.clients.test_count)
+    def _loop_for(self, batch: int, personal: bool):
+        if (batch, personal) not in self._loops:
+            self._loops[(batch, personal)] = self._make_loop(batch, personal)
+        return self._loops[(batch, personal)]
 
-    def personal(self, data: FederatedData, params: Params) -> ClientEval:
-        """Client i's model params[i] on client i's test split; params leaves are [N, ...]."""
-        return self._personal(data, params)
+    def _map_personal(self, data, params, clients, batch):
+        loop, probe = self._loop_for(batch, True)
+        return self._balanced(lambda rows: self.mapper.run(loop, rows, shared=(data, None),
+                                                           probe=probe), (params, clients), clients)
 
-    def shared(self, data: FederatedData, params: Params) -> ClientEval:
-        """One model (e.g. the global model) on every client's test split."""
-        return self._shared(data, params)
+    def _map_shared(self, data, params, clients, batch):
+        loop, probe = self._loop_for(batch, False)
+        return self._balanced(lambda rows: self.mapper.run(loop, rows, shared=(data, params),
+                                                           probe=probe), (None, clients), clients)
 
-    def _make_one(self):
-        model, batch = self.model, self.batch_size
+    def _balanced(self, run, rows, clients):
+        """With several devices, clients are evaluated in an order that gives each device an equal
+        share of test samples; the (small) results are put back in client order."""
+        devices = 1 if self.mapper.mesh is None else self.mapper.mesh.size
+        if devices == 1 or self.mapper.backend == "loop":
+            return run(rows)
+        order = balanced_order(clients.test_count, devices)
+        out = run(_rows(rows, order))
+        return _rows(out, jnp.argsort(order))
 
-        def one(data: FederatedData, params: Params, client: ClientSplits) -> ClientEval:
-            count = client.test_count
-            rows_of_client = _padded_row(client.test_idx, batch)
-            num_batches = (count + batch - 1) // batch
+    def personal(self, data: FederatedData, params: Params, ids: jax.Array | None = None) -> ClientEval:
+        """Client i's model params[i] on client i's test split, for every client (params leaves
+        [N, ...]) or for the clients `ids` (then the result has leading axis len(ids))."""
+        clients = data.clients
+        if ids is not None:
+            params, clients = _rows(params, ids), _rows(clients, ids)
+        return self._personal(data, params, clients, self.batch_for(data))
 
-            def body(carry):
-                b, correct, loss_sum = carry
-                rows = jax.lax.dynamic_slice(rows_of_client, (b * batch,), (batch,))
-                mask = b * batch + jnp.arange(batch) < count
-                outputs = model.apply(params, data.inputs(rows))
-                labels = data.labels(rows)
-                hits = jnp.argmax(outputs, axis=-1) == labels
-                losses = model.loss(outputs, labels)
-                correct = correct + jnp.sum(jnp.where(mask, hits, False)).astype(correct.dtype)
-                loss_sum = loss_sum + jnp.sum(jnp.where(mask, losses, 0.0))
-                return b + 1, correct, loss_sum
+    def rows(self, data: FederatedData, params: Params, ids: jax.Array) -> ClientEval:
+        """params[k] (already one row per evaluated client) on client ids[k]'s test split."""
+        return self._personal(data, params, _rows(data.clients, ids), self.batch_for(data))
 
+    def shared(self, data: FederatedData, params: Params, ids: jax.Array | None = None) -> ClientEval:
+        """One model (e.g. the global model) on every client's test split (or the clients `ids`)."""
+        clients = data.clients if ids is None else _rows(data.clients, ids)
+        return self._shared(data, params, clients, self.batch_for(data))
+
+    def _make_loop(self, batch: int, personal: bool):
+        model = self.model
+
+        def init(shared, row):
+            params, client = row
             zero = jnp.zeros(())  # float64 under x64, float32 otherwise
-            _, correct, loss_sum = jax.lax.while_loop(
-                lambda c: c[0] < num_batches, body, (jnp.zeros((), jnp.int32), zero, zero)
-            )
-            return ClientEval(correct, loss_sum, count.astype(jnp.int32))
+            return params, client, zero, zero
 
-        def probe(data, params, client):  # one batch, for the memory analysis of auto chunking
-            outputs = model.apply(params, data.inputs(jnp.zeros(batch, jnp.int32)))
-            return model.loss(outputs, data.labels(jnp.zeros(batch, jnp.int32)))
+        def step(shared, carry, b):
+            data, common = shared
+            params, client, correct, loss_sum = carry
+            params = params if personal else common
+            positions = b * batch + jnp.arange(batch)
+            mask = positions < client.test_count
+            rows = client.test_start + jnp.where(mask, positions, 0)
+            outputs = model.apply(_as_float32(params), data.inputs(rows))
+            labels = data.labels(rows)
+            hits = jnp.argmax(outputs, axis=-1) == labels
+            losses = model.loss(outputs, labels)
+            correct = correct + jnp.sum(jnp.where(mask, hits, False)).astype(correct.dtype)
+            loss_sum = loss_sum + jnp.sum(jnp.where(mask, losses, 0.0)).astype(loss_sum.dtype)
+            return (carry[0], client, correct, loss_sum)
 
-        return one, probe
+        def finish(shared, carry):
+            _, client, correct, loss_sum = carry
+            return ClientEval(correct, loss_sum, client.test_count.astype(jnp.int32))
+
+        def length(row):
+            return (row[1].test_count + batch - 1) // batch
+
+        def probe(data, common, row):
+            return step((data, common), init((data, common), row), jnp.zeros((), jnp.int32))
+
+        return ClientLoop(init, step, finish, length), probe
+
+
+def _rows(tree: Params, ids: jax.Array) -> Params:
+    return jax.tree.map(lambda x: x[ids], tree)
+
+
+def _as_float32(params: Params) -> Params:
+    """Client state stored in bfloat16 (--state-dtype) is evaluated in float32."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x, params)

@@ -1,16 +1,19 @@
 """Local training: one client's minibatch loop, written once and shared by every algorithm.
 
 `LocalTrainer` runs E epochs of minibatch optimisation for each sampled client, all clients at
-once through a `ClientMapper` (vmap, chunked or loop), inside whatever jit encloses it.
+once through a `ClientMapper` (vmap, lanes or loop), inside whatever jit encloses it.
 
 Exact epoch semantics per client (spec/pfedsop.md A6, spec/pgfed.md A9): in every epoch client i
 visits each of its own n_i training samples once, in a fresh random order, in
 S_i = ⌈n_i/B⌉ steps (or ⌊n_i/B⌋ with drop_last, and one step of all n_i samples when n_i < B, as
 PGFed's `batch = min(B, n_i)`). The last partial batch is averaged over its real samples only.
-The step loop is a `lax.while_loop` that runs E·S_i steps: under vmap it runs to the longest
-client of the batch and leaves finished clients untouched (their parameters, optimizer state and
-hook state do not change), and with the chunked backend clients are sorted by step count so each
-chunk stops at its own longest client.
+A client's local training is a `ClientLoop` of E·S_i steps: the mapper runs clients in lanes
+that take the next client as soon as theirs is done (so no lane runs past its own client), and a
+finished client's parameters, optimizer state and hook state do not change.
+
+The epoch order is a keyed pseudo-random permutation of 0 … n_i − 1 (`epoch_permutation`, the
+swap-or-not shuffle): step k of epoch e reads positions π_e(kB), …, π_e(kB+B−1) in O(B) work,
+so nothing per client is ever as wide as the largest client.
 
 Instead of E epochs, `steps=K` gives every client exactly K minibatch steps (TDPFed's τ local
 rounds, FedPC's single stochastic gradient), walking through successive reshuffled epochs of its
@@ -30,14 +33,13 @@ Algorithms change local training by composition, not by writing loops:
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_pfl.core.clients import ClientMapper, jit_unless_loop
+from fedjax_pfl.core.clients import ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
 from fedjax_pfl.models.model import Model
 
@@ -66,29 +68,49 @@ def steps_per_epoch(count: jax.Array, batch_size: int, drop_last: bool = False) 
     return jnp.where(count > 0, steps, 0)
 
 
-def epoch_orders(key: jax.Array, count: jax.Array, width: int, epochs: int) -> jax.Array:
-    """[epochs, width] int32: row e starts with a uniformly random permutation of 0..count−1.
+SHUFFLE_ROUNDS = 64
 
-    Positions ≥ count hold the padding slots (never used unmasked).
+
+def _hash32(x: jax.Array, round_key: jax.Array) -> jax.Array:
+    """A 32-bit integer hash of (x, round key) (murmur3's finaliser)."""
+    x = (x * jnp.uint32(0x9E3779B1)) ^ round_key
+    x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+    x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def epoch_permutation(key: jax.Array, n: jax.Array, positions: jax.Array) -> jax.Array:
+    """π(positions): a keyed pseudo-random permutation of 0 … n − 1, evaluated pointwise.
+
+    The swap-or-not shuffle (Hoang, Morris & Rogaway, CRYPTO 2012): in round r, with a random
+    K_r ∈ [0, n), x is paired with x' = (K_r − x) mod n and the pair is swapped iff a keyed hash
+    of max(x, x') is odd. Each round is an involution of 0 … n − 1, so the composition of
+    SHUFFLE_ROUNDS rounds is a bijection for any n, and it is close to a uniformly random
+    permutation (tests/core/test_local.py checks all 5,040 orders of 7 by chi-square).
+    O(rounds) work per position and no memory per client, so a step of B samples costs O(B)
+    whatever the client's size. Positions ≥ n return 0 (callers mask them).
     """
-    slots = jnp.arange(width)
+    n = jnp.maximum(jnp.asarray(n, jnp.int32), 1)
+    pair_key, bit_key = jax.random.split(key)
+    pair = jax.random.randint(pair_key, (SHUFFLE_ROUNDS,), 0, n, dtype=jnp.int32)
+    bits = jax.random.bits(bit_key, (SHUFFLE_ROUNDS,), jnp.uint32)
+    x = jnp.asarray(positions, jnp.int32)
+    inside = (x >= 0) & (x < n)
+    x = jnp.where(inside, x, 0)
 
-    def one_epoch(k):
-        u = jax.random.uniform(k, (width,))
-        return jnp.argsort(jnp.where(slots < count, u, 2.0)).astype(jnp.int32)
+    def one_round(r, x):
+        partner = jnp.mod(pair[r] - x, n)
+        swap = (_hash32(jnp.maximum(x, partner).astype(jnp.uint32), bits[r]) & 1) == 1
+        return jnp.where(swap, partner, x)
 
-    return jax.vmap(one_epoch)(jax.random.split(key, epochs))
+    x = jax.lax.fori_loop(0, SHUFFLE_ROUNDS, one_round, x)
+    return jnp.where(inside, x, 0)
 
 
 def masked_mean_loss(model: Model, params: Params, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
     """Σ_j mask_j ℓ(params; x_j, y_j) / Σ_j mask_j: the mean over the real samples of a padded batch."""
     per_example = model.loss(model.apply(params, x), y)
     return jnp.sum(jnp.where(mask, per_example, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
-
-
-def _padded_row(row: jax.Array, multiple: int) -> jax.Array:
-    width = math.ceil(row.shape[0] / multiple) * multiple
-    return jnp.pad(row, (0, width - row.shape[0]))
 
 
 class LocalTrainer:
@@ -129,7 +151,7 @@ class LocalTrainer:
         self.drop_last = bool(drop_last)
         self.mapper = mapper
         self.on_step = on_step
-        self._train_one, self._probe = self._make_train_one()
+        self._loop, self._probe = self._make_loop()
         self._train_many = jit_unless_loop(mapper, self._map_clients)
         self._train_many_shared_start = jit_unless_loop(mapper, self._map_clients_shared_start)
 
@@ -161,7 +183,7 @@ class LocalTrainer:
           params, opt_state: each client's starting point. With `shared_start`, `params` is ONE
             model that every client starts from (FedAvg's global model): it is not broadcast to
             M copies up front.
-          clients: the M clients' index tables (`core.gather(data.clients, idx)`).
+          clients: the M clients' splits (`core.gather(data.clients, idx)`).
           keys: [M] PRNG keys (one per client; fold the client id in for order independence).
           extra: per-client inputs for the optimizer and the `on_step` hook.
           hook_state: per-client state carried by `on_step`.
@@ -171,22 +193,17 @@ class LocalTrainer:
         return train(data, params, opt_state, hook_state, clients, keys, extra)
 
     def _map_clients(self, data, params, opt_state, hook_state, clients, keys, extra):
-        return self._map(self._train_one, self._probe, (data,),
-                         (params, opt_state, hook_state, clients, keys, extra), clients)
+        rows = (params, opt_state, hook_state, clients, keys, extra)
+        return self.mapper.run(self._loop, rows, shared=(data, None), probe=self._probe)
 
     def _map_clients_shared_start(self, data, params, opt_state, hook_state, clients, keys, extra):
-        return self._map(self._train_one, self._probe, (data, params),
-                         (opt_state, hook_state, clients, keys, extra), clients)
+        rows = (None, opt_state, hook_state, clients, keys, extra)
+        return self.mapper.run(self._loop, rows, shared=(data, params), probe=self._probe)
 
-    def _map(self, fn, probe, shared, rows, clients):
-        cost = self.num_steps(clients.train_count)
-        mapper = self.mapper.resolved(probe, shared, rows)
-        return mapper(fn, *rows, shared=shared, cost=cost)
-
-    def _make_train_one(self):
-        """(train_one, probe): one client's local training, and one step of it for memory analysis."""
+    def _make_loop(self):
+        """(loop, probe): one client's local training as a ClientLoop, and one step of it."""
         model, optimizer, on_step, step_fn = self.model, self.optimizer, self.on_step, self.step_fn
-        epochs, steps, batch, drop_last = self.epochs, self.steps, self.batch_size, self.drop_last
+        steps, batch, drop_last = self.steps, self.batch_size, self.drop_last
         loss_and_grad = jax.value_and_grad(lambda p, x, y, m: masked_mean_loss(model, p, x, y, m))
 
         def gradient_step(params, opt_state, x, y, mask, extra):
@@ -196,53 +213,45 @@ class LocalTrainer:
 
         update = step_fn or gradient_step
 
-        def step(data, params, opt_state, hook_state, rows, mask, extra):
-            """One minibatch: the hook (pre-step params), then the update (default: gradient +
+        def init(shared, row):
+            data, start = shared
+            params, opt_state, hook_state, client, key, extra = row
+            params = start if params is None else params
+            return (params, opt_state, hook_state, jnp.zeros(()), client, key, extra)
+
+        def step(shared, carry, t):
+            """Minibatch t: the hook (pre-step params), then the update (default: gradient +
             optimizer)."""
+            data = shared[0]
+            params, opt_state, hook_state, loss_sum, client, key, extra = carry
+            count = client.train_count
+            per_epoch = jnp.maximum(steps_per_epoch(count, batch, drop_last), 1)
+            epoch, k = t // per_epoch, t % per_epoch
+            positions = k * batch + jnp.arange(batch)
+            # With drop_last only the first S_i·B positions of an epoch are used (all n_i if n_i < B).
+            used = jnp.where(count >= batch, per_epoch * batch, count) if drop_last else count
+            mask = positions < used
+            order = epoch_permutation(jax.random.fold_in(key, epoch), count, positions)
+            rows = client.train_start + order
             if on_step is not None:
                 hook_state = on_step(hook_state, params, extra)
             params, opt_state, loss = update(params, opt_state, data.inputs(rows),
                                              data.labels(rows), mask, extra)
-            return params, opt_state, hook_state, loss
+            return params, opt_state, hook_state, loss_sum + loss, client, key, extra
 
-        def train_one(data, params, opt_state, hook_state, client, key, extra):
-            count = client.train_count
-            width = client.train_idx.shape[0]
-            per_epoch = steps_per_epoch(count, batch, drop_last)
-            total = self.num_steps(count)
-            rows_of_client = _padded_row(client.train_idx, batch)
-            if steps is None:  # E epochs: all orders up front
-                orders = jax.vmap(lambda r: _padded_row(r, batch))(
-                    epoch_orders(key, count, width, epochs))
-                order_of = lambda epoch: orders[epoch]
-            else:  # K steps may span many epochs: draw each epoch's order when it is used
-                order_of = lambda epoch: _padded_row(
-                    epoch_orders(jax.random.fold_in(key, epoch), count, width, 1)[0], batch)
-            # With drop_last only the first S_i·B positions of an epoch are used (all n_i if n_i < B).
-            used = jnp.where(count >= batch, per_epoch * batch, count) if drop_last else count
-
-            def body(carry):
-                t, params, opt_state, hook_state, loss_sum = carry
-                epoch, k = t // per_epoch, t % per_epoch
-                positions = k * batch + jnp.arange(batch)
-                local = jax.lax.dynamic_slice(order_of(epoch), (k * batch,), (batch,))
-                params, opt_state, hook_state, loss = step(
-                    data, params, opt_state, hook_state, rows_of_client[local], positions < used, extra)
-                return t + 1, params, opt_state, hook_state, loss_sum + loss
-
-            init = (jnp.zeros((), jnp.int32), params, opt_state, hook_state, jnp.zeros(()))
-            _, params, opt_state, hook_state, loss_sum = jax.lax.while_loop(
-                lambda c: c[0] < total, body, init
-            )
+        def finish(shared, carry):
+            params, opt_state, hook_state, loss_sum, client, _, _ = carry
+            total = self.num_steps(client.train_count)
             mean_loss = loss_sum / jnp.maximum(total, 1)
             return LocalResult(params, opt_state, hook_state, mean_loss, total.astype(jnp.int32))
 
-        def probe(data, params, opt_state, hook_state, client, key, extra):
-            rows = client.train_idx[:batch] if client.train_idx.shape[0] >= batch else \
-                jnp.zeros(batch, jnp.int32)
-            return step(data, params, opt_state, hook_state, rows, jnp.ones(batch, bool), extra)
+        def length(row):
+            return self.num_steps(row[3].train_count)
 
-        return train_one, probe
+        def probe(data, start, row):
+            return step((data, start), init((data, start), row), jnp.zeros((), jnp.int32))
+
+        return ClientLoop(init, step, finish, length), probe
 
 
 def add_aux_gradient(name: str = "aux_grad") -> optax.GradientTransformationExtraArgs:
@@ -272,7 +281,7 @@ class FullPass:
         self.model = model
         self.batch_size = int(batch_size)
         self.mapper = mapper
-        self._one, self._probe = self._make_one()
+        self._loop, self._probe = self._make_loop()
         self._many = jit_unless_loop(mapper, self._map_clients)
 
     def __call__(self, data: FederatedData, params: Params, clients: ClientSplits) -> tuple[jax.Array, Params]:
@@ -280,10 +289,9 @@ class FullPass:
         return self._many(data, params, clients)
 
     def _map_clients(self, data, params, clients):
-        mapper = self.mapper.resolved(self._probe, (data,), (params, clients))
-        return mapper(self._one, params, clients, shared=(data,), cost=clients.train_count)
+        return self.mapper.run(self._loop, (params, clients), shared=(data,), probe=self._probe)
 
-    def _make_one(self):
+    def _make_loop(self):
         model, batch = self.model, self.batch_size
 
         def summed_loss(params, x, y, mask):
@@ -292,27 +300,28 @@ class FullPass:
 
         grad_fn = jax.value_and_grad(summed_loss)
 
-        def one(data, params, client):
-            count = client.train_count
-            rows_of_client = _padded_row(client.train_idx, batch)
-            num_batches = (count + batch - 1) // batch
+        def init(shared, row):
+            params, client = row
+            return params, client, jnp.zeros(()), jax.tree.map(jnp.zeros_like, params)
 
-            def body(carry):
-                b, loss_sum, grad_sum = carry
-                positions = b * batch + jnp.arange(batch)
-                rows = jax.lax.dynamic_slice(rows_of_client, (b * batch,), (batch,))
-                loss, grads = grad_fn(params, data.inputs(rows), data.labels(rows), positions < count)
-                return b + 1, loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)
+        def step(shared, carry, b):
+            data = shared[0]
+            params, client, loss_sum, grad_sum = carry
+            positions = b * batch + jnp.arange(batch)
+            mask = positions < client.train_count
+            rows = client.train_start + jnp.where(mask, positions, 0)
+            loss, grads = grad_fn(params, data.inputs(rows), data.labels(rows), mask)
+            return params, client, loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            _, loss_sum, grad_sum = jax.lax.while_loop(
-                lambda c: c[0] < num_batches, body, (jnp.zeros((), jnp.int32), jnp.zeros(()), zeros)
-            )
-            n = jnp.maximum(count, 1).astype(jnp.float32)
-            return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
+        def finish(shared, carry):
+            _, client, loss_sum, grad_sum = carry
+            n = jnp.maximum(client.train_count, 1).astype(loss_sum.dtype)
+            return loss_sum / n, jax.tree.map(lambda g: g / n.astype(g.dtype), grad_sum)
 
-        def probe(data, params, client):  # one batch, for the memory analysis of auto chunking
-            rows = jnp.zeros(batch, jnp.int32)
-            return grad_fn(params, data.inputs(rows), data.labels(rows), jnp.ones(batch, bool))
+        def length(row):
+            return (row[1].train_count + batch - 1) // batch
 
-        return one, probe
+        def probe(data, row):  # one batch, for the memory analysis of auto chunking
+            return step((data,), init((data,), row), jnp.zeros((), jnp.int32))
+
+        return ClientLoop(init, step, finish, length), probe

@@ -1,9 +1,11 @@
-"""FederatedData: every client's data on device once, as index tables into one shared array.
+"""FederatedData: every client's data on device once, stored client by client.
 
-All inputs and labels are transferred to the device a single time. Clients hold only int32 index
-tables into them, padded to the largest client, plus their true counts; the engine masks the
-padding. No host→device copy happens per round. uint8 images stay uint8 on device (4× less
-memory than float32) and are normalised inside the jitted step by `FederatedData.inputs`.
+All inputs and labels are transferred to the device a single time, reordered so that each
+client's training samples are one contiguous block of rows, followed by all clients' test blocks.
+A client is then just (start, count) per split: memory is the total number of samples, whatever
+the spread of client sizes (no table padded to the largest client). No host→device copy happens
+per round. uint8 images stay uint8 on device (4× less memory than float32) and are normalised
+inside the jitted step by `FederatedData.inputs`.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ import numpy as np
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ClientSplits:
-    """Per-client index tables. Every leaf has leading axis N (or M after `core.gather`)."""
+    """Where each client's samples are. Every leaf has leading axis N (or M after `core.gather`).
 
-    train_idx: jax.Array    # [N, max_train] int32 rows of FederatedData.x; padding rows are 0
-    train_count: jax.Array  # [N] int32 number of valid entries in train_idx
-    test_idx: jax.Array     # [N, max_test] int32
+    Client i's training samples are rows train_start[i] … train_start[i] + train_count[i] − 1 of
+    FederatedData.x (and .y); its test samples likewise.
+    """
+
+    train_start: jax.Array  # [N] int32
+    train_count: jax.Array  # [N] int32
+    test_start: jax.Array   # [N] int32
     test_count: jax.Array   # [N] int32
 
 
@@ -33,11 +39,16 @@ class FederatedData:
     """A federated dataset on device.
 
     Attributes:
-      x: [n, ...] all inputs (uint8 images in NHWC, or float32 features).
+      x: [n, ...] all inputs, client by client (uint8 images in NHWC, or float32 features).
       y: [n] int32 labels.
-      clients: per-client train/test index tables (`ClientSplits`).
+      clients: per-client (start, count) of the train and test splits (`ClientSplits`).
       num_classes, input_scale, input_shift, name: static metadata (part of the jit cache key).
         The model sees x · input_scale + input_shift in float32.
+      real_clients: static; clients 0 … real_clients − 1 are real. Rows beyond are empty padding
+        clients (no data) that make N divisible by the device count when client state is sharded
+        (`pad_clients`); they are never sampled and have no test data.
+      max_train, max_test: static; the largest client's train / test sample count (sizes of
+        evaluation batches and memory plans).
     """
 
     x: jax.Array
@@ -47,19 +58,19 @@ class FederatedData:
     input_scale: float = dataclasses.field(metadata=dict(static=True), default=1.0)
     input_shift: float = dataclasses.field(metadata=dict(static=True), default=0.0)
     name: str = dataclasses.field(metadata=dict(static=True), default="")
+    real_clients: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+    max_train: int = dataclasses.field(metadata=dict(static=True), default=0)
+    max_test: int = dataclasses.field(metadata=dict(static=True), default=0)
 
     @property
     def num_clients(self) -> int:
-        """N, static (a shape)."""
+        """N, the rows of every per-client array (padding clients included); static."""
         return self.clients.train_count.shape[0]
 
     @property
-    def max_train(self) -> int:
-        return self.clients.train_idx.shape[1]
-
-    @property
-    def max_test(self) -> int:
-        return self.clients.test_idx.shape[1]
+    def num_real_clients(self) -> int:
+        """The clients that exist (sampling draws from these); static."""
+        return self.num_clients if self.real_clients is None else self.real_clients
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -77,6 +88,16 @@ class FederatedData:
     def labels(self, rows: jax.Array) -> jax.Array:
         return self.y[rows]
 
+    def pad_clients(self, multiple: int) -> "FederatedData":
+        """This dataset with empty clients appended until N is a multiple of `multiple`."""
+        n = self.num_clients
+        extra = -n % multiple
+        if extra == 0:
+            return self
+        pad = lambda a: jnp.concatenate([a, jnp.zeros(extra, a.dtype)])
+        clients = jax.tree.map(pad, self.clients)
+        return dataclasses.replace(self, clients=clients, real_clients=self.num_real_clients)
+
     @classmethod
     def from_arrays(
         cls,
@@ -90,7 +111,8 @@ class FederatedData:
         input_shift: float = 0.0,
         name: str = "",
     ) -> "FederatedData":
-        """Builds the padded index tables from per-client lists of row indices and moves it all to device."""
+        """Lays the samples out client by client (train blocks, then test blocks) and moves them
+        to device. `train_indices[i]` / `test_indices[i]` are client i's rows of `x`, in order."""
         if len(train_indices) != len(test_indices):
             raise ValueError(
                 f"{len(train_indices)} train index lists but {len(test_indices)} test index lists"
@@ -101,48 +123,54 @@ class FederatedData:
         y = np.asarray(y)
         if x.shape[0] != y.shape[0]:
             raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
-        train_idx, train_count = _pad(train_indices, x.shape[0])
-        test_idx, test_count = _pad(test_indices, x.shape[0])
-        splits = ClientSplits(
-            train_idx=jnp.asarray(train_idx),
-            train_count=jnp.asarray(train_count),
-            test_idx=jnp.asarray(test_idx),
-            test_count=jnp.asarray(test_count),
-        )
+        blocks = [np.asarray(ix, dtype=np.int64).reshape(-1)
+                  for ix in (*train_indices, *test_indices)]
+        for i, ix in enumerate(blocks):
+            if ix.size and (ix.min() < 0 or ix.max() >= x.shape[0]):
+                client = i % len(train_indices)
+                raise ValueError(f"client {client} has row indices outside [0, {x.shape[0]})")
+        counts = np.array([b.size for b in blocks], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        if counts.sum() >= 2**31:
+            raise ValueError(f"{counts.sum()} samples exceed the int32 row index range")
+        order = np.concatenate(blocks) if counts.sum() else np.zeros(0, np.int64)
+        n = len(train_indices)
+        as_i32 = lambda a: jnp.asarray(a.astype(np.int32))
+        splits = ClientSplits(train_start=as_i32(starts[:n]), train_count=as_i32(counts[:n]),
+                              test_start=as_i32(starts[n:]), test_count=as_i32(counts[n:]))
         return cls(
-            x=jnp.asarray(x),
-            y=jnp.asarray(y.astype(np.int32)),
+            x=jnp.asarray(x[order]),
+            y=jnp.asarray(y[order].astype(np.int32)),
             clients=splits,
             num_classes=int(num_classes),
             input_scale=float(input_scale),
             input_shift=float(input_shift),
             name=name,
+            max_train=int(counts[:n].max()),
+            max_test=int(counts[n:].max()),
         )
 
-
-def _pad(index_lists: Sequence[np.ndarray], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    counts = np.array([len(ix) for ix in index_lists], dtype=np.int32)
-    width = max(1, int(counts.max()))
-    table = np.zeros((len(index_lists), width), dtype=np.int32)
-    for i, ix in enumerate(index_lists):
-        ix = np.asarray(ix, dtype=np.int64)
-        if ix.size and (ix.min() < 0 or ix.max() >= num_rows):
-            raise ValueError(f"client {i} has row indices outside [0, {num_rows})")
-        table[i, : ix.size] = ix
-    return table, counts
+    def client_rows(self, client: int, split: str = "train") -> np.ndarray:
+        """Host-side: the rows of x holding client `client`'s `split` samples."""
+        c = self.clients
+        start, count = (c.train_start, c.train_count) if split == "train" else (c.test_start, c.test_count)
+        s = int(start[client])
+        return np.arange(s, s + int(count[client]))
 
 
 def label_counts(data: FederatedData, split: str = "train") -> np.ndarray:
     """[N, num_classes] counts of each label on each client's `split` ('train', 'test' or 'all')."""
-    y = np.asarray(data.y)
-    c = data.clients
-    tables = {"train": [(c.train_idx, c.train_count)], "test": [(c.test_idx, c.test_count)]}
-    tables["all"] = tables["train"] + tables["test"]
-    if split not in tables:
+    if split not in ("train", "test", "all"):
         raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+    y = np.asarray(data.y)
+    c = jax.device_get(data.clients)
+    splits = {"train": [(c.train_start, c.train_count)], "test": [(c.test_start, c.test_count)]}
+    splits["all"] = splits["train"] + splits["test"]
     counts = np.zeros((data.num_clients, data.num_classes), dtype=np.int64)
-    for idx, cnt in tables[split]:
-        idx, cnt = np.asarray(idx), np.asarray(cnt)
-        for i in range(data.num_clients):
-            counts[i] += np.bincount(y[idx[i, : cnt[i]]], minlength=data.num_classes)
+    for start, count in splits[split]:
+        count = count.astype(np.int64)
+        client_of_row = np.repeat(np.arange(data.num_clients), count)
+        first = np.repeat(np.cumsum(count) - count, count)              # block start in `rows`
+        rows = np.repeat(start, count) + (np.arange(count.sum()) - first)
+        np.add.at(counts, (client_of_row, y[rows]), 1)
     return counts

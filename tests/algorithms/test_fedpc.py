@@ -51,7 +51,7 @@ def full_gradients(params, data, ids):
     x, y = np.asarray(data.x), np.asarray(data.y)
     out = []
     for row, n in enumerate(ids):
-        rows = np.asarray(data.clients.train_idx[n, :int(data.clients.train_count[n])])
+        rows = data.client_rows(int(n))
         p = jax.tree.map(lambda a: a[row], params)
         out.append(_mean_loss_grad(p, jnp.asarray(x[rows], jnp.float64), jnp.asarray(y[rows])))
     return jax.tree.map(lambda *g: jnp.stack(g), *out)

@@ -12,7 +12,7 @@ import pytest
 
 from fedjax_pfl import algorithms, models
 from fedjax_pfl.models import cp
-from helpers import linear_model, make_data, states_per_backend, tree_allclose
+from helpers import linear_model, make_data, make_raw, states_per_backend, tree_allclose
 
 SIZES = [6, 9, 4]                        # three clients, full batches (batch 16 ≥ every n_i)
 COMMON = dict(batch_size=16, local_steps=2)
@@ -27,9 +27,10 @@ def toy():
 
 
 def client_arrays(data, k):
-    c = data.clients
-    rows = np.asarray(c.train_idx[k, : int(c.train_count[k])])
-    return np.asarray(data.x, np.float64)[rows], np.asarray(data.y)[rows]
+    """Client k's training samples, from the raw arrays behind `toy()` (not the device layout)."""
+    del data
+    x, y, train, _, _, _ = make_raw(SIZES, feature_dim=5, num_classes=3, seed=3)
+    return np.asarray(x, np.float64)[train[k]], np.asarray(y)[train[k]]
 
 
 def ce_grad(theta, x, y):
@@ -329,7 +330,7 @@ def test_evaluates_personalised_thetas_and_the_global_cp_model(ragged_data):
     n = ragged_data.num_clients
     global_params = cp.reconstruct(state.factors)
     for k in range(n):
-        rows = np.asarray(ragged_data.clients.test_idx[k, : int(ragged_data.clients.test_count[k])])
+        rows = ragged_data.client_rows(k, "test")
         x, y = ragged_data.inputs(rows), ragged_data.labels(rows)
         own = jax.tree.map(lambda a: a[k], state.theta)
         personal_loss = float(jnp.sum(model.loss(model.apply(own, x), y)))

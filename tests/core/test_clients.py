@@ -89,3 +89,67 @@ def test_automatic_chunk_size_follows_the_working_set():
     rows = jnp.arange(20.0).reshape(5, 4)
     out = core.client_mapper("chunked", 0)(lambda r: r.sum() * r, rows)
     np.testing.assert_allclose(out, jax.vmap(lambda r: r.sum() * r)(rows))
+
+
+def test_sparse_sampling_is_uniform_over_subsets():
+    """The O(M log M) path (first M distinct ids of iid draws): all C(6, 3) = 20 subsets of 6
+    clients equally likely over 8,000 keys (chi-square, 19 degrees of freedom)."""
+    from itertools import combinations
+
+    sample = jax.jit(jax.vmap(lambda k: core.clients._sample_sparse(k, 6, 3)))
+    subsets = np.asarray(sample(jax.random.split(jax.random.key(0), 8000)))
+    assert np.all(np.diff(subsets, axis=1) > 0)                     # distinct, sorted
+    code = {c: i for i, c in enumerate(combinations(range(6), 3))}
+    counts = np.bincount([code[tuple(s)] for s in subsets], minlength=20)
+    chi2 = ((counts - 400) ** 2 / 400).sum()
+    assert chi2 < 43.8                                               # p ≈ 0.001
+
+
+def test_large_n_sampling_takes_the_sparse_path_and_covers_clients_evenly():
+    n, m = 20_000, 100                                               # n > 4m + 4096: sparse path
+    sample = jax.jit(lambda k: core.sample_clients(k, n, m))
+    draws = np.concatenate([np.asarray(sample(jax.random.key(r))) for r in range(400)])
+    assert draws.min() >= 0 and draws.max() < n
+    counts = np.bincount(draws // 1000, minlength=20)               # 2,000 per block expected
+    assert ((counts - 2000) ** 2 / 2000).sum() < 43.8
+
+
+def _counting_loop():
+    """A client's loop: `n` steps, each adding the row's value; the result is (sum, steps)."""
+    return core.ClientLoop(
+        init=lambda shared, row: (row["v"], jnp.zeros(()), jnp.zeros((), jnp.int32)),
+        step=lambda shared, c, t: (c[0], c[1] + c[0] * shared[0], c[2] + 1),
+        finish=lambda shared, c: {"total": c[1], "steps": c[2]},
+        length=lambda row: row["n"])
+
+
+COUNTING = _counting_loop()
+
+
+@pytest.mark.parametrize("backend,width", [("loop", 0), ("vmap", 0), ("chunked", 1),
+                                           ("chunked", 2), ("chunked", 3), ("chunked", 9)])
+def test_client_loops_take_each_clients_own_steps(backend, width):
+    """Every client takes exactly its own number of steps in any chunk width (chunks of sorted
+    clients, stages for the longest, masked lanes), zero-step clients included; results come
+    back in row order."""
+    lengths = np.array([3, 0, 7, 1, 12, 0, 2, 5, 9, 4, 1])
+    rows = {"v": jnp.arange(1.0, 12.0), "n": jnp.asarray(lengths, jnp.int32)}
+    mapper = core.ClientMapper(backend, width)
+    out = mapper.run(COUNTING, rows, shared=(jnp.asarray(2.0),))
+    np.testing.assert_array_equal(out["steps"], lengths)
+    np.testing.assert_allclose(out["total"], 2.0 * np.arange(1, 12) * lengths)
+
+
+@pytest.mark.parametrize("lengths,width", [
+    ([2000] + [2] * 99, 50),           # the issue's skewed client among 99 small ones
+    ([100] + [1] * 99, 100),
+    ([10] * 64, 64),                   # equal clients: no waste
+    ([300, 250] + [5] * 40, 8),
+])
+def test_long_clients_do_not_hold_up_the_rest(lengths, width):
+    """Lane-steps (masked lanes included) stay within 3× the clients' own steps, where one
+    vectorised block would take m × longest (200,000 vs ~2,300 in the first case)."""
+    work = core.clients.capped_work(lengths, width)
+    assert work <= 3 * sum(lengths)
+    if len(set(lengths)) > 1:
+        assert work < 0.15 * len(lengths) * max(lengths)

@@ -6,22 +6,22 @@ import numpy as np
 import pytest
 
 from fedjax_pfl import core
-from helpers import linear_model, make_data
+from helpers import linear_model, make_data, make_raw
 
 
-@pytest.mark.parametrize("backend", ["vmap", "loop"])
+@pytest.mark.parametrize("backend", ["vmap", "chunked", "loop"])
 def test_personal_and_shared_evaluation(backend):
     data = make_data([5, 9, 4], test_sizes=[7, 1, 12])
+    x, y, _, test, _, _ = make_raw([5, 9, 4], test_sizes=[7, 1, 12])
     model = linear_model()
     ev = core.Evaluator(model, batch_size=4, mapper=core.client_mapper(backend))
     keys = jax.random.split(jax.random.key(0), 3)
     params = jax.vmap(model.init)(keys)
     personal = ev.personal(data, params)
     shared = ev.shared(data, jax.tree.map(lambda x: x[1], params))
-    x, y = np.asarray(data.x, np.float64), np.asarray(data.y)
-    starts = [5, 5 + 7 + 9, 5 + 7 + 9 + 1 + 4]
-    for i, (start, n) in enumerate(zip(starts, [7, 1, 12])):
-        rows = slice(start, start + n)
+    x = np.asarray(x, np.float64)
+    for i, rows in enumerate(test):            # raw rows: independent of the on-device layout
+        n = len(rows)
         for got, p in ((personal, jax.tree.map(lambda a: a[i], params)),
                        (shared, jax.tree.map(lambda a: a[1], params))):
             logits = x[rows] @ np.asarray(p["w"], np.float64) + np.asarray(p["b"], np.float64)
@@ -31,3 +31,19 @@ def test_personal_and_shared_evaluation(backend):
             np.testing.assert_allclose(got.loss_sum[i], -log_probs[np.arange(n), y[rows]].sum(),
                                        rtol=1e-5)
     np.testing.assert_allclose(personal.accuracy, personal.correct / np.array([7, 1, 12]))
+
+
+def test_evaluating_a_subset_of_clients_and_the_batch_size():
+    data = make_data([5, 9, 4, 6], test_sizes=[7, 1, 12, 3])
+    model = linear_model()
+    ev = core.Evaluator(model, batch_size=256, mapper=core.client_mapper("chunked", 2))
+    # The batch follows the largest test split (12, rounded up to 16), not the configured 256.
+    assert ev.batch_for(data) == 16
+    params = jax.vmap(model.init)(jax.random.split(jax.random.key(1), 4))
+    every = ev.personal(data, params)
+    some = ev.personal(data, params, jnp.array([3, 1]))
+    np.testing.assert_array_equal(some.correct, every.correct[jnp.array([3, 1])])
+    np.testing.assert_allclose(some.loss_sum, every.loss_sum[jnp.array([3, 1])], rtol=1e-6)
+    one = jax.tree.map(lambda a: a[0], params)
+    np.testing.assert_allclose(ev.shared(data, one, jnp.array([2])).loss_sum,
+                               ev.shared(data, one).loss_sum[2:3], rtol=1e-6)

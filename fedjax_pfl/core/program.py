@@ -1,0 +1,308 @@
+"""An algorithm compiled for one dataset: where its state lives, its jitted rounds, its memory plan.
+
+`Program` is what the runner (and the sweep tool) executes:
+
+  * client state is SHARDED along the client axis over the device mesh ("clients"): every leaf
+    whose leading axis has N rows is split across devices, the rest (global models, scalars) is
+    replicated. So memory per device is about N × (state per client) / devices + the working set.
+    N is padded to a multiple of the device count with empty clients (`FederatedData.pad_clients`).
+    The dataset is replicated (every device can train any client).
+  * the algorithm's `round_fn` is jitted with the state donated and its shardings kept; with
+    `rounds_per_call` = K, K rounds run in one `lax.scan` (sampling and metrics on device), which
+    removes the per-round dispatch that dominates small models.
+  * per-client float state can be stored in bfloat16 (`state_dtype`), halving its memory;
+    `core.gather` hands rows back as float32, so all arithmetic stays float32.
+  * `memory_plan()` adds up the bytes per device before anything is allocated (from abstract
+    shapes and XLA's memory analysis of the compiled round) and says where the run stops fitting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from fedjax_pfl.core.clients import cast_client_leaves, client_shardings, is_client_leaf, replicate
+
+Params = Any
+STATE_DTYPES = ("float32", "bfloat16")
+
+
+class MemoryPlanError(ValueError):
+    """The run would not fit in memory; the message names the flags that help."""
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """Bytes per device of a run (CPU devices share the host's memory, so they add up)."""
+
+    devices: int
+    platform: str
+    num_clients: int
+    state_per_client: int          # bytes of one client's state rows (storage dtype)
+    client_state_per_device: int   # N / devices × state_per_client
+    replicated_state: int          # global models, server state, … (on every device)
+    data: int                      # the dataset (replicated on every device)
+    working_set: int               # XLA temporaries of one compiled round (per device)
+    eval_working_set: int          # XLA temporaries of one evaluation (per device)
+    available: int                 # bytes the run may use (all devices together on CPU)
+
+    @property
+    def per_device(self) -> int:
+        return (self.client_state_per_device + self.replicated_state + self.data
+                + max(self.working_set, self.eval_working_set))
+
+    @property
+    def total(self) -> int:
+        """What the run needs from the memory `available` measures."""
+        return self.per_device * (self.devices if self.platform == "cpu" else 1)
+
+    def fits(self) -> bool:
+        return self.available <= 0 or self.total <= self.available
+
+    def max_clients(self) -> int | None:
+        """The N at which the run would stop fitting (same data, other things equal)."""
+        if self.available <= 0 or self.state_per_client == 0:
+            return None
+        fixed = self.per_device - self.client_state_per_device
+        per_device_budget = (self.available / (self.devices if self.platform == "cpu" else 1)) - fixed
+        return max(0, int(per_device_budget * self.devices / self.state_per_client))
+
+    def describe(self) -> str:
+        mb = lambda b: f"{b / 2**20:,.1f} MB"
+        lines = [
+            f"memory plan ({self.devices} {self.platform} device{'s' if self.devices > 1 else ''}, "
+            f"{self.num_clients} clients): per device {mb(self.per_device)} = client state "
+            f"{mb(self.client_state_per_device)} ({mb(self.state_per_client)} per client, sharded) "
+            f"+ replicated state {mb(self.replicated_state)} + data {mb(self.data)} + working set "
+            f"{mb(max(self.working_set, self.eval_working_set))}",
+        ]
+        if self.available > 0:
+            limit = self.max_clients()
+            lines.append(f"  needs {mb(self.total)} of {mb(self.available)} available"
+                         + (f"; stops fitting at about {limit:,} clients" if limit is not None else ""))
+        return "\n".join(lines)
+
+
+def available_memory(platform: str) -> int:
+    """Bytes available: the host's MemAvailable on CPU, the first device's limit otherwise."""
+    if platform == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return 0
+        return 0
+    stats = jax.devices()[0].memory_stats() or {}
+    return int(stats.get("bytes_limit", 0))
+
+
+def _itemsize(dtype) -> int:
+    """Bytes per element (PRNG key arrays included: their dtype knows its own size)."""
+    return int(dtype.itemsize)
+
+
+def _nbytes(tree) -> int:
+    return int(sum(np.prod(x.shape) * _itemsize(x.dtype) for x in jax.tree.leaves(tree)))
+
+
+class Program:
+    """`algo` compiled for `data`: init, rounds (one or K per call) and evaluation.
+
+    Args:
+      algo: an `algorithms.Algorithm`.
+      data: the federated dataset (padded to the mesh and replicated by `prepare_data`).
+      mesh: the device mesh, or None (one device; then nothing is sharded).
+      jit: False for the loop backend (its per-client calls are jitted one by one).
+      state_dtype: "float32" or "bfloat16" storage of per-client float state.
+      rounds_per_call: K rounds per compiled call (lax.scan).
+    """
+
+    def __init__(self, algo, data, *, mesh: Mesh | None, jit: bool = True,
+                 state_dtype: str = "float32", rounds_per_call: int = 1):
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"--state-dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
+        if rounds_per_call < 1:
+            raise ValueError(f"--rounds-per-call must be >= 1, got {rounds_per_call}")
+        if not jit and rounds_per_call > 1:
+            raise ValueError("--rounds-per-call needs a vectorised --backend (not loop)")
+        self.algo, self.data, self.mesh, self.jit = algo, data, mesh, jit
+        self.rounds_per_call = int(rounds_per_call)
+        self.storage = jnp.bfloat16 if state_dtype == "bfloat16" else None
+        self.num_clients = data.num_clients
+        key_spec = jax.eval_shape(lambda: jax.random.key(0))
+        try:
+            abstract = jax.eval_shape(algo.init, key_spec, data)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError):
+            # An init that needs concrete data (FedPC builds its kNN graph on the host, so its
+            # state's shapes depend on the data): it runs eagerly, once, in `init`.
+            abstract = None
+        self.traceable_init = abstract is not None
+        self.abstract_state = self._store(abstract) if abstract is not None else None
+        self.shardings = None
+        self._compiled: dict = {}
+        self._update_shardings()
+
+    def _update_shardings(self):
+        if self.mesh is not None and self.abstract_state is not None:
+            self.shardings = client_shardings(self.abstract_state, self.num_clients, self.mesh)
+
+    def _eager_init(self, key):
+        """Runs an untraceable init once (on the host) and learns the state's shapes from it."""
+        state = self._store(self.algo.init(key, self.data))
+        self.abstract_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+        self._update_shardings()
+        if self.shardings is not None:
+            state = jax.device_put(state, self.shardings)
+        return state
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    def _store(self, state):
+        return state if self.storage is None else cast_client_leaves(state, self.num_clients, self.storage)
+
+    def _round(self, state, data, round_keys, r):
+        state, metrics = self.algo.round_fn(state, data, jax.random.fold_in(round_keys, r))
+        return self._store(state), metrics
+
+    def _rounds(self, state, data, round_keys, first, count: int):
+        def body(state, i):
+            return self._round(state, data, round_keys, first + i)
+
+        return jax.lax.scan(body, state, jnp.arange(count, dtype=jnp.int32))
+
+    def _jitted(self, name: str, fn: Callable, **kwargs) -> Callable:
+        if name not in self._compiled:
+            self._compiled[name] = jax.jit(fn, **kwargs) if self.jit else fn
+        return self._compiled[name]
+
+    def _state_out(self):
+        if self.mesh is None:
+            return None
+        return self.shardings
+
+    def _replicated(self):
+        return None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+    # -- what the runner calls -------------------------------------------------------------------
+
+    def init(self, key: jax.Array) -> Params:
+        """The algorithm's initial state, created directly in its sharded layout."""
+        if not self.jit:
+            return self._store(self.algo.init(key, self.data))
+        if not self.traceable_init:
+            return self._eager_init(key)
+        fn = self._jitted("init", lambda k, d: self._store(self.algo.init(k, d)),
+                          out_shardings=self._state_out())
+        return fn(key, self.data)
+
+    def run_rounds(self, state: Params, round_keys: jax.Array, first: int, count: int):
+        """Rounds first … first + count − 1 (0-based). Returns (state, list of per-round metrics
+        as host numpy dicts). `count` is normally `rounds_per_call` (a shorter last call
+        compiles once more)."""
+        if not self.jit:
+            state, m = self._round(state, self.data, round_keys, first)
+            return state, [jax.device_get(m)]
+        fn = self._round_function(count)
+        state, m = fn(state, self.data, round_keys, jnp.asarray(first, jnp.int32))
+        m = jax.device_get(m)
+        if count == 1:
+            return state, [m]
+        return state, [jax.tree.map(lambda a: a[i], m) for i in range(count)]
+
+    def _round_function(self, count: int) -> Callable:
+        if count == self.rounds_per_call and getattr(self, "_round_compiled", None) is not None:
+            return self._round_compiled
+        if count == 1:
+            body = self._round
+        else:
+            body = lambda s, d, k, r: self._rounds(s, d, k, r, count)
+        return self._jitted(f"rounds{count}", body, donate_argnums=0,
+                            out_shardings=(self._state_out(), self._replicated()))
+
+    def evaluate(self, state: Params, ids: np.ndarray | None = None) -> dict:
+        """The algorithm's evaluation (every client, or the clients `ids`), on the host."""
+        if ids is None:
+            fn = getattr(self, "_eval_compiled", None) or self._jitted(
+                "evaluate", lambda s, d: self.algo.evaluate(s, d))
+            return jax.device_get(fn(state, self.data))
+        fn = self._jitted("evaluate_ids", lambda s, d, i: self.algo.evaluate(s, d, i))
+        return jax.device_get(fn(state, self.data, jnp.asarray(ids, jnp.int32)))
+
+    def compile(self, round_keys: jax.Array) -> float:
+        """Compiles the round (and evaluation) ahead of time from abstract shapes; returns the
+        number of seconds it took. Nothing of the state is allocated."""
+        import time
+
+        if not self.jit:
+            return 0.0
+        t0 = time.perf_counter()
+        if self.abstract_state is None:
+            raise RuntimeError("this algorithm's init needs concrete data: call init(key) first "
+                               "(Program.traceable_init is False)")
+        abstract = self._abstract_with_shardings()
+        fn = self._round_function(self.rounds_per_call)
+        self._round_compiled = fn.lower(abstract, self.data, round_keys,
+                                        jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        ev = self._jitted("evaluate", lambda s, d: self.algo.evaluate(s, d))
+        self._eval_compiled = ev.lower(abstract, self.data).compile()
+        return time.perf_counter() - t0
+
+    def _abstract_with_shardings(self):
+        if self.shardings is None:
+            return self.abstract_state
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            self.abstract_state, self.shardings)
+
+    def memory_plan(self) -> MemoryPlan:
+        """Bytes per device (call `compile` first for the working sets)."""
+        devices = 1 if self.mesh is None else self.mesh.size
+        leaves = jax.tree.leaves(self.abstract_state)
+        per_client = sum(np.prod(x.shape[1:]) * _itemsize(x.dtype)
+                         for x in leaves if is_client_leaf(x, self.num_clients))
+        replicated = sum(np.prod(x.shape) * _itemsize(x.dtype)
+                         for x in leaves if not is_client_leaf(x, self.num_clients))
+        working = evaluating = 0
+        for attr in ("_round_compiled", "_eval_compiled"):
+            compiled = getattr(self, attr, None)
+            analysis = compiled.memory_analysis() if compiled is not None else None
+            if analysis is not None:
+                if attr == "_round_compiled":
+                    working = int(analysis.temp_size_in_bytes)
+                else:
+                    evaluating = int(analysis.temp_size_in_bytes)
+        platform = jax.devices()[0].platform
+        return MemoryPlan(
+            devices=devices, platform=platform, num_clients=self.num_clients,
+            state_per_client=int(per_client),
+            client_state_per_device=int(per_client) * self.num_clients // devices,
+            replicated_state=int(replicated), data=_nbytes(self.data), working_set=working,
+            eval_working_set=evaluating, available=available_memory(platform))
+
+
+def prepare_data(data, mesh: Mesh | None):
+    """The dataset padded to a multiple of the device count and placed on every device."""
+    if mesh is None:
+        return data
+    return replicate(data.pad_clients(mesh.size), mesh)
+
+
+def check_memory(plan: MemoryPlan, *, allow: bool = False) -> None:
+    """Raises MemoryPlanError (before any state is allocated) when the plan does not fit."""
+    if plan.fits() or allow or os.environ.get("FEDJAX_PFL_SKIP_MEMORY_CHECK"):
+        return
+    limit = plan.max_clients()
+    raise MemoryPlanError(
+        f"the run needs about {plan.total / 2**30:.1f} GiB but {plan.available / 2**30:.1f} GiB "
+        f"is available ({plan.num_clients} clients, {plan.state_per_client / 2**20:.2f} MB of "
+        f"state per client); it would fit with about {limit:,} clients. Lower --clients, store "
+        "client state in half the memory with --state-dtype bfloat16, use more devices, or lower "
+        "--chunk-size / --eval-batch-size for a smaller working set")

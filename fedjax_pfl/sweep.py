@@ -1,0 +1,213 @@
+"""Sweeps: many runs of one algorithm on one dataset as ONE compiled, vmapped program.
+
+Runs that differ only in their seed (model initialisation and client sampling) and in scalar
+hyperparameters that the algorithm uses only in arithmetic (`AlgorithmSpec.traceable`: lr, μ,
+λ, β, …) share every shape, so `VectorProgram` stacks their states along a leading "run" axis
+and vmaps init, round and evaluation over it: one compile for the whole group, and vectorised
+work across runs. The hyperparameters enter the traced program as arrays: the algorithm factory
+is called inside the trace with them (`spec.factory(model=…, lr=<tracer>, …)`).
+
+With several devices the runs are split across them (each device holds whole runs; the clients of
+a run are not split further), so V runs on D devices need no communication at all.
+
+Run v uses the keys of a plain run with --seed seeds[v]: fold_in(key(seed), 0) for init and
+fold_in(key(seed), 1) folded with the round for rounds, so a vmapped run of one seed reproduces
+`runner.run` with that seed. The data (partition) is shared by all runs of a group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pfl import algorithms, core
+from fedjax_pfl.core import clients as clients_lib
+
+Params = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One run of a group: its seed and the values of the traced hyperparameters."""
+
+    seed: int
+    traced: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def label(self) -> str:
+        hp = " ".join(f"{k}={v:g}" for k, v in self.traced)
+        return f"{hp} seed={self.seed}".strip()
+
+
+def grid(values: dict[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    """Every combination of the listed values (a dict per combination)."""
+    names = sorted(values)
+    return [dict(zip(names, combo)) for combo in itertools.product(*(values[n] for n in names))]
+
+
+class VectorProgram:
+    """V runs of `algo_name` on `data` stacked along a leading axis (see the module docstring).
+
+    Args:
+      algo_name: a registered algorithm.
+      model: the model.
+      data: the federated dataset (shared by all runs).
+      static_hparams: hyperparameters common to all runs (validated here).
+      runs: the runs; the names in each run's `traced` must be in the algorithm's `traceable`.
+      devices: split the runs over all devices (True) or run on one (False).
+    """
+
+    def __init__(self, algo_name: str, model, data, static_hparams: dict, runs: Sequence[RunSpec],
+                 devices: bool = True):
+        self.spec = algorithms.spec(algo_name)
+        traced_names = sorted({k for r in runs for k, _ in r.traced})
+        for r in runs:
+            if sorted(k for k, _ in r.traced) != traced_names:
+                raise ValueError("every run of a group must set the same traced hyperparameters")
+        bad = [k for k in traced_names if k not in self.spec.traceable]
+        if bad:
+            raise ValueError(f"{algo_name} cannot vary {bad} inside one program (traceable: "
+                             f"{list(self.spec.traceable)}); run those values one after another")
+        # Every concrete combination is validated like a normal run before anything is traced.
+        for r in runs:
+            self.resolved = self.spec.resolve({**static_hparams, **dict(r.traced)})
+        if self.resolved["backend"] == "loop":
+            raise ValueError("a vectorised sweep needs --backend chunked or vmap")
+        self.model, self.runs, self.traced_names = model, list(runs), traced_names
+        self.static = {k: v for k, v in self.resolved.items() if k not in traced_names}
+        n_dev = len(jax.devices()) if devices else 1
+        self.mesh = core.client_mesh() if n_dev > 1 else None
+        self.num_runs = len(runs)
+        self.padded = -(-self.num_runs // n_dev) * n_dev     # whole runs per device
+        order = list(range(self.num_runs)) + [self.num_runs - 1] * (self.padded - self.num_runs)
+        self.seeds = jnp.asarray([runs[i].seed for i in order], jnp.uint32)
+        self.hp = {k: jnp.asarray([dict(runs[i].traced)[k] for i in order], jnp.float32)
+                   for k in traced_names}
+        self.data = core.replicate(data, self.mesh)
+        self._round = self._per_device(self._round_all)
+        self._init = self._per_device(self._init_all)
+        self._evaluate = self._per_device(self._evaluate_all)
+        self._jit_round = jax.jit(self._round, donate_argnums=0)
+        self._jit_init = jax.jit(self._init)
+        self._jit_evaluate = jax.jit(self._evaluate)
+
+    def _make(self, hp: dict) -> algorithms.Algorithm:
+        """The algorithm with traced hyperparameters (inside the trace); clients of a run stay on
+        the run's device."""
+        with clients_lib.single_device_clients():
+            return self.spec.factory(model=self.model, **self.static, **hp)
+
+    def _per_device(self, fn):
+        """fn over the local runs [V/D, ...]; with a mesh, each device takes a block of runs."""
+        if self.mesh is None:
+            return fn
+        runs = jax.sharding.PartitionSpec("clients")
+        whole = jax.sharding.PartitionSpec()
+
+        def sharded(*args):
+            return jax.shard_map(fn, mesh=self.mesh, in_specs=(runs,) * (len(args) - 1) + (whole,),
+                                 out_specs=runs, check_vma=False)(*args)
+        return sharded
+
+    def _init_all(self, seeds, hp, data):
+        def one(seed, hp):
+            return self._make(hp).init(jax.random.fold_in(jax.random.key(seed), 0), data)
+        return jax.vmap(one)(seeds, hp)
+
+    def _round_all(self, state, seeds, hp, r, data):
+        def one(state, seed, hp, r):
+            keys = jax.random.fold_in(jax.random.key(seed), 1)
+            return self._make(hp).round_fn(state, data, jax.random.fold_in(keys, r))
+        return jax.vmap(one)(state, seeds, hp, r)
+
+    def _evaluate_all(self, state, hp, data):
+        return jax.vmap(lambda s, hp: self._make(hp).evaluate(s, data))(state, hp)
+
+    def init(self) -> Params:
+        return self._jit_init(self.seeds, self.hp, self.data)
+
+    def run_round(self, state: Params, r: int) -> tuple[Params, list[dict]]:
+        """Round r of every run; returns the state and each run's metrics (host numpy)."""
+        rounds = jnp.full(self.padded, r, jnp.int32)
+        state, metrics = self._jit_round(state, self.seeds, self.hp, rounds, self.data)
+        metrics = jax.device_get(metrics)
+        return state, [jax.tree.map(lambda a: a[v], metrics) for v in range(self.num_runs)]
+
+    def evaluate(self, state: Params) -> list[dict]:
+        evals = jax.device_get(self._jit_evaluate(state, self.hp, self.data))
+        return [jax.tree.map(lambda a: a[v], evals) for v in range(self.num_runs)]
+
+
+def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str | None,
+              log=print, progress: bool = True) -> list[dict]:
+    """Runs `runs` of `cfg` (a runner.RunConfig; cfg.seed is ignored, each run has its own) as one
+    vmapped program and writes, per run, OUT/<run label>/{metrics.jsonl, summary.json}.
+    Returns each run's summary (best/last metrics, as runner.run's)."""
+    import json
+    import os
+    import time
+
+    from fedjax_pfl import models, runner
+
+    hparams = cfg.validate()
+    model_name = cfg.model or runner.DEFAULT_MODEL.get(cfg.dataset, "mlp")
+    model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr)
+    t0 = time.perf_counter()
+    program = VectorProgram(cfg.algo, model, data, cfg.hparams, runs)
+    state = program.init()
+    histories = [core.History(data.num_real_clients) for _ in runs]
+    bar = runner._progress(cfg.rounds, progress)
+    compile_time = None
+    for r in range(cfg.rounds):
+        t1 = time.perf_counter()
+        state, metrics = program.run_round(state, r)
+        round_time = time.perf_counter() - t1
+        if compile_time is None:
+            compile_time = round_time
+        evals = None
+        if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
+            evals = program.evaluate(state)
+        for v, m in enumerate(metrics):
+            row = runner._round_row(r + 1, m, round_time / len(runs))
+            if evals is not None:
+                runner._record_evaluation(row, evals[v], None, data.num_real_clients,
+                                          histories[v], np.asarray(m["sampled"]))
+            histories[v].append(row)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - t0
+    summaries = []
+    for spec, history in zip(runs, histories):
+        summary = {"algo": cfg.algo, "dataset": cfg.dataset, "model": model_name,
+                   "rounds": cfg.rounds, "seed": spec.seed, "traced": dict(spec.traced),
+                   "clients": data.num_real_clients, **history.best_and_last(),
+                   "vectorised_runs": len(runs), "group_wall_time_s": wall,
+                   "group_first_round_s": compile_time}
+        comm = runner._communication_totals(history.rounds)
+        if comm:
+            summary["communication"] = comm
+        if out:
+            run_dir = os.path.join(out, slug(spec.label))
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+                for row in history.rounds:
+                    f.write(json.dumps(row) + "\n")
+            config = runner._config_record(cfg, {**hparams, **dict(spec.traced)}, model_name, data_info)
+            config["seed"] = spec.seed
+            runner._write_json(os.path.join(run_dir, "config.json"), config)
+            runner._write_json(os.path.join(run_dir, "summary.json"), summary)
+        summaries.append({**summary, "rows": history.rounds})
+    return summaries
+
+
+def slug(label: str) -> str:
+    import re
+
+    return re.sub(r"[^a-z0-9.=_-]+", "_", label.lower()).strip("_") or "run"
