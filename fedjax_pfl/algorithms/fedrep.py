@@ -108,7 +108,8 @@ def fedrep(model: Model, *, head: str, head_epochs: int, **common: Any) -> base.
         return result.params, stored, result
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, head_key, body_key = jax.random.split(key, 3)
+        sample_key, body_key = jax.random.split(key)        # FedAvg's keys: τ_h = 0 is FedAvg
+        head_key = jax.random.fold_in(body_key, 1)          # on the body, batch order included
         idx = engine.sample(sample_key, data)                                      # S_t
         m = idx.shape[0]
         params = split_lib.merge(core.broadcast(state.body, m), core.gather(state.heads, idx), mask)
