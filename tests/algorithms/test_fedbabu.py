@@ -42,6 +42,8 @@ def head(params):
 
 
 def test_head_never_changes_during_federated_rounds():
+    # The global head (the server keeps θ_H^0); that local training leaves it too is the next
+    # test's: unfrozen heads would change the bodies' gradients.
     _, states, _ = _run("vmap", momentum=0.9, momentum_buffer="persist")
     for s in states[1:]:
         tree_equal(head(s.params), head(states[0].params))

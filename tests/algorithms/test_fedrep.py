@@ -97,8 +97,10 @@ def test_rounds_match_numpy_transcription(x64, momentum, buffer):
             tree_allclose(got, heads[i]["Dense_1"], rtol=1e-10, atol=1e-12)
 
 
-def test_head_phase_freezes_the_body_bit_for_bit():
-    # τ_h = E: only the head phase runs; the body never moves, sampled heads do.
+def test_head_only_rounds_train_the_sampled_heads_and_keep_the_body():
+    # τ_h = E: only the head phase runs; the body never moves, sampled heads do. (That the head
+    # phase leaves the body bit for bit is `split.train_only`'s property, tests/core/test_split.py;
+    # that the body phase starts from the unchanged φ^t, the transcription's.)
     states, metrics, _ = run(local_epochs=1, head_epochs=1)
     init, after = states[0], states[1]
     tree_equal(after.body, init.body)
