@@ -22,7 +22,8 @@ Readings:
     them for the body; the paper's experiments: 10 head epochs, 1 body epoch). The PGFed
     reference code instead runs τ_h (`-pls`) head epochs AND then E body epochs; to reproduce
     it, raise --local-epochs by τ_h. τ_h = 0 trains only the body (FedPer with the head frozen
-    at its initialisation, i.e. FedBABU's federated phase); τ_h = E only the heads.
+    at its initialisation, i.e. FedBABU's federated phase); τ_h ≥ E is an error (no body epoch
+    would be left: nothing would be federated), so E = 1 needs τ_h = 0 or --local-epochs 2.
   * Default τ_h = 1 (the PGFed reference code's example `-pls 1`) with E = 2 by default (one head
     epoch, one body epoch; on the embedded digits this reaches ≈ 0.9). Under
     --preset pgfed_paper (E = 5) it is 1 head and 4 body epochs.
@@ -63,9 +64,10 @@ def fedrep(model: Model, *, head: str, head_epochs: int, **common: Any) -> base.
         raise ValueError("fedrep counts its head and body phases in epochs: use --local-epochs "
                          "and --fedrep-head-epochs, not --local-steps")
     epochs = common["local_epochs"]
-    if head_epochs > epochs:
-        raise ValueError(f"--fedrep-head-epochs must be <= --local-epochs ({epochs}): the head "
-                         f"epochs are part of the local epochs, got {head_epochs}")
+    if head_epochs >= epochs:
+        raise ValueError(f"--fedrep-head-epochs must be < --local-epochs ({epochs}): the head "
+                         f"epochs are part of the local epochs and the body needs at least one, "
+                         f"got {head_epochs}")
     engine = base.Engine(model, **common)
     template = jax.eval_shape(model.init, jax.random.key(0))
     mask = split_lib.personal_mask(template, head)                     # fails early on a bad regex
@@ -153,7 +155,8 @@ base.register(base.AlgorithmSpec(
                     check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
         base.HParam("head_epochs", int, 1,
                     "τ_h: of the --local-epochs E, the first τ_h train the head with the body "
-                    "frozen and the other E − τ_h the body with the head frozen (0: body only)",
+                    "frozen and the other E − τ_h the body with the head frozen (0: body only; "
+                    "must be < E)",
                     check=base.NON_NEGATIVE),
     ),
     defaults={"local_epochs": 2},
