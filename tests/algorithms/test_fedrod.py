@@ -101,6 +101,11 @@ def test_prediction_is_the_sum_of_the_two_heads():
         assert evals["client"].correct[i] == np.sum(z.argmax(1) == y)
         assert evals["global"].correct[i] == np.sum(generic.argmax(1) == y)
     assert not np.array_equal(evals["client"].correct, evals["global"].correct)
+    # evaluate(..., ids) gives those clients' rows of the full evaluation.
+    algo = algorithms.get("fedrod", model=MLP, lr=0.1, batch_size=4, participation=0.5)
+    some = algo.evaluate(state, DATA, jnp.array([2, 0], jnp.int32))
+    for key in ("client", "global"):
+        tree_allclose(some[key], jax.tree.map(lambda a: a[np.array([2, 0])], evals[key]), rtol=1e-6)
 
 
 def test_rounds_match_numpy_transcription(x64):
