@@ -26,7 +26,8 @@ done
 
 # pFedSOP's protocol (presets pfedsop_paper / pfedsop_paper_shards, as run_pfedsop.sh): 100
 # clients, 20 % participation, one epoch of batch-50 SGD, 100 rounds; digits uses the per-client
-# Dirichlet reading. Learning rates 0.1 and 0.01 (the paper's grid), each method at each.
+# Dirichlet reading. Learning rate 0.1: of the paper's grid {0.1, 0.01}, the one every method
+# of pfedsop.md's digits tables was selected at (only it was run here, for time).
 # FedRep needs E >= 2 for a head epoch and a body epoch (its --fedrep-head-epochs are part of
 # --local-epochs), so it runs E = 2: one head epoch, then one body epoch (one epoch more of
 # local computation than the others).
@@ -41,14 +42,9 @@ for dataset in ${DATASETS:-digits}; do
       --title "Split-model baselines, pFedSOP protocol ($preset) on $dataset, MLP" \
       --common "--preset $preset --dataset $dataset --model mlp $extra" \
       --run "fedper lr=0.1: --algo fedper --lr 0.1" \
-      --run "fedper lr=0.01: --algo fedper --lr 0.01" \
       --run "fedrep lr=0.1: --algo fedrep --lr 0.1 --local-epochs 2" \
-      --run "fedrep lr=0.01: --algo fedrep --lr 0.01 --local-epochs 2" \
       --run "lg_fedavg lr=0.1: --algo lg_fedavg --lr 0.1" \
-      --run "lg_fedavg lr=0.01: --algo lg_fedavg --lr 0.01" \
       --run "fedrod lr=0.1: --algo fedrod --lr 0.1" \
-      --run "fedrod lr=0.01: --algo fedrod --lr 0.01" \
-      --run "fedbabu lr=0.1: --algo fedbabu --lr 0.1" \
-      --run "fedbabu lr=0.01: --algo fedbabu --lr 0.01"
+      --run "fedbabu lr=0.1: --algo fedbabu --lr 0.1"
   done
 done
