@@ -40,9 +40,16 @@ class State(NamedTuple):
 
 def fedper(model: Model, *, head: str, **common: Any) -> base.Algorithm:
     """FedPer; see the module docstring."""
-    engine = base.Engine(model, **common)
     template = jax.eval_shape(model.init, jax.random.key(0))
     mask = split_lib.personal_mask(template, head)                     # fails early on a bad regex
+    return personal_part_fedavg("fedper", model, mask, **common)
+
+
+def personal_part_fedavg(name: str, model: Model, mask: Any, **common: Any) -> base.Algorithm:
+    """FedAvg on the leaves where `mask` is False; each client keeps its own copy of the leaves
+    where it is True (FedPer: the head; LG-FedAvg: the body). See the module docstring."""
+    engine = base.Engine(model, **common)
+    template = jax.eval_shape(model.init, jax.random.key(0))
     has_head = any(jax.tree.leaves(mask))
     body_size = split_lib.count(split_lib.split(template, mask)[0])    # d1: what is communicated
 
@@ -83,7 +90,7 @@ def fedper(model: Model, *, head: str, **common: Any) -> base.Algorithm:
                                  core.gather(state.heads, ids), mask)
         return {"client": engine.evaluator.rows(data, params, ids)}
 
-    return base.Algorithm("fedper", init, round_fn, evaluate, {})
+    return base.Algorithm(name, init, round_fn, evaluate, {})
 
 
 base.register(base.AlgorithmSpec(

@@ -14,7 +14,10 @@ chosen by the leaf's path, a '/'-joined string such as "Dense_1/kernel":
 `split` keeps the tree structure and puts None (an empty subtree to JAX) in the holes, so both
 parts go through `jax.tree.map`, `core.gather`/`scatter`/`broadcast` and jit as ordinary pytrees;
 stacked trees (leading client axis) split and merge the same way. `flatten_rows` turns a stacked
-part into an [N, d] matrix (FedPC's Z) and `unflatten_rows` turns it back.
+part into an [N, d] matrix (FedPC's Z) and `unflatten_rows` turns it back. `complement` swaps
+the two parts (LG-FedAvg shares the head and keeps the body); `train_only` wraps a client
+optimizer so that it updates one part and leaves the other bit for bit unchanged (FedRep's
+alternating phases, FedBABU's frozen head).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 Params = Any
 SPECIAL_PATTERNS = ("head", "all", "none")
@@ -103,6 +107,22 @@ def personal_mask(params: Params, pattern: str) -> Params:
             raise ValueError(f"personal-parameter pattern {pattern!r} matches no parameter; "
                              f"the paths are {paths}")
     return jax.tree.unflatten(treedef, flags)
+
+
+def complement(mask: Params) -> Params:
+    """The mask of the other part: True where `mask` is False (personal <-> shared)."""
+    return jax.tree.map(lambda m: not m, mask)
+
+
+def train_only(tx: optax.GradientTransformation, trainable: Params) -> optax.GradientTransformation:
+    """`tx` on the leaves where `trainable` is True; a zero update on the others.
+
+    A frozen leaf w gets w + 0 = w at every step, so it stays bit for bit what it was, and `tx`
+    keeps state (momentum) for the trainable leaves only, so a frozen part's buffer neither
+    grows nor decays while it is frozen (as with a separate torch optimizer per part).
+    """
+    labels = jax.tree.map(lambda t: "train" if t else "frozen", trainable)
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
 
 
 def split(tree: Params, mask: Params) -> tuple[Params, Params]:

@@ -79,6 +79,11 @@ CASES = {
     "fedavg_sar": {"mask_fill": "keep"},
     "fedper": {},
     "fedpc": {"local_steps": 1},
+    # The linear model {w, b}: the bias as head, so that both parts are non-empty.
+    "fedrep": {"head": "^b$", "momentum": 0.9, "momentum_buffer": "persist"},
+    "lg_fedavg": {"head": "^b$"},
+    "fedrod": {"head": "^b$"},
+    "fedbabu": {"head": "^b$", "momentum": 0.9, "momentum_buffer": "persist"},
 }
 
 

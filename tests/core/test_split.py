@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from fedjax_pfl import core, models
@@ -73,3 +74,37 @@ def test_flatten_rows_round_trip():
     assert back["c"] is None
     with pytest.raises(ValueError, match="13 columns"):
         S.unflatten_rows(mat[:, :13], tree)
+
+
+def test_complement_swaps_the_parts():
+    params = {"Dense_0": {"kernel": jnp.ones((2, 3))}, "Dense_1": {"kernel": jnp.ones((3, 1))}}
+    mask = S.personal_mask(params, "head")
+    assert jax.tree.leaves(S.complement(mask)) == [True, False]
+    assert S.complement(S.complement(mask)) == mask
+
+
+@pytest.mark.parametrize("part", ["head", "^Dense_0/"])
+def test_train_only_freezes_the_other_part_bit_for_bit(part):
+    # Three SGD-momentum steps on random gradients: the frozen leaves are exactly what they were
+    # (w + 0 = w), the trained leaves follow momentum SGD, and only they carry a buffer.
+    params = {"Dense_0": {"kernel": jnp.arange(6.0).reshape(2, 3) / 7, "bias": -jnp.ones(3) / 3},
+              "Dense_1": {"kernel": jnp.arange(3.0).reshape(3, 1) / 9, "bias": jnp.ones(1) / 11}}
+    trainable = S.personal_mask(params, part)
+    tx = S.train_only(optax.sgd(0.1, momentum=0.9), trainable)
+    state, p = tx.init(params), params
+    assert len(jax.tree.leaves(state)) == sum(jax.tree.leaves(trainable))
+    ref = jax.tree.map(np.asarray, params)
+    buf = jax.tree.map(np.zeros_like, ref)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        g = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), ref)
+        updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, p)
+        p = optax.apply_updates(p, updates)
+        buf = jax.tree.map(lambda b, gi: 0.9 * b + gi, buf, g)
+        ref = jax.tree.map(lambda r, b: r - 0.1 * b, ref, buf)
+    tree_equal(S.split(p, trainable)[0], S.split(params, trainable)[0])       # frozen: exact
+    for got, want, start in zip(jax.tree.leaves(S.split(p, trainable)[1]),
+                                jax.tree.leaves(S.split(ref, trainable)[1]),
+                                jax.tree.leaves(S.split(params, trainable)[1])):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)          # momentum SGD
+        assert not np.array_equal(got, start)

@@ -1,0 +1,182 @@
+"""FedRoD (Chen & Chao, "On Bridging Generic and Personalized Federated Learning for Image
+Classification", ICLR 2022, arXiv:2107.00778), the variant with a linear personal head trained
+locally (no hypernetwork).
+
+The model splits by path (`core/split.py`) into a body θ (features z = f(x; θ)) and a head
+(--fedrod-head, default the last dense layer). The server holds the generic model (θ, ψ): body
+and generic head, both federated. Client i also holds a personal head φ_i shaped like ψ. With
+g(z; ψ) and p(z; φ_i) the two heads' logits:
+
+    generic loss   L_BSM(θ, ψ) = −log softmax(g(z; ψ) + log π_i)_y     (balanced softmax, eq. 5;
+                                                   π_i,c = n_i,c / n_i, client i's class prior)
+    personal loss  L_P(φ_i)    = −log softmax(sg[g(z; ψ)] + p(sg[z]; φ_i))_y       sg = stop-gradient
+    prediction of client i:      g(z; ψ) + p(z; φ_i)
+
+Per round, each sampled client starts from (θ, ψ, φ_i) and runs E epochs of minibatch SGD on
+L_BSM + L_P: (θ, ψ) get the balanced-softmax gradient only and φ_i the personal gradient only,
+both at the same pre-step parameters, as the reference code's two optimizer steps per batch
+(both from one forward pass, the body features detached for the personal head). The server
+averages (θ, ψ) with FedAvg's weights n_i / Σ_{k∈S_t} n_k; unsampled clients keep φ_i.
+
+Evaluated: "client" is g(z; ψ) + p(z; φ_i) on client i's test split; "global" is the generic
+model g(f(x; θ); ψ) alone. Communication: (θ, ψ), down to and up from each sampled client.
+
+Readings:
+  * Personal head: trained on the detached features AND with the generic logits added
+    (detached), as the paper's "personalized prediction = generic + personal logits" and the
+    reference code (`out_g.detach() + head(rep.detach())`); the body never sees L_P.
+  * The prior π_i is over client i's TRAINING labels. A class the client has no training
+    sample of has log π_i,c = −∞: it leaves the client's balanced softmax (its probability is 0,
+    its logit gets no gradient), as the reference's log(sample_per_class) does. Its labels never
+    occur in that client's batches, so the loss stays finite.
+  * φ_i starts as a copy of the initial generic head ψ0 (the reference's deepcopy).
+  * Two forward passes evaluate g + p: the model's head is not assumed linear. (For a linear head
+    g(z; ψ) + p(z; φ) is the head with parameters ψ + φ; the tests check the identity.)
+  * The optimizer is the common client optimizer (the reference FedRoD runs plain SGD).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_pfl import core, ops
+from fedjax_pfl.algorithms import base
+from fedjax_pfl.core import split as split_lib
+from fedjax_pfl.core.evaluate import Evaluator
+from fedjax_pfl.models.model import Model
+
+Params = Any
+
+
+class State(NamedTuple):
+    params: Params        # generic model (θ, ψ)                                    leaves [...]
+    heads: Params         # personal heads φ_i (None on body leaves)                 leaves [N, ...]
+    class_counts: jax.Array  # n_i,c, training labels per client and class           [N, C] int32
+    opt_state: Any        # per-client optimizer states [N, ...] (momentum_buffer=persist), else None
+    round: jax.Array      # rounds completed; shape=(), int32
+
+
+def log_prior(counts: jax.Array) -> jax.Array:
+    """log π_c = log(n_c / Σ_k n_k), and −∞ for a class with n_c = 0; [C] -> [C]."""
+    counts = jnp.asarray(counts)
+    total = jnp.maximum(jnp.sum(counts), 1).astype(jax.dtypes.canonicalize_dtype(jnp.float64))
+    safe = jnp.maximum(counts, 1).astype(total.dtype)
+    return jnp.where(counts > 0, jnp.log(safe / total), -jnp.inf)
+
+
+def balanced_softmax_loss(logits: jax.Array, labels: jax.Array, log_prior_: jax.Array) -> jax.Array:
+    """Per-example −log softmax(logits + log π)_y (Ren et al. 2020, FedRoD eq. 5); [B, C], [B], [C]
+    -> [B]. Classes with log π = −∞ drop out of the softmax."""
+    adjusted = logits + log_prior_.astype(logits.dtype)
+    return jax.nn.logsumexp(adjusted, axis=-1) - jnp.take_along_axis(
+        adjusted, labels[:, None], axis=-1)[:, 0]
+
+
+def train_label_counts(data) -> jax.Array:
+    """[N, C] int32: how many training samples of each class every client holds (jit-able).
+
+    Row r of the dataset belongs to client i's training split iff train_start[i] ≤ r <
+    train_start[i] + train_count[i]; the splits are disjoint, so a running sum of +(i+1) at each
+    split's start and −(i+1) at its end labels every row with its owner + 1 (0: no train split).
+    """
+    c = data.clients
+    n, num_clients = data.y.shape[0], data.num_clients
+    tag = jnp.arange(1, num_clients + 1, dtype=jnp.int32)
+    marks = (jnp.zeros(n + 1, jnp.int32).at[c.train_start].add(tag)
+             .at[c.train_start + c.train_count].add(-tag))
+    owner = jnp.cumsum(marks)[:n] - 1                                   # −1: not a train row
+    segment = jnp.where(owner >= 0, owner * data.num_classes + data.y, num_clients * data.num_classes)
+    counts = jax.ops.segment_sum(jnp.ones(n, jnp.int32), segment,
+                                 num_segments=num_clients * data.num_classes + 1)
+    return counts[:-1].reshape(num_clients, data.num_classes)
+
+
+def fedrod(model: Model, *, head: str, **common: Any) -> base.Algorithm:
+    """FedRoD; see the module docstring."""
+    template = jax.eval_shape(model.init, jax.random.key(0))
+    mask = split_lib.personal_mask(template, head)                     # fails early on a bad regex
+    tx = optax.sgd(common["lr"], momentum=common["momentum"] or None)
+
+    def personal_logits(generic: Params, phi: Params, x: jax.Array) -> jax.Array:
+        """g(z; ψ) + p(z; φ): the generic model's logits plus the personal head's on the same body."""
+        body, _ = split_lib.split(generic, mask)
+        return model.apply(generic, x) + model.apply(split_lib.merge(body, phi, mask), x)
+
+    def losses(params, x, y, mask_, prior):
+        generic, phi = params
+        g = model.apply(generic, x)                                                 # g(z; ψ)
+        body = jax.lax.stop_gradient(split_lib.split(generic, mask)[0])             # sg[θ]
+        p = model.apply(split_lib.merge(body, phi, mask), x)                        # p(sg[z]; φ)
+        bsm = balanced_softmax_loss(g, y, prior)
+        personal = model.loss(jax.lax.stop_gradient(g) + p, y)
+        mean = lambda v: jnp.sum(jnp.where(mask_, v, 0.0)) / jnp.maximum(jnp.sum(mask_), 1)
+        return mean(bsm) + mean(personal)
+
+    grad_fn = jax.value_and_grad(losses)
+
+    def step(params, opt_state, x, y, mask_, extra):
+        """One minibatch: the BSM gradient on (θ, ψ) and the personal gradient on φ_i, one update."""
+        loss, grads = grad_fn(params, x, y, mask_, extra["log_prior"])
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    engine = base.Engine(model, optimizer=tx, step_fn=step, **common)
+    combined = Model(init=model.init, apply=lambda pp, x: personal_logits(pp[0], pp[1], x),
+                     loss=model.loss, name=f"{model.name}+personal head")
+    evaluator = Evaluator(combined, batch_size=common["eval_batch_size"],
+                          mapper=engine.evaluator.mapper)
+    generic_size = ops.tree_size(template)
+
+    def init(key: jax.Array, data) -> State:
+        params = model.init(key)                   # the same initial model as every algorithm
+        phi0 = split_lib.split(params, mask)[1]                                     # φ_i ← ψ0
+        n = data.num_clients
+        opt = engine.init_client_opt_states((params, phi0), n)
+        return State(params, core.broadcast(phi0, n), train_label_counts(data), opt,
+                     jnp.zeros((), jnp.int32))
+
+    def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
+        sample_key, train_key = jax.random.split(key)
+        idx = engine.sample(sample_key, data)                                      # S_t
+        m = idx.shape[0]
+        start = (core.broadcast(state.params, m), core.gather(state.heads, idx))   # (θ, ψ, φ_i)
+        opt = engine.opt_states_for(state.opt_state, idx, base.first_row(start))
+        prior = jax.vmap(log_prior)(core.gather(state.class_counts, idx))
+        result = engine.train(data, idx, start, opt, train_key, extra={"log_prior": prior})
+        generic, phi = result.params
+        weights = core.gather(data.clients.train_count, idx)
+        new_state = State(core.mean_over_clients(generic, weights),                # (θ, ψ) average
+                          core.scatter(state.heads, idx, phi), state.class_counts,
+                          engine.store_opt_states(state.opt_state, idx, result.opt_state),
+                          state.round + 1)
+        metrics = base.train_metrics(result, idx)     # train_loss: L_BSM + L_P
+        metrics.update(base.communication(up_clients=m, up_floats_per_client=generic_size,
+                                          down_clients=m, down_floats_per_client=generic_size))
+        return new_state, metrics
+
+    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        global_eval = engine.evaluator.shared(data, state.params, ids)
+        ids = base.evaluated_ids(data, ids)
+        rows = (core.broadcast(state.params, ids.shape[0]), core.gather(state.heads, ids))
+        return {"client": evaluator.rows(data, rows, ids), "global": global_eval}
+
+    return base.Algorithm("fedrod", init, round_fn, evaluate, {})
+
+
+base.register(base.AlgorithmSpec(
+    name="fedrod",
+    factory=fedrod,
+    summary="FedRoD: a generic model trained with the balanced softmax, plus a personal head on "
+            "its detached features; each client predicts with the sum of both heads",
+    hparams=(
+        base.HParam("head", str, "head",
+                    "the head: the generic head ψ (federated) and each client's personal head "
+                    "φ_i have its shape; 'head' (the last dense layer) or a regex searched in "
+                    "each leaf path such as 'Dense_1/'",
+                    check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
+    ),
+))
