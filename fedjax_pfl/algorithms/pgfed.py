@@ -145,8 +145,8 @@ def pgfed(
         metrics = base.train_metrics(result, idx)
         row_means = row_sum[:real] / real
         metrics.update(
-            alpha_mean=jnp.sum(row_sum[:real]) / real**2, alpha_row_mean_min=row_means.min(),
-            alpha_row_mean_max=row_means.max(), alpha_zero_fraction=zeros / real**2,
+            alpha_mean=jnp.sum(row_sum[:real]) / float(real) ** 2, alpha_row_mean_min=row_means.min(),
+            alpha_row_mean_max=row_means.max(), alpha_zero_fraction=zeros / float(real) ** 2,
             aux_norm_mean=jnp.mean(jax.vmap(ops.tree_norm)(aux)), gbar_norm=ops.tree_norm(gbar),
             full_loss_mean=jnp.mean(losses),
         )

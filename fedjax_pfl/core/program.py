@@ -85,7 +85,7 @@ class MemoryPlan:
         if self.available > 0:
             limit = self.max_clients()
             lines.append(f"  needs {mb(self.total)} of {mb(self.available)} available"
-                         + (f"; stops fitting at about {limit:,} clients" if limit is not None else ""))
+                         + (f"; stops fitting at about {limit:,} clients" if limit else ""))
         return "\n".join(lines)
 
 
@@ -300,9 +300,13 @@ def check_memory(plan: MemoryPlan, *, allow: bool = False) -> None:
     if plan.fits() or allow or os.environ.get("FEDJAX_PFL_SKIP_MEMORY_CHECK"):
         return
     limit = plan.max_clients()
+    # The working set can grow with N too (PGFed's α rows): then no smaller N is "about" right.
+    fit = (f"it would fit with about {limit:,} clients" if limit else
+           f"the working set alone ({max(plan.working_set, plan.eval_working_set) / 2**30:.1f} GiB "
+           "per device) leaves no room")
     raise MemoryPlanError(
         f"the run needs about {plan.total / 2**30:.1f} GiB but {plan.available / 2**30:.1f} GiB "
         f"is available ({plan.num_clients} clients, {plan.state_per_client / 2**20:.2f} MB of "
-        f"state per client); it would fit with about {limit:,} clients. Lower --clients, store "
+        f"state per client); {fit}. Lower --clients, store "
         "client state in half the memory with --state-dtype bfloat16, use more devices, or lower "
         "--chunk-size / --eval-batch-size for a smaller working set")
