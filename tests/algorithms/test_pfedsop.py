@@ -9,7 +9,8 @@ from fedjax_pfl import algorithms, core, ops
 from fedjax_pfl.algorithms.pfedsop import ClientState
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import linear_model, make_data, states_per_backend, tree_allclose, tree_equal
+from helpers import (assert_states_close, linear_model, make_data, states_per_backend,
+                     tree_allclose, tree_equal)
 
 # P_i(x) = ½‖x − c_i‖² with c_i the client's (single) training row: gradient x − c_i.
 QUADRATIC = Model(init=lambda key: {"x": jnp.zeros(2)}, apply=lambda p, x: p["x"] - x,
@@ -148,8 +149,8 @@ def test_zero_personal_lr_keeps_every_model_at_x0(ragged_data):
 def test_vmapped_equals_loop_backend(ragged_data, keep):
     runs = states_per_backend("pfedsop", ragged_data, model=linear_model(), participation=0.75,
                               keep=keep, chunk_size=2, local_epochs=2, batch_size=4)
-    for backend in ("vmap", "chunked"):
-        tree_allclose(runs[backend].clients, runs["loop"].clients, rtol=2e-5, atol=1e-6)
+    for backend in ("vmap", "chunked"):       # every field: clients, delta_glob, x0, round
+        assert_states_close(runs[backend], runs["loop"])
 
 
 def test_probe_must_be_plain_sgd():
