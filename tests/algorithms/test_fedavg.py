@@ -53,8 +53,10 @@ def _run(name, data, backend, rounds=3, **hp):
     return state, metrics, algo.evaluate(state, data)
 
 
-@pytest.mark.parametrize("name,hp", [("fedavg", {}), ("local", {"momentum": 0.9, "momentum_buffer": "persist"}),
-                                     ("fedavg_ft", {"ft_epochs": 2})])
+@pytest.mark.parametrize("name,hp", [      # the loop backend runs eagerly: ~20 s of CPU each
+    ("fedavg", {}),
+    pytest.param("local", {"momentum": 0.9, "momentum_buffer": "persist"}, marks=pytest.mark.slow),
+    pytest.param("fedavg_ft", {"ft_epochs": 2}, marks=pytest.mark.slow)])
 def test_vmapped_and_chunked_equal_loop_backend(ragged_data, name, hp):
     ref_state, ref_metrics, ref_eval = _run(name, ragged_data, "loop", **hp)
     for backend in ("vmap", "chunked"):

@@ -183,7 +183,7 @@ PFEDSOP_HP = dict(participation=0.6, local_epochs=3, batch_size=10, eta_local=0.
                   eta_personal=0.7, rho=0.5, gompertz_lambda=1.5)
 
 
-@pytest.mark.parametrize("keep", ["newton", "sgd"])
+@pytest.mark.parametrize("keep", [pytest.param("newton", marks=pytest.mark.slow), "sgd"])
 def test_pfedsop_matches_float64_transcription_on_a_multi_leaf_model(x64, keep):
     algo, states, sampled, data, clients = run_rounds("pfedsop", 0, keep=keep)
     assert all(len(s) == 3 for s in sampled)                      # M = floor(0.6 · 5)
@@ -204,7 +204,7 @@ def test_pfedsop_matches_float64_transcription_on_a_multi_leaf_model(x64, keep):
     assert returning >= 2                                         # Newton steps were taken
 
 
-@pytest.mark.parametrize("keep", ["newton", "sgd"])
+@pytest.mark.parametrize("keep", [pytest.param("newton", marks=pytest.mark.slow), "sgd"])
 def test_pfedsop_headline_evaluation_is_each_clients_current_personal_model(x64, keep):
     algo, states, sampled, data, clients = run_rounds("pfedsop", 0, keep=keep)
     x0 = flatten(states[0].x0)
@@ -268,7 +268,7 @@ PGFED_HP = dict(participation=0.6, local_epochs=3, batch_size=10, drop_last=Fals
                 momentum=0.9, momentum_buffer="persist", mu=0.5, alpha_lr=0.3)
 
 
-@pytest.mark.parametrize("name", ["pgfed", "pgfed_ce"])
+@pytest.mark.parametrize("name", ["pgfed", pytest.param("pgfed_ce", marks=pytest.mark.slow)])
 def test_pgfed_matches_float64_transcription_on_a_multi_leaf_model(x64, name):
     _, states, sampled, data, clients = run_rounds(name, 2)
     theta0 = flatten(states[0].global_params)

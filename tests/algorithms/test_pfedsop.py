@@ -146,7 +146,7 @@ def test_zero_personal_lr_keeps_every_model_at_x0(ragged_data):
     assert float(ops.tree_norm(state.delta_glob)) > 0
 
 
-@pytest.mark.parametrize("keep", ["newton", "sgd"])
+@pytest.mark.parametrize("keep", [pytest.param("newton", marks=pytest.mark.slow), "sgd"])
 def test_vmapped_equals_loop_backend(ragged_data, keep):
     runs = states_per_backend("pfedsop", ragged_data, model=linear_model(), participation=0.75,
                               keep=keep, chunk_size=2, local_epochs=2, batch_size=4)

@@ -273,7 +273,8 @@ def test_first_aux_zero_weights_the_first_download(x64):
     assert bool(zero.clients.aux_set.all())
 
 
-@pytest.mark.parametrize("name", ["pgfed", "pgfedmo", "pgfed_ce"])
+@pytest.mark.parametrize("name", ["pgfed", pytest.param("pgfedmo", marks=pytest.mark.slow),
+                                  pytest.param("pgfed_ce", marks=pytest.mark.slow)])
 def test_vmapped_equals_loop_backend(ragged_data, name):
     runs = states_per_backend(name, ragged_data, model=linear_model(), participation=0.75,
                               local_epochs=2, batch_size=4, chunk_size=2)
