@@ -136,9 +136,10 @@ base.register(base.AlgorithmSpec(
     hparams=(
         base.HParam("eta_personal", float, 1.0,
                     "η₁, learning rate of the personalisation (Newton) step x ← x − η₁F⁻¹Δᵖ; the "
-                    "step's norm is at most η₁/(2√ρ). Default 1 (the top of the paper's grid) so "
-                    "that the global-informed correction is not negligible; spec A5's tied reading "
-                    "η₁ = η₂ is --pfedsop-eta-personal equal to --lr", check=base.NON_NEGATIVE),
+                    "step's norm is at most η₁/(2√ρ). 1, the top of the paper's grid, makes the "
+                    "global-informed correction count next to local SGD; spec A5's tied reading "
+                    "η₁ = η₂ is --pfedsop-eta-personal equal to --lr (then pFedSOP is about Local)",
+                    check=base.NON_NEGATIVE),
         base.HParam("eta_local", float, None,
                     "η₂, learning rate of the local SGD probe; Δ_i = (x_i − z)/η₂ (default: --lr)",
                     check=base.POSITIVE),
@@ -148,11 +149,11 @@ base.register(base.AlgorithmSpec(
                     "λ, steepness of the Gompertz weight β = 1 − exp(−exp(−λ(φ − 1)))",
                     check=base.POSITIVE, flag="--pfedsop-lambda"),
         base.HParam("keep", str, "sgd",
-                    "which point persists as the personalised model: 'sgd' (default, reading R2: "
-                    "the end of local SGD, corrected by the Newton step next round; it trains) or "
+                    "which point persists as the personalised model: 'sgd' (reading R2: the end "
+                    "of local SGD, corrected by the Newton step next round; trains: 0.89 on digits) or "
                     "'newton' (the paper's literal reading R1: x after the Newton step, the SGD "
-                    "run only a probe; a model then moves at most η₁/(2√ρ) per participation and "
-                    "stays near chance on digits within 50 rounds)", choices=("newton", "sgd")),
+                    "run only a probe; a model then moves at most η₁/(2√ρ) per participation: "
+                    "0.83 on digits with η₁ = 1, 0.12 (chance) with η₁ = --lr)", choices=("newton", "sgd")),
         base.HParam("blend", str, "gompertz",
                     "ablation of the blend: 'gompertz' (β from the angle), 'local' (β = 0: own "
                     "Δ_i only) or 'global' (β = 1: the global Δ only)",
