@@ -150,10 +150,11 @@ base.register(base.AlgorithmSpec(
                     check=base.POSITIVE, flag="--pfedsop-lambda"),
         base.HParam("keep", str, "sgd",
                     "which point persists as the personalised model: 'sgd' (reading R2: the end "
-                    "of local SGD, corrected by the Newton step next round; trains: 0.89 on digits) or "
+                    "of local SGD, corrected by the Newton step next round; 0.89 on digits) or "
                     "'newton' (the paper's literal reading R1: x after the Newton step, the SGD "
-                    "run only a probe; a model then moves at most η₁/(2√ρ) per participation: "
-                    "0.83 on digits with η₁ = 1, 0.12 (chance) with η₁ = --lr)", choices=("newton", "sgd")),
+                    "run only a probe; a model moves at most η₁/(2√ρ) per participation: 0.83 "
+                    "on digits with η₁ = 1, 0.12, chance, with η₁ = --lr)",
+                    choices=("newton", "sgd")),
         base.HParam("blend", str, "gompertz",
                     "ablation of the blend: 'gompertz' (β from the angle), 'local' (β = 0: own "
                     "Δ_i only) or 'global' (β = 1: the global Δ only)",
