@@ -61,6 +61,24 @@ def tree_allclose(a, b, **kw):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
 
 
+def assert_states_close(got, want, *, rtol=2e-5, atol=1e-6):
+    """Every field of two states agrees: the same tree structure (so no field can be left out)
+    and every leaf close, integer and bool leaves equal; a failure names the field's path."""
+    got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(got)
+    want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(want)
+    assert got_tree == want_tree, f"state structures differ:\n{got_tree}\n{want_tree}"
+    assert got_leaves, "empty state"
+    for (path, x), (_, y) in zip(got_leaves, want_leaves):
+        name = jax.tree_util.keystr(path)
+        if jax.dtypes.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        x, y = np.asarray(x), np.asarray(y)
+        if np.issubdtype(y.dtype, np.inexact):
+            np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=name)
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=name)
+
+
 def tree_equal(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

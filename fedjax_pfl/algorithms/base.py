@@ -109,7 +109,9 @@ class HParam:
 
 
 COMMON_HPARAMS: tuple[HParam, ...] = (
-    HParam("participation", float, 0.25, "fraction of clients sampled per round; M = floor(N·rate)",
+    HParam("participation", float, 0.25,
+           "fraction of clients sampled per round; M = ⌊N·rate⌋, the exact floor (one more than "
+           "the reference codes' int(N·rate) in cases such as N = 100, rate 0.29: 29 vs 28)",
            check=UNIT_OPEN_CLOSED),
     HParam("local_epochs", int, 1, "local epochs E: every client visits each of its samples E times",
            check=AT_LEAST_ONE),

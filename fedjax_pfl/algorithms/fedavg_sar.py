@@ -8,9 +8,12 @@ Per round, with global model w and sampled clients S:
   uplink:   the server receives m'_i ⊙ w_i + (1 − m'_i) ⊙ fill'_i, m'_i another fresh mask
   w ← Σ_{i∈S} (n_i / Σ_S n) · received_i
 
-Unsent coordinates (`mask_fill`): "zero" (default: they arrive as 0, the paper's remark that zeroed
-positions still need encoding; it explains FedAvg (s.a.r.)'s collapse on CIFAR-10) or "keep" (the
-receiver's old value: the client's own model from its last round, the server's current w).
+Unsent coordinates (`mask_fill`): "keep" (default: the receiver's old value, the client's own
+model from its last round and the server's current w; it trains: 0.89 best mean accuracy on the
+embedded digits in the default 50 rounds) or "zero" (they arrive as 0: the paper's remark that
+zeroed positions still need encoding, which explains FedAvg (s.a.r.)'s collapse on CIFAR-10; with
+CR = 2 half of every model is zeroed each way, and on digits it stays at chance, 0.13 best).
+Use "zero" to reproduce the paper's baseline numbers.
 Masks (`mask`): "bernoulli" (default: each coordinate sent with probability 1/CR, a fresh mask per
 transmission) or "fixed" (exactly round(d/CR) coordinates). Only the values of sent coordinates
 count as communicated floats (`comm_up_floats`, `comm_down_floats`); their positions could be
@@ -115,8 +118,10 @@ base.register(base.AlgorithmSpec(
     hparams=(
         base.HParam("cr", float, 2.0, "compression rate: a random 1/CR of the coordinates is sent",
                     check=base.AT_LEAST_ONE),
-        base.HParam("mask_fill", str, "zero",
-                    "unsent coordinates arrive as 'zero' or 'keep' the receiver's old value",
+        base.HParam("mask_fill", str, "keep",
+                    "unsent coordinates: 'keep' the receiver's old value (trains; 0.89 on digits) "
+                    "or arrive as 'zero' (the paper's baseline, which collapses: at CR 2 half of "
+                    "each model is zeroed each way; use it to reproduce the paper's numbers)",
                     choices=("zero", "keep")),
         base.HParam("mask", str, "bernoulli",
                     "'bernoulli': each coordinate sent with probability 1/CR; 'fixed': exactly "

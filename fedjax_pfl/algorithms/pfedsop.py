@@ -15,13 +15,20 @@ server: Δ ← (1/M) Σ_{i∈S_t} Δ_i                unweighted, this round's c
 Unsampled clients keep x_i, Δ_i and is_new bit for bit. There is no global model.
 
 Options (spec §1.6):
-  keep="newton" (default, the literal reading R1): the SGD run is a probe; x_i after the Newton
-      step is the personalised model and z is discarded. A client's model then moves only by
-      Newton steps, each of norm η₁‖Δᵖ‖/(ρ + ‖Δᵖ‖²) ≤ η₁/(2√ρ), so it moves at most that much per
-      round it takes part in (spec A3) — slow progress is expected under this reading.
-  keep="sgd" (R2): the client keeps z (local SGD training plus the Newton correction next round).
+  keep="sgd" (default, reading R2): the client keeps z, i.e. local SGD training plus, next round,
+      the global-informed Newton correction. This is the default because it trains: on the
+      embedded digits it reaches 0.89 best mean client accuracy in the default 50 rounds.
+  keep="newton" (the literal reading R1, spec A3's best reading of the text): the SGD run is a
+      probe; x_i after the Newton step is the personalised model and z is discarded. A client's
+      model then moves only by Newton steps, each of norm η₁‖Δᵖ‖/(ρ + ‖Δᵖ‖²) ≤ η₁/(2√ρ), so at
+      most that much per round it takes part in: with η₁ = η₂ = --lr = 0.05 and ρ = 1 a digits
+      run stays at 0.12 accuracy (chance) after 50 rounds; with η₁ = 1, 0.83.
   blend="gompertz" (default) | "local" (β ≡ 0) | "global" (β ≡ 1): the paper's ablation (A8).
-  η₁ (eta_personal) and η₂ (eta_local) default to --lr (tied, spec A5).
+  η₁ (eta_personal) defaults to 1 (the top of the paper's grid {1, 0.1, …, 1e-4}), so that the
+      Newton correction, of norm ≤ η₁/(2√ρ) = 0.5 at ρ = 1, is not negligible next to local SGD;
+      tied to --lr (spec A5's reading) it is ≤ 0.025 and pFedSOP behaves like Local (0.83 on
+      digits). η₂ (eta_local) defaults to --lr. For the paper's tied reading pass
+      --pfedsop-eta-personal equal to --lr (the pfedsop_paper presets do).
 BatchNorm (spec A4): the engine's models are stateless (GroupNorm), so Δ, the angle and the
 Newton step cover every trainable parameter and there are no running statistics to carry.
 """
@@ -127,9 +134,12 @@ base.register(base.AlgorithmSpec(
     factory=pfedsop,
     summary="pFedSOP: Gompertz-blended pseudo-gradients with a Sherman–Morrison Newton step",
     hparams=(
-        base.HParam("eta_personal", float, None,
-                    "η₁, learning rate of the personalisation (Newton) step x ← x − η₁F⁻¹Δᵖ "
-                    "(default: --lr)", check=base.NON_NEGATIVE),
+        base.HParam("eta_personal", float, 1.0,
+                    "η₁, learning rate of the personalisation (Newton) step x ← x − η₁F⁻¹Δᵖ; the "
+                    "step's norm is at most η₁/(2√ρ). 1, the top of the paper's grid, makes the "
+                    "global-informed correction count next to local SGD; spec A5's tied reading "
+                    "η₁ = η₂ is --pfedsop-eta-personal equal to --lr (then pFedSOP is about Local)",
+                    check=base.NON_NEGATIVE),
         base.HParam("eta_local", float, None,
                     "η₂, learning rate of the local SGD probe; Δ_i = (x_i − z)/η₂ (default: --lr)",
                     check=base.POSITIVE),
@@ -138,10 +148,13 @@ base.register(base.AlgorithmSpec(
         base.HParam("gompertz_lambda", float, 1.0,
                     "λ, steepness of the Gompertz weight β = 1 − exp(−exp(−λ(φ − 1)))",
                     check=base.POSITIVE, flag="--pfedsop-lambda"),
-        base.HParam("keep", str, "newton",
-                    "which point persists as the personalised model: 'newton' (the paper's "
-                    "literal reading: x after the Newton step; the SGD run is a probe) or 'sgd' "
-                    "(the end of local SGD)", choices=("newton", "sgd")),
+        base.HParam("keep", str, "sgd",
+                    "which point persists as the personalised model: 'sgd' (reading R2: the end "
+                    "of local SGD, corrected by the Newton step next round; 0.89 on digits) or "
+                    "'newton' (the paper's literal reading R1: x after the Newton step, the SGD "
+                    "run only a probe; a model moves at most η₁/(2√ρ) per participation: 0.83 "
+                    "on digits with η₁ = 1, 0.12, chance, with η₁ = --lr)",
+                    choices=("newton", "sgd")),
         base.HParam("blend", str, "gompertz",
                     "ablation of the blend: 'gompertz' (β from the angle), 'local' (β = 0: own "
                     "Δ_i only) or 'global' (β = 1: the global Δ only)",

@@ -127,8 +127,15 @@ def _sample_sparse(key: jax.Array, n: int, m: int) -> jax.Array:
 
 
 def num_sampled_clients(num_clients: int, participation: float) -> int:
-    """M = floor(N · rate), at least 1 (the reference codes use int(N * rate))."""
-    # The small epsilon keeps e.g. 25 * 0.28 = 7.000000000000001 -> 7 and 100 * 0.07 -> 7.
+    """M = ⌊N · rate + 1e-9⌋, at least 1: the exact floor of N · rate for a decimal rate.
+
+    This is NOT always the reference codes' int(N * rate) (PGFed's `join_clients`): where the
+    float product N * rate falls just below an integer, int() truncates to one client fewer.
+    N = 100 at rate 0.29: 100 * 0.29 = 28.999999999999996, so int() gives 28 and we give 29;
+    likewise N = 100 at 0.57 and 0.58 (56 vs 57, 57 vs 58) and N = 50 at 0.58 (28 vs 29). Where
+    the product lands just above an integer (25 * 0.28 = 7.000000000000001) both give 7. To run
+    with the reference's M in such a case, pass a rate a little below (0.2899 for 28 of 100).
+    """
     return max(1, int(np.floor(num_clients * participation + 1e-9)))
 
 

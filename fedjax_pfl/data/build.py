@@ -108,23 +108,9 @@ def build_federated(raw: Any, cfg: PartitionConfig) -> tuple[FederatedData, dict
 
 
 def plot_label_distribution(counts: np.ndarray, path: str, title: str = "") -> None:
-    """Bubble chart of a [clients, classes] count matrix (area ∝ count), written as a PNG."""
-    import matplotlib
+    """Clients × classes heatmap of a [clients, classes] count matrix, written as a PNG.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Kept here for existing imports; the figure lives in `fedjax_pfl.plots`."""
+    from fedjax_pfl import plots
 
-    counts = np.asarray(counts)
-    n_clients, n_classes = counts.shape
-    fig, ax = plt.subplots(figsize=(min(2 + 0.25 * n_clients, 24), min(2 + 0.3 * n_classes, 14)))
-    ci, cj = np.nonzero(counts)
-    size = 400.0 * counts[ci, cj] / max(counts.max(), 1)
-    ax.scatter(ci, cj, s=size, alpha=0.6, color="tab:blue", edgecolors="none")
-    ax.set_xlabel("client")
-    ax.set_ylabel("class")
-    ax.set_xlim(-1, n_clients)
-    ax.set_ylim(-1, n_classes)
-    ax.set_title(title or f"label distribution ({n_clients} clients, {n_classes} classes)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    plots.plot_label_distribution(counts, path, title)

@@ -275,9 +275,12 @@ def test_beta_zero_keeps_the_global_factors():
     assert not np.allclose(new.theta["w"], state.theta["w"])      # clients did train
 
 
-@pytest.mark.parametrize("name,hp", [
-    ("tdpfed", {"cr": 1.2}), ("tdpfed", {"cr": 1.2, "aggregate": "act", "factor_update": "cyclic"}),
-    ("pfedme", {}), ("fedavg_sar", {"mask_fill": "keep"}),
+@pytest.mark.parametrize("name,hp", [      # the loop backend runs eagerly: ~20 s of CPU each
+    ("tdpfed", {"cr": 1.2}),
+    pytest.param("tdpfed", {"cr": 1.2, "aggregate": "act", "factor_update": "cyclic"},
+                 marks=pytest.mark.slow),
+    pytest.param("pfedme", {}, marks=pytest.mark.slow),
+    pytest.param("fedavg_sar", {"mask_fill": "keep"}, marks=pytest.mark.slow),
 ])
 def test_vectorised_backends_equal_the_loop_backend(ragged_data, name, hp):
     states = states_per_backend(name, ragged_data, model=linear_model(), rounds=2, batch_size=4,

@@ -15,6 +15,16 @@ def test_num_sampled_is_floor_of_rate(n, rate, m):
     assert core.num_sampled_clients(n, rate) == m
 
 
+@pytest.mark.parametrize("n,rate,ours,reference", [(100, 0.29, 29, 28), (100, 0.57, 57, 56),
+                                                   (100, 0.58, 58, 57), (50, 0.58, 29, 28),
+                                                   (25, 0.28, 7, 7)])
+def test_num_sampled_differs_from_int_of_the_product_where_documented(n, rate, ours, reference):
+    # The docstring of num_sampled_clients: the exact floor, which int(N * rate) (the PGFed
+    # reference's join_clients) undercuts by one where the float product lands just below.
+    assert int(n * rate) == reference
+    assert core.num_sampled_clients(n, rate) == ours
+
+
 def test_sampling_is_deterministic_distinct_and_uniform():
     key = jax.random.key(7)
     a = core.sample_clients(key, 100, 20)

@@ -87,7 +87,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# One subprocess per algorithm (JAX start-up, the loop and the sharded compile): the quick
+# suite keeps three that cover the three state layouts (global model with per-client buffers,
+# per-client models only, per-client models with an N×N matrix); the rest run with the slow ones.
+QUICK = ("fedavg", "pfedsop", "pgfed")
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(CASES)])
 def test_sharded_state_on_two_devices_equals_the_loop(name):
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2"}
     env.pop("XLA_FLAGS", None)

@@ -1,0 +1,94 @@
+"""Figures of a run, kept apart from the data and engine layers (matplotlib is imported lazily).
+
+  label_distribution_figure(counts)    clients × classes heatmap of a partition's label counts
+  plot_label_distribution(counts, path)  the same, written as a PNG (the runner's
+                                         label_distribution.png)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+# Client ticks are thinned to at most this many, at a step of 1, 2 or 5 × 10^k.
+MAX_CLIENT_TICKS = 25
+
+
+def client_tick_step(num_clients: int, max_ticks: int = MAX_CLIENT_TICKS) -> int:
+    """The smallest step in 1, 2, 5, 10, 20, 50, … that puts at most `max_ticks` ticks on
+    0, step, 2·step, … < num_clients."""
+    step, scale = 1, 1
+    while True:
+        for mult in (1, 2, 5):
+            step = mult * scale
+            if -(-num_clients // step) <= max_ticks:
+                return step
+        scale *= 10
+
+
+def label_distribution_figure(counts: np.ndarray, *, title: str = "", share: bool = False,
+                              class_names: Sequence[str] | None = None):
+    """A heatmap of a [clients, classes] count matrix, with the clients' sample counts above it.
+
+    Colour is the count of class c on client k (or, with `share`, its share of client k's
+    samples), explained by a colourbar. Client ticks are integers, thinned to at most 25 for many
+    clients (every client for ≤ 25); every class is labelled. Cells show their count when the
+    matrix is small enough to read them (≤ 30 clients and ≤ 20 classes).
+
+    Returns the matplotlib Figure; its axes are [sizes, heatmap, colourbar].
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = np.asarray(counts)
+    if counts.ndim != 2 or counts.size == 0:
+        raise ValueError(f"counts must be a non-empty [clients, classes] matrix, got shape {counts.shape}")
+    n_clients, n_classes = counts.shape
+    names = [str(c) for c in range(n_classes)] if class_names is None else [str(c) for c in class_names]
+    if len(names) != n_classes:
+        raise ValueError(f"{len(names)} class names for {n_classes} classes")
+    sizes = counts.sum(axis=1)
+    values = counts / np.maximum(sizes, 1)[:, None] if share else counts
+
+    width = min(4.0 + 0.22 * n_clients, 18.0)
+    height = min(2.6 + 0.32 * n_classes, 14.0)
+    fig, (ax_size, ax) = plt.subplots(2, 1, sharex=True, figsize=(width, height),
+                                      gridspec_kw={"height_ratios": [1, 4]})
+    image = ax.imshow(values.T, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest",
+                      extent=(-0.5, n_clients - 0.5, -0.5, n_classes - 0.5),
+                      vmin=0, vmax=1 if share else max(int(counts.max()), 1))
+    colorbar = fig.colorbar(image, ax=[ax_size, ax], pad=0.015, fraction=0.04)
+    colorbar.set_label("share of the client's samples" if share else "samples")
+
+    step = client_tick_step(n_clients)
+    client_ticks = np.arange(0, n_clients, step)
+    ax.set_xticks(client_ticks, [str(int(t)) for t in client_ticks])
+    ax.set_yticks(np.arange(n_classes), names)
+    ax.set_xlabel(f"client ({n_clients})" if step == 1 else f"client ({n_clients}; every {step}th labelled)")
+    ax.set_ylabel("class")
+    if n_clients <= 30 and n_classes <= 20 and not share:
+        threshold = 0.6 * counts.max()
+        for k in range(n_clients):
+            for c in range(n_classes):
+                if counts[k, c]:
+                    ax.text(k, c, str(int(counts[k, c])), ha="center", va="center", fontsize=7,
+                            color="black" if counts[k, c] > threshold else "white")
+
+    ax_size.bar(np.arange(n_clients), sizes, width=0.8, color="tab:gray")
+    ax_size.set_ylabel("samples")
+    ax_size.tick_params(labelbottom=False)
+    ax_size.set_title(title or f"label distribution ({n_clients} clients, {n_classes} classes)")
+    return fig
+
+
+def plot_label_distribution(counts: np.ndarray, path: str, title: str = "", *, share: bool = False,
+                            class_names: Sequence[str] | None = None) -> None:
+    """Writes `label_distribution_figure(counts, …)` to `path` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = label_distribution_figure(counts, title=title, share=share, class_names=class_names)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
