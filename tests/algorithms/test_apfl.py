@@ -113,6 +113,7 @@ def _rounds(backend, data):
     return state, algo, algo.evaluate(state, data)
 
 
+@pytest.mark.slow      # the loop backend runs rounds eagerly
 def test_vmapped_and_chunked_equal_loop_backend(ragged_data):
     ref, _, ref_eval = _rounds("loop", ragged_data)
     for backend in ("vmap", "chunked"):

@@ -94,6 +94,7 @@ def test_huge_lambda_keeps_the_personal_model_at_the_received_global(x64):
     assert np.abs(np.asarray(s0.personal["w"]) - np.asarray(s0.params["w"])).max() > 1e-2
 
 
+@pytest.mark.slow      # the loop backend runs rounds eagerly
 def test_vmapped_and_chunked_equal_loop_backend(ragged_data):
     hp = dict(lam=0.5, momentum=0.5, momentum_buffer="persist")
     ref, _, ref_eval = _rounds("ditto", data=ragged_data, backend="loop", **hp)

@@ -85,6 +85,7 @@ def _rounds(backend, data):
     return state, algo.evaluate(state, data), algo.evaluate(state, data, jnp.array([2, 0]))
 
 
+@pytest.mark.slow      # the loop backend runs rounds eagerly
 def test_vmapped_and_chunked_equal_loop_backend(ragged_data):
     ref, ref_eval, _ = _rounds("loop", ragged_data)
     for backend in ("vmap", "chunked"):

@@ -90,6 +90,7 @@ def test_local_steps_by_hand(x64):
     np.testing.assert_allclose(state.params["w"], (2 * ends[0] + 3 * ends[1]) / 5, rtol=1e-12)
 
 
+@pytest.mark.slow      # the loop backend runs rounds eagerly
 @pytest.mark.parametrize("name,hp", [("fedprox", {"mu": 0.3}), ("fedprox_ft", {"mu": 0.3})])
 def test_vmapped_and_chunked_equal_loop_backend(ragged_data, name, hp):
     ref_state, ref_metrics, ref_eval = _rounds(name, data=ragged_data, backend="loop", **hp)

@@ -114,6 +114,7 @@ def _rounds(backend, data, variant):
     return state, algo.evaluate(state, data), algo.evaluate(state, data, jnp.array([2, 1]))
 
 
+@pytest.mark.slow      # the loop backend runs rounds eagerly
 @pytest.mark.parametrize("variant", ["fo", "hf"])
 def test_vmapped_and_chunked_equal_loop_backend(ragged_data, variant):
     ref, ref_eval, _ = _rounds("loop", ragged_data, variant)
