@@ -2,13 +2,16 @@
 # Reproduces the runs behind docs/results/baselines_a.md (CPU, 2 cores). Results go to $OUT.
 #   bash docs/results/run_baselines_a.sh
 # FedProx, FedProx-FT, FedDyn, Ditto, APFL and Per-FedAvg (FO, HF) at their default
-# hyperparameters, on the digits partitions and presets of run_pgfed.sh and run_pfedsop.sh (same
+# hyperparameters, with FedAvg and FedAvg-FT rerun at this commit as references, on the digits
+# partitions and presets of run_pgfed.sh and run_pfedsop.sh (same
 # seeds and data flags, hence the same clients as the pgfed.md / pfedsop.md tables).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/baselines_a}
 
 baselines=(
+  --run "fedavg: --algo fedavg"
+  --run "fedavg_ft: --algo fedavg_ft"
   --run "fedprox: --algo fedprox"
   --run "fedprox_ft: --algo fedprox_ft"
   --run "feddyn: --algo feddyn"

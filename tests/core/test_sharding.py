@@ -79,6 +79,12 @@ CASES = {
     "fedavg_sar": {"mask_fill": "keep"},
     "fedper": {},
     "fedpc": {"local_steps": 1},
+    "fedprox": {"momentum": 0.9, "momentum_buffer": "persist"},
+    "fedprox_ft": {"momentum": 0.9, "momentum_buffer": "persist"},
+    "feddyn": {},
+    "ditto": {"momentum": 0.5, "momentum_buffer": "persist"},
+    "apfl": {},
+    "perfedavg": {"variant": "hf", "momentum": 0.5, "momentum_buffer": "persist"},
 }
 
 
