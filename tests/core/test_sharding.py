@@ -84,6 +84,12 @@ CASES = {
     "lg_fedavg": {"head": "^b$"},
     "fedrod": {"head": "^b$"},
     "fedbabu": {"head": "^b$", "momentum": 0.9, "momentum_buffer": "persist"},
+    "fedprox": {"momentum": 0.9, "momentum_buffer": "persist"},
+    "fedprox_ft": {"momentum": 0.9, "momentum_buffer": "persist"},
+    "feddyn": {},
+    "ditto": {"momentum": 0.5, "momentum_buffer": "persist"},
+    "apfl": {},
+    "perfedavg": {"variant": "hf", "momentum": 0.5, "momentum_buffer": "persist"},
 }
 
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Reproduces the runs behind docs/results/baselines_a.md (CPU, 2 cores). Results go to $OUT.
+#   bash docs/results/run_baselines_a.sh
+# FedProx, FedProx-FT, FedDyn, Ditto, APFL and Per-FedAvg (FO, HF) at their default
+# hyperparameters, with FedAvg and FedAvg-FT rerun at this commit as references, on the digits
+# partitions and presets of run_pgfed.sh and run_pfedsop.sh (same
+# seeds and data flags, hence the same clients as the pgfed.md / pfedsop.md tables).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-runs/baselines_a}
+
+baselines=(
+  --run "fedavg: --algo fedavg"
+  --run "fedavg_ft: --algo fedavg_ft"
+  --run "fedprox: --algo fedprox"
+  --run "fedprox_ft: --algo fedprox_ft"
+  --run "feddyn: --algo feddyn"
+  --run "ditto: --algo ditto"
+  --run "apfl: --algo apfl"
+  --run "perfedavg fo: --algo perfedavg"
+  --run "perfedavg hf: --algo perfedavg --perfedavg-variant hf"
+)
+
+# PGFed's protocol (as run_pgfed.sh): 25 clients, Dir(0.3), E = 5, B = 10, lr 0.005, momentum 0.9
+# (persistent buffers), 300 rounds, seeds 0, 1, 2.
+for group in ${GROUPS_TO_RUN:-digits digits:1 digits:2}; do
+  dataset=${group%%:*}; seed=0; dir=pgfed_$dataset
+  if [[ $group == *:* ]]; then seed=${group##*:}; dir=pgfed_${dataset}_seed$seed; fi
+  python experiments/compare.py --resume --out "$OUT/$dir" \
+    --title "Baselines, PGFed protocol (25 clients, Dir(0.3)) on $dataset, MLP, seed $seed" \
+    --common "--preset pgfed_paper --dataset $dataset --model mlp --rounds 300 --seed $seed" \
+    "${baselines[@]}"
+done
+
+# pFedSOP's protocol (as run_pfedsop.sh): 100 clients, 20 % participation, one epoch of batch 50,
+# 100 rounds; lr 0.1 (the learning rate selected for every method on digits in pfedsop.md).
+for preset in ${PRESETS:-pfedsop_paper pfedsop_paper_shards}; do
+  extra=""
+  [ "$preset" = pfedsop_paper ] && extra="--partition dirichlet_client"
+  python experiments/compare.py --resume --out "$OUT/pfedsop_digits_${preset}" \
+    --title "Baselines, pFedSOP protocol ($preset) on digits, MLP, lr 0.1" \
+    --common "--preset $preset --dataset digits --model mlp $extra --lr 0.1" \
+    "${baselines[@]}"
+done
