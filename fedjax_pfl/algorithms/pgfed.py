@@ -103,7 +103,8 @@ def pgfed(
         idx = engine.sample(sample_key, data)                                        # S_t
         m = idx.shape[0]
         c = core.gather(state.clients, idx)
-        alpha_sp = state.alpha[idx][:, state.prev_idx]                               # A[S, P]
+        # A[S, P] in float32 whatever the storage (--state-dtype): the α steps accumulate in it.
+        alpha_sp = state.alpha[idx][:, state.prev_idx].astype(jnp.float32)             # A[S, P]
         downloaded = jax.tree.map(lambda g: mu * jnp.tensordot(alpha_sp, g, axes=1),
                                   state.prev_grads)                                  # C = μ A G
         if first_aux == "copy":
@@ -131,7 +132,7 @@ def pgfed(
         # The α statistics in O(M·N), never an N×N temporary: only rows S changed.
         real = data.num_real_clients
         row_sum = state.alpha_row_sum.at[idx].set(
-            jnp.sum(alpha[idx, :real].astype(jnp.float32), axis=1))
+            jnp.sum(alpha[idx, :real].astype(jnp.float32), axis=1).astype(state.alpha_row_sum.dtype))
         zeros = (state.alpha_zeros + jnp.sum(alpha[block] == 0) - jnp.sum(state.alpha[block] == 0)
                  ).astype(jnp.int32)
         rows = ClientState(theta, result.opt_state if engine.persist_opt_state else None, aux,

@@ -77,3 +77,18 @@ def test_padding_clients_are_never_sampled_and_not_evaluated():
     np.testing.assert_array_equal(m["sampled"], [0, 1, 2])
     ev = algo.evaluate(state, data)["client"]
     assert int(ev.count[3]) == 0 and np.isnan(float(ev.accuracy[3]))
+
+
+@pytest.mark.parametrize("name", ["pgfedmo", "tdpfed", "feddyn", "apfl", "fedrod"])
+def test_bfloat16_state_runs_every_state_layout(ragged_data, name):
+    # α matrices, factor trees, correction states, mixing weights, class priors: every kind of
+    # per-client leaf stored in bfloat16 must come back as float32 for the round's loops
+    # (pgfedmo once failed: its α block entered a while_loop as bfloat16).
+    half = program(name, ragged_data, state_dtype="bfloat16")
+    full = program(name, ragged_data)
+    got, _ = half.run_rounds(half.init(jax.random.key(0)), jax.random.key(1), 0, 2)
+    ref, _ = full.run_rounds(full.init(jax.random.key(0)), jax.random.key(1), 0, 2)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        if jnp.issubdtype(r.dtype, jnp.floating):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                       rtol=5e-2, atol=5e-2)
