@@ -60,9 +60,14 @@ def test_missing_dataset_names_the_files_and_fails_fast(tmp_path, capsys, monkey
     assert "train-images-idx3-ubyte.gz" in err and "--download" in err and str(tmp_path) in err
 
 
+def _env():
+    """The subprocess imports this checkout's package (not an installed copy)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
 def test_exit_status_of_the_real_script():
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), "--alpha", "0"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=_env())
     assert proc.returncode == 2
     assert proc.stderr.strip() == "run.py: error: --alpha must be > 0, got 0.0"
 
