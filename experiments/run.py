@@ -351,19 +351,46 @@ def _resume_config(args, runner):
     return cfg
 
 
-def _main(argv: list[str] | None) -> int:
-    import fedjax_pfl
+class _DeferInterrupts:
+    """Holds back Ctrl-C while JAX and the package are imported (a KeyboardInterrupt inside a
+    C extension's initialisation surfaces as an ImportError traceback), then raises it."""
 
-    args = parse(argv)
-    if args.coordinator:
-        if not 0 <= args.process_id < args.num_processes:
-            _fail(f"--process-id must be in [0, --num-processes), got {args.process_id}")
-        fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
-    else:
-        fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (no-op on GPU)
-    from fedjax_pfl import core, runner
-    from fedjax_pfl.checkpoint import CheckpointError
-    from fedjax_pfl.data.sources import DatasetNotFoundError
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.hit, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            def note(signum, frame):
+                self.hit = True
+            self.previous = signal.signal(signal.SIGINT, note)
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            if self.hit and exc_type is None:
+                raise KeyboardInterrupt
+        return False
+
+
+def _main(argv: list[str] | None) -> int:
+    with _DeferInterrupts():
+        import fedjax_pfl
+
+        args = parse(argv)
+        if args.coordinator:
+            if not 0 <= args.process_id < args.num_processes:
+                _fail(f"--process-id must be in [0, --num-processes), got {args.process_id}")
+            fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
+        else:
+            fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (not on GPU)
+        from fedjax_pfl import core, runner
+        from fedjax_pfl.checkpoint import CheckpointError
+        from fedjax_pfl.data.sources import DatasetNotFoundError
+        import orbax.checkpoint  # noqa: F401  (imported here, not in the middle of a run)
 
     with runner.interruptible():
         try:
@@ -389,7 +416,7 @@ def _main(argv: list[str] | None) -> int:
             runner.clear_out(cfg.out)
             return _run_seeds(cfg, args.seeds, data, info)
         try:
-            summary = runner.run(cfg, prepared=prepared)
+            summary = runner.run(cfg, prepared=prepared, log=lambda s: print(s, flush=True))
         except runner.NonFiniteError as e:
             _fail(str(e), code=1)
         except (core.MemoryPlanError, runner.ResumeError, CheckpointError) as e:

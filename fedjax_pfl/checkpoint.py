@@ -73,7 +73,9 @@ def save(path: str, state: Any, *, metadata: dict | None = None,
             arrays[f"{i:06d}"] = value
             described.append({"path": jax.tree_util.keystr(key_path), "shape": list(np.shape(leaf)),
                               "dtype": str(leaf.dtype) if hasattr(leaf, "dtype") else
-                              str(np.asarray(leaf).dtype), "prng_key": is_key})
+                              str(np.asarray(leaf).dtype), "prng_key": is_key,
+                              "stored_shape": list(np.shape(value)),
+                              "stored_dtype": str(value.dtype)})
         os.makedirs(tmp)
         checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
         checkpointer.save(os.path.join(tmp, _ARRAYS), args=ocp.args.StandardSave(arrays))
@@ -116,6 +118,22 @@ def read_host(path: str) -> dict[str, np.ndarray]:
         return {}
     with np.load(file) as z:
         return {k: z[k] for k in z.files}
+
+
+def load_numpy(path: str) -> dict[str, np.ndarray]:
+    """Every saved leaf as a host numpy array, keyed by its pytree path (PRNG keys as their key
+    data): to inspect or compare checkpoints without the state they came from."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    meta = _read_meta(path)
+    targets = {f"{i:06d}": np.zeros(leaf["stored_shape"], jnp.dtype(leaf["stored_dtype"]))
+               for i, leaf in enumerate(meta["leaves"])}
+    checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    restored = checkpointer.restore(os.path.join(os.path.abspath(path), _ARRAYS),
+                                    args=ocp.args.StandardRestore(targets))
+    return {leaf["path"] or str(i): np.asarray(restored[f"{i:06d}"])
+            for i, leaf in enumerate(meta["leaves"])}
 
 
 def restore(path: str, like: Any) -> Any:
@@ -166,8 +184,7 @@ def restore(path: str, like: Any) -> Any:
     for i, (kind, extra, sharding) in enumerate(kinds):
         value = restored[f"{i:06d}"]
         if kind == "key":
-            impl = jax.random.key_impl(jax.random.key(0)) if extra is None else None
-            value = jax.random.wrap_key_data(value, impl=_key_impl(extra) or impl)
+            value = jax.random.wrap_key_data(value, impl=_key_impl(extra))
             if sharding is not None:
                 value = jax.device_put(value, sharding)
         elif kind == "numpy":
@@ -187,10 +204,8 @@ def _is_prng_key(leaf) -> bool:
 
 
 def _key_impl(dtype):
-    try:
-        return dtype._impl.name
-    except AttributeError:
-        return None
+    """The PRNG implementation of a key dtype (None: JAX's default)."""
+    return getattr(dtype, "_impl", None)
 
 
 def _read_meta(path: str) -> dict:
