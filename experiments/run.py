@@ -41,13 +41,12 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS):
+        if ("default" in text.lower() or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
 
 
-# Flags that may be given with --resume without repeating the run's configuration.
-_RESUME_FLAGS = {"resume", "out", "rounds", "quiet", "no_memory_check", "checkpoint_every"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,6 +226,8 @@ def config_from_args(args: argparse.Namespace):
             continue
         flag = "--" + key[4:].replace("_", "-")
         if flag not in mine:
+            if key not in getattr(args, "explicit", {key}):   # a saved run's setting (--resume)
+                continue
             raise ValueError(f"{flag} does not apply to --algo {args.algo}")
         hparams[mine[flag].name] = value
     synthetic = args.dataset == "synthetic"
@@ -256,8 +257,12 @@ def config_from_args(args: argparse.Namespace):
                      checkpoint_every=args.checkpoint_every, resume=args.resume is not None)
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def parse(argv: list[str] | None = None, base_defaults: dict | None = None) -> argparse.Namespace:
+    """The flags; `base_defaults` (dest -> value) replace the defaults (a preset and explicit
+    flags still win): --resume parses the flags on top of the saved run's configuration."""
     parser = build_parser()
+    if base_defaults:
+        parser.set_defaults(**base_defaults)
     pre, _ = parser.parse_known_args(argv)
     preset_hparams: dict = {}
     if pre.preset:
@@ -279,7 +284,29 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.preset_hparams = preset_hparams
     args.explicit = _explicit_dests(argv)
+    args.argv = argv
     return args
+
+
+def _saved_defaults(record: dict) -> dict:
+    """argparse defaults (dest -> value) that reproduce a saved config.json record."""
+    from fedjax_pfl import algorithms
+
+    part = record["partition"]
+    out = {key: record[key] for key in ("algo", "dataset", "model", "model_cr", "rounds", "seed",
+                                        "eval_every", "eval_clients", "rounds_per_call",
+                                        "state_dtype") if key in record}
+    out.update(partition=part["scheme"], clients=part["num_clients"], alpha=part["alpha"],
+               min_size=part["min_size"], classes_per_client=part["classes_per_client"],
+               shards_per_client=part["shards_per_client"], shard_size=part["shard_size"],
+               clusters=part["clusters"], test_fraction=part["test_fraction"])
+    out.update({k: v for k, v in record.get("data_options", {}).items()})
+    if "checkpoint_every" in record:
+        out["checkpoint_every"] = record["checkpoint_every"]
+    for hp, flag in algorithms.spec(record["algo"]).all_hparams():
+        if hp.name in record.get("hparams", {}):
+            out["hp__" + flag.lstrip("-").replace("-", "_")] = record["hparams"][hp.name]
+    return out
 
 
 def _explicit_dests(argv: list[str] | None) -> set[str]:
@@ -334,14 +361,8 @@ def _resume_config(args, runner):
     args.out = out
     runner.check_out(out, resume=True)
     saved = runner.read_config(out)
-    if args.explicit - _RESUME_FLAGS - {"preset"} or args.preset:
-        cfg = config_from_args(args)     # the full flags again: they must match the saved run
-    else:
-        cfg = runner.config_from_record(saved)
-        if "rounds" in args.explicit:
-            cfg.rounds = args.rounds
-        if "checkpoint_every" in args.explicit:
-            cfg.checkpoint_every = args.checkpoint_every
+    # Flags on top of the saved configuration: those given must agree with it (checked below).
+    cfg = config_from_args(parse(args.argv, base_defaults=_saved_defaults(saved)))
     cfg.out, cfg.resume = out, True
     cfg.progress = not args.quiet
     cfg.memory_check = not args.no_memory_check

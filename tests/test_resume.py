@@ -48,7 +48,11 @@ def _host(leaf):
     return np.asarray(leaf)
 
 
-@pytest.mark.parametrize("algo", algorithms.names())
+FAST = ("fedavg", "pfedsop")     # the rest compile for longer: -m slow runs every algorithm
+
+
+@pytest.mark.parametrize("algo", [a if a in FAST else pytest.param(a, marks=pytest.mark.slow)
+                                  for a in algorithms.names()])
 def test_resume_at_round_k_equals_uninterrupted(algo, tmp_path):
     data = make_data([7, 23, 12, 5, 9, 14])
     cfg = _config(algo, tmp_path / "full", ROUNDS)
