@@ -530,6 +530,7 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
         if resume_from is not None:
             like = state if state is not None else program._abstract_with_shardings()
             state, prog, round_keys, first = _load_checkpoint(resume_from, like, prep)
+            assert first == prog.round, (first, prog.round)     # the RNG position is the round
             if prog.round > cfg.rounds:
                 raise ResumeError(f"--rounds {cfg.rounds} is less than the {prog.round} rounds the "
                                  f"checkpoint {resume_from} has done")
@@ -569,7 +570,8 @@ def _start_files(out: str, prep: Prepared, prog: _Progress) -> None:
 def _rounds(cfg, prep, program, state, round_keys, prog: _Progress, out, log, primary, t_start):
     """Phase 3: the rounds from `prog.round` to `cfg.rounds`, with evaluation and checkpoints."""
     n_real = prep.data.num_real_clients
-    every = cfg.checkpoint_interval() if out else 0
+    # Multi-process runs: orbax would need every process to write its shards; not done yet.
+    every = cfg.checkpoint_interval() if out and jax.process_count() == 1 else 0
     metrics_file = open(os.path.join(out, "metrics.jsonl"), "a") if out else None
     bar = _progress(cfg.rounds, cfg.progress and primary, initial=prog.round)
     try:
