@@ -50,6 +50,14 @@ def _same_config(run_dir: str, cfg) -> bool:
     return all(_same_value(saved.get("hparams", {}).get(k), v) for k, v in wanted["hparams"].items())
 
 
+def _summary(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def _same_value(saved, flag) -> bool:
     """A resolved hyperparameter against a flag's value (the CLI keeps "0.01" as text)."""
     if saved == flag:
@@ -68,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--title", default="", help="heading of results.md")
     p.add_argument("--resume", action="store_true",
                    help="reuse runs whose directory already holds a summary.json of the same "
-                        "configuration (a run whose flags changed is run again)")
+                        "configuration (a run whose flags changed is run again; an interrupted "
+                        "run continues from its last checkpoint)")
     args = p.parse_args(argv)
 
     import fedjax_pfl
@@ -95,10 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         command = "python experiments/run.py " + " ".join(argv_run[:-3])
         summary_path = os.path.join(cfg.out, "summary.json")
         diverged = None
-        finished = args.resume and os.path.exists(summary_path)
-        reuse = finished and _same_config(cfg.out, cfg)
-        if finished and not reuse:
+        saved = _summary(summary_path) if args.resume else None
+        same = saved is not None and _same_config(cfg.out, cfg)
+        finished = saved is not None and not saved.get("interrupted", False)
+        reuse = finished and same
+        if saved is not None and not same:
             print("   its saved run has another configuration: running it again", flush=True)
+        elif saved is not None and not finished:
+            # Stopped (Ctrl-C) earlier: continue from its last checkpoint, bit for bit.
+            print(f"   it was interrupted after round {saved.get('last_completed_round')}: "
+                  "resuming it", flush=True)
+            cfg.resume = True
         if reuse:
             summary = json.load(open(summary_path))
         else:

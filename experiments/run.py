@@ -3,17 +3,20 @@
 
     python experiments/run.py --algo fedavg                       # embedded digits, 20 clients
     python experiments/run.py --algo pgfedmo --rounds 100
-    python experiments/run.py --preset pgfed_cifar --dataset fashion_mnist --algo pgfed
+    python experiments/run.py --preset pgfed_paper --dataset fashion_mnist --algo pgfed
+    python experiments/run.py --resume runs/pgfed_digits_20260101-120000   # after Ctrl-C / a crash
 
 Every algorithm's hyperparameters are flags (`--help` lists them with their defaults per
 algorithm). Bad input exits with status 2 and a one-line message naming the flag, before any
-computation.
+computation. Ctrl-C ends a run with status 130, leaving its record (metrics, an interrupted
+summary, the last checkpoint) in --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -33,6 +36,19 @@ class _Parser(argparse.ArgumentParser):
         _fail(f"{message} (see --help)")
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" only to help texts that do not already state their default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text.lower() or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fedjax_pfl import algorithms
     from fedjax_pfl.algorithms.base import COMMON_HPARAMS
@@ -42,12 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(
         prog="run.py", description="Simulate a (personalised) federated learning algorithm.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
         epilog="Algorithms: " + "; ".join(
             f"{n}: {algorithms.spec(n).summary}" for n in algorithms.names()),
     )
     g = p.add_argument_group("run")
-    g.add_argument("--algo", default="fedavg", help=f"algorithm, one of {algorithms.names()}")
+    g.add_argument("--algo", default=None,
+                   help=f"algorithm, one of {algorithms.names()} (default fedavg; required with "
+                        "a --preset that does not name one)")
     g.add_argument("--preset", default=None,
                    help=f"load defaults from experiments/configs/NAME.json; explicit flags win. "
                         f"Available: {_presets()}")
@@ -79,7 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "same flags and its own --process-id; jax.distributed, gloo on CPU)")
     g.add_argument("--num-processes", type=int, default=1, help="multi-process run: process count")
     g.add_argument("--process-id", type=int, default=0, help="multi-process run: this process")
-    g.add_argument("--out", default=None, help="output directory (default runs/ALGO_DATASET_TIME)")
+    g.add_argument("--out", default=None,
+                   help="output directory (default runs/ALGO_DATASET_TIME); one that holds files is "
+                        "refused unless --overwrite or --resume")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the run files already in --out (a new run never mixes its files "
+                        "with stale ones)")
+    g.add_argument("--checkpoint-every", type=int, default=None,
+                   help="write the full state to OUT/checkpoints every K rounds and after the last "
+                        "(default 10, rounded up to a multiple of --rounds-per-call; 0: never)")
+    g.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
+                   help="continue the run in DIR (or --out) from its last checkpoint, with the "
+                        "configuration saved there (metrics identical to an uninterrupted run); "
+                        "other flags must match it, except --rounds (to extend the run), "
+                        "--checkpoint-every, --quiet and --no-memory-check")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--model", default=None,
                    help=f"one of {list(models.MODELS)}; default per dataset (mlp for digits/mnist-"
@@ -168,8 +199,20 @@ def config_from_args(args: argparse.Namespace):
     from fedjax_pfl.data.build import PartitionConfig
     from fedjax_pfl.runner import RunConfig
 
+    if args.algo is None:
+        if args.preset:
+            raise ValueError(f"--preset {args.preset} is a protocol shared by several algorithms: "
+                             f"name one with --algo (one of {algorithms.names()})")
+        args.algo = "fedavg"
     if args.algo not in algorithms.names():
         raise ValueError(f"--algo must be one of {algorithms.names()}, got {args.algo!r}")
+    for key, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"--{key.replace('_', '-')} must be finite, got {value}")
+    if args.seeds is not None:
+        for seed in args.seeds:
+            if not 0 <= seed < 2**32:
+                raise ValueError(f"--seeds must be in [0, 2**32), got {seed}")
     spec = algorithms.spec(args.algo)
     mine = {flag: hp for hp, flag in spec.all_hparams()}
     hparams = {}
@@ -183,6 +226,8 @@ def config_from_args(args: argparse.Namespace):
             continue
         flag = "--" + key[4:].replace("_", "-")
         if flag not in mine:
+            if key not in getattr(args, "explicit", {key}):   # a saved run's setting (--resume)
+                continue
             raise ValueError(f"{flag} does not apply to --algo {args.algo}")
         hparams[mine[flag].name] = value
     synthetic = args.dataset == "synthetic"
@@ -208,12 +253,18 @@ def config_from_args(args: argparse.Namespace):
                      rounds=args.rounds, seed=args.seed, eval_every=args.eval_every,
                      eval_clients=args.eval_clients, rounds_per_call=args.rounds_per_call,
                      state_dtype=args.state_dtype, memory_check=not args.no_memory_check, out=out,
-                     hparams=hparams, data_options=data_options, progress=not args.quiet)
+                     hparams=hparams, data_options=data_options, progress=not args.quiet,
+                     checkpoint_every=args.checkpoint_every, resume=args.resume is not None)
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def parse(argv: list[str] | None = None, base_defaults: dict | None = None) -> argparse.Namespace:
+    """The flags; `base_defaults` (dest -> value) replace the defaults (a preset and explicit
+    flags still win): --resume parses the flags on top of the saved run's configuration."""
     parser = build_parser()
+    if base_defaults:
+        parser.set_defaults(**base_defaults)
     pre, _ = parser.parse_known_args(argv)
+    preset_hparams: dict = {}
     if pre.preset:
         path = CONFIG_DIR / f"{pre.preset}.json"
         if not path.exists():
@@ -221,7 +272,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         preset = json.loads(path.read_text())
         preset.pop("_doc", None)
         dests = {a.dest for a in parser._actions}
-        defaults, preset_hparams = {}, {}
+        defaults = {}
         for key, value in preset.items():
             if key in dests:
                 defaults[key] = value
@@ -230,10 +281,41 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             else:
                 _fail(f"preset {pre.preset}: unknown setting {key!r}")
         parser.set_defaults(**defaults)
-        args = parser.parse_args(argv)
-        args.preset_hparams = preset_hparams
-        return args
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.preset_hparams = preset_hparams
+    args.explicit = _explicit_dests(argv)
+    args.argv = argv
+    return args
+
+
+def _saved_defaults(record: dict) -> dict:
+    """argparse defaults (dest -> value) that reproduce a saved config.json record."""
+    from fedjax_pfl import algorithms
+
+    part = record["partition"]
+    out = {key: record[key] for key in ("algo", "dataset", "model", "model_cr", "rounds", "seed",
+                                        "eval_every", "eval_clients", "rounds_per_call",
+                                        "state_dtype") if key in record}
+    out.update(partition=part["scheme"], clients=part["num_clients"], alpha=part["alpha"],
+               min_size=part["min_size"], classes_per_client=part["classes_per_client"],
+               shards_per_client=part["shards_per_client"], shard_size=part["shard_size"],
+               clusters=part["clusters"], test_fraction=part["test_fraction"])
+    out.update({k: v for k, v in record.get("data_options", {}).items()})
+    if "checkpoint_every" in record:
+        out["checkpoint_every"] = record["checkpoint_every"]
+    for hp, flag in algorithms.spec(record["algo"]).all_hparams():
+        if hp.name in record.get("hparams", {}):
+            out["hp__" + flag.lstrip("-").replace("-", "_")] = record["hparams"][hp.name]
+    return out
+
+
+def _explicit_dests(argv: list[str] | None) -> set[str]:
+    """The destinations of the flags given on the command line (not defaults, not a preset)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given, _ = parser.parse_known_args(argv)
+    return set(vars(given))
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -242,47 +324,132 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import fedjax_pfl
+    """The command line; returns the exit status (0, 1 on divergence, 2 on bad input, 130 on
+    Ctrl-C). Errors before any computation raise SystemExit(2) with one line on stderr."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:
+        _report_interrupt(e)
+        return 130
 
-    args = parse(argv)
-    if args.coordinator:
-        if not 0 <= args.process_id < args.num_processes:
-            _fail(f"--process-id must be in [0, --num-processes), got {args.process_id}")
-        fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
+
+def _report_interrupt(e: KeyboardInterrupt) -> None:
+    from fedjax_pfl import runner
+
+    if isinstance(e, runner.Interrupted) and e.out:
+        where = (f"during compilation" if e.phase == "compile" else f"after round {e.last_round}")
+        ckpt = ("no checkpoint yet" if e.checkpoint_round is None
+                else f"last checkpoint: round {e.checkpoint_round}")
+        print(f"run.py: interrupted {where}; {e.out} records what finished ({ckpt}); continue "
+              f"with: python experiments/run.py --resume {e.out}", file=sys.stderr, flush=True)
     else:
-        fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (no-op on GPU)
-    from fedjax_pfl import core, runner
-    from fedjax_pfl.data.sources import DatasetNotFoundError
+        print("run.py: interrupted before the run started; nothing was written", file=sys.stderr,
+              flush=True)
 
-    try:
-        cfg = config_from_args(args)
-        cfg.validate()
-        data, info = runner.load_data(cfg)
-        prepared = runner.prepare(cfg, data, info)     # builds the algorithm: its checks too
-    except DatasetNotFoundError as e:
-        # One line, but keep everything the message says (where we looked, what to put where).
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        _fail(f"--dataset {args.dataset}: {lines[0]} " + "; ".join(lines[1:]))
-    except ValueError as e:
-        _fail(" ".join(str(e).split()))
-    print(f"{cfg.algo} on {cfg.dataset}: {info['num_clients']} clients "
-          f"({info['train_size']['total']} train / {info['test_size']['total']} test samples), "
-          f"output in {cfg.out}")
+
+def _resume_config(args, runner):
+    """--resume: the RunConfig of the run in the directory, with the flags that may change."""
+    out = args.resume or args.out
+    if not out:
+        raise ValueError("--resume needs the run's directory: --resume DIR (or --out DIR)")
+    if args.resume and args.out and os.path.abspath(args.resume) != os.path.abspath(args.out):
+        raise ValueError(f"--resume {args.resume} and --out {args.out} name different directories")
     if args.seeds and len(args.seeds) > 1:
-        return _run_seeds(cfg, args.seeds, data, info)
-    try:
-        summary = runner.run(cfg, prepared=prepared)
-    except runner.NonFiniteError as e:
-        _fail(str(e), code=1)
-    except core.MemoryPlanError as e:
-        _fail(" ".join(str(e).split()))
+        raise ValueError("--resume does not apply to --seeds runs")
+    if args.overwrite:
+        raise ValueError("--resume continues the run in --out; --overwrite would replace it")
+    args.out = out
+    runner.check_out(out, resume=True)
+    saved = runner.read_config(out)
+    # Flags on top of the saved configuration: those given must agree with it (checked below).
+    cfg = config_from_args(parse(args.argv, base_defaults=_saved_defaults(saved)))
+    cfg.out, cfg.resume = out, True
+    cfg.progress = not args.quiet
+    cfg.memory_check = not args.no_memory_check
+    conflict = runner.resume_conflicts(cfg, cfg.validate(), runner.model_name_of(cfg), saved)
+    if conflict:
+        raise ValueError(conflict)
+    return cfg
+
+
+class _DeferInterrupts:
+    """Holds back Ctrl-C while JAX and the package are imported (a KeyboardInterrupt inside a
+    C extension's initialisation surfaces as an ImportError traceback), then raises it."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.hit, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            def note(signum, frame):
+                self.hit = True
+            self.previous = signal.signal(signal.SIGINT, note)
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            if self.hit and exc_type is None:
+                raise KeyboardInterrupt
+        return False
+
+
+def _main(argv: list[str] | None) -> int:
+    with _DeferInterrupts():
+        import fedjax_pfl
+
+        args = parse(argv)
+        if args.coordinator:
+            if not 0 <= args.process_id < args.num_processes:
+                _fail(f"--process-id must be in [0, --num-processes), got {args.process_id}")
+            fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
+        else:
+            fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (not on GPU)
+        from fedjax_pfl import core, runner
+        from fedjax_pfl.checkpoint import CheckpointError
+        from fedjax_pfl.data.sources import DatasetNotFoundError
+        import orbax.checkpoint  # noqa: F401  (imported here, not in the middle of a run)
+
+    with runner.interruptible():
+        try:
+            if args.resume is not None:
+                cfg = _resume_config(args, runner)
+            else:
+                cfg = config_from_args(args)
+                cfg.validate()
+                runner.check_out(cfg.out, overwrite=args.overwrite)
+            data, info = runner._compute(runner.load_data, cfg)
+            prepared = runner._compute(runner.prepare, cfg, data, info)   # the algorithm's checks
+        except DatasetNotFoundError as e:
+            # One line, but keep everything the message says (where we looked, what to put where).
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            _fail(f"--dataset {cfg.dataset}: {lines[0]} " + "; ".join(lines[1:]))
+        except ValueError as e:
+            _fail(" ".join(str(e).split()))
+        n = info["num_clients"]
+        print(f"{cfg.algo} on {cfg.dataset}: {n} client{'' if n == 1 else 's'} "
+              f"({info['train_size']['total']} train / {info['test_size']['total']} test samples), "
+              f"output in {cfg.out}", flush=True)
+        if args.seeds and len(args.seeds) > 1:
+            runner.clear_out(cfg.out)
+            return _run_seeds(cfg, args.seeds, data, info)
+        try:
+            summary = runner.run(cfg, prepared=prepared, log=lambda s: print(s, flush=True))
+        except runner.NonFiniteError as e:
+            _fail(str(e), code=1)
+        except (core.MemoryPlanError, runner.ResumeError, CheckpointError) as e:
+            _fail(" ".join(str(e).split()))
     best, last = summary["best"], summary["last"]
     print(f"done in {summary['wall_time_s']:.1f}s (compile {summary['compile_time_s']:.1f}s, "
           f"{summary['time_per_round_s'] * 1e3:.1f} ms/round, "
           f"{summary['client_steps_per_s']:.0f} client-steps/s)")
     for key in ("acc_mean", "acc_weighted", "acc_worst10", "global_acc_mean", "participant_best_mean"):
         if key in last:
-            print(f"  {key:<22} last {last[key]:.4f}   best {best[key]:.4f}")
+            print(f"  {key:<22} last {last[key]:.4f}   best {best[key]:.4f} "
+                  f"(round {summary['best_round'][key]})")
     for key, value in summary.get("communication", {}).items():
         if key.endswith("_total"):
             print(f"  {key:<32} {value:,.0f}")
@@ -322,4 +489,13 @@ def _run_seeds(cfg, seeds, data, info) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+    except KeyboardInterrupt:            # Ctrl-C while Python starts up (imports)
+        print("run.py: interrupted before the run started; nothing was written", file=sys.stderr)
+        status = 130
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # After Ctrl-C a worker thread may still be inside XLA: leave without interpreter teardown
+    # (tearing down around it is what used to end in a segfault, exit -11).
+    os._exit(status) if status == 130 else sys.exit(status)

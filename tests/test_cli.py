@@ -40,6 +40,20 @@ def no_compute(monkeypatch):
     (["--batch-size", "ten"], "--batch-size must be int, got 'ten'"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--preset", "nope"], "--preset 'nope' not found"),
+    (["--lr", "inf"], "--lr must be finite, got inf"),
+    (["--lr", "nan"], "--lr must be > 0, got nan"),
+    (["--alpha", "inf"], "--alpha must be finite, got inf"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+    (["--seeds", "1", "-2"], "--seeds must be in [0, 2**32), got -2"),
+    (["--model", "cnn"], "--model cnn needs images of at least 16x16"),
+    (["--model", "resnet18"], "--model resnet18 needs images of at least 16x16"),
+    (["--algo", "pfedsop", "--momentum", "0.9"], "--momentum must be 0, got 0.9"),
+    (["--preset", "pgfed_paper"], "--preset pgfed_paper is a protocol shared by several algorithms"),
+    (["--clients", "200", "--min-size", "10"], "use at most --clients 179"),
+    (["--checkpoint-every", "3", "--rounds-per-call", "2", "--eval-every", "2"],
+     "--checkpoint-every 3 must be a multiple of --rounds-per-call 2"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+    (["--resume"], "--resume needs the run's directory"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, capsys, no_compute):
     with pytest.raises(SystemExit) as exc:
@@ -60,9 +74,14 @@ def test_missing_dataset_names_the_files_and_fails_fast(tmp_path, capsys, monkey
     assert "train-images-idx3-ubyte.gz" in err and "--download" in err and str(tmp_path) in err
 
 
+def _env():
+    """The subprocess imports this checkout's package (not an installed copy)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
 def test_exit_status_of_the_real_script():
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), "--alpha", "0"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=_env())
     assert proc.returncode == 2
     assert proc.stderr.strip() == "run.py: error: --alpha must be > 0, got 0.0"
 
@@ -88,6 +107,13 @@ def test_a_short_run_writes_every_output_file(tmp_path):
     assert "global_acc_mean" in rows[2]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["best"]["acc_mean"] == max(rows[1]["acc_mean"], rows[2]["acc_mean"])
+    best_round = 2 if rows[1]["acc_mean"] >= rows[2]["acc_mean"] else 3
+    assert summary["best_round"]["acc_mean"] == best_round
+    # "best" is for accuracies only: a best round time or step count means nothing.
+    assert not {"round_time", "client_steps", "train_loss", "acc_std"} & set(summary["best"])
+    assert summary["last"]["client_steps"] == rows[2]["client_steps"]
+    assert summary["interrupted"] is False and summary["last_completed_round"] == 3
+    assert sorted(os.listdir(out / "checkpoints")) == ["round_000003"]    # the end, at least
     assert summary["last"]["acc_mean"] == rows[2]["acc_mean"]
     assert summary["clients_per_round"] == 2 and summary["compile_time_s"] > 0
     config = json.loads((out / "config.json").read_text())
@@ -102,3 +128,101 @@ def test_divergence_names_round_and_clients(tmp_path):
                            partition=runner.PartitionConfig(num_clients=4))
     with pytest.raises(runner.NonFiniteError, match=r"round 1: clients \[.*\] have a non-finite"):
         runner.run(cfg)
+
+
+def test_help_states_each_default_once():
+    text = " ".join(cli.build_parser().format_help().split())
+    text = text[text.index("show this help message"):]              # the flags, not the usage
+    assert "(default: None)" not in text
+    for flag, following in [("--lr FLOAT", "--momentum FLOAT"), ("--rounds ROUNDS", "--seed SEED"),
+                            ("--seed SEED", "--seeds SEEDS"), ("--out OUT", "--overwrite")]:
+        part = text[text.index(flag):text.index(following)]
+        assert part.count("default") == 1, part
+
+
+def _short(out, *more):
+    return ["--rounds", "2", "--clients", "4", "--participation", "0.5", "--local-steps", "1",
+            "--out", str(out), "--quiet", *more]
+
+
+def test_out_holding_another_run_is_refused_unless_overwrite(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(_short(out, "--seed", "1")) == 0
+    (out / "notes.txt").write_text("mine")                    # not a run file: kept
+    (out / "seed_3").mkdir()                                  # a stale --seeds run: removed
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(_short(out, "--seed", "2"))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {out} already holds files" in err and "--overwrite" in err
+    assert (out / "metrics.jsonl").read_text() == before      # untouched
+    assert cli.main(_short(out, "--seed", "2", "--overwrite", "--rounds", "1")) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert sorted(os.listdir(out)) == sorted(["config.json", "metrics.jsonl", "summary.json",
+                                              "client_metrics.npz", "learning_curve.png",
+                                              "label_distribution.png", "checkpoints", "notes.txt"])
+    assert json.loads((out / "config.json").read_text())["seed"] == 2
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda p: (p.write_text("x"), p)[1], "is an existing file, not a directory"),
+    (lambda p: (p.write_text("x"), p / "sub")[1], "cannot be created"),
+])
+def test_out_that_cannot_be_a_directory_fails_first(tmp_path, capsys, no_compute, make, message):
+    out = make(tmp_path / "f")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--out", str(out), "--quiet"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"run.py: error: --out {out}") and message in err
+
+
+def test_out_that_is_not_writable_fails_first(tmp_path, capsys, no_compute):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as root: permissions are not enforced")
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["--out", str(locked / "run"), "--quiet"])
+        assert exc.value.code == 2 and "is not writable" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)
+
+
+def test_resume_refuses_incompatible_flags_and_extends_rounds(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(_short(out, "--algo", "pfedsop", "--pfedsop-rho", "2")) == 0
+    for flags, named in [(["--pfedsop-rho", "3"], "--pfedsop-rho 2.0"),
+                         (["--algo", "fedavg"], "--algo 'pfedsop'"),
+                         (["--seed", "5"], "--seed 0"),
+                         (["--clients", "6"], "--clients 4")]:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(_short(out, "--resume", *flags))
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and named in err, (flags, err)
+    with pytest.raises(SystemExit):
+        cli.main(["--resume", str(tmp_path / "nothing")])
+    assert "holds no run to resume" in capsys.readouterr().err
+    # The same flags again, or none at all: it continues (here: two more rounds).
+    assert cli.main(_short(out, "--algo", "pfedsop", "--pfedsop-rho", "2", "--resume",
+                           "--rounds", "3")) == 0
+    assert cli.main(["--resume", str(out), "--rounds", "4", "--quiet"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert "resuming from" in capsys.readouterr().out
+
+
+def test_header_pluralises_clients(tmp_path, capsys):
+    assert cli.main(_short(tmp_path / "run")) == 0
+    assert "fedavg on digits: 4 clients (" in capsys.readouterr().out
+
+
+def test_preset_naming_its_algorithm_or_with_algo_runs(no_compute, capsys):
+    args = cli.parse(["--preset", "pgfed_paper", "--algo", "pgfed"])
+    cfg = cli.config_from_args(args)
+    assert cfg.algo == "pgfed" and cfg.hparams["mu"] == 0.1 and cfg.rounds == 300
+    assert cli.config_from_args(cli.parse([])).algo == "fedavg"        # no preset: the default

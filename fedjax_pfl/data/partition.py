@@ -56,12 +56,15 @@ def dirichlet(
         raise PartitionError(f"--alpha must be > 0, got {alpha}")
     if min_size * num_clients > labels.size:
         raise PartitionError(
-            f"--min-size {min_size} × --clients {num_clients} exceeds the {labels.size} samples"
+            f"--min-size {min_size} × --clients {num_clients} exceeds the {labels.size} samples: "
+            f"use at most --clients {labels.size // max(min_size, 1)}, or --min-size at most "
+            f"{labels.size // num_clients} (the mean client size; dirichlet rarely reaches it), or "
+            "--partition dirichlet_client (equal client sizes, any --alpha)"
         )
     rng = np.random.default_rng(seed)
     classes = np.unique(labels)
     cap = labels.size / num_clients
-    smallest = 0
+    smallest = best = 0
     for _ in range(max_tries):
         parts: list[list[int]] = [[] for _ in range(num_clients)]
         for c in classes:
@@ -76,12 +79,17 @@ def dirichlet(
             for client, piece in enumerate(np.split(members, cuts)):
                 parts[client].extend(piece.tolist())
         smallest = min(len(q) for q in parts)
+        best = max(best, smallest)
         if smallest >= min_size:
             return [np.sort(np.asarray(q, dtype=np.int64)) for q in parts]
+    # The draws do not depend on min_size: with the same seed, --min-size `best` succeeds.
+    feasible = (f"--min-size {best} works with this seed" if best > 0 else
+                "no draw gave every client a sample")
     raise PartitionError(
-        f"dirichlet partition: after {max_tries} draws the smallest client still has {smallest} "
-        f"samples < --min-size {min_size} (alpha={alpha}, {num_clients} clients, {labels.size} "
-        "samples); increase --alpha, lower --min-size or use fewer --clients"
+        f"dirichlet partition: in {max_tries} draws the smallest client never reached --min-size "
+        f"{min_size} (alpha={alpha}, {num_clients} clients, {labels.size} samples); {feasible}; "
+        "or raise --alpha (less skew), use fewer --clients, or --partition dirichlet_client "
+        "(equal client sizes, feasible for any --alpha)"
     )
 
 

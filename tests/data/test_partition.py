@@ -1,5 +1,7 @@
 """Partitioners: disjointness, coverage, the papers' setups, determinism and clear failures."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -49,8 +51,17 @@ def test_smaller_alpha_means_more_label_skew():
 
 
 def test_dirichlet_gives_up_with_a_clear_error():
-    with pytest.raises(P.PartitionError, match=r"after 5 draws.*--min-size 290"):
+    with pytest.raises(P.PartitionError, match=r"in 5 draws.*--min-size 290") as exc:
         P.dirichlet(LABELS, 20, alpha=0.05, seed=0, min_size=290, max_tries=5)
+    assert "dirichlet_client" in str(exc.value)
+    # The message's feasible --min-size really works with the same seed and draws.
+    feasible = int(re.search(r"--min-size (\d+) works", str(exc.value)).group(1))
+    assert 0 < feasible < 290
+    parts = P.dirichlet(LABELS, 20, alpha=0.05, seed=0, min_size=feasible, max_tries=5)
+    assert min(map(len, parts)) >= feasible
+    with pytest.raises(P.PartitionError, match=r"use at most --clients 1\b") as exc:
+        P.dirichlet(LABELS, 20, alpha=0.5, seed=0, min_size=LABELS.size)
+    assert "dirichlet_client" in str(exc.value)
     with pytest.raises(P.PartitionError, match="--alpha"):
         P.dirichlet(LABELS, 20, alpha=0.0, seed=0)
 
