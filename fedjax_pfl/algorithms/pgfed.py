@@ -103,8 +103,10 @@ def pgfed(
         idx = engine.sample(sample_key, data)                                        # S_t
         m = idx.shape[0]
         c = core.gather(state.clients, idx)
-        # A[S, P] in float32 whatever the storage (--state-dtype): the α steps accumulate in it.
-        alpha_sp = state.alpha[idx][:, state.prev_idx].astype(jnp.float32)             # A[S, P]
+        # A[S, P] at least float32 whatever the storage (--state-dtype): the α steps accumulate
+        # in it, and bfloat16 would round them away.
+        alpha_sp = state.alpha[idx][:, state.prev_idx]                                  # A[S, P]
+        alpha_sp = alpha_sp.astype(jnp.promote_types(alpha_sp.dtype, jnp.float32))
         downloaded = jax.tree.map(lambda g: mu * jnp.tensordot(alpha_sp, g, axes=1),
                                   state.prev_grads)                                  # C = μ A G
         if first_aux == "copy":
@@ -131,8 +133,8 @@ def pgfed(
         alpha = state.alpha.at[block].set(result.hook_state.astype(state.alpha.dtype))
         # The α statistics in O(M·N), never an N×N temporary: only rows S changed.
         real = data.num_real_clients
-        row_sum = state.alpha_row_sum.at[idx].set(
-            jnp.sum(alpha[idx, :real].astype(jnp.float32), axis=1).astype(state.alpha_row_sum.dtype))
+        new_row_sums = jnp.sum(alpha[idx, :real].astype(alpha_sp.dtype), axis=1)
+        row_sum = state.alpha_row_sum.at[idx].set(new_row_sums.astype(state.alpha_row_sum.dtype))
         zeros = (state.alpha_zeros + jnp.sum(alpha[block] == 0) - jnp.sum(state.alpha[block] == 0)
                  ).astype(jnp.int32)
         rows = ClientState(theta, result.opt_state if engine.persist_opt_state else None, aux,
