@@ -17,7 +17,8 @@ ROUNDS, STOP = 4, 2
 # special state (PGFed's N × N α matrix and persistent momentum rows, pFedSOP's per-client Δ).
 SMALL = {"participation": 0.5, "batch_size": 4, "local_steps": 2}
 EXTRA = {"pgfed": {"momentum": 0.9, "momentum_buffer": "persist"},
-         "fedavg": {"momentum": 0.5, "momentum_buffer": "persist"}}
+         "fedavg": {"momentum": 0.5, "momentum_buffer": "persist"},
+         "fedrep": {"local_steps": None, "local_epochs": 2}}   # FedRep counts its phases in epochs
 MODEL = {"tdpfed": "mlp", "fedpc": "mlp", "fedper": "mlp"}
 
 
@@ -25,7 +26,7 @@ def _config(algo, out, rounds, checkpoint_every=1, **kw):
     hparams = {**SMALL, **EXTRA.get(algo, {})}
     spec = algorithms.spec(algo)
     names = {hp.name for hp, _ in spec.all_hparams()}
-    hparams = {k: v for k, v in hparams.items() if k in names}
+    hparams = {k: v for k, v in hparams.items() if k in names and v is not None}
     return runner.RunConfig(algo=algo, model=MODEL.get(algo, "logreg"), rounds=rounds,
                             progress=False, memory_check=False, out=str(out),
                             checkpoint_every=checkpoint_every,
