@@ -251,7 +251,7 @@ class LocalTrainer:
         def probe(data, start, row):
             return step((data, start), init((data, start), row), jnp.zeros((), jnp.int32))
 
-        return ClientLoop(init, step, finish, length), probe
+        return ClientLoop(init, step, finish, length, uniform=self.steps is not None), probe
 
 
 def add_aux_gradient(name: str = "aux_grad") -> optax.GradientTransformationExtraArgs:
