@@ -374,7 +374,10 @@ def _resume_config(args, runner):
 
 class _DeferInterrupts:
     """Holds back Ctrl-C while JAX and the package are imported (a KeyboardInterrupt inside a
-    C extension's initialisation surfaces as an ImportError traceback), then raises it."""
+    C extension's initialisation surfaces as an ImportError traceback), then raises it.
+
+    The twin of `fedjax_pfl.runner._Deferred`, which cannot be used here: importing it imports
+    the package and JAX, the very imports this guards."""
 
     def __enter__(self):
         import signal
