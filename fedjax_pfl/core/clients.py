@@ -150,7 +150,8 @@ class ClientLoop(NamedTuple):
 
     `uniform` says that every client takes either 0 steps or one common number of them (a fixed
     step count K): no client can hold up the others, so the mapper compiles one stage instead of
-    the staged execution for unequal clients (which costs ~40 % more compile time of a round).
+    the staged execution for unequal clients (twice the compile time of a small PGFed round:
+    `benchmarks/compile_stages.py`).
     `shared` is a tuple of arguments common to all clients (the dataset, a global model). Written
     this way, the mapper knows each client's cost before running it and can group clients of
     similar length, so a long client does not hold up a wide vectorised batch (`ClientMapper`).
