@@ -298,6 +298,17 @@ class Engine:
         return self.trainer(data, params, opt_state, core.gather(data.clients, idx), keys,
                             extra=extra, hook_state=hook_state, shared_start=shared_start)
 
+    def evaluate_after_training(self, trainer: LocalTrainer, data: FederatedData, params: Params,
+                                key: jax.Array, ids: jax.Array | None) -> core.ClientEval:
+        """Each evaluated client (`ids`, or all) trains its own copy of the shared model `params`
+        with `trainer` (FT's fine-tuning, Per-FedAvg's adaptation step), from a fresh optimizer
+        state, and is evaluated with the model it ends with."""
+        ids = evaluated_ids(data, ids)
+        opt = core.broadcast(trainer.init_opt_state(params), ids.shape[0])
+        trained = trainer(data, params, opt, core.gather(data.clients, ids), client_keys(key, ids),
+                          shared_start=True)
+        return self.evaluator.rows(data, trained.params, ids)
+
 
 def evaluated_ids(data: FederatedData, ids: jax.Array | None) -> jax.Array:
     """The clients an `evaluate(state, data, ids)` call covers: `ids`, or every client."""

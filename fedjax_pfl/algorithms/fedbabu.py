@@ -96,13 +96,9 @@ def fedbabu(model: Model, *, head: str, finetune_epochs: int, finetune_lr: float
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         global_eval = engine.evaluator.shared(data, state.params, ids)
-        ids = base.evaluated_ids(data, ids)
-        n = ids.shape[0]
-        one_opt = fine_tuner.init_opt_state(state.params)
-        keys = base.client_keys(jax.random.fold_in(state.rng, state.round), ids)
-        tuned = fine_tuner(data, state.params, core.broadcast(one_opt, n),
-                           core.gather(data.clients, ids), keys, shared_start=True)
-        return {"client": engine.evaluator.rows(data, tuned.params, ids), "global": global_eval}
+        key = jax.random.fold_in(state.rng, state.round)
+        personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
+        return {"client": personal, "global": global_eval}
 
     return base.Algorithm("fedbabu", init, round_fn, evaluate, {})
 

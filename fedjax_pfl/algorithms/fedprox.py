@@ -71,12 +71,9 @@ def fedprox(model: Model, *, mu: float, ft_epochs: int | None = None, **common: 
         global_eval = engine.evaluator.shared(data, state.params, ids)
         if fine_tuner is None:
             return {"client": global_eval}
-        ids = base.evaluated_ids(data, ids)
-        one_opt = fine_tuner.init_opt_state(state.params)
-        keys = base.client_keys(jax.random.fold_in(state.rng, state.round), ids)
-        tuned = fine_tuner(data, state.params, core.broadcast(one_opt, ids.shape[0]),
-                           core.gather(data.clients, ids), keys, shared_start=True)
-        return {"client": engine.evaluator.rows(data, tuned.params, ids), "global": global_eval}
+        key = jax.random.fold_in(state.rng, state.round)
+        personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
+        return {"client": personal, "global": global_eval}
 
     return base.Algorithm("fedprox", init, round_fn, evaluate, {})
 

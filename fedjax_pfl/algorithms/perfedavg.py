@@ -108,12 +108,9 @@ def perfedavg(model: Model, *, variant: str, alpha: float, **common: Any) -> bas
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         global_eval = engine.evaluator.shared(data, state.params, ids)
-        ids = base.evaluated_ids(data, ids)
-        one_opt = adapter.init_opt_state(state.params)
-        keys = base.client_keys(jax.random.fold_in(state.rng, state.round), ids)
-        adapted = adapter(data, state.params, core.broadcast(one_opt, ids.shape[0]),
-                          core.gather(data.clients, ids), keys, shared_start=True)
-        return {"client": engine.evaluator.rows(data, adapted.params, ids), "global": global_eval}
+        key = jax.random.fold_in(state.rng, state.round)
+        personal = engine.evaluate_after_training(adapter, data, state.params, key, ids)
+        return {"client": personal, "global": global_eval}
 
     return base.Algorithm("perfedavg", init, round_fn, evaluate, {})
 
