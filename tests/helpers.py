@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,3 +102,20 @@ def states_per_backend(name, data, *, rounds=3, backends=("loop", "vmap", "chunk
             state, _ = step(state, data, jax.random.key(r))
         states[backend] = state
     return states
+
+
+def without_device_count(xla_flags: str) -> str:
+    """XLA_FLAGS without a forced host device count (a subprocess sets its own), other flags kept."""
+    return " ".join(f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+
+
+@functools.lru_cache(maxsize=None)
+def default_prepared(algo: str):
+    """`runner.prepare` of `python experiments/run.py --algo ALGO` (digits, 20 clients), built and
+    compiled once per test process: tests/test_defaults_train.py trains it for 50 rounds and
+    tests/test_resume.py stops and resumes it (a Prepared does not depend on --rounds or --out)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import run as cli          # experiments/run.py (importing it starts nothing)
+    from fedjax_pfl import runner
+
+    return runner.prepare(cli.config_from_args(cli.parse(["--algo", algo, "--quiet"])))

@@ -93,6 +93,7 @@ def test_help_lists_every_algorithm_flag():
         assert flag in text
 
 
+@pytest.mark.slow
 def test_a_short_run_writes_every_output_file(tmp_path):
     out = tmp_path / "run"
     code = cli.main(["--algo", "fedavg_ft", "--rounds", "3", "--clients", "8", "--eval-every", "2",
@@ -122,6 +123,7 @@ def test_a_short_run_writes_every_output_file(tmp_path):
     assert npz["sampled"].shape == (3, 2) and npz["accuracy"].shape == (2, 8)
 
 
+@pytest.mark.slow
 def test_divergence_names_round_and_clients(tmp_path):
     cfg = runner.RunConfig(algo="fedavg", rounds=2, progress=False,
                            hparams={"lr": 1e12, "participation": 0.5},
@@ -145,6 +147,7 @@ def _short(out, *more):
             "--out", str(out), "--quiet", *more]
 
 
+@pytest.mark.slow
 def test_out_holding_another_run_is_refused_unless_overwrite(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(_short(out, "--seed", "1")) == 0
@@ -192,6 +195,7 @@ def test_out_that_is_not_writable_fails_first(tmp_path, capsys, no_compute):
         locked.chmod(0o700)
 
 
+@pytest.mark.slow
 def test_resume_refuses_incompatible_flags_and_extends_rounds(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(_short(out, "--algo", "pfedsop", "--pfedsop-rho", "2")) == 0
@@ -216,6 +220,7 @@ def test_resume_refuses_incompatible_flags_and_extends_rounds(tmp_path, capsys):
     assert "resuming from" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_header_pluralises_clients(tmp_path, capsys):
     assert cli.main(_short(tmp_path / "run")) == 0
     assert "fedavg on digits: 4 clients (" in capsys.readouterr().out

@@ -4,11 +4,14 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 import compare  # noqa: E402
 
 
+@pytest.mark.slow
 def test_compare_tabulates_records_divergence_and_resumes(tmp_path, capsys):
     out = tmp_path / "cmp"
     argv = ["--out", str(out), "--common", "--clients 6 --rounds 2 --participation 0.5",

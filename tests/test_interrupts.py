@@ -28,16 +28,25 @@ def _env(**extra):
             "FEDJAX_PFL_CPU_DEVICES": "2", **extra}
 
 
+def _as_from_a_terminal():
+    """The child starts with Ctrl-C's default disposition, unblocked, as from an interactive shell,
+    whatever the pytest worker that starts it has inherited (children keep an ignored or blocked
+    SIGINT across exec, as background jobs of a script do, and then Ctrl-C cannot stop them)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _run(argv, **env):
     proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True,
-                          env=_env(**env), timeout=600)
+                          env=_env(**env), timeout=600, preexec_fn=_as_from_a_terminal)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 
 
 def _start(argv, **env):
     return subprocess.Popen([sys.executable, SCRIPT, *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(**env))
+                            stderr=subprocess.PIPE, text=True, env=_env(**env),
+                            preexec_fn=_as_from_a_terminal)
 
 
 def _wait_for(proc, text, timeout=300):
@@ -76,8 +85,8 @@ def _assert_same_run(a, b):
     # pFedSOP's per-client Δ and x in bfloat16, sharded over 2 devices; killed with SIGKILL.
     ("pfedsop", ["--state-dtype", "bfloat16", "--checkpoint-every", "1"], 7, signal.SIGKILL),
     # PGFed's N × N α matrix and persistent momentum rows, 2 rounds per call; Ctrl-C.
-    ("pgfed", ["--rounds-per-call", "2", "--eval-every", "2", "--checkpoint-every", "2"], 8,
-     signal.SIGINT),
+    ("pgfed", ["--rounds-per-call", "2", "--eval-every", "2", "--checkpoint-every", "2",
+               "--momentum", "0.9", "--momentum-buffer", "persist"], 8, signal.SIGINT),
 ])
 def test_stopped_run_resumes_bit_for_bit(tmp_path, algo, flags, stop, sig):
     argv = ["--algo", algo, *COMMON, *flags, "--quiet"]

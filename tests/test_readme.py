@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -14,6 +16,7 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert "    pip install -e . && python experiments/run.py --algo fedavg\n" in readme
 
 
+@pytest.mark.slow
 def test_readme_notebook_example_runs(capsys):
     import re
 

@@ -15,6 +15,7 @@ from helpers import make_data
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo,traced", [
     ("pgfedmo", {"lr": (0.05, 0.02), "mu": (0.1, 0.01)}),
     pytest.param("tdpfed", {"lam": (5.0, 12.0)}, marks=pytest.mark.slow),
@@ -50,6 +51,7 @@ def test_untraceable_hyperparameters_are_refused_in_one_program():
         sweep.VectorProgram("fedavg", model, data, {}, [sweep.RunSpec(0, (("batch_size", 4),))])
 
 
+@pytest.mark.slow
 def test_sweep_tool_writes_a_table_and_resumes(tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "experiments"))
     import sweep as tool

@@ -23,7 +23,7 @@ baselines=(
 
 # PGFed's protocol (as run_pgfed.sh): 25 clients, Dir(0.3), E = 5, B = 10, lr 0.005, momentum 0.9
 # (persistent buffers), 300 rounds, seeds 0, 1, 2.
-for group in ${GROUPS_TO_RUN:-digits digits:1 digits:2}; do
+for group in ${GROUPS_TO_RUN-digits digits:1 digits:2}; do
   dataset=${group%%:*}; seed=0; dir=pgfed_$dataset
   if [[ $group == *:* ]]; then seed=${group##*:}; dir=pgfed_${dataset}_seed$seed; fi
   python experiments/compare.py --resume --out "$OUT/$dir" \
@@ -34,7 +34,7 @@ done
 
 # pFedSOP's protocol (as run_pfedsop.sh): 100 clients, 20 % participation, one epoch of batch 50,
 # 100 rounds; lr 0.1 (the learning rate selected for every method on digits in pfedsop.md).
-for preset in ${PRESETS:-pfedsop_paper pfedsop_paper_shards}; do
+for preset in ${PRESETS-pfedsop_paper pfedsop_paper_shards}; do
   extra=""
   [ "$preset" = pfedsop_paper ] && extra="--partition dirichlet_client"
   python experiments/compare.py --resume --out "$OUT/pfedsop_digits_${preset}" \

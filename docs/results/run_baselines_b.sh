@@ -11,7 +11,7 @@ OUT=${OUT:-runs/baselines_b}
 # lr 0.005, SGD momentum 0.9 with persistent per-client buffers, 300 rounds; seeds 0, 1, 2.
 # Each baseline at its defaults (FedRep: 1 head epoch of the 5; FedBABU: 1 fine-tuning epoch at
 # lr / 5 = 0.001, the reference code's example).
-for group in ${GROUPS_TO_RUN:-digits digits:1 digits:2}; do
+for group in ${GROUPS_TO_RUN-digits digits:1 digits:2}; do
   dataset=${group%%:*}; seed=0; dir=pgfed_$dataset
   if [[ $group == *:* ]]; then seed=${group##*:}; dir=pgfed_${dataset}_seed$seed; fi
   python experiments/compare.py --resume --out "$OUT/$dir" \
@@ -31,7 +31,7 @@ done
 # FedRep needs E >= 2 for a head epoch and a body epoch (its --fedrep-head-epochs are part of
 # --local-epochs), so it runs E = 2: one head epoch, then one body epoch (one epoch more of
 # local computation than the others).
-for dataset in ${DATASETS:-digits}; do
+for dataset in ${DATASETS-digits}; do
   for preset in pfedsop_paper pfedsop_paper_shards; do
     extra=""
     if [ "$preset" = pfedsop_paper ]; then

@@ -55,6 +55,7 @@ def quadratic_data():
                                      [np.array([5]), np.array([6, 7])], num_classes=1)
 
 
+@pytest.mark.slow
 def test_two_rounds_against_numpy(x64):
     lr, alpha_lr, epochs = 0.3, 0.2, 2
     algo = algorithms.get("apfl", model=QUADRATIC, alpha=0.4, alpha_lr=alpha_lr, lr=lr,
@@ -86,6 +87,7 @@ def test_two_rounds_against_numpy(x64):
     np.testing.assert_allclose(ev.loss_sum, expected, rtol=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alpha_lr", [0.0, 50.0])
 def test_alpha_stays_in_the_unit_interval(alpha_lr):
     algo = algorithms.get("apfl", model=linear_model(), alpha=0.5, alpha_lr=alpha_lr, lr=0.1,

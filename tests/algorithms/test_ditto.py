@@ -38,6 +38,7 @@ def _rounds(name, rounds=2, data=DATA, backend="vmap", **hp):
     return state, metrics, algo.evaluate(state, data)
 
 
+@pytest.mark.slow
 def test_global_model_is_fedavg_bit_for_bit():
     s_dit, m_dit, e_dit = _rounds("ditto", lam=0.5)
     s_avg, m_avg, e_avg = _rounds("fedavg")
@@ -75,6 +76,7 @@ def test_personal_update_against_numpy(x64, prox_step):
         np.testing.assert_allclose(state.personal["w"], np.stack(v), rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_huge_lambda_keeps_the_personal_model_at_the_received_global(x64):
     algo = algorithms.get("ditto", model=linear_model(), lam=1e12, prox_step="implicit", lr=0.1,
                           batch_size=4, local_epochs=2, participation=1.0)
@@ -105,6 +107,7 @@ def test_vmapped_and_chunked_equal_loop_backend(ragged_data):
             np.testing.assert_allclose(ev[key].correct, ref_eval[key].correct)
 
 
+@pytest.mark.slow
 def test_evaluate_honours_ids_and_cli_help():
     state, _, full = _rounds("ditto", rounds=1, lam=0.5)
     algo = algorithms.get("ditto", model=linear_model(), lam=0.5)

@@ -53,6 +53,7 @@ def _run(name, data, backend, rounds=3, **hp):
     return state, metrics, algo.evaluate(state, data)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,hp", [      # the loop backend runs eagerly: ~20 s of CPU each
     ("fedavg", {}),
     pytest.param("local", {"momentum": 0.9, "momentum_buffer": "persist"}, marks=pytest.mark.slow),
@@ -69,6 +70,7 @@ def test_vmapped_and_chunked_equal_loop_backend(ragged_data, name, hp):
             np.testing.assert_allclose(ev[key].correct, ref_eval[key].correct)
 
 
+@pytest.mark.slow
 def test_unsampled_clients_are_bitwise_unchanged_in_local(ragged_data):
     algo = algorithms.get("local", model=linear_model(), participation=0.5, momentum=0.9,
                           momentum_buffer="persist")
@@ -85,6 +87,7 @@ def test_unsampled_clients_are_bitwise_unchanged_in_local(ragged_data):
             tree_equal(old_i, new_i)
 
 
+@pytest.mark.slow
 def test_round_fn_compiles_once(ragged_data):
     algo = algorithms.get("fedavg", model=linear_model(), participation=0.5)
     traced = chex.assert_max_traces(algo.round_fn, n=1)
@@ -94,6 +97,7 @@ def test_round_fn_compiles_once(ragged_data):
         state, _ = step(state, ragged_data, jax.random.key(r))
 
 
+@pytest.mark.slow
 def test_fedavg_ft_fine_tunes_the_global_model_before_evaluation(ragged_data):
     algo = algorithms.get("fedavg_ft", model=linear_model(), participation=1.0, ft_epochs=3)
     state = algo.init(jax.random.key(0), ragged_data)
@@ -130,6 +134,7 @@ def test_registry_validates_hyperparameters():
     assert algorithms.get("fedavg_ft", model=model).hparams["ft_epochs"] == 1
 
 
+@pytest.mark.slow
 def test_every_algorithm_starts_from_the_same_model(ragged_data):
     # "Same initialization for all methods" (pFedSOP §V; PGFed code): from one key, every
     # algorithm's round-0 models are the same, so they evaluate identically before training.
@@ -142,6 +147,7 @@ def test_every_algorithm_starts_from_the_same_model(ragged_data):
         np.testing.assert_allclose(ev.loss_sum, evals["fedavg"].loss_sum, rtol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_fedavg_rounds_on_a_linear_model_by_hand(x64):
     # Linear regression ŷ = w·x, per-example loss ½(w·x − y)², full batches, one epoch, η = 0.5.
     # Client A: x = [1,0], y = 2 and x = [0,1], y = 1.  Client B: x = [1,1], y = 1.

@@ -50,6 +50,7 @@ def test_head_never_changes_during_federated_rounds():
         assert not np.array_equal(s.params["Dense_0"]["kernel"], states[0].params["Dense_0"]["kernel"])
 
 
+@pytest.mark.slow
 def test_federated_training_is_fedavg_on_the_body_and_fedrep_without_head_epochs():
     _, states, metrics = _run("vmap", momentum=0.9, momentum_buffer="persist")
     params0 = states[0].params
@@ -70,6 +71,7 @@ def test_federated_training_is_fedavg_on_the_body_and_fedrep_without_head_epochs
         np.testing.assert_allclose(metrics[r]["train_loss"], m_avg["train_loss"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_evaluation_fine_tunes_the_whole_model_as_fedavg_ft():
     # Default fine-tuning lr: --lr / 5 = 0.02.
     algo, states, _ = _run("vmap", finetune_epochs=2)

@@ -63,6 +63,7 @@ def get(**hp):
     return algorithms.get("fedpc", model=TINY, **{**base_hp, **hp})
 
 
+@pytest.mark.slow
 def test_all_shared_is_synchronous_minibatch_sgd(x64):
     # §7: d2 = 0 — x ← x − η·(1/N)Σ_n ∇f_n(x), the mean over all clients (full participation).
     data = make_data(SIZES)
@@ -78,6 +79,7 @@ def test_all_shared_is_synchronous_minibatch_sgd(x64):
     assert float(m["comm_up_floats"]) == 4 * 39 and float(m["bits_per_client"]) == 32 * 39
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared_mean", ["sampled", "all"])
 def test_lambda_zero_is_independent_sgd_on_personal_parts(x64, shared_mean):
     # §7: λ = 0 — z_n ← z_n − (η_z/N)∇_z f_n (η_z = η: the spec's formula), for the sampled
@@ -102,6 +104,7 @@ def test_lambda_zero_is_independent_sgd_on_personal_parts(x64, shared_mean):
         state = new
 
 
+@pytest.mark.slow
 def test_default_personal_step_moves_z_like_a_local_sgd_step(x64):
     # The default η_z = N·η: with λ = 0 a round moves z_n by η·∇_z f_n.
     data = make_data(SIZES)
@@ -132,6 +135,7 @@ def test_client_sends_the_sum_of_its_local_minibatch_gradients(x64, steps):
     tree_allclose(result.opt_state[0], expected, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.slow
 def test_large_lambda_fuses_all_personal_parts(x64):
     # §7: λ → ∞ on a connected graph: after the round's ADMM every client has the same head.
     data = make_data(SIZES)
@@ -142,6 +146,7 @@ def test_large_lambda_fuses_all_personal_parts(x64):
     assert float(m["admm_primal"]) < 1e-8
 
 
+@pytest.mark.slow
 def test_graph_couples_unsampled_clients_cg_cold_start_and_decay():
     # With λ > 0 an unsampled client's head moves too (its zero gradient row is still coupled
     # through the graph); the CG solver, cold-started ADMM and η/√t decay run in the round.
@@ -192,6 +197,7 @@ def test_vmapped_and_chunked_equal_loop_backend():
         np.testing.assert_allclose(ev.correct, ref_eval.correct)
 
 
+@pytest.mark.slow
 def test_compressed_uplink_is_accounted_in_bits():
     # (Also: the chunked round with the automatic chunk size compiles once over 2 rounds.)
     _, metrics, _, _ = _backend_run("chunked")
@@ -221,6 +227,7 @@ def clustered_toy_data():
                                      train, test, num_classes=6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("space", ["data", "feature", "model"])
 def test_each_graph_space_finds_the_planted_clusters(space):
     data = clustered_toy_data()

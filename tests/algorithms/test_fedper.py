@@ -46,6 +46,7 @@ def run(name, data, rounds=2, backend="vmap", **hp):
     return None, states[rounds - 1], metrics[:rounds], ev
 
 
+@pytest.mark.slow
 def test_no_head_is_fedavg_bit_for_bit(data):
     _, s_per, m_per, e_per = run("fedper", data, head="none")
     _, s_avg, m_avg, e_avg = run("fedavg", data)
@@ -55,6 +56,7 @@ def test_no_head_is_fedavg_bit_for_bit(data):
     tree_equal(e_per, e_avg)
 
 
+@pytest.mark.slow
 def test_all_head_is_local_bit_for_bit(data):
     _, s_per, m_per, e_per = run("fedper", data, head="all")
     _, s_loc, m_loc, e_loc = run("local", data)

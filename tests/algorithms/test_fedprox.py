@@ -39,6 +39,7 @@ def _rounds(name, rounds=2, data=DATA, backend="vmap", model=None, **hp):
     return state, metrics, algo.evaluate(state, data)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_mu_zero_is_fedavg_bit_for_bit(momentum):
     hp = dict(momentum=momentum, momentum_buffer="persist")
@@ -51,6 +52,7 @@ def test_mu_zero_is_fedavg_bit_for_bit(momentum):
     assert not np.array_equal(_rounds("fedprox", mu=1.0, **hp)[0].params["w"], s_avg.params["w"])
 
 
+@pytest.mark.slow
 def test_fedprox_ft_mu_zero_is_fedavg_ft_bit_for_bit():
     _, _, e_prox = _rounds("fedprox_ft", mu=0.0, ft_epochs=2)
     _, _, e_avg = _rounds("fedavg_ft", ft_epochs=2)
@@ -104,6 +106,7 @@ def test_vmapped_and_chunked_equal_loop_backend(ragged_data, name, hp):
             np.testing.assert_allclose(ev[key].correct, ref_eval[key].correct)
 
 
+@pytest.mark.slow
 def test_evaluate_honours_ids():
     state, _, full = _rounds("fedprox_ft", rounds=1, mu=0.1)
     algo = algorithms.get("fedprox_ft", model=linear_model(), lr=0.1, batch_size=4, mu=0.1)

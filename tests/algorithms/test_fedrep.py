@@ -76,7 +76,8 @@ def reference_rounds(sampled_per_round, p0, *, tau_h, epochs, lr, momentum):
     return out
 
 
-@pytest.mark.parametrize("momentum,buffer", [(0.0, "reset"), (0.9, "persist")])
+@pytest.mark.parametrize("momentum,buffer", [(0.0, "reset"),
+                                             pytest.param(0.9, "persist", marks=pytest.mark.slow)])
 def test_rounds_match_numpy_transcription(x64, momentum, buffer):
     algo = algorithms.get("fedrep", model=ref.TWO_LAYER, lr=0.3, batch_size=32, participation=0.5,
                           local_epochs=3, head_epochs=1, momentum=momentum, momentum_buffer=buffer)
@@ -97,6 +98,7 @@ def test_rounds_match_numpy_transcription(x64, momentum, buffer):
             tree_allclose(got, heads[i]["Dense_1"], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_body_phase_freezes_the_head_bit_for_bit():
     # τ_h = 0: only the body trains; every head stays at its initialisation.
     states, _, _ = run(local_epochs=1, head_epochs=0)
@@ -123,6 +125,7 @@ def body_only_model(model, params0, mask):
                  loss=model.loss, name="body_only")
 
 
+@pytest.mark.slow
 def test_no_head_epochs_is_fedavg_on_the_body_with_a_fixed_head():
     params0 = MLP.init(jax.random.key(0))
     mask = split_lib.personal_mask(params0, "head")

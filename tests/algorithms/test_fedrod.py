@@ -44,6 +44,7 @@ def np_bsm(logits, y, counts):
     return lse - z[np.arange(len(y)), y]
 
 
+@pytest.mark.slow
 def test_balanced_softmax_against_numpy(x64):
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(6, 4)) * 3
@@ -82,6 +83,7 @@ def _run(backend, rounds=2, **hp):
     return state, algo.evaluate(state, DATA)
 
 
+@pytest.mark.slow
 def test_prediction_is_the_sum_of_the_two_heads():
     state, evals = _run("vmap")
     p = ref.to_numpy(state.params)

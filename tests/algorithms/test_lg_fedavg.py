@@ -37,6 +37,7 @@ def run(name, backend="vmap", **hp):
     return _run(name, backend, tuple(sorted(hp.items())))
 
 
+@pytest.mark.slow
 def test_everything_global_is_fedavg_bit_for_bit():
     s_lg, m_lg, e_lg = run("lg_fedavg", head="all")
     s_avg, m_avg, e_avg = run("fedavg")
@@ -46,6 +47,7 @@ def test_everything_global_is_fedavg_bit_for_bit():
     tree_equal(e_lg, e_avg)
 
 
+@pytest.mark.slow
 def test_nothing_global_is_local_bit_for_bit():
     s_lg, m_lg, e_lg = run("lg_fedavg", head="none")
     s_loc, _, e_loc = run("local")
@@ -54,6 +56,7 @@ def test_nothing_global_is_local_bit_for_bit():
     tree_equal(e_lg, e_loc)
 
 
+@pytest.mark.slow
 def test_the_swapped_split_is_fedper():
     # Global layers = the body (Dense_0) leaves the head (Dense_1) local: FedPer's split.
     s_lg, m_lg, e_lg = run("lg_fedavg", head="^Dense_0/")

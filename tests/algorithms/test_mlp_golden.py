@@ -268,6 +268,7 @@ PGFED_HP = dict(participation=0.6, local_epochs=3, batch_size=10, drop_last=Fals
                 momentum=0.9, momentum_buffer="persist", mu=0.5, alpha_lr=0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pgfed", pytest.param("pgfed_ce", marks=pytest.mark.slow)])
 def test_pgfed_matches_float64_transcription_on_a_multi_leaf_model(x64, name):
     _, states, sampled, data, clients = run_rounds(name, 2)

@@ -32,6 +32,7 @@ def _losses(model, seed=0):
     return f(mask(0, 3)), f(mask(3, 8)), f(mask(0, 8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [linear_model(), MLP], ids=["linear", "mlp"])
 def test_hessian_vector_product_matches_jax_hessian(x64, model):
     _, _, loss = _losses(model)
@@ -44,6 +45,7 @@ def test_hessian_vector_product_matches_jax_hessian(x64, model):
     np.testing.assert_allclose(got, hessian @ ravel_pytree(vector)[0], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_first_order_is_hessian_free_without_the_hessian_term(x64):
     f_in, f_out, f_hess = _losses(MLP, seed=2)
     params = jax.tree.map(lambda p: p.astype(jnp.float64), MLP.init(jax.random.key(3)))  # flax: f32
@@ -79,7 +81,7 @@ def constant_client_data():
                                      [np.array([4]), np.array([7])], num_classes=1)
 
 
-@pytest.mark.parametrize("variant", ["fo", "hf"])
+@pytest.mark.parametrize("variant", ["fo", pytest.param("hf", marks=pytest.mark.slow)])
 def test_round_and_adapted_evaluation_by_hand(x64, variant):
     # Per-example loss ½‖u − x‖² has Hessian I: w̃ = w − α(w − x_k), ∇f(w̃) = (1 − α)(w − x_k);
     # FO steps w ← w − β(1 − α)(w − x_k), HF multiplies by (I − αI) once more: (1 − α)².

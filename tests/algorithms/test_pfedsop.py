@@ -57,6 +57,7 @@ def test_golden_two_client_example(x64):
     np.testing.assert_allclose(state.delta_glob["x"], [-0.243090308, -0.243090308], atol=1e-9)
 
 
+@pytest.mark.slow
 def test_keep_sgd_persists_the_end_of_local_sgd(x64):
     # §7.27 (R2): the kept model is x − η₂Δ_i, the SGD end point; round 1 from x0 = 0 gives
     # z₁ = [0.75, 0] (two steps of 0.5 towards [1, 0]).
@@ -67,6 +68,7 @@ def test_keep_sgd_persists_the_end_of_local_sgd(x64):
     np.testing.assert_allclose(state.clients.x["x"], 0 - 0.5 * state.clients.delta["x"], rtol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blend,beta", [("local", 0.0), ("global", 1.0)])
 def test_blend_ablation(x64, blend, beta):
     # Round 2 of the golden setup with β fixed: Δᵖ = Δ_i (local) or Δ (global).
@@ -96,6 +98,7 @@ def test_local_pseudo_gradient_closed_form(x64):
     np.testing.assert_allclose(state.delta_glob["x"], state.clients.delta["x"].mean(0), rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_new_client_at_a_later_round_and_returning_client(x64):
     # §7.23–24. Client 0 returns with its own (stale) Δ₀ and model; client 1 is new at round t > 1.
     data = centres_data([[1.0, 0.0], [0.0, 1.0]])
@@ -122,6 +125,7 @@ def test_new_client_at_a_later_round_and_returning_client(x64):
     assert int(m["returning_clients"]) == 1 and not bool(new.clients.is_new.any())
 
 
+@pytest.mark.slow
 def test_unsampled_clients_are_bitwise_unchanged(ragged_data):
     algo = algorithms.get("pfedsop", model=linear_model(), participation=0.5)
     state = algo.init(jax.random.key(0), ragged_data)
@@ -134,6 +138,7 @@ def test_unsampled_clients_are_bitwise_unchanged(ragged_data):
         tree_equal(jax.tree.map(lambda x: x[i], state.clients), jax.tree.map(lambda x: x[i], new.clients))
 
 
+@pytest.mark.slow
 def test_zero_personal_lr_keeps_every_model_at_x0(ragged_data):
     # §7.34: η₁ = 0 under R1: personalised models never move.
     algo = algorithms.get("pfedsop", model=linear_model(), participation=0.5, eta_personal=0.0,
@@ -146,6 +151,7 @@ def test_zero_personal_lr_keeps_every_model_at_x0(ragged_data):
     assert float(ops.tree_norm(state.delta_glob)) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", [pytest.param("newton", marks=pytest.mark.slow), "sgd"])
 def test_vmapped_equals_loop_backend(ragged_data, keep):
     runs = states_per_backend("pfedsop", ragged_data, model=linear_model(), participation=0.75,

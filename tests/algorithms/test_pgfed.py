@@ -84,7 +84,7 @@ def run(name, data, rounds=5, **hp):
 
 
 @pytest.mark.parametrize("name,beta,ce", [("pgfed", 0.0, False), ("pgfedmo", 0.5, False),
-                                          ("pgfed_ce", 0.0, True)])
+                                          pytest.param("pgfed_ce", 0.0, True, marks=pytest.mark.slow)])
 def test_matches_reference_transcription(x64, name, beta, ce):
     data, xs = quadratic_clients()
     hp = {"beta": beta} if name == "pgfedmo" else {}
@@ -104,6 +104,7 @@ def test_matches_reference_transcription(x64, name, beta, ce):
     assert any(np.any(s.alpha != s.alpha[0, 0]) for s in states)   # α actually moved
 
 
+@pytest.mark.slow
 def test_mu_zero_reproduces_fedavg_exactly(ragged_data):
     # §8.1: same sampling, batch order, optimizer and init: identical θ trajectories.
     hp = dict(participation=0.5, local_epochs=2, batch_size=4, lr=0.05, momentum=0.9,
@@ -121,6 +122,7 @@ def test_mu_zero_reproduces_fedavg_exactly(ragged_data):
     np.testing.assert_array_equal(s_pg.alpha, 1.0 / 2)              # A stays at 1/M
 
 
+@pytest.mark.slow
 def test_zero_alpha_and_zero_alpha_lr_is_fedavg_training(x64):
     # §8.2: A ≡ 0 and η₂ = 0 give g̃ = 0 for any μ, and α never moves.
     data, xs = quadratic_clients(1)
@@ -137,6 +139,7 @@ def test_zero_alpha_and_zero_alpha_lr_is_fedavg_training(x64):
     assert float(jnp.abs(s.alpha).max()) == 0.0
 
 
+@pytest.mark.slow
 def test_beta_zero_pgfedmo_is_pgfed_bit_for_bit(ragged_data):
     # §8.4
     hp = dict(participation=0.75, local_epochs=1, batch_size=4)
@@ -149,6 +152,7 @@ def test_beta_zero_pgfedmo_is_pgfed_bit_for_bit(ragged_data):
     tree_equal(sa, sb)
 
 
+@pytest.mark.slow
 def test_round_two_download_is_gbar_and_momentum_recursion(x64):
     # §8.8: in round 2 every sampled client's α row is 1/M, so c_i = ḡ for all of them.
     # §8.6: with full participation a client's held gradient follows c¹, (1−β)c² + βc¹,
@@ -173,6 +177,7 @@ def test_round_two_download_is_gbar_and_momentum_recursion(x64):
     np.testing.assert_allclose(state.clients.aux["x"], expected, rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_alpha_is_nonnegative_and_only_previous_columns_move(ragged_data):
     # §8.15–16: α ≥ 0; columns j ∉ S_{t−1} are unchanged during round t; rows of unsampled
     # clients are unchanged.
@@ -194,6 +199,7 @@ def test_alpha_is_nonnegative_and_only_previous_columns_move(ragged_data):
     assert float(m["alpha_zero_fraction"]) > 0    # the projection at 0 is active here
 
 
+@pytest.mark.slow
 def test_gradients_of_the_auxiliary_risk(x64):
     # §8.9–11: R_aux(θ_i, α_i) = μ Σ_{j∈P} α_ij [L_j + G_j·(θ_i − θ_j)] (eq. 9), built from the
     # state the implementation uploaded in round 1. In round 2, jax.grad of R_aux in θ must be
@@ -232,6 +238,7 @@ def test_gradients_of_the_auxiliary_risk(x64):
         assert not np.allclose(after.alpha[i, P], alpha_i)       # the step did move α
 
 
+@pytest.mark.slow
 def test_alpha_update_count_per_client(x64):
     # §8.17: client i makes exactly E·⌊n_i/B⌋ α updates in a round (drop_last). With ḡ = 0 and
     # b_j = −1 every update adds exactly η₂ to each touched α_ij, so the change counts them.
@@ -251,6 +258,7 @@ def test_alpha_update_count_per_client(x64):
                                np.tile(expected[:, None], (1, 4)), rtol=1e-9)
 
 
+@pytest.mark.slow
 def test_first_aux_zero_weights_the_first_download(x64):
     # A6 option: with --pgfed-first-aux zero the held gradient starts at 0, so the first download
     # enters as (1−β) c instead of c; before any download both variants are identical.
@@ -273,6 +281,7 @@ def test_first_aux_zero_weights_the_first_download(x64):
     assert bool(zero.clients.aux_set.all())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pgfed", pytest.param("pgfedmo", marks=pytest.mark.slow),
                                   pytest.param("pgfed_ce", marks=pytest.mark.slow)])
 def test_vmapped_equals_loop_backend(ragged_data, name):
@@ -292,6 +301,7 @@ def test_defaults_follow_the_reference_code():
         algorithms.get("pgfed", model=linear_model(), beta=0.5)
 
 
+@pytest.mark.slow
 def test_alpha_recovers_from_zero_only_when_the_gradient_is_negative(x64):
     # §8.3: from A ≡ 0 an entry leaves 0 only through a step with b_j + s < 0. With one local
     # epoch of one full batch, each sampled client takes exactly one α step, at θ_i = θ_g, so
@@ -322,6 +332,7 @@ def test_alpha_recovers_from_zero_only_when_the_gradient_is_negative(x64):
         assert np.all(got[grad >= 0] == 0.0)
 
 
+@pytest.mark.slow
 def test_beta_one_keeps_the_first_download(x64):
     # §8.5: with β = 1 the held auxiliary gradient stays at its first (copied) download.
     data, xs = quadratic_clients(5)
@@ -337,6 +348,7 @@ def test_beta_one_keeps_the_first_download(x64):
         np.testing.assert_array_equal(state.clients.aux["x"], first)
 
 
+@pytest.mark.slow
 def test_round_one_is_fedavg_for_any_mu(ragged_data):
     # §8.7: no auxiliary term and no α update in round 1.
     hp = dict(participation=0.5, local_epochs=2, batch_size=4, lr=0.05, momentum=0.9,
@@ -349,6 +361,7 @@ def test_round_one_is_fedavg_for_any_mu(ragged_data):
     np.testing.assert_array_equal(s_pg.alpha, 0.5)
 
 
+@pytest.mark.slow
 def test_taylor_gap_on_quadratic_clients(x64):
     # §8.12: for f_j = mean ½‖θ − x‖², f_j(θ_i) − [L_j + G_j·(θ_i − θ_j)] = ½‖θ_i − θ_j‖².
     data, xs = quadratic_clients(6)
@@ -366,6 +379,7 @@ def test_taylor_gap_on_quadratic_clients(x64):
         assert gap == pytest.approx(0.5 * np.sum((theta_i - theta[j]) ** 2), rel=1e-10)
 
 
+@pytest.mark.slow
 def test_unsampled_clients_keep_all_their_state(ragged_data):
     # §8.14/§8.22: θ_i, the held g̃_i, its flag and the optimizer buffer of unsampled clients.
     algo = algorithms.get("pgfedmo", model=linear_model(), participation=0.5, local_epochs=1,
@@ -380,6 +394,7 @@ def test_unsampled_clients_keep_all_their_state(ragged_data):
         state = new
 
 
+@pytest.mark.slow
 def test_identical_clients_give_identical_models(x64):
     # §8.27: full participation, identical data on every client, equal α rows.
     x = np.random.default_rng(0).normal(size=(4, 3))
@@ -396,6 +411,7 @@ def test_identical_clients_give_identical_models(x64):
     np.testing.assert_allclose(state.global_params["x"], theta[0], rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_alpha_statistics_without_an_n_by_n_temporary(ragged_data):
     """The α metrics kept in O(M·N) per round equal the direct N×N computations, zeros included
     (a large η₂ projects many α_ij to 0)."""

@@ -167,6 +167,7 @@ HP = dict(cr=1.2, lam=3.0, personal_lr=0.1, personal_steps=3, factor_steps=4, fa
           momentum=0.9, participation=0.67, **COMMON)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", [
     {}, {"factor_update": "cyclic"}, {"factor_opt": "gd"}, {"weights": "uniform", "beta": 1.0},
     {"cr": 1.0}, {"momentum": 0.0, "beta": 0.6},
@@ -218,6 +219,7 @@ def test_act_round_matches_the_numpy_transcription(x64):
         np.testing.assert_array_equal(state.factors["b"], state.omega["b"])
 
 
+@pytest.mark.slow
 def test_identity_parameterisation_with_one_gd_factor_step_is_pfedme(ragged_data):
     """Spec §2.6 / §9.23: CR ×1, s' = 1 plain GD step of lr η: w ← w − ηλ(w − θ̃), pFedMe."""
     shared = dict(lam=5.0, personal_lr=0.05, personal_steps=3, beta=1.3, lr=0.03, momentum=0.0,
@@ -265,6 +267,7 @@ def test_pfedme_round_matches_the_numpy_transcription(x64):
             np.testing.assert_allclose(state.theta[a][2], thetas[2][a], rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.slow
 def test_beta_zero_keeps_the_global_factors():
     algo = algorithms.get("tdpfed", model=linear_model(), cr=1.2, beta=0.0, **COMMON)
     data = toy()
@@ -275,6 +278,7 @@ def test_beta_zero_keeps_the_global_factors():
     assert not np.allclose(new.theta["w"], state.theta["w"])      # clients did train
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,hp", [      # the loop backend runs eagerly: ~20 s of CPU each
     ("tdpfed", {"cr": 1.2}),
     pytest.param("tdpfed", {"cr": 1.2, "aggregate": "act", "factor_update": "cyclic"},
@@ -289,6 +293,7 @@ def test_vectorised_backends_equal_the_loop_backend(ragged_data, name, hp):
         tree_allclose(states[backend], states["loop"], rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_communication_counts_of_the_mnist_dnn_at_cr2():
     """Spec §3.4, §9.31: 39,556 floats per client per direction at ×2 (weights + biases), the
     dense downlink adds 79,510; S clients upload, all K download."""
@@ -311,6 +316,7 @@ def test_communication_counts_of_the_mnist_dnn_at_cr2():
     assert float(m["comm_up_floats"]) == 79_510 and float(m["comm_down_floats"]) == 2 * 79_510
 
 
+@pytest.mark.slow
 def test_round_fn_compiles_once(ragged_data):
     import chex
 
@@ -321,6 +327,7 @@ def test_round_fn_compiles_once(ragged_data):
         state, _ = step(state, ragged_data, jax.random.key(r))
 
 
+@pytest.mark.slow
 def test_evaluates_personalised_thetas_and_the_global_cp_model(ragged_data):
     """"client" is each θ_k (row k on client k), "global" is ⟦A⟧: checked on the test losses,
     which differ between the two (a weak pull λ lets θ_k leave ⟦A⟧)."""
@@ -360,6 +367,7 @@ def test_sar_masks():
     assert not np.array_equal(a["a"], b["a"])              # a fresh mask per transmission
 
 
+@pytest.mark.slow
 def test_sar_with_cr_one_is_fedavg(ragged_data):
     hp = dict(model=linear_model(), participation=0.5, batch_size=4, lr=0.1)
     sar = algorithms.get("fedavg_sar", cr=1.0, **hp)
@@ -372,6 +380,7 @@ def test_sar_with_cr_one_is_fedavg(ragged_data):
     assert float(m1["comm_up_floats"]) == 2 * 5 * 3 + 2 * 3      # M = 2 clients × d = 18
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fill", ["zero", "keep"])
 def test_sar_unsent_coordinates_arrive_as_zero_or_the_old_value(ragged_data, fill):
     """With CR huge nothing is sent: zero-fill makes the server's model 0, keep-fill leaves it."""

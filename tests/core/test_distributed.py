@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import helpers
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,7 +23,7 @@ def _free_port() -> int:
 
 def _cli(tmp, name, extra):
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
     argv = [sys.executable, str(ROOT / "experiments" / "run.py"), "--algo", "pgfedmo",
             "--rounds", "3", "--clients", "7", "--participation", "0.45", "--quiet",
             "--out", str(tmp / name), *extra]
@@ -27,6 +31,7 @@ def _cli(tmp, name, extra):
                             text=True)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
     port = _free_port()
     flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]

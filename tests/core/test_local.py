@@ -121,6 +121,7 @@ def test_ragged_clients_trained_together_equal_each_alone(backend):
     np.testing.assert_array_equal(both.num_steps, [3 * 2, 3 * 6])
 
 
+@pytest.mark.slow
 def test_finished_clients_keep_optimizer_state():
     # With momentum, a masked step would still decay the buffer if it were applied; it must not be.
     data = make_data([2, 20])

@@ -14,6 +14,7 @@ def program(name, data, **kw):
     return core.Program(algo, data, mesh=None, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["local", "pfedsop"])
 def test_fused_rounds_equal_one_round_per_call(ragged_data, name):
     keys = jax.random.key(3)
@@ -34,6 +35,7 @@ def test_fused_rounds_equal_one_round_per_call(ragged_data, name):
         np.testing.assert_allclose(a["train_loss"], b["train_loss"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_bfloat16_state_is_stored_in_bfloat16_and_computed_in_float32(ragged_data):
     p = program("pfedsop", ragged_data, state_dtype="bfloat16")
     state = p.init(jax.random.key(0))
@@ -49,6 +51,7 @@ def test_bfloat16_state_is_stored_in_bfloat16_and_computed_in_float32(ragged_dat
                                np.asarray(ref.clients.x["w"]), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow
 def test_memory_plan_counts_the_client_state(ragged_data):
     p = program("local", ragged_data, hp={"momentum": 0.9, "momentum_buffer": "persist"})
     p.compile(jax.random.key(0))
@@ -68,6 +71,7 @@ def test_memory_plan_counts_the_client_state(ragged_data):
     assert "per client, sharded" in plan.describe()
 
 
+@pytest.mark.slow
 def test_padding_clients_are_never_sampled_and_not_evaluated():
     data = make_data([7, 23, 12]).pad_clients(4)
     assert data.num_clients == 4 and data.num_real_clients == 3
@@ -79,6 +83,7 @@ def test_padding_clients_are_never_sampled_and_not_evaluated():
     assert int(ev.count[3]) == 0 and np.isnan(float(ev.accuracy[3]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pgfedmo", "tdpfed", "feddyn", "apfl", "fedrod"])
 def test_bfloat16_state_runs_every_state_layout(ragged_data, name):
     # α matrices, factor trees, correction states, mixing weights, class priors: every kind of

@@ -79,6 +79,7 @@ def test_cp_conv_layer_equals_dense_conv(factored):
     np.testing.assert_allclose(layer.apply({"params": params}, x), expected, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow      # whole-network builds: ~5 s each
 @pytest.mark.parametrize("name,shape,dense", [
     ("mlp", (28, 28, 1), "mlp"),
     pytest.param("vgg8", (32, 32, 3), "vgg8", marks=pytest.mark.slow),  # ~20 s: VGG8's init

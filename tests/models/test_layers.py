@@ -81,6 +81,7 @@ def test_resnet_parameter_counts_from_their_layer_lists():
     assert tree_size(jax.eval_shape(models.get("resnet18", (32, 32, 3), 10).init, jax.random.key(0))) == r18
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet9", pytest.param("resnet18", marks=pytest.mark.slow)])
 def test_small_resnets_are_finite_and_translation_sensitive(name):
     m = models.get(name, (16, 16, 3), 7, width=8)
@@ -105,7 +106,9 @@ def test_batchnorm_modules_are_rejected_and_small_inputs_explained():
         models.get("vgg", (8, 8, 1), 10)
 
 
-@pytest.mark.parametrize("rows", [1, 10, 16, 17, 40])
+@pytest.mark.parametrize("rows", [pytest.param(1, marks=pytest.mark.slow), 10,
+                                  pytest.param(16, marks=pytest.mark.slow), 17,
+                                  pytest.param(40, marks=pytest.mark.slow)])
 def test_dense_kernel_gradient_equals_autodiff_of_the_matmul(x64, rows):
     # The custom VJP (outer-product sum for ≤ 16 rows, dot above) against autodiff of x @ W,
     # for batched (3-D) inputs too, and under vmap over clients.

@@ -105,7 +105,7 @@ def test_gram_identity(x64):
         np.testing.assert_allclose(ops.hadamard_gram(f, n), h.T @ h, rtol=1e-10)
 
 
-@pytest.mark.parametrize("shape", [(5, 4), (3, 3, 4, 2)])
+@pytest.mark.parametrize("shape", [(5, 4), pytest.param((3, 3, 4, 2), marks=pytest.mark.slow)])
 def test_fit_gradient_closed_form(x64, shape):
     """∇_{A^(n)} ½‖θ − ⟦A⟧‖² = A^(n)V_n − θ_(n)H_n = unfold(⟦A⟧ − θ, n) H_n (spec §9.16), and
     jax.grad of the naive objective agrees; the paper's eq. (15) sign does not (§9.17)."""
@@ -189,6 +189,7 @@ def test_adam_factor_fitting_recovers_a_low_rank_tensor():
     assert float(ops.cp_relative_error(f, target)) < 1e-3
 
 
+@pytest.mark.slow
 def test_als_recovers_an_exact_rank_r_tensor_to_float32_precision():
     true = [jnp.asarray(a, jnp.float32) for a in factors_np((6, 5, 4), 3, seed=12)]
     x = ops.cp_reconstruct(true)

@@ -78,6 +78,7 @@ def test_laplacian_solve_matches_a_dense_solve(x64, method):
     del dense_laplacian_np
 
 
+@pytest.mark.slow
 def test_cholesky_and_cg_agree_in_float32():
     x = np.random.default_rng(6).normal(size=(50, 2))
     graph = G.knn_graph(G.euclidean_rows(jnp.asarray(x, jnp.float32)), 4, num_nodes=50)
@@ -87,6 +88,7 @@ def test_cholesky_and_cg_agree_in_float32():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_ten_thousand_clients_without_an_n_by_n_array():
     n, d2 = 10_000, 3
     points = jnp.asarray(np.random.default_rng(8).uniform(size=(n, 2)), jnp.float32)
