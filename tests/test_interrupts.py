@@ -3,6 +3,7 @@ k and resumed from its directory ends exactly as a run that was never stopped; C
 moment (start-up, compilation, rounds) exits 130 without a traceback and leaves a consistent
 record. Two CPU devices, so the client state is sharded; bfloat16 state and fused rounds too."""
 
+import contextlib
 import json
 import os
 import signal
@@ -28,25 +29,32 @@ def _env(**extra):
             "FEDJAX_PFL_CPU_DEVICES": "2", **extra}
 
 
-def _as_from_a_terminal():
-    """The child starts with Ctrl-C's default disposition, unblocked, as from an interactive shell,
-    whatever the pytest worker that starts it has inherited (children keep an ignored or blocked
-    SIGINT across exec, as background jobs of a script do, and then Ctrl-C cannot stop them)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+@contextlib.contextmanager
+def _ctrl_c_for_children():
+    """Children start with Ctrl-C's default disposition, unblocked, as from an interactive shell,
+    whatever the pytest worker has (an ignored or blocked SIGINT is inherited across exec, as by a
+    script's background jobs, and then Ctrl-C cannot stop the child)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _run(argv, **env):
-    proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True,
-                          env=_env(**env), timeout=600, preexec_fn=_as_from_a_terminal)
+    with _ctrl_c_for_children():
+        proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True,
+                              env=_env(**env), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 
 
 def _start(argv, **env):
-    return subprocess.Popen([sys.executable, SCRIPT, *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(**env),
-                            preexec_fn=_as_from_a_terminal)
+    with _ctrl_c_for_children():
+        return subprocess.Popen([sys.executable, SCRIPT, *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=_env(**env))
 
 
 def _wait_for(proc, text, timeout=300):
