@@ -50,7 +50,7 @@ def test_global_model_is_fedavg_bit_for_bit():
     assert not np.allclose(e_dit["client"].loss_sum, e_dit["global"].loss_sum)
 
 
-@pytest.mark.parametrize("prox_step", ["explicit", "implicit"])
+@pytest.mark.parametrize("prox_step", ["explicit", pytest.param("implicit", marks=pytest.mark.slow)])
 def test_personal_update_against_numpy(x64, prox_step):
     lr, lam, epochs = 0.3, 0.7, 2
     algo = algorithms.get("ditto", model=QUADRATIC, lam=lam, prox_step=prox_step, lr=lr,

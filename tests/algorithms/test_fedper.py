@@ -56,7 +56,6 @@ def test_no_head_is_fedavg_bit_for_bit(data):
     tree_equal(e_per, e_avg)
 
 
-@pytest.mark.slow
 def test_all_head_is_local_bit_for_bit(data):
     _, s_per, m_per, e_per = run("fedper", data, head="all")
     _, s_loc, m_loc, e_loc = run("local", data)
@@ -67,6 +66,7 @@ def test_all_head_is_local_bit_for_bit(data):
     tree_equal(e_per, e_loc)
 
 
+@pytest.mark.slow      # three algorithms compile
 def test_round_one_averages_the_body_and_keeps_each_head(data):
     # In round 1 every client starts from θ0, as in FedAvg and Local with the same keys: the body
     # is FedAvg's weighted mean of the body, each sampled head is Local's trained head.

@@ -238,6 +238,7 @@ def test_identity_parameterisation_with_one_gd_factor_step_is_pfedme(ragged_data
     np.testing.assert_array_equal(ev_td["client"].correct, ev_me["client"].correct)
 
 
+@pytest.mark.slow
 def test_pfedme_round_matches_the_numpy_transcription(x64):
     hp = dict(lam=4.0, personal_lr=0.1, personal_steps=3, beta=1.5, lr=0.05, momentum=0.0,
               participation=0.67, **COMMON)
