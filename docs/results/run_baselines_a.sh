@@ -5,6 +5,8 @@
 # hyperparameters, with FedAvg and FedAvg-FT rerun at this commit as references, on the digits
 # partitions and presets of run_pgfed.sh and run_pfedsop.sh (same
 # seeds and data flags, hence the same clients as the pgfed.md / pfedsop.md tables).
+# GROUPS_TO_RUN, PRESETS (a) and DATASETS (b) choose the parts to run; set empty, a part is skipped:
+#   GROUPS_TO_RUN="digits:2" PRESETS="" bash ...   (one seed of the PGFed protocol only)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/baselines_a}
