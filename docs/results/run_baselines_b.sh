@@ -4,7 +4,7 @@
 # pgfed.md and pfedsop.md, with the same partitions and common flags. Results go to $OUT.
 #   bash docs/results/run_baselines_b.sh
 # GROUPS_TO_RUN, PRESETS (a) and DATASETS (b) choose the parts to run; set empty, a part is skipped:
-#   GROUPS_TO_RUN="digits:2" PRESETS="" bash ...   (one seed of the PGFed protocol only)
+#   GROUPS_TO_RUN="digits:2" DATASETS="" bash ...   (one seed of the PGFed protocol only)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/baselines_b}
