@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -114,7 +112,6 @@ def default_prepared(algo: str):
     """`runner.prepare` of `python experiments/run.py --algo ALGO` (digits, 20 clients), built and
     compiled once per test process: tests/test_defaults_train.py trains it for 50 rounds and
     tests/test_resume.py stops and resumes it (a Prepared does not depend on --rounds or --out)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
     import run as cli          # experiments/run.py (importing it starts nothing)
     from fedjax_pfl import runner
 

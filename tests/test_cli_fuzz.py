@@ -4,17 +4,13 @@ never a traceback. (Status 1 is kept for a run that diverges, NaN/Inf in trainin
 can foresee: its message is one line too and names the round.)"""
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import run as cli  # noqa: E402
+import run as cli  # noqa: E402  (experiments/run.py)
 
 from fedjax_pfl import algorithms, runner  # noqa: E402
 

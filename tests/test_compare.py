@@ -1,14 +1,10 @@
 """experiments/compare.py: a table of runs on one partition, diverged runs recorded, --resume."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import compare  # noqa: E402
+import compare        # experiments/compare.py
 
 
 @pytest.mark.slow

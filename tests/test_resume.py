@@ -2,20 +2,16 @@
 the same metrics and ends in the same state, bit for bit, as a run that was never stopped."""
 
 import json
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 import helpers
+import run as cli        # experiments/run.py (on the tests' pythonpath)
 from fedjax_pfl import algorithms, checkpoint, runner
 
 ROUNDS, STOP = 4, 2
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import run as cli  # noqa: E402
 
 
 def _config(algo, out, rounds, *flags, checkpoint_every=STOP):

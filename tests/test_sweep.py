@@ -2,8 +2,6 @@
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -11,8 +9,6 @@ import pytest
 
 from fedjax_pfl import models, runner, sweep
 from helpers import make_data
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -53,7 +49,6 @@ def test_untraceable_hyperparameters_are_refused_in_one_program():
 
 @pytest.mark.slow
 def test_sweep_tool_writes_a_table_and_resumes(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "experiments"))
     import sweep as tool
 
     argv = ["--out", str(tmp_path), "--algos", "fedavg", "local", "--seeds", "0", "1",

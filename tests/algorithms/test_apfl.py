@@ -1,9 +1,6 @@
 """APFL: the α and v gradients against their closed forms (NumPy softmax regression), two rounds
 against a NumPy transcription, α kept in [0, 1], the mixed model evaluated, backends equal."""
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,7 +132,6 @@ def test_vmapped_and_chunked_equal_loop_backend(ragged_data):
 
 
 def test_cli_help_explains_the_flags():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
     import run as cli
 
     text = " ".join(cli.build_parser().format_help().split())

@@ -1,9 +1,6 @@
 """Ditto: the global model is FedAvg's bit for bit, λ → ∞ pins the personal model to the received
 global model, the personal update against a NumPy transcription, backends equal, --help."""
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,7 +111,6 @@ def test_evaluate_honours_ids_and_cli_help():
     sub = algo.evaluate(state, DATA, jnp.array([3, 0], jnp.int32))
     for key in ("client", "global"):
         np.testing.assert_allclose(sub[key].loss_sum, np.asarray(full[key].loss_sum)[[3, 0]], rtol=1e-6)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
     import run as cli
 
     text = " ".join(cli.build_parser().format_help().split())

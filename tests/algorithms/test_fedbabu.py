@@ -3,8 +3,6 @@ federated training = FedAvg on a body-only model = FedRep with τ_h = 0, evaluat
 fine-tuning of the whole model (which moves the head), backends equal, --help."""
 
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -107,7 +105,6 @@ def test_backends_agree():
 
 
 def test_help_explains_the_flags():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
     import run as cli
 
     text = " ".join(cli.build_parser().format_help().split())

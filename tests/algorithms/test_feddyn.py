@@ -1,9 +1,6 @@
 """FedDyn: two rounds against a NumPy float64 transcription of Algorithm 1 (server model, h-state,
 per-client correction), backends equal, the flag in --help."""
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,7 +93,6 @@ def test_vmapped_and_chunked_equal_loop_backend(ragged_data):
 
 
 def test_cli_help_explains_the_flag():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
     import run as cli
 
     text = " ".join(cli.build_parser().format_help().split())

@@ -1,9 +1,6 @@
 """FedProx and FedProx-FT: μ = 0 is FedAvg (and FedAvg-FT) bit for bit, the proximal gradient by
 hand, backends equal, the flags in --help."""
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,7 +114,6 @@ def test_evaluate_honours_ids():
 
 
 def test_cli_help_explains_the_flags():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
     import run as cli
 
     text = " ".join(cli.build_parser().format_help().split())

@@ -3,8 +3,6 @@ the frozen part bit for bit unchanged in each phase, τ_h = 0 against FedAvg on 
 backends equal, config errors and --help."""
 
 import functools
-import sys
-from pathlib import Path
 
 import chex
 import jax
@@ -161,7 +159,6 @@ def test_config_errors():
 
 
 def test_help_explains_the_flags():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
     import run as cli
 
     text = " ".join(cli.build_parser().format_help().split())

@@ -3,8 +3,6 @@ host-side `label_counts`, the prediction = generic + personal logits, rounds aga
 float64 transcription of the reference code's two optimizer steps per batch, backends equal."""
 
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -163,7 +161,6 @@ def test_backends_agree():
 
 
 def test_help_explains_the_flag():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
     import run as cli
 
     text = " ".join(cli.build_parser().format_help().split())

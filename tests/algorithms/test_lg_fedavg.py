@@ -2,8 +2,6 @@
 swapped split equals FedPer, rounds against a NumPy float64 transcription, backends equal."""
 
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -107,7 +105,6 @@ def test_backends_agree():
 
 
 def test_help_explains_the_flag():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
     import run as cli
 
     text = " ".join(cli.build_parser().format_help().split())

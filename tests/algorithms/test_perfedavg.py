@@ -1,9 +1,6 @@
 """Per-FedAvg: the Hessian–vector product against jax.hessian, FO = HF without the Hessian term,
 the batch split, a round and the adapted evaluation by hand, backends equal, --help."""
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,7 +127,6 @@ def test_vmapped_and_chunked_equal_loop_backend(ragged_data, variant):
 
 
 def test_cli_help_explains_the_flags():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
     import run as cli
 
     text = " ".join(cli.build_parser().format_help().split())
