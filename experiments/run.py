@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "partition comes from --seed), vmapped as one compiled program "
                         "(fedjax_pfl.sweep); OUT/seed_S/ per run and mean ± std at the end")
     g.add_argument("--eval-every", type=int, default=1, help="evaluate every k rounds (and the last)")
+    g.add_argument("--target-acc", type=float, default=None, metavar="A",
+                   help="stop after the first evaluation whose mean client accuracy (acc_mean) is "
+                        ">= A, and record that round in summary.json (rounds to accuracy, as in "
+                        "FedAvg's tables); default: run all --rounds")
     g.add_argument("--eval-clients", default="all",
                    help="clients evaluated at each evaluation: 'all', 'participants' (the round's "
                         "sampled clients) or K (a fixed random subset of K clients); the last round "
@@ -110,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run in DIR (or --out) from its last checkpoint, with the "
                         "configuration saved there (metrics identical to an uninterrupted run); "
                         "other flags must match it, except --rounds (to extend the run), "
-                        "--checkpoint-every, --quiet and --no-memory-check")
+                        "--checkpoint-every, --target-acc, --quiet and --no-memory-check")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--model", default=None,
                    help=f"one of {list(models.MODELS)}; default per dataset (mlp for digits/mnist-"
@@ -213,6 +217,9 @@ def config_from_args(args: argparse.Namespace):
         for seed in args.seeds:
             if not 0 <= seed < 2**32:
                 raise ValueError(f"--seeds must be in [0, 2**32), got {seed}")
+        if len(args.seeds) > 1 and args.target_acc is not None:
+            raise ValueError("--target-acc stops one run; --seeds runs several as one program "
+                             "(run the seeds one by one with --seed to stop each at the target)")
     spec = algorithms.spec(args.algo)
     mine = {flag: hp for hp, flag in spec.all_hparams()}
     hparams = {}
@@ -254,7 +261,8 @@ def config_from_args(args: argparse.Namespace):
                      eval_clients=args.eval_clients, rounds_per_call=args.rounds_per_call,
                      state_dtype=args.state_dtype, memory_check=not args.no_memory_check, out=out,
                      hparams=hparams, data_options=data_options, progress=not args.quiet,
-                     checkpoint_every=args.checkpoint_every, resume=args.resume is not None)
+                     checkpoint_every=args.checkpoint_every, resume=args.resume is not None,
+                     target_acc=args.target_acc)
 
 
 def parse(argv: list[str] | None = None, base_defaults: dict | None = None) -> argparse.Namespace:
@@ -453,6 +461,10 @@ def _main(argv: list[str] | None) -> int:
         if key in last:
             print(f"  {key:<22} last {last[key]:.4f}   best {best[key]:.4f} "
                   f"(round {summary['best_round'][key]})")
+    if "target" in summary:
+        target = summary["target"]
+        print(f"  acc_mean >= {target['acc_mean']:g}: " + (f"reached at round {target['round']}"
+              if target["round"] is not None else f"not reached in {summary['rounds']} rounds"))
     for key, value in summary.get("communication", {}).items():
         if key.endswith("_total"):
             print(f"  {key:<32} {value:,.0f}")

@@ -71,7 +71,7 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "client_metrics.npz
 DEFAULT_CHECKPOINT_EVERY = 10
 # Configuration that may change when a run is resumed (everything else must match).
 RESUMABLE_CHANGES = ("rounds", "out", "progress", "memory_check", "checkpoint_every", "resume",
-                     "overwrite")
+                     "overwrite", "target_acc")
 # Models whose strided stages collapse small images (8×8 digits) to 1×1: they train at chance.
 MIN_IMAGE_SIDE = {"resnet9": 16, "resnet18": 16}
 
@@ -102,6 +102,7 @@ class RunConfig:
     progress: bool = True
     checkpoint_every: int | None = None   # None: every 10 rounds (a multiple of rounds_per_call)
     resume: bool = False                  # continue from the latest checkpoint in `out`
+    target_acc: float | None = None       # stop after the first evaluation with acc_mean >= this
 
     def checkpoint_interval(self) -> int:
         """Rounds between checkpoints, also written after the last round (0: none; none either
@@ -146,6 +147,9 @@ class RunConfig:
                                  "between calls)")
         if not math.isfinite(self.model_cr):
             raise ValueError(f"--model-cr must be finite, got {self.model_cr}")
+        if self.target_acc is not None and (isinstance(self.target_acc, bool) or not isinstance(
+                self.target_acc, (int, float, np.integer, np.floating)) or not 0 < self.target_acc <= 1):
+            raise ValueError(f"--target-acc must be in (0, 1] (a mean client accuracy), got {self.target_acc}")
         _eval_clients(self.eval_clients)
         self.partition.validate()
         hparams = spec.resolve(self.hparams)
@@ -295,12 +299,13 @@ def resume_conflicts(cfg: RunConfig, hparams: dict, model_name: str, saved: dict
                                                      _same_number(a.get(sub), b.get(sub))):
                     flag = flags.get((key, sub), f"--{sub.replace('_', '-')}")
                     return (f"--resume: the run in {cfg.out} was made with {flag} {b.get(sub)!r}, "
-                            f"not {a.get(sub)!r} (only --rounds, --checkpoint-every, --quiet and "
-                            "--no-memory-check may change)")
+                            f"not {a.get(sub)!r} (only --rounds, --checkpoint-every, --target-acc, "
+                            "--quiet and --no-memory-check may change)")
         elif a != b and not _same_number(a, b):
             flag = flags.get((key, None), f"--{key.replace('_', '-')}")
             return (f"--resume: the run in {cfg.out} was made with {flag} {b!r}, not {a!r} "
-                    "(only --rounds, --checkpoint-every, --quiet and --no-memory-check may change)")
+                    "(only --rounds, --checkpoint-every, --target-acc, --quiet and --no-memory-check "
+                    "may change)")
     return None
 
 
@@ -603,15 +608,26 @@ def _rounds(cfg, prep, program, state, round_keys, prog: _Progress, out, log, pr
                                 acc=f"{row['acc_mean']:.3f}" if "acc_mean" in row else "-")
                 bar.update(count)
             r += count
-            if every and (r % every == 0 or r == cfg.rounds):
+            reached = evals is not None and _target_round(cfg, [rows[-1][0]]) is not None
+            if every and (r % every == 0 or r == cfg.rounds or reached):
                 _save_checkpoint(cfg, out, state, prog, prep, time.perf_counter() - t_start)
             _test_pause(r)
+            if reached:
+                break
     finally:
         if bar is not None:
             bar.close()
         if metrics_file:
             metrics_file.close()
     return state
+
+
+def _target_round(cfg: RunConfig, rows: list[dict]) -> int | None:
+    """The first of these rounds whose evaluation reached --target-acc (None: none, or no target).
+    Rounds-to-accuracy is how FedAvg (McMahan et al. 2017, Table 2) compares methods."""
+    if cfg.target_acc is None:
+        return None
+    return next((row["round"] for row in rows if row.get("acc_mean", -1.0) >= cfg.target_acc), None)
 
 
 def _record_call(prog: _Progress, rows, evals, ids, eval_time, r, n_real, metrics_file) -> None:
@@ -686,6 +702,8 @@ def _report(cfg, prep, prog: _Progress, out, t_start, *, compile_time, plan,
     }
     if interrupted is not None:
         summary["interrupted_during"] = interrupted
+    if cfg.target_acc is not None:
+        summary["target"] = {"acc_mean": cfg.target_acc, "round": _target_round(cfg, rows)}
     if plan is not None:
         summary["memory_plan"] = dataclasses.asdict(plan)
     communication = _communication_totals(rows)

@@ -155,6 +155,8 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
     from fedjax_pfl import models, runner
 
     hparams = cfg.validate()
+    if cfg.target_acc is not None:
+        raise ValueError("--target-acc stops one run; the runs of a sweep share one program")
     model_name = cfg.model or runner.DEFAULT_MODEL.get(cfg.dataset, "mlp")
     model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr)
     t0 = time.perf_counter()

@@ -96,3 +96,43 @@ def test_interrupted_run_records_what_finished_and_resumes(tmp_path, monkeypatch
     runner.run(_config("fedavg", out, 5, "--resume", checkpoint_every=3), prepared=prep, log=quiet)
     assert _rows(out) == _rows(tmp_path / "full")          # round 4 was run again from round 3
     assert not json.loads((out / "summary.json").read_text())["interrupted"]
+
+
+def test_target_accuracy_stops_at_the_first_round_that_reaches_it(tmp_path):
+    """--target-acc A: the run ends after the first evaluation with acc_mean >= A, found in an
+    uninterrupted run's metrics; its rows are that run's first rows, its last checkpoint is the
+    stopping round, and resuming it (without a target) continues exactly like the full run."""
+    prep = helpers.default_prepared("fedavg")
+    quiet = lambda *_: None
+    full = runner.run(_config("fedavg", tmp_path / "full", 12), prepared=prep, log=quiet)
+    rows = _rows(tmp_path / "full")
+    accs = [row["acc_mean"] for row in rows]
+    target = float(np.median(accs))                     # reached part-way, not at round 1
+    first = next(row["round"] for row in rows if row["acc_mean"] >= target)
+    assert 1 < first < 12
+
+    cfg = _config("fedavg", tmp_path / "stopped", 12, "--target-acc", repr(target), checkpoint_every=5)
+    summary = runner.run(cfg, prepared=prep, log=quiet)
+    assert summary["target"] == {"acc_mean": target, "round": first}
+    assert summary["last_completed_round"] == summary["last_checkpoint_round"] == first
+    assert _rows(tmp_path / "stopped") == rows[:first]
+    assert runner.latest_checkpoint(str(tmp_path / "stopped")).endswith(f"round_{first:06d}")
+
+    resumed = runner.run(_config("fedavg", tmp_path / "stopped", 12, "--resume"), prepared=prep,
+                         log=quiet)
+    assert "target" not in resumed and resumed["last"]["acc_mean"] == full["last"]["acc_mean"]
+    assert _rows(tmp_path / "stopped") == rows
+
+    unreachable = _config("fedavg", tmp_path / "never", 3, "--target-acc", "1")
+    assert runner.run(unreachable, prepared=prep, log=quiet)["target"] == {"acc_mean": 1.0, "round": None}
+
+
+def test_target_accuracy_is_checked_up_front(capsys):
+    for value in ("0", "1.5", "-0.1", "nan"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--algo", "fedavg", "--target-acc", value, "--quiet"])
+        assert e.value.code == 2
+        assert "--target-acc" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--algo", "fedavg", "--target-acc", "0.5", "--seeds", "1", "2", "--quiet"])
+    assert e.value.code == 2 and "--target-acc" in capsys.readouterr().err
