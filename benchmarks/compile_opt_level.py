@@ -1,11 +1,13 @@
 #!/usr/bin/env python
-"""Compile and run time of one algorithm's round at XLA's LLVM optimisation levels.
+"""Compile and run time of one algorithm's round at XLA's LLVM optimisation levels, with XLA:CPU's
+fusion emitters (its default) and with its older elemental emitters.
 
     python benchmarks/compile_opt_level.py pgfed            # the CLI's default configuration
     python benchmarks/compile_opt_level.py tdpfed --rounds 5
 
-Why the test suite compiles at -O1 (tests/conftest.py): its time is compilation, and -O1
-compiles ~25 % faster than the default -O2 while running small programs almost as fast.
+Why the test suite compiles at -O0 with the elemental emitters (tests/conftest.py): its time is
+compilation, which that cuts by about 80 % on these rounds; they run ~5x slower, which the
+suite's few-round tests do not notice.
 Extra arguments are run.py flags.
 """
 
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import run as cli  # noqa: E402
 from fedjax_pfl import runner  # noqa: E402
 
-LEVELS = (2, 1, 0)
+SETTINGS = ((2, True), (1, True), (0, True), (2, False), (1, False), (0, False))
 ROUNDS = 5
 
 
@@ -34,9 +36,10 @@ def main(argv: list[str]) -> None:
                                                prep.round_keys, jax.ShapeDtypeStruct((), jnp.int32))
     state = program.init(jax.random.fold_in(prep.root, 0))
     print(f"{algo}: one round of the default configuration {' '.join(flags)}")
-    for level in LEVELS:
+    for level, fusion in SETTINGS:
         t0 = time.perf_counter()
-        compiled = lowered.compile(compiler_options={"xla_backend_optimization_level": level})
+        compiled = lowered.compile(compiler_options={"xla_backend_optimization_level": level,
+                                                     "xla_cpu_use_fusion_emitters": fusion})
         compile_s = time.perf_counter() - t0
         s = jax.tree.map(lambda a: a.copy(), state)
         s, _ = compiled(s, program.data, prep.round_keys, jnp.int32(0))   # warm-up round
@@ -46,7 +49,8 @@ def main(argv: list[str]) -> None:
             s, _ = compiled(s, program.data, prep.round_keys, jnp.int32(r))
         jax.block_until_ready(s)
         per_round = (time.perf_counter() - t0) / ROUNDS
-        print(f"  -O{level}: compile {compile_s:5.2f} s, {1000 * per_round:7.1f} ms a round")
+        emitters = "fusion emitters" if fusion else "elemental     "
+        print(f"  -O{level} {emitters}: compile {compile_s:5.2f} s, {1000 * per_round:7.1f} ms a round")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,19 @@ def assert_states_close(got, want, *, rtol=2e-5, atol=1e-6):
             np.testing.assert_array_equal(x, y, err_msg=name)
 
 
+# XLA's own defaults (the product's), against the suite's fast-compile flags (tests/conftest.py):
+# for claims that two different programs agree bit for bit, which hold at the settings users run
+# with but may break by an ulp at others (PGFed with mu = 0 against FedAvg does at -O0).
+PRODUCT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True}
+
+
+def product_jit(fn, **kwargs):
+    """jax.jit(fn) compiled at XLA's default settings (PRODUCT_COMPILER_OPTIONS)."""
+    import jax
+
+    return jax.jit(fn, compiler_options=PRODUCT_COMPILER_OPTIONS, **kwargs)
+
+
 def tree_equal(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -39,6 +39,15 @@ def _host(leaf):
     return np.asarray(leaf)
 
 
+@pytest.fixture(autouse=True)
+def _no_figures(monkeypatch):
+    """The runs here write no PNGs: drawing them (~0.8 s per run directory) was two thirds of this
+    file's time, and what they show is not what resume must reproduce (tests/test_cli.py and
+    tests/test_interrupts.py check that runs write them)."""
+    monkeypatch.setattr(runner, "plot_label_distribution", lambda *args, **kwargs: None)
+    monkeypatch.setattr(runner, "plot_learning_curves", lambda *args, **kwargs: None)
+
+
 FAST = ("fedavg",)     # the quick suite's; the full suite runs every algorithm
 
 
