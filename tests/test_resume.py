@@ -39,10 +39,11 @@ def _host(leaf):
     return np.asarray(leaf)
 
 
-@pytest.fixture(autouse=True)
-def _no_figures(monkeypatch):
-    """The runs here write no PNGs: drawing them (~0.8 s per run directory) was two thirds of this
-    file's time, and what they show is not what resume must reproduce (tests/test_cli.py and
+@pytest.fixture
+def no_figures(monkeypatch):
+    """Runs that write no PNGs: drawing them (~0.8 s per run directory) was two thirds of the
+    per-algorithm resume tests' time, and what they show is not what resume must reproduce
+    (test_interrupted_run_records_what_finished_and_resumes, tests/test_cli.py and
     tests/test_interrupts.py check that runs write them)."""
     monkeypatch.setattr(runner, "plot_label_distribution", lambda *args, **kwargs: None)
     monkeypatch.setattr(runner, "plot_learning_curves", lambda *args, **kwargs: None)
@@ -51,6 +52,7 @@ def _no_figures(monkeypatch):
 FAST = ("fedavg",)     # the quick suite's; the full suite runs every algorithm
 
 
+@pytest.mark.usefixtures("no_figures")
 @pytest.mark.parametrize("algo", [a if a in FAST else pytest.param(a, marks=pytest.mark.slow)
                                   for a in algorithms.names()])
 def test_resume_at_round_k_equals_uninterrupted(algo, tmp_path):
@@ -107,6 +109,7 @@ def test_interrupted_run_records_what_finished_and_resumes(tmp_path, monkeypatch
     assert not json.loads((out / "summary.json").read_text())["interrupted"]
 
 
+@pytest.mark.usefixtures("no_figures")
 def test_target_accuracy_stops_at_the_first_round_that_reaches_it(tmp_path):
     """--target-acc A: the run ends after the first evaluation with acc_mean >= A, found in an
     uninterrupted run's metrics; its rows are that run's first rows, its last checkpoint is the

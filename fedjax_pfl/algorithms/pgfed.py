@@ -35,6 +35,10 @@ from fedjax_pfl.algorithms import base
 from fedjax_pfl.core.local import FullPass, add_aux_gradient
 from fedjax_pfl.models.model import Model
 
+# The full-data gradient pass's batch when --eval-batch-size is automatic: the batch every
+# PGFed result in docs/results/ was computed with (its sums, hence G_i, depend on it by rounding).
+FULL_PASS_BATCH = 256
+
 Params = Any
 
 
@@ -84,7 +88,8 @@ def pgfed(
 
     engine = base.Engine(model, client_transform=add_aux_gradient(), on_step=update_alpha_row,
                          **common)
-    full_pass = FullPass(model, batch_size=common["eval_batch_size"], mapper=engine.mapper)
+    full_pass = FullPass(model, batch_size=common["eval_batch_size"] or FULL_PASS_BATCH,
+                         mapper=engine.mapper)
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)

@@ -18,7 +18,7 @@ from fedjax_pfl.core.clients import (
     sum_over_clients,
     where_clients,
 )
-from fedjax_pfl.core.evaluate import ClientEval, Evaluator
+from fedjax_pfl.core.evaluate import AUTO_EVAL_BATCH, ClientEval, Evaluator, auto_eval_batch
 from fedjax_pfl.core.local import (
     FullPass,
     LocalResult,
@@ -42,7 +42,7 @@ __all__ = [
     "BACKENDS", "ClientLoop", "ClientMapper", "balanced_order", "broadcast", "client_mapper", "client_mesh", "replicate",
     "replicated_sharding", "gather", "mean_over_clients",
     "num_sampled_clients", "sample_clients", "scatter", "sum_over_clients", "where_clients",
-    "ClientEval", "Evaluator", "FullPass", "LocalResult", "LocalTrainer", "add_aux_gradient",
+    "AUTO_EVAL_BATCH", "ClientEval", "Evaluator", "FullPass", "auto_eval_batch", "LocalResult", "LocalTrainer", "add_aux_gradient",
     "epoch_permutation", "masked_mean_loss", "steps_per_epoch", "History", "summarize",
     "STATE_DTYPES", "MemoryPlan", "MemoryPlanError", "Program", "check_memory", "prepare_data",
 ]

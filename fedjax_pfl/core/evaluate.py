@@ -8,6 +8,7 @@ statistics reported per round.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -38,8 +39,44 @@ class ClientEval(NamedTuple):
         return self.loss_sum / jnp.where(self.count > 0, self.count, jnp.nan)
 
 
+AUTO_EVAL_BATCH = 0
+# On a CPU device, an evaluation batch whose forward-pass temporaries (im2col patches,
+# activations) stay within about the L2 cache runs fastest: the FedAvg CNN on 28×28 images
+# (~0.3 MB of temporaries per sample) evaluates 25 clients' test splits in 2.0 s at batch 8 and
+# 3.5 s at batch 256 (benchmarks/RESULTS.md, "evaluation batch"); the MLP is far below the budget
+# at any batch, and keeps 256.
+EVAL_TEMP_BUDGET_BYTES = 2 << 20
+MAX_EVAL_BATCH = 256
+
+
+def auto_eval_batch(model: Model, input_shape: tuple[int, ...],
+                    temp_budget_bytes: int = EVAL_TEMP_BUDGET_BYTES) -> int:
+    """The evaluation batch for `model` on inputs of `input_shape`: the largest multiple of 8 in
+    [8, 256] whose forward pass keeps b · (temporaries per sample) ≤ temp_budget_bytes, per sample
+    from XLA's memory analysis of the forward pass at batch 8. Accelerators get 256."""
+    if jax.default_backend() != "cpu":
+        return MAX_EVAL_BATCH
+    return _auto_eval_batch(model, tuple(input_shape), int(temp_budget_bytes))
+
+
+@functools.lru_cache(maxsize=64)
+def _auto_eval_batch(model: Model, input_shape: tuple[int, ...], temp_budget_bytes: int) -> int:
+    probe = 8
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((probe, *input_shape), jnp.float32)
+    try:
+        compiled = jax.jit(model.apply).lower(params, x).compile(
+            compiler_options={"xla_backend_optimization_level": 0})   # buffers precede codegen
+        per_sample = compiled.memory_analysis().temp_size_in_bytes / probe
+    except Exception:   # no memory analysis on this backend
+        return MAX_EVAL_BATCH
+    fits = int(temp_budget_bytes // max(per_sample, 1.0)) // 8 * 8
+    return int(min(MAX_EVAL_BATCH, max(8, fits)))
+
+
 class Evaluator:
-    """Evaluates models on clients' test splits in batches of `batch_size` test samples.
+    """Evaluates models on clients' test splits in batches of `batch_size` test samples
+    (`AUTO_EVAL_BATCH`, 0: `auto_eval_batch`).
 
     The batch is min(batch_size, the largest client's test set rounded up to a multiple of 8), so
     clients with a handful of test samples are not padded to a large batch. Each client is a
@@ -47,8 +84,8 @@ class Evaluator:
     """
 
     def __init__(self, model: Model, *, batch_size: int, mapper: ClientMapper):
-        if batch_size < 1:
-            raise ValueError(f"--eval-batch-size must be >= 1, got {batch_size}")
+        if batch_size < 0:
+            raise ValueError(f"--eval-batch-size must be >= 0 (0: automatic), got {batch_size}")
         self.model = model
         self.batch_size = int(batch_size)
         # Evaluation touches all N clients: never vmap them all at once (memory), use lanes.
@@ -61,7 +98,10 @@ class Evaluator:
 
     def batch_for(self, data: FederatedData) -> int:
         """The evaluation batch for `data`: min(batch_size, largest test split rounded up to 8)."""
-        return max(1, min(self.batch_size, -(-max(data.max_test, 1) // 8) * 8))
+        batch = self.batch_size
+        if batch == AUTO_EVAL_BATCH:
+            batch = auto_eval_batch(self.model, data.input_shape)
+        return max(1, min(batch, -(-max(data.max_test, 1) // 8) * 8))
 
     def _loop_for(self, batch: int, personal: bool):
         if (batch, personal) not in self._loops:

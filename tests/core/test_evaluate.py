@@ -47,3 +47,27 @@ def test_evaluating_a_subset_of_clients_and_the_batch_size():
     one = jax.tree.map(lambda a: a[0], params)
     np.testing.assert_allclose(ev.shared(data, one, jnp.array([2])).loss_sum,
                                ev.shared(data, one).loss_sum[2:3], rtol=1e-6)
+
+
+def test_automatic_evaluation_batch_keeps_the_temporaries_in_cache():
+    """--eval-batch-size 0: the largest multiple of 8 up to 256 within 2 MiB of temporaries.
+    The FedAvg CNN on 28×28: conv 2's im2col patches alone are 8·8·800 floats = 204.8 KB a
+    sample, 3.3 MB at batch 16 > 2 MiB, so 8. The 784-100-10 MLP: even with every activation a
+    temporary (894 floats, 3.6 KB a sample) 256 samples take 0.9 MB, so 256."""
+    from fedjax_pfl import models
+
+    shape = (28, 28, 1)
+    cnn, mlp = models.get("cnn", shape, 10), models.get("mlp", shape, 10)
+    assert core.auto_eval_batch(mlp, shape) == 256
+    assert core.auto_eval_batch(cnn, shape) == 8
+    budgets = [0, 4 << 20, 16 << 20, 64 << 20, 1 << 30]
+    batches = [core.auto_eval_batch(cnn, shape, b) for b in budgets]
+    assert batches[0] == 8 and batches[-1] == 256                  # the bounds
+    assert batches == sorted(batches) and all(b % 8 == 0 for b in batches)
+    assert 8 < batches[2] < 256                                     # in between, a multiple of 8
+    # Automatic or explicit, the batch never exceeds the largest test split rounded up to 8.
+    tiny = linear_model()                                     # a few bytes a sample: 256
+    for sizes, expected in (([300, 1, 12], 256), ([5, 1, 12], 16)):
+        data = make_data([5, 9, 4], test_sizes=sizes)
+        ev = core.Evaluator(tiny, batch_size=core.AUTO_EVAL_BATCH, mapper=core.client_mapper("chunked"))
+        assert ev.batch_for(data) == expected

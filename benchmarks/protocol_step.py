@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""The engine alone on PGFed's CNN protocol (vs_pytorch.py's engine side, shorter): compile time,
+ms per local step and evaluation seconds per round, under the current XLA_FLAGS.
+
+    python benchmarks/protocol_step.py fedavg 10 --eval-batch-size 256
+    python benchmarks/protocol_step.py fedavg 10                      # automatic evaluation batch
+    XLA_FLAGS=--xla_cpu_use_fusion_emitters=false python benchmarks/protocol_step.py fedavg 60
+
+Arguments: algorithm, local steps per client (instead of 5 epochs, for a short round), then
+run.py flags. Fashion-MNIST (Debian package), IID split, preset pgfed_paper, the FedAvg CNN;
+medians of 3 rounds and 3 evaluations after a warm-up.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import run as cli  # noqa: E402
+from fedjax_pfl import runner  # noqa: E402
+
+
+def main(argv: list[str]) -> None:
+    algo, steps, flags = argv[0], argv[1], argv[2:]
+    args = ["--algo", algo, "--preset", "pgfed_paper", "--dataset", "fashion_mnist", "--model", "cnn",
+            "--quiet", "--no-memory-check", "--partition", "iid", "--local-steps", steps, *flags]
+    prep = runner.prepare(cli.config_from_args(cli.parse(args)))
+    program = prep.program
+    t0 = time.perf_counter()
+    program.compile(prep.round_keys)
+    compile_s = time.perf_counter() - t0
+    state = program.init(jax.random.fold_in(prep.root, 0))
+    state, metrics = program.run_rounds(state, prep.round_keys, 0, 1)          # warm-up
+    jax.block_until_ready(program.evaluate(state))
+    train, evaluate = [], []
+    for r in range(1, 4):
+        t0 = time.perf_counter()
+        state, metrics = program.run_rounds(state, prep.round_keys, r, 1)
+        jax.block_until_ready(state)
+        train.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        jax.block_until_ready(program.evaluate(state))
+        evaluate.append(time.perf_counter() - t0)
+    n = int(np.sum(metrics[0]["client_steps"]))
+    print(f"{algo} {' '.join(flags)} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: compile "
+          f"{compile_s:.1f} s, training {np.median(train):.3f} s a round ({n} steps, "
+          f"{1000 * np.median(train) / max(n, 1):.2f} ms a step), evaluation {np.median(evaluate):.3f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["fedavg", "10"])
