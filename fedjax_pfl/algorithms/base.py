@@ -141,7 +141,7 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
            check=NON_NEGATIVE),
     HParam("eval_batch_size", int, 0,
            "test samples per evaluation batch; 0 picks the largest multiple of 8 up to 256 whose "
-           "forward pass keeps its temporaries within 2 MB on a CPU device (XLA's memory "
+           "forward pass keeps its temporaries within 2 MiB on a CPU device (XLA's memory "
            "analysis: 256 for the MLP, 8 for the CNN, whose im2col patches then stay in cache). "
            "PGFed's full-data gradient pass uses it too, at 256 when it is 0",
            check=NON_NEGATIVE),
