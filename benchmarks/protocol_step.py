@@ -21,16 +21,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import run as cli  # noqa: E402
-from fedjax_pfl import runner  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_pytorch import _engine  # noqa: E402  (the protocol's run.py flags, one definition)
 
 
 def main(argv: list[str]) -> None:
     algo, steps, flags = argv[0], argv[1], argv[2:]
-    args = ["--algo", algo, "--preset", "pgfed_paper", "--dataset", "fashion_mnist", "--model", "cnn",
-            "--quiet", "--no-memory-check", "--partition", "iid", "--local-steps", steps, *flags]
-    prep = runner.prepare(cli.config_from_args(cli.parse(args)))
+    prep = _engine(algo, "iid", ["--local-steps", steps, *flags])
     program = prep.program
     t0 = time.perf_counter()
     program.compile(prep.round_keys)

@@ -89,8 +89,6 @@ PRODUCT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2, "xla_cpu_use_fu
 
 def product_jit(fn, **kwargs):
     """jax.jit(fn) compiled at XLA's default settings (PRODUCT_COMPILER_OPTIONS)."""
-    import jax
-
     return jax.jit(fn, compiler_options=PRODUCT_COMPILER_OPTIONS, **kwargs)
 
 
@@ -123,7 +121,7 @@ def without_device_count(xla_flags: str) -> str:
 @functools.lru_cache(maxsize=None)
 def default_prepared(algo: str):
     """`runner.prepare` of `python experiments/run.py --algo ALGO` (digits, 20 clients), built and
-    compiled once per test process: tests/test_defaults_train.py trains it for 50 rounds and
+    compiled once per test process: tests/test_defaults_train.py trains it to its accuracy bar and
     tests/test_resume.py stops and resumes it (a Prepared does not depend on --rounds or --out)."""
     import run as cli          # experiments/run.py (importing it starts nothing)
     from fedjax_pfl import runner

@@ -347,6 +347,14 @@ def cast_client_leaves(tree: Params, num_clients: int, dtype) -> Params:
     return jax.tree.map(cast, tree)
 
 
+def compiled_for_analysis(fn: Callable, *abstract_args: Any):
+    """`fn` compiled for XLA's memory and cost analyses only. Buffer assignment (what
+    memory_analysis reports) precedes LLVM code generation, so the unoptimised backend gives the
+    same numbers in a fraction of the compile time."""
+    return jax.jit(fn).lower(*abstract_args).compile(
+        compiler_options={"xla_backend_optimization_level": 0})
+
+
 def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
                     temp_budget_bytes: int = CHUNK_TEMP_BUDGET_BYTES,
                     memory_budget_bytes: int = CHUNK_MEMORY_BUDGET_BYTES,
@@ -362,10 +370,7 @@ def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
     if jax.default_backend() != "cpu":
         return 1 << 30
     try:
-        # Buffer assignment (what memory_analysis reports) precedes LLVM code generation, so the
-        # unoptimised backend gives the same numbers in half the compile time.
-        compiled = jax.jit(one_client_fn).lower(*abstract_args).compile(
-            compiler_options={"xla_backend_optimization_level": 0})
+        compiled = compiled_for_analysis(one_client_fn, *abstract_args)
         analysis = compiled.memory_analysis()
         temp = analysis.temp_size_in_bytes
         total = temp + analysis.output_size_in_bytes

@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedjax_pfl.core.clients import ClientLoop, ClientMapper, balanced_order, jit_unless_loop
+from fedjax_pfl.core.clients import (ClientLoop, ClientMapper, balanced_order, compiled_for_analysis,
+                                     jit_unless_loop)
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
 from fedjax_pfl.models.model import Model
 
@@ -65,9 +66,8 @@ def _auto_eval_batch(model: Model, input_shape: tuple[int, ...], temp_budget_byt
     params = jax.eval_shape(model.init, jax.random.key(0))
     x = jax.ShapeDtypeStruct((probe, *input_shape), jnp.float32)
     try:
-        compiled = jax.jit(model.apply).lower(params, x).compile(
-            compiler_options={"xla_backend_optimization_level": 0})   # buffers precede codegen
-        per_sample = compiled.memory_analysis().temp_size_in_bytes / probe
+        analysis = compiled_for_analysis(model.apply, params, x).memory_analysis()
+        per_sample = analysis.temp_size_in_bytes / probe
     except Exception:   # no memory analysis on this backend
         return MAX_EVAL_BATCH
     fits = int(temp_budget_bytes // max(per_sample, 1.0)) // 8 * 8
