@@ -26,7 +26,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # pgfed`, each setting in a fresh process). The programs then run ~5x
 # slower (67 vs 12 ms a default PGFed round), which the suite's few-round tests never notice (the
 # default configurations' runs stop at their accuracy bar). Full suite: 1,116 s at -O1 with the
-# fusion emitters, 656 s at -O1 without, 440–627 s at -O0 without. Claims that two different
+# fusion emitters, 656 s at -O1 without, 440–669 s at -O0 without. Claims that two different
 # programs agree bit for bit are tested at XLA's defaults (`helpers.product_jit`): at other
 # settings they may differ by an ulp. Subprocesses that tests start inherit the flags.
 _FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")

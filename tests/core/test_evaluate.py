@@ -65,6 +65,13 @@ def test_automatic_evaluation_batch_keeps_the_temporaries_in_cache():
     assert batches[0] == 8 and batches[-1] == 256                  # the bounds
     assert batches == sorted(batches) and all(b % 8 == 0 for b in batches)
     assert 8 < batches[2] < 256                                     # in between, a multiple of 8
+    # The Evaluator asks for it: on 28×28 images the CNN evaluates in batches of 8.
+    from fedjax_pfl.data.federated import FederatedData
+    images = FederatedData.from_arrays(np.zeros((40, *shape), np.float32), np.zeros(40),
+                                       [np.arange(0, 10), np.arange(10, 20)],
+                                       [np.arange(20, 25), np.arange(25, 40)], num_classes=10)
+    auto = core.Evaluator(cnn, batch_size=core.AUTO_EVAL_BATCH, mapper=core.client_mapper("chunked"))
+    assert auto.batch_for(images) == 8                        # not min(256, 15 rounded up) = 16
     # Automatic or explicit, the batch never exceeds the largest test split rounded up to 8.
     tiny = linear_model()                                     # a few bytes a sample: 256
     for sizes, expected in (([300, 1, 12], 256), ([5, 1, 12], 16)):
