@@ -67,6 +67,18 @@ def _ctrl_c_still_works():
     assert after_mask == mask, f"the test left the signal mask at {after_mask} (was {mask})"
 
 
+@pytest.fixture
+def no_figures(monkeypatch):
+    """Runs that write no PNGs: drawing them (~0.8 s per run directory) was two thirds of the
+    per-algorithm resume tests' time, and what they show is not what resume must reproduce
+    (test_interrupted_run_records_what_finished_and_resumes, tests/test_cli.py and
+    tests/test_interrupts.py check that runs write them)."""
+    from fedjax_pfl import runner
+
+    monkeypatch.setattr(runner, "plot_label_distribution", lambda *args, **kwargs: None)
+    monkeypatch.setattr(runner, "plot_learning_curves", lambda *args, **kwargs: None)
+
+
 def pytest_unconfigure(config):
     """The session that made the compilation cache removes it."""
     if os.environ.get("FEDJAX_PFL_TEST_OWNS_JIT_CACHE") == str(os.getpid()):

@@ -122,8 +122,66 @@ def without_device_count(xla_flags: str) -> str:
 def default_prepared(algo: str):
     """`runner.prepare` of `python experiments/run.py --algo ALGO` (digits, 20 clients), built and
     compiled once per test process: tests/test_defaults_train.py trains it to its accuracy bar and
-    tests/test_resume.py stops and resumes it (a Prepared does not depend on --rounds or --out)."""
+    stops and resumes it (`check_resume_equals_uninterrupted`); a Prepared does not depend on
+    --rounds or --out."""
     import run as cli          # experiments/run.py (importing it starts nothing)
     from fedjax_pfl import runner
 
     return runner.prepare(cli.config_from_args(cli.parse(["--algo", algo, "--quiet"])))
+
+
+def default_config(algo: str, out, rounds: int, *flags: str, checkpoint_every: int = 2):
+    """The command line's default configuration of `algo` (digits, 20 clients), whose prepared and
+    compiled program is `default_prepared(algo)`, with these rounds, output and checkpoints."""
+    import run as cli
+
+    return cli.config_from_args(cli.parse(["--algo", algo, "--quiet", "--out", str(out), "--rounds",
+                                           str(rounds), "--checkpoint-every", str(checkpoint_every),
+                                           *flags]))
+
+
+def metric_rows(out) -> list[dict]:
+    """metrics.jsonl of a run directory without round_time (wall clock, the only field that may
+    differ between two runs of the same configuration)."""
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row.pop("round_time")
+    return rows
+
+
+def host_array(leaf) -> np.ndarray:
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        leaf = jax.random.key_data(leaf)
+    return np.asarray(leaf)
+
+
+def check_resume_equals_uninterrupted(algo: str, tmp_path, rounds: int = 4, stop: int = 2) -> None:
+    """Issue 11 §1: the default configuration of `algo` stopped at round `stop` (its checkpoint)
+    and resumed writes the same metrics, client metrics and final state, bit for bit, as a run of
+    `rounds` rounds that was never stopped."""
+    from fedjax_pfl import checkpoint, runner
+
+    prep = default_prepared(algo)                   # the same configuration, compiled once
+    quiet = lambda *_: None
+    full = runner.run(default_config(algo, tmp_path / "full", rounds, checkpoint_every=stop),
+                      prepared=prep, log=quiet)
+    runner.run(default_config(algo, tmp_path / "resumed", stop, checkpoint_every=stop),
+               prepared=prep, log=quiet)
+    assert runner.latest_checkpoint(str(tmp_path / "resumed")).endswith(f"round_{stop:06d}")
+    resumed = runner.run(default_config(algo, tmp_path / "resumed", rounds, "--resume",
+                                        checkpoint_every=stop), prepared=prep, log=quiet)
+
+    assert metric_rows(tmp_path / "resumed") == metric_rows(tmp_path / "full")
+    assert resumed["best"] == full["best"] and resumed["last"]["acc_mean"] == full["last"]["acc_mean"]
+    like = prep.program.init(jax.random.fold_in(prep.root, 0))    # (FedPC: shapes from its graph)
+    final = f"round_{rounds:06d}"
+    a = checkpoint.restore(str(tmp_path / "full" / "checkpoints" / final), like=like)
+    b = checkpoint.restore(str(tmp_path / "resumed" / "checkpoints" / final), like=like)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(host_array(x), host_array(y))
+    npz_full = np.load(tmp_path / "full" / "client_metrics.npz")
+    npz_res = np.load(tmp_path / "resumed" / "client_metrics.npz")
+    for key in ("sampled", "eval_rounds", "accuracy"):
+        np.testing.assert_array_equal(npz_full[key], npz_res[key])

@@ -3,8 +3,10 @@ digits within the default rounds, for every registered algorithm (new ones are c
 they register).
 
 The run is built by the command line's own parser and config builder, so what is tested is what
-a user gets; only --quiet is given, and the run writes no files (files, checkpoints and resume
-are tests/test_resume.py's, on the same prepared and compiled configurations). Chance is 0.1 on
+a user gets; only --quiet is given, and the run writes no files. The same test then checks exact
+resume (issue 11 §1) on that configuration, with the program it has just compiled
+(`helpers.check_resume_equals_uninterrupted`: stopped at round 2 and resumed = 4 rounds never
+stopped); tests/test_resume.py checks files, interrupts and targets on FedAvg's. Chance is 0.1 on
 10 classes; the bar is a mean client accuracy of 0.8 within the default 50 rounds, which the run
 stops at (--target-acc 0.8; tests/test_resume.py checks that the stop is the first round that
 reaches it). Measured (`python experiments/run.py --algo NAME --target-acc 0.8` prints the
@@ -25,8 +27,9 @@ BAR = 0.8
 
 
 @pytest.mark.slow     # one digits run (up to 50 rounds) per algorithm: 3–15 s each on 2 busy cores
+@pytest.mark.usefixtures("no_figures")
 @pytest.mark.parametrize("name", algorithms.names())
-def test_default_configuration_learns_digits(name):
+def test_default_configuration_learns_digits_and_resumes_exactly(name, tmp_path):
     prep = helpers.default_prepared(name)          # what `run.py --algo NAME --quiet` prepares
     cfg = dataclasses.replace(prep.cfg, out=None, target_acc=BAR)
     assert (cfg.dataset, cfg.partition.scheme, cfg.partition.num_clients, cfg.rounds) == (
@@ -37,3 +40,4 @@ def test_default_configuration_learns_digits(name):
         f"--algo {name} with its defaults reaches only {best:.3f} best mean client accuracy on "
         f"digits in {cfg.rounds} rounds (last {last:.3f}); its default configuration must train "
         "(issue 11 §4)")
+    helpers.check_resume_equals_uninterrupted(name, tmp_path)

@@ -3,80 +3,26 @@ the same metrics and ends in the same state, bit for bit, as a run that was neve
 
 import json
 
-import jax
 import numpy as np
 import pytest
 
 import helpers
 import run as cli        # experiments/run.py (on the tests' pythonpath)
-from fedjax_pfl import algorithms, checkpoint, runner
-
-ROUNDS, STOP = 4, 2
+from fedjax_pfl import runner
 
 
-def _config(algo, out, rounds, *flags, checkpoint_every=STOP):
-    """The command line's default configuration of `algo` (digits, 20 clients), whose prepared and
-    compiled program is `helpers.default_prepared(algo)`, with these rounds and checkpoints."""
-    return cli.config_from_args(cli.parse(["--algo", algo, "--quiet", "--out", str(out), "--rounds",
-                                           str(rounds), "--checkpoint-every", str(checkpoint_every),
-                                           *flags]))
+def _config(algo, out, rounds, *flags, checkpoint_every=2):
+    return helpers.default_config(algo, out, rounds, *flags, checkpoint_every=checkpoint_every)
 
 
-def _rows(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    for row in rows:
-        row.pop("round_time")                    # wall-clock, the only field that may differ
-    return rows
-
-
-def _final_state(out, like):
-    return checkpoint.restore(str(out / "checkpoints" / f"round_{ROUNDS:06d}"), like=like)
-
-
-def _host(leaf):
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        leaf = jax.random.key_data(leaf)
-    return np.asarray(leaf)
-
-
-@pytest.fixture
-def no_figures(monkeypatch):
-    """Runs that write no PNGs: drawing them (~0.8 s per run directory) was two thirds of the
-    per-algorithm resume tests' time, and what they show is not what resume must reproduce
-    (test_interrupted_run_records_what_finished_and_resumes, tests/test_cli.py and
-    tests/test_interrupts.py check that runs write them)."""
-    monkeypatch.setattr(runner, "plot_label_distribution", lambda *args, **kwargs: None)
-    monkeypatch.setattr(runner, "plot_learning_curves", lambda *args, **kwargs: None)
-
-
-FAST = ("fedavg",)     # the quick suite's; the full suite runs every algorithm
+_rows = helpers.metric_rows
 
 
 @pytest.mark.usefixtures("no_figures")
-@pytest.mark.parametrize("algo", [a if a in FAST else pytest.param(a, marks=pytest.mark.slow)
-                                  for a in algorithms.names()])
-def test_resume_at_round_k_equals_uninterrupted(algo, tmp_path):
-    cfg = _config(algo, tmp_path / "full", ROUNDS)
-    prep = helpers.default_prepared(algo)           # the same configuration, compiled once
-    quiet = lambda *_: None
-    full = runner.run(cfg, prepared=prep, log=quiet)
-
-    stopped = _config(algo, tmp_path / "resumed", STOP)
-    runner.run(stopped, prepared=prep, log=quiet)
-    assert runner.latest_checkpoint(str(tmp_path / "resumed")).endswith(f"round_{STOP:06d}")
-    resumed = runner.run(_config(algo, tmp_path / "resumed", ROUNDS, "--resume"), prepared=prep,
-                         log=quiet)
-
-    assert _rows(tmp_path / "resumed") == _rows(tmp_path / "full")
-    assert resumed["best"] == full["best"] and resumed["last"]["acc_mean"] == full["last"]["acc_mean"]
-    like = prep.program.init(jax.random.fold_in(prep.root, 0))    # (FedPC: shapes from its graph)
-    a, b = _final_state(tmp_path / "full", like), _final_state(tmp_path / "resumed", like)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(_host(x), _host(y))
-    npz_full = np.load(tmp_path / "full" / "client_metrics.npz")
-    npz_res = np.load(tmp_path / "resumed" / "client_metrics.npz")
-    for key in ("sampled", "eval_rounds", "accuracy"):
-        np.testing.assert_array_equal(npz_full[key], npz_res[key])
+def test_resume_at_round_k_equals_uninterrupted(tmp_path):
+    """FedAvg's default configuration; every other algorithm's is checked the same way by
+    tests/test_defaults_train.py on the program it has just trained (compiled once)."""
+    helpers.check_resume_equals_uninterrupted("fedavg", tmp_path)
 
 
 def test_interrupted_run_records_what_finished_and_resumes(tmp_path, monkeypatch):
