@@ -9,11 +9,12 @@ import tempfile
 # multi-device (sharded) path is tested in a subprocess by tests/core/test_sharding.py.
 os.environ["FEDJAX_PFL_CPU_DEVICES"] = "1"
 
-# Most of the suite's time is XLA compilation, and many tests compile the same program (a run
-# and its resumed twin, the loop backend's per-client program, evaluation). One persistent
-# compilation cache per test session, shared by the xdist workers and by the subprocesses the
-# tests start (they inherit these variables), compiles each of them once. It lives in a fresh
-# temporary directory, so a session never reads a cache from an earlier one.
+# Most of the suite's time is compiling (JAX tracing and lowering, then XLA), and many tests
+# compile the same program (a run and its resumed twin, the loop backend's per-client program,
+# evaluation). One persistent compilation cache per test session, shared by the xdist workers and
+# by the subprocesses the tests start (they inherit these variables), compiles each of them once
+# in XLA (tracing and lowering are still paid per process). It lives in a fresh temporary
+# directory, so a session never reads a cache from an earlier one.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fedjax_pfl_test_jit_")
     os.environ["FEDJAX_PFL_TEST_OWNS_JIT_CACHE"] = str(os.getpid())
