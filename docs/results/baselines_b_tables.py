@@ -4,7 +4,8 @@
     python docs/results/baselines_b_tables.py [runs/baselines_b]
 
 Seed groups (pgfed_digits, pgfed_digits_seed1, ...) give mean ± std over seeds (population std,
-as pgfed.md) and the per-seed last-round means; other groups one row per run.
+as pgfed.md) and the per-seed last-round means; every other group (pgfed_fashion_mnist,
+pfedsop_*) one row per run.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def main() -> int:
         print(f"## PGFed protocol, digits, seeds: {len(seeds)}\n")
         seeds_table(seeds)
     for d in sorted(os.listdir(root)):
-        if d.startswith("pfedsop_") and os.path.exists(os.path.join(root, d, "results.json")):
+        group = os.path.join(root, d)
+        if group not in seeds and os.path.exists(os.path.join(group, "results.json")):
             print(f"\n## {d}\n")
             group_table(os.path.join(root, d))
     return 0
