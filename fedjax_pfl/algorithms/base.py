@@ -143,7 +143,7 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
            "test samples per evaluation batch; 0 picks the largest multiple of 8 up to 256 whose "
            "forward pass keeps its temporaries within 2 MiB on a CPU device (XLA's memory "
            "analysis: 256 for the MLP, 8 for the CNN, whose im2col patches then stay in cache). "
-           "PGFed's full-data gradient pass uses it too, at 256 when it is 0",
+           "PGFed's full-data gradient pass uses the same batch",
            check=NON_NEGATIVE),
 )
 

@@ -35,10 +35,6 @@ from fedjax_pfl.algorithms import base
 from fedjax_pfl.core.local import FullPass, add_aux_gradient
 from fedjax_pfl.models.model import Model
 
-# The full-data gradient pass's batch when --eval-batch-size is automatic: the batch every
-# PGFed result in docs/results/ was computed with (its sums, hence G_i, depend on it by rounding).
-FULL_PASS_BATCH = 256
-
 Params = Any
 
 
@@ -88,8 +84,9 @@ def pgfed(
 
     engine = base.Engine(model, client_transform=add_aux_gradient(), on_step=update_alpha_row,
                          **common)
-    full_pass = FullPass(model, batch_size=common["eval_batch_size"] or FULL_PASS_BATCH,
-                         mapper=engine.mapper)
+    # --eval-batch-size (0: automatic, 256 for the MLPs of docs/results/, 8 for the CNN) also
+    # batches the full-data pass; G_i depends on it only by float rounding of the sums.
+    full_pass = FullPass(model, batch_size=common["eval_batch_size"], mapper=engine.mapper)
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)

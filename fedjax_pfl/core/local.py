@@ -273,26 +273,39 @@ class FullPass:
     """Mean loss and mean gradient over ALL of a client's training samples, at fixed params.
 
     f_i(θ) = (1/n_i) Σ_j ℓ(θ; x_j, y_j) and ∇f_i(θ), accumulated over batches of `batch_size`
-    (memory bound) with a masked last batch, so the result does not depend on the batch size.
+    (memory bound) with a masked last batch, so the result does not depend on the batch size
+    (up to float rounding of the sums). batch_size 0: the evaluation's automatic batch
+    (`evaluate.auto_eval_batch`, from XLA's memory analysis of the forward pass), 256 for the
+    MLPs and 8 for the CNN, whose im2col patches make large batches slower per sample on CPU.
     PGFed uploads these at the end of local training (Algorithm 1 line C10; spec/pgfed.md A10).
     """
 
     def __init__(self, model: Model, *, batch_size: int, mapper: ClientMapper):
+        if batch_size < 0:
+            raise ValueError(f"full-pass batch must be >= 0 (0: automatic), got {batch_size}")
         self.model = model
         self.batch_size = int(batch_size)
         self.mapper = mapper
-        self._loop, self._probe = self._make_loop()
-        self._many = jit_unless_loop(mapper, self._map_clients)
+        self._per_batch: dict[int, Callable] = {}
+
+    def batch_for(self, data: FederatedData) -> int:
+        if self.batch_size:
+            return self.batch_size
+        from fedjax_pfl.core.evaluate import auto_eval_batch   # (evaluate imports this module's peers)
+
+        return auto_eval_batch(self.model, data.input_shape)
 
     def __call__(self, data: FederatedData, params: Params, clients: ClientSplits) -> tuple[jax.Array, Params]:
         """[M] mean losses and [M, ...] mean gradients for M clients (leading axis M on inputs)."""
-        return self._many(data, params, clients)
+        batch = self.batch_for(data)
+        if batch not in self._per_batch:
+            loop, probe = self._make_loop(batch)
+            run = lambda d, p, c: self.mapper.run(loop, (p, c), shared=(d,), probe=probe)
+            self._per_batch[batch] = jit_unless_loop(self.mapper, run)
+        return self._per_batch[batch](data, params, clients)
 
-    def _map_clients(self, data, params, clients):
-        return self.mapper.run(self._loop, (params, clients), shared=(data,), probe=self._probe)
-
-    def _make_loop(self):
-        model, batch = self.model, self.batch_size
+    def _make_loop(self, batch: int):
+        model = self.model
 
         def summed_loss(params, x, y, mask):
             per_example = model.loss(model.apply(params, x), y)

@@ -72,6 +72,10 @@ def test_automatic_evaluation_batch_keeps_the_temporaries_in_cache():
                                        [np.arange(20, 25), np.arange(25, 40)], num_classes=10)
     auto = core.Evaluator(cnn, batch_size=core.AUTO_EVAL_BATCH, mapper=core.client_mapper("chunked"))
     assert auto.batch_for(images) == 8                        # not min(256, 15 rounded up) = 16
+    # So does PGFed's full-data gradient pass (FullPass with batch 0).
+    from fedjax_pfl.core.local import FullPass
+    assert FullPass(cnn, batch_size=0, mapper=core.client_mapper("chunked")).batch_for(images) == 8
+    assert FullPass(mlp, batch_size=0, mapper=core.client_mapper("chunked")).batch_for(images) == 256
     # Automatic or explicit, the batch never exceeds the largest test split rounded up to 8.
     tiny = linear_model()                                     # a few bytes a sample: 256
     for sizes, expected in (([300, 1, 12], 256), ([5, 1, 12], 16)):

@@ -11,7 +11,7 @@ from fedjax_pfl.core.local import (FullPass, LocalTrainer, add_aux_gradient, mas
                                    steps_per_epoch)
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import linear_model, make_data, make_raw, tree_allclose, tree_equal
+from helpers import linear_model, make_data, make_raw, tree_allclose
 
 
 def counting_data(sizes):
@@ -190,6 +190,21 @@ def test_full_pass_is_the_mean_loss_and_gradient_over_all_samples(x64):
         ref_loss, ref_grad = reference(params, jnp.asarray(x[rows], jnp.float64), jnp.asarray(y[rows]))
         np.testing.assert_allclose(losses[i], ref_loss, rtol=1e-12)
         tree_allclose(jax.tree.map(lambda g: g[i], grads), ref_grad, rtol=1e-10)
+
+
+def test_full_pass_automatic_batch_is_the_evaluations_and_gives_the_same_means(x64):
+    """batch_size 0 takes auto_eval_batch (256 for this one-layer model: a few floats of
+    temporaries per sample), and the means do not depend on the batch beyond rounding."""
+    data = make_data([11, 4])
+    model = linear_model()
+    params = core.broadcast(model.init(jax.random.key(2)), 2)
+    auto = FullPass(model, batch_size=0, mapper=core.client_mapper("vmap"))
+    assert auto.batch_for(data) == 256
+    by_3 = FullPass(model, batch_size=3, mapper=core.client_mapper("vmap"))(data, params, data.clients)
+    by_auto = auto(data, params, data.clients)
+    tree_allclose(by_auto, by_3, rtol=1e-12)
+    with pytest.raises(ValueError, match="full-pass batch"):
+        FullPass(model, batch_size=-1, mapper=core.client_mapper("vmap"))
 
 
 def test_fixed_number_of_steps_walks_through_reshuffled_epochs():
