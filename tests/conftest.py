@@ -71,7 +71,8 @@ def _ctrl_c_still_works():
 @pytest.fixture
 def no_figures(monkeypatch):
     """Runs that write no PNGs: drawing them (~0.8 s per run directory) was two thirds of the
-    per-algorithm resume tests' time, and what they show is not what resume must reproduce
+    time of the per-algorithm resume checks (`helpers.check_resume_equals_uninterrupted`), and
+    what they show is not what resume must reproduce
     (test_interrupted_run_records_what_finished_and_resumes, tests/test_cli.py and
     tests/test_interrupts.py check that runs write them)."""
     from fedjax_pfl import runner
@@ -87,11 +88,10 @@ def pytest_unconfigure(config):
 
 
 # Longest first, so that the two xdist workers (stealing each other's queued tests, see --dist in
-# pyproject.toml) end together instead of one waiting for a long test that started last; and the
-# default configurations' 50-round runs before test_resume.py, whose runs reuse their compilation.
+# pyproject.toml) end together instead of one waiting for a long test that started last.
 _LONGEST_FIRST = ("tests/test_defaults_train.py", "tests/core/test_sharding.py",
                   "tests/test_interrupts.py", "tests/core/test_distributed.py",
-                  "tests/test_cli_fuzz.py", "tests/test_resume.py")
+                  "tests/test_cli_fuzz.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -26,10 +26,13 @@ from fedjax_pfl import algorithms, runner
 BAR = 0.8
 
 
-@pytest.mark.slow     # one digits run (up to 50 rounds) per algorithm: 3–15 s each on 2 busy cores
+@pytest.mark.slow     # per algorithm: 3 short runs (resume) and one of up to 50 rounds, 5–20 s
 @pytest.mark.usefixtures("no_figures")
 @pytest.mark.parametrize("name", algorithms.names())
 def test_default_configuration_learns_digits_and_resumes_exactly(name, tmp_path):
+    # First exact resume (so that a configuration below the bar still has it checked), then
+    # the training bar, on the same compiled program.
+    helpers.check_resume_equals_uninterrupted(name, tmp_path)
     prep = helpers.default_prepared(name)          # what `run.py --algo NAME --quiet` prepares
     cfg = dataclasses.replace(prep.cfg, out=None, target_acc=BAR)
     assert (cfg.dataset, cfg.partition.scheme, cfg.partition.num_clients, cfg.rounds) == (
@@ -40,4 +43,3 @@ def test_default_configuration_learns_digits_and_resumes_exactly(name, tmp_path)
         f"--algo {name} with its defaults reaches only {best:.3f} best mean client accuracy on "
         f"digits in {cfg.rounds} rounds (last {last:.3f}); its default configuration must train "
         "(issue 11 §4)")
-    helpers.check_resume_equals_uninterrupted(name, tmp_path)

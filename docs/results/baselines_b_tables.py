@@ -59,7 +59,7 @@ def main() -> int:
         group = os.path.join(root, d)
         if group not in seeds and os.path.exists(os.path.join(group, "results.json")):
             print(f"\n## {d}\n")
-            group_table(os.path.join(root, d))
+            group_table(group)
     return 0
 
 
