@@ -203,7 +203,7 @@ class LocalTrainer:
     def _make_loop(self):
         """(loop, probe): one client's local training as a ClientLoop, and one step of it."""
         model, optimizer, on_step, step_fn = self.model, self.optimizer, self.on_step, self.step_fn
-        steps, batch, drop_last = self.steps, self.batch_size, self.drop_last
+        batch, drop_last = self.batch_size, self.drop_last
         loss_and_grad = jax.value_and_grad(lambda p, x, y, m: masked_mean_loss(model, p, x, y, m))
 
         def gradient_step(params, opt_state, x, y, mask, extra):
