@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import helpers
 from fedjax_pfl import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,11 +68,7 @@ def _wait_for(proc, text, timeout=300):
     raise AssertionError(f"process ended before printing {text!r}: {proc.stderr.read()[-2000:]}")
 
 
-def _rows(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    for row in rows:
-        row.pop("round_time")                    # wall-clock: the one field that may differ
-    return rows
+_rows = helpers.metric_rows
 
 
 def _final_arrays(out, rounds=12):

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl.core.clients import ClientLoop, ClientMapper, jit_unless_loop
+from fedjax_pfl.core.evaluate import auto_eval_batch
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
 from fedjax_pfl.models.model import Model
 
@@ -289,11 +290,7 @@ class FullPass:
         self._per_batch: dict[int, Callable] = {}
 
     def batch_for(self, data: FederatedData) -> int:
-        if self.batch_size:
-            return self.batch_size
-        from fedjax_pfl.core.evaluate import auto_eval_batch   # (evaluate imports this module's peers)
-
-        return auto_eval_batch(self.model, data.input_shape)
+        return self.batch_size or auto_eval_batch(self.model, data.input_shape)
 
     def __call__(self, data: FederatedData, params: Params, clients: ClientSplits) -> tuple[jax.Array, Params]:
         """[M] mean losses and [M, ...] mean gradients for M clients (leading axis M on inputs)."""
