@@ -451,7 +451,11 @@ def _chunked_map(fn, shared, args, chunk_size, cost):
     size = -(-m // chunks)
     order = jnp.arange(m) if cost is None else jnp.argsort(-cost, stable=True)
     padded = jnp.concatenate([order, jnp.full(chunks * size - m, order[m - 1])])
-    out = jax.lax.map(lambda row: fn(*shared, *row), gather(args, padded), batch_size=size)
+    # Chunks of one client run unbatched: vmap over a single lane would still batch the
+    # client's while-loop predicate (turning it into per-step selects of the whole carry) and
+    # give every matmul a batch dimension (transposed copies of the weights on XLA:CPU).
+    out = jax.lax.map(lambda row: fn(*shared, *row), gather(args, padded),
+                      batch_size=size if size > 1 else None)
     # Sorting by cost lets each chunk's while-loops stop at the chunk's own longest client.
     return gather(out, jnp.argsort(order))
 

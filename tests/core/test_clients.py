@@ -150,6 +150,26 @@ def test_client_loops_take_each_clients_own_steps(backend, width):
     np.testing.assert_allclose(out["total"], 2.0 * np.arange(1, 12) * lengths)
 
 
+@pytest.mark.parametrize("width,batched", [(1, False), (2, True)])
+def test_chunks_of_one_client_run_unbatched(width, batched):
+    """A chunk of one client is traced without vmap: a one-lane vmap would still batch the
+    client's while-loop predicate (per-step selects of the whole carry) and give every matmul a
+    batch dimension, which XLA:CPU serves with transposed weight copies (benchmarks/RESULTS.md).
+    The results are the same either way (test above)."""
+    from jax._src.interpreters.batching import BatchTracer  # jax is pinned below 0.11
+    seen = []
+
+    def init(shared, row):
+        seen.append(isinstance(row["v"], BatchTracer))
+        return COUNTING.init(shared, row)
+
+    loop = COUNTING._replace(init=init)
+    rows = {"v": jnp.arange(1.0, 5.0), "n": jnp.asarray([3, 1, 4, 2], jnp.int32)}
+    out = jax.jit(lambda r: core.ClientMapper("chunked", width).run(loop, r, shared=(jnp.asarray(2.0),)))(rows)
+    np.testing.assert_array_equal(out["steps"], [3, 1, 4, 2])
+    assert seen and all(s == batched for s in seen)
+
+
 @pytest.mark.parametrize("lengths,width", [
     ([2000] + [2] * 99, 50),           # the issue's skewed client among 99 small ones
     ([100] + [1] * 99, 100),
