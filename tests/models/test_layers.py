@@ -34,6 +34,34 @@ def test_im2col_conv_under_vmap_over_client_kernels():
         np.testing.assert_allclose(got[c], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("padding,strides", [("VALID", (1, 1)), (((2, 1), (0, 3)), (2, 1))])
+def test_im2col_conv_gradients_equal_autodiff_of_lax_conv(x64, padding, strides):
+    # patches_matmul's custom VJP (kernel gradient as (GᵀP)ᵀ) against autodiff of XLA's own
+    # convolution, an independent implementation: the input and kernel gradients, per client
+    # under vmap, and the forward-over-reverse product that Per-FedAvg HF takes.
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 3, 9, 10, 3)))            # 2 clients, batch 3
+    k = jnp.asarray(rng.normal(size=(2, 3, 4, 3, 5)))
+    v = jnp.asarray(rng.normal(size=k.shape[1:]))
+
+    def loss(conv):
+        return lambda k, x: jnp.sum(jnp.tanh(conv(x, k)) ** 2)
+
+    ours = loss(lambda x, k: models.conv2d_im2col(x, k, strides=strides, padding=padding))
+    ref = loss(lambda x, k: jax.lax.conv_general_dilated(
+        x, k, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    for c in range(2):
+        got = jax.grad(ours, argnums=(0, 1))(k[c], x[c])
+        want = jax.grad(ref, argnums=(0, 1))(k[c], x[c])
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(jax.vmap(jax.grad(ours))(k, x), jax.vmap(jax.grad(ref))(k, x),
+                               rtol=1e-10, atol=1e-10)
+    hvp = lambda f: jax.jvp(jax.grad(f), (k[0],), (v,))[1]
+    np.testing.assert_allclose(hvp(lambda k: ours(k, x[0])), hvp(lambda k: ref(k, x[0])),
+                               rtol=1e-9, atol=1e-9)
+
+
 def test_max_pool_matches_reduce_window():
     x = np.random.default_rng(2).normal(size=(2, 7, 6, 3)).astype(np.float32)
     want = jax.lax.reduce_window(x, -np.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
