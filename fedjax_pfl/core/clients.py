@@ -438,6 +438,10 @@ def _num_rows(args) -> int:
 
 
 def _vmap_rows(fn, shared, args):
+    if _num_rows(args) == 1:
+        # One row runs unbatched (see _chunked_map): same values, no one-lane batching.
+        out = fn(*shared, *jax.tree.map(lambda x: x[0], args))
+        return jax.tree.map(lambda x: jnp.expand_dims(x, 0), out)
     return jax.vmap(fn, in_axes=(None,) * len(shared) + (0,) * len(args))(*shared, *args)
 
 
@@ -453,7 +457,8 @@ def _chunked_map(fn, shared, args, chunk_size, cost):
     padded = jnp.concatenate([order, jnp.full(chunks * size - m, order[m - 1])])
     # Chunks of one client run unbatched: vmap over a single lane would still batch the
     # client's while-loop predicate (turning it into per-step selects of the whole carry) and
-    # give every matmul a batch dimension (transposed copies of the weights on XLA:CPU).
+    # give every matmul a batch dimension (transposed copies of the weights on XLA:CPU). The
+    # same holds for _vmap_rows of one row (the last stage of _run_capped: the longest client).
     out = jax.lax.map(lambda row: fn(*shared, *row), gather(args, padded),
                       batch_size=size if size > 1 else None)
     # Sorting by cost lets each chunk's while-loops stop at the chunk's own longest client.

@@ -150,12 +150,13 @@ def test_client_loops_take_each_clients_own_steps(backend, width):
     np.testing.assert_allclose(out["total"], 2.0 * np.arange(1, 12) * lengths)
 
 
-@pytest.mark.parametrize("width,batched", [(1, False), (2, True)])
-def test_chunks_of_one_client_run_unbatched(width, batched):
-    """A chunk of one client is traced without vmap: a one-lane vmap would still batch the
-    client's while-loop predicate (per-step selects of the whole carry) and give every matmul a
-    batch dimension, which XLA:CPU serves with transposed weight copies (benchmarks/RESULTS.md).
-    The results are the same either way (test above)."""
+@pytest.mark.parametrize("backend,width,m,batched", [("chunked", 1, 4, False), ("chunked", 2, 4, True),
+                                                     ("vmap", 0, 1, False), ("vmap", 0, 4, True)])
+def test_chunks_of_one_client_run_unbatched(backend, width, m, batched):
+    """A chunk of one client (or the one row of a vmap) is traced without vmap: a one-lane vmap
+    would still batch the client's while-loop predicate (per-step selects of the whole carry)
+    and give every matmul a batch dimension, which XLA:CPU serves with transposed weight copies
+    (benchmarks/RESULTS.md). The results are the same either way (test above)."""
     from jax._src.interpreters.batching import BatchTracer  # jax is pinned below 0.11
     seen = []
 
@@ -164,9 +165,12 @@ def test_chunks_of_one_client_run_unbatched(width, batched):
         return COUNTING.init(shared, row)
 
     loop = COUNTING._replace(init=init)
-    rows = {"v": jnp.arange(1.0, 5.0), "n": jnp.asarray([3, 1, 4, 2], jnp.int32)}
-    out = jax.jit(lambda r: core.ClientMapper("chunked", width).run(loop, r, shared=(jnp.asarray(2.0),)))(rows)
-    np.testing.assert_array_equal(out["steps"], [3, 1, 4, 2])
+    lengths = [3, 1, 4, 2][:m]
+    rows = {"v": jnp.arange(1.0, m + 1.0), "n": jnp.asarray(lengths, jnp.int32)}
+    mapper = core.ClientMapper(backend, width)
+    out = jax.jit(lambda r: mapper.run(loop, r, shared=(jnp.asarray(2.0),)))(rows)
+    np.testing.assert_array_equal(out["steps"], lengths)
+    np.testing.assert_allclose(out["total"], 2.0 * np.arange(1, m + 1) * np.array(lengths))
     assert seen and all(s == batched for s in seen)
 
 
