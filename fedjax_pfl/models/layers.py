@@ -96,8 +96,8 @@ def patches_matmul(patches: jax.Array, kernel: jax.Array) -> jax.Array:
     contraction over the R = batch · positions rows). Left to itself, XLA:CPU emits it as a dot
     contracting both operands' first dimension, which falls back to Eigen at ~60 GFLOP/s; as
     (Gᵀ P)ᵀ, with Gᵀ materialised (it is small) and the transposes kept out of the dot, it runs
-    through the YNNPACK GEMM at ~85 GFLOP/s: the FedAvg CNN's local step at batch 10 went from
-    5.7–6.0 to 4.6 ms on one core (benchmarks/RESULTS.md). Values are those of autodiff up to
+    through the YNNPACK GEMM at ~80 GFLOP/s: the engine's FedAvg CNN step at batch 10 went from
+    6.06 to 5.46 ms on one core (benchmarks/RESULTS.md, "Step kernels"). Values are those of autodiff up to
     float rounding (tests/models/test_layers.py).
     """
     return patches @ kernel
