@@ -14,7 +14,7 @@ reference codes of our papers are PyTorch; `torch_default_*` make that explicit.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -81,13 +81,39 @@ def conv2d_im2col(
     return patches_matmul(patches, kernel.reshape(kh * kw * cin, cout))
 
 
+def _matmul_with_kernel_gradient(kernel_gradient: Callable[[jax.Array, jax.Array], jax.Array]):
+    """x @ kernel (x [..., K], kernel [K, H]) with a custom reverse-mode rule: the input gradient
+    is g kernelᵀ and the kernel gradient Σ_r x_r ⊗ g_r is `kernel_gradient(x2, g2)` on the rows
+    flattened to x2 [R, K] and g2 [R, H], computed in whichever form XLA runs fastest. Forward
+    mode applied to the function itself is not supported (custom_vjp); forward-over-reverse
+    (jax.jvp of jax.grad, Per-FedAvg HF) is."""
+
+    @jax.custom_vjp
+    def matmul(x, kernel):
+        return x @ kernel
+
+    def forward(x, kernel):
+        return x @ kernel, (x, kernel)
+
+    def backward(residuals, g):
+        x, kernel = residuals
+        x2 = x.reshape(-1, x.shape[-1])
+        g2 = g.reshape(-1, g.shape[-1])
+        return g @ kernel.T, kernel_gradient(x2, g2).astype(kernel.dtype)
+
+    matmul.defvjp(forward, backward)
+    return matmul
+
+
 def _canonical_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     """a @ b computed in exactly that operand order: optimisation barriers keep XLA from
     folding a transpose of `a` (or of the result) into the dot's contraction dimensions."""
     return jax.lax.optimization_barrier(jax.lax.optimization_barrier(a) @ b)
 
 
-@jax.custom_vjp
+_patches_matmul = _matmul_with_kernel_gradient(lambda p2, g2: _canonical_matmul(g2.T, p2).T)
+
+
 def patches_matmul(patches: jax.Array, kernel: jax.Array) -> jax.Array:
     """patches @ kernel for im2col patches [..., K] and a kernel [K, C_out], whose kernel
     gradient runs as a GEMM that XLA:CPU's fast path accepts.
@@ -97,25 +123,10 @@ def patches_matmul(patches: jax.Array, kernel: jax.Array) -> jax.Array:
     contracting both operands' first dimension, which falls back to Eigen at ~60 GFLOP/s; as
     (Gᵀ P)ᵀ, with Gᵀ materialised (it is small) and the transposes kept out of the dot, it runs
     through the YNNPACK GEMM at ~80 GFLOP/s: the engine's FedAvg CNN step at batch 10 went from
-    6.06 to 5.46 ms on one core (benchmarks/RESULTS.md, "Step kernels"). Values are those of autodiff up to
-    float rounding (tests/models/test_layers.py).
+    6.06 to 5.46 ms on one core (benchmarks/RESULTS.md, "Step kernels"). Values are those of
+    autodiff up to float rounding (tests/models/test_layers.py).
     """
-    return patches @ kernel
-
-
-def _patches_matmul_fwd(patches, kernel):
-    return patches @ kernel, (patches, kernel)
-
-
-def _patches_matmul_bwd(res, g):
-    patches, kernel = res
-    p2 = patches.reshape(-1, patches.shape[-1])
-    g2 = g.reshape(-1, g.shape[-1])
-    d_kernel = _canonical_matmul(g2.T, p2).T
-    return g @ kernel.T, d_kernel.astype(kernel.dtype)
-
-
-patches_matmul.defvjp(_patches_matmul_fwd, _patches_matmul_bwd)
+    return _patches_matmul(patches, kernel)
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:
@@ -160,7 +171,15 @@ def _sum_of_outer_products(x: jax.Array, g: jax.Array) -> jax.Array:
     return acc
 
 
-@jax.custom_vjp
+def _small_batch_kernel_gradient(x2: jax.Array, g2: jax.Array) -> jax.Array:
+    if x2.shape[0] <= OUTER_PRODUCT_MAX_ROWS:
+        return _sum_of_outer_products(x2, g2)
+    return x2.T @ g2
+
+
+_matmul_small_batch_grad = _matmul_with_kernel_gradient(_small_batch_kernel_gradient)
+
+
 def matmul_small_batch_grad(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """x @ kernel, whose kernel gradient xᵀg is computed for speed under vmap over clients.
 
@@ -169,28 +188,10 @@ def matmul_small_batch_grad(x: jax.Array, kernel: jax.Array) -> jax.Array:
     unrolled sum of B outer products instead: one elementwise loop that XLA fuses with the
     optimizer's update, so the [D, H] gradient is never materialised (3.7× faster for the
     784×100 layer at B = 10 over 100 clients; benchmarks/RESULTS.md). Larger batches use the dot.
-    Values are identical up to float rounding. Forward-mode differentiation (jvp) of this
-    function is not supported (custom_vjp); every algorithm here uses reverse mode only.
+    Values are identical up to float rounding. Forward mode: as `_matmul_with_kernel_gradient`
+    (reverse mode and forward-over-reverse only).
     """
-    return x @ kernel
-
-
-def _matmul_fwd(x, kernel):
-    return x @ kernel, (x, kernel)
-
-
-def _matmul_bwd(res, g):
-    x, kernel = res
-    x2 = x.reshape(-1, x.shape[-1])
-    g2 = g.reshape(-1, g.shape[-1])
-    if x2.shape[0] <= OUTER_PRODUCT_MAX_ROWS:
-        d_kernel = _sum_of_outer_products(x2, g2)
-    else:
-        d_kernel = x2.T @ g2
-    return g @ kernel.T, d_kernel.astype(kernel.dtype)
-
-
-matmul_small_batch_grad.defvjp(_matmul_fwd, _matmul_bwd)
+    return _matmul_small_batch_grad(x, kernel)
 
 
 class Dense(nn.Module):
