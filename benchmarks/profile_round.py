@@ -74,6 +74,16 @@ def main(argv: list[str]) -> None:
     for name, ns in total.most_common(30):
         shape, src = sources.get(name, ("", ""))
         print(f"{ns / 1e3 / n:8.1f} {calls[name]:6d}  {name[:28]:28} {shape:36} {src[-90:]}")
+    # The same time grouped by pass, layer and op (e.g. every dynamic_update_slice of conv 2's
+    # col2im together), since one jax op can become many XLA instructions.
+    groups = collections.Counter()
+    for name, ns in total.items():
+        src = sources.get(name, ("", ""))[1]
+        pass_ = "backward" if "transpose(" in src else "forward" if "jvp(" in src else "other"
+        groups[f"{pass_} {'/'.join(src.split('/')[-2:])}"] += ns
+    print(f"\n{'us/step':>8}  pass, layer/op")
+    for group, ns in groups.most_common(25):
+        print(f"{ns / 1e3 / n:8.1f}  {group}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ reference codes of our papers are PyTorch; `torch_default_*` make that explicit.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import flax.linen as nn
@@ -70,15 +71,58 @@ def conv2d_im2col(
         )
     if kh == 1 and kw == 1:
         patches = x[:, : sh * (h_out - 1) + 1 : sh, : sw * (w_out - 1) + 1 : sw, :]
+    elif (sh, sw) == (1, 1):
+        patches = im2col_patches(x, kh, kw)
     else:
-        # Order (p, q, c) matches kernel.reshape(kh * kw * cin, cout) of an HWIO kernel.
-        slices = [
-            x[:, p : p + sh * (h_out - 1) + 1 : sh, q : q + sw * (w_out - 1) + 1 : sw, :]
-            for p in range(kh)
-            for q in range(kw)
-        ]
-        patches = jnp.concatenate(slices, axis=-1)
+        patches = _shifted_slices(x, kh, kw, h_out, w_out, sh, sw)
     return patches_matmul(patches, kernel.reshape(kh * kw * cin, cout))
+
+
+def _shifted_slices(x, kh, kw, h_out, w_out, sh, sw):
+    # Order (p, q, c) matches kernel.reshape(kh * kw * cin, cout) of an HWIO kernel.
+    slices = [
+        x[:, p : p + sh * (h_out - 1) + 1 : sh, q : q + sw * (w_out - 1) + 1 : sw, :]
+        for p in range(kh)
+        for q in range(kw)
+    ]
+    return jnp.concatenate(slices, axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def im2col_patches(x: jax.Array, kh: int, kw: int) -> jax.Array:
+    """Stride-1 im2col patches of (already padded) NHWC x: [B, H-kh+1, W-kw+1, kh·kw·C] with
+    patches[b, i, j, (p·kw + q)·C + c] = x[b, i + p, j + q, c].
+
+    Its transpose (col2im) is custom: autodiff of the slices pads each of the kh·kw patch
+    gradients to the full input shape and adds them, so every input element sums kh·kw terms of
+    which most are padding zeros (25 for a 5×5 kernel on a 12×12 input, where 64/144 of the
+    terms are real). Here each patch gradient is added in place into its own window
+    (dynamic_update_slice), touching only real terms: the FedAvg CNN's conv-2 col2im at batch
+    10 goes from 0.78 to 0.31 ms on one core (benchmarks/RESULTS.md). Same values up to the
+    order of float additions (tests/models/test_layers.py checks against lax.conv).
+    """
+    h_out, w_out = x.shape[1] - kh + 1, x.shape[2] - kw + 1
+    return _shifted_slices(x, kh, kw, h_out, w_out, 1, 1)
+
+
+def _im2col_forward(x, kh, kw):
+    return im2col_patches(x, kh, kw), x.shape
+
+
+def _col2im(kh, kw, x_shape, g):
+    b, h_out, w_out, _ = g.shape
+    c = x_shape[-1]
+    g = g.reshape(b, h_out, w_out, kh * kw, c)
+    dx = jnp.zeros(x_shape, g.dtype)
+    for p in range(kh):
+        for q in range(kw):
+            window = (0, p, q, 0)
+            summed = jax.lax.dynamic_slice(dx, window, (b, h_out, w_out, c)) + g[..., p * kw + q, :]
+            dx = jax.lax.dynamic_update_slice(dx, summed, window)
+    return (dx,)
+
+
+im2col_patches.defvjp(_im2col_forward, _col2im)
 
 
 def _matmul_with_kernel_gradient(kernel_gradient: Callable[[jax.Array, jax.Array], jax.Array]):

@@ -34,9 +34,11 @@ def test_im2col_conv_under_vmap_over_client_kernels():
         np.testing.assert_allclose(got[c], want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("padding,strides", [("VALID", (1, 1)), (((2, 1), (0, 3)), (2, 1))])
+@pytest.mark.parametrize("padding,strides",
+                         [("VALID", (1, 1)), ("SAME", (1, 1)), (((2, 1), (0, 3)), (2, 1))])
 def test_im2col_conv_gradients_equal_autodiff_of_lax_conv(x64, padding, strides):
-    # patches_matmul's custom VJP (kernel gradient as (GᵀP)ᵀ) against autodiff of XLA's own
+    # The custom VJPs of patches_matmul (kernel gradient as (GᵀP)ᵀ) and, at stride 1, of
+    # im2col_patches (col2im by in-place window adds) against autodiff of XLA's own
     # convolution, an independent implementation: the input and kernel gradients, per client
     # under vmap, and the forward-over-reverse product that Per-FedAvg HF takes.
     rng = np.random.default_rng(3)
