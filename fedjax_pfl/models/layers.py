@@ -160,7 +160,16 @@ def _canonical_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(jax.lax.optimization_barrier(a) @ b)
 
 
-_patches_matmul = _matmul_with_kernel_gradient(lambda p2, g2: _canonical_matmul(g2.T, p2).T)
+def _patches_kernel_gradient(p2: jax.Array, g2: jax.Array) -> jax.Array:
+    # Transpose the narrower operand, so the GEMM's output rows are the fewer: conv 1 of the
+    # FedAvg CNN (K = 25, C_out = 32) as Pᵀ G took 0.32 ms against 0.61 as (Gᵀ P)ᵀ; conv 2
+    # (K = 800, C_out = 64) as (Gᵀ P)ᵀ 1.71 ms against 1.87 as Pᵀ G (batch 10, one core).
+    if p2.shape[1] <= g2.shape[1]:
+        return _canonical_matmul(p2.T, g2)
+    return _canonical_matmul(g2.T, p2).T
+
+
+_patches_matmul = _matmul_with_kernel_gradient(_patches_kernel_gradient)
 
 
 def patches_matmul(patches: jax.Array, kernel: jax.Array) -> jax.Array:
