@@ -178,11 +178,12 @@ def patches_matmul(patches: jax.Array, kernel: jax.Array) -> jax.Array:
 
     The kernel gradient is ∂L/∂W = Pᵀ G (P: patches [R, K], G: output gradient [R, C_out],
     contraction over the R = batch · positions rows). Left to itself, XLA:CPU emits it as a dot
-    contracting both operands' first dimension, which falls back to Eigen at ~60 GFLOP/s; as
-    (Gᵀ P)ᵀ, with Gᵀ materialised (it is small) and the transposes kept out of the dot, it runs
-    through the YNNPACK GEMM at ~80 GFLOP/s: the engine's FedAvg CNN step at batch 10 went from
-    6.06 to 5.46 ms on one core (benchmarks/RESULTS.md, "Step kernels"). Values are those of
-    autodiff up to float rounding (tests/models/test_layers.py).
+    contracting both operands' first dimension, which falls back to Eigen at ~60 GFLOP/s; with
+    the narrower operand transposed and materialised (Pᵀ G for conv 1 of the FedAvg CNN,
+    (Gᵀ P)ᵀ for conv 2) and the transposes kept out of the dot, it runs through the YNNPACK
+    GEMM at ~80 GFLOP/s: the engine's FedAvg CNN step at batch 10 went from 6.06 to 5.46 ms on
+    one core (benchmarks/RESULTS.md, "Step kernels"). Values are those of autodiff up to float
+    rounding (tests/models/test_layers.py).
     """
     return _patches_matmul(patches, kernel)
 

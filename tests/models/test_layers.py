@@ -34,16 +34,20 @@ def test_im2col_conv_under_vmap_over_client_kernels():
         np.testing.assert_allclose(got[c], want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("padding,strides",
-                         [("VALID", (1, 1)), ("SAME", (1, 1)), (((2, 1), (0, 3)), (2, 1))])
-def test_im2col_conv_gradients_equal_autodiff_of_lax_conv(x64, padding, strides):
-    # The custom VJPs of patches_matmul (kernel gradient as (GᵀP)ᵀ) and, at stride 1, of
-    # im2col_patches (col2im by in-place window adds) against autodiff of XLA's own
-    # convolution, an independent implementation: the input and kernel gradients, per client
-    # under vmap, and the forward-over-reverse product that Per-FedAvg HF takes.
+@pytest.mark.parametrize("padding,strides,kernel", [
+    ("VALID", (1, 1), (3, 4, 3, 5)),   # kh·kw·C_in = 36 > C_out = 5: kernel gradient (GᵀP)ᵀ
+    ("SAME", (1, 1), (2, 2, 1, 6)),    # 4 ≤ 6: PᵀG
+    (((2, 1), (0, 3)), (2, 1), (3, 4, 3, 5)),
+])
+def test_im2col_conv_gradients_equal_autodiff_of_lax_conv(x64, padding, strides, kernel):
+    # The custom VJPs of patches_matmul (kernel gradient as (GᵀP)ᵀ or PᵀG, whichever operand
+    # is narrower) and, at stride 1, of im2col_patches (col2im by in-place window adds) against
+    # autodiff of XLA's own convolution, an independent implementation: the input and kernel
+    # gradients, per client under vmap, and the forward-over-reverse product that Per-FedAvg HF
+    # takes.
     rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.normal(size=(2, 3, 9, 10, 3)))            # 2 clients, batch 3
-    k = jnp.asarray(rng.normal(size=(2, 3, 4, 3, 5)))
+    x = jnp.asarray(rng.normal(size=(2, 3, 9, 10, kernel[2])))    # 2 clients, batch 3
+    k = jnp.asarray(rng.normal(size=(2, *kernel)))
     v = jnp.asarray(rng.normal(size=k.shape[1:]))
 
     def loss(conv):
