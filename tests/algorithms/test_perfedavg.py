@@ -37,8 +37,10 @@ def test_hessian_vector_product_matches_jax_hessian(x64, model):
     vector = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape),
                           params)
     flat, unravel = ravel_pytree(params)
-    hessian = jax.hessian(lambda f: loss(unravel(f)))(flat)                    # dense d × d
-    got = ravel_pytree(perfedavg.hessian_vector_product(loss, params, vector))[0]
+    # Jitted: eagerly, every primitive of the nested autodiff would compile on its own.
+    hessian = jax.jit(jax.hessian(lambda f: loss(unravel(f))))(flat)           # dense d × d
+    hvp = jax.jit(lambda p, v: perfedavg.hessian_vector_product(loss, p, v))
+    got = ravel_pytree(hvp(params, vector))[0]
     np.testing.assert_allclose(got, hessian @ ravel_pytree(vector)[0], rtol=1e-10, atol=1e-12)
 
 
@@ -47,14 +49,16 @@ def test_first_order_is_hessian_free_without_the_hessian_term(x64):
     f_in, f_out, f_hess = _losses(MLP, seed=2)
     params = jax.tree.map(lambda p: p.astype(jnp.float64), MLP.init(jax.random.key(3)))  # flax: f32
     alpha = 0.4
-    loss_fo, g_fo = perfedavg.meta_gradient(f_in, f_out, f_hess, params, alpha, False)
-    loss_hf, g_hf = perfedavg.meta_gradient(f_in, f_out, f_hess, params, alpha, True)
+    meta = jax.jit(lambda p, hf: perfedavg.meta_gradient(f_in, f_out, f_hess, p, alpha, hf),
+                   static_argnums=1)       # jitted, as in the tests above
+    loss_fo, g_fo = meta(params, False)
+    loss_hf, g_hf = meta(params, True)
     flat, unravel = ravel_pytree(params)
     # FO by hand: the gradient on D' at w̃ = w − α∇f(w; D).
-    adapted = flat - alpha * jax.grad(lambda f: f_in(unravel(f)))(flat)
-    expected_fo = jax.grad(lambda f: f_out(unravel(f)))(adapted)
+    adapted = flat - alpha * jax.jit(jax.grad(lambda f: f_in(unravel(f))))(flat)
+    expected_fo = jax.jit(jax.grad(lambda f: f_out(unravel(f))))(adapted)
     np.testing.assert_allclose(ravel_pytree(g_fo)[0], expected_fo, rtol=1e-10, atol=1e-12)
-    hessian = jax.hessian(lambda f: f_hess(unravel(f)))(flat)
+    hessian = jax.jit(jax.hessian(lambda f: f_hess(unravel(f))))(flat)
     np.testing.assert_allclose(ravel_pytree(g_hf)[0], expected_fo - alpha * hessian @ expected_fo,
                                rtol=1e-10, atol=1e-12)
     assert loss_fo == loss_hf == f_in(params)
