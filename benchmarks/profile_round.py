@@ -41,6 +41,9 @@ def op_sources(hlo_text: str) -> dict[str, tuple[str, str]]:
 
 def main(argv: list[str]) -> None:
     algo, steps, flags = argv[0], argv[1], argv[2:]
+    import fedjax_pfl
+
+    fedjax_pfl.use_cpu_cores()      # as run.py and vs_pytorch.py: one XLA device per core
     prep = _engine(algo, "iid", ["--local-steps", steps, *flags])
     program = prep.program
     program.compile(prep.round_keys)

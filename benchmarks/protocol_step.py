@@ -27,6 +27,9 @@ from vs_pytorch import _engine  # noqa: E402  (the protocol's run.py flags, one 
 
 def main(argv: list[str]) -> None:
     algo, steps, flags = argv[0], argv[1], argv[2:]
+    import fedjax_pfl
+
+    fedjax_pfl.use_cpu_cores()      # as run.py and vs_pytorch.py: one XLA device per core
     prep = _engine(algo, "iid", ["--local-steps", steps, *flags])
     program = prep.program
     t0 = time.perf_counter()
@@ -45,7 +48,7 @@ def main(argv: list[str]) -> None:
         jax.block_until_ready(program.evaluate(state))
         evaluate.append(time.perf_counter() - t0)
     n = int(np.sum(metrics[0]["client_steps"]))
-    print(f"{algo} {' '.join(flags)} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: compile "
+    print(f"{algo} {' '.join(flags)} on {jax.device_count()} device(s), XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: compile "
           f"{compile_s:.1f} s, training {np.median(train):.3f} s a round ({n} steps, "
           f"{1000 * np.median(train) / max(n, 1):.2f} ms a step), evaluation {np.median(evaluate):.3f} s")
 
