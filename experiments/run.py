@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -157,30 +158,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("algorithm (all algorithms; defaults differ per algorithm)")
     seen: set[str] = set()
+    # Each flag's default per algorithm that has it, gathered once (per flag it was ~0.2 s a parse).
+    table = {name: algorithms.spec(name).all_hparams() for name in algorithms.names()}
+    defaults_by_flag: dict[str, dict[str, Any]] = {}
+    for name, hparams in table.items():
+        for hp, flag in hparams:
+            defaults_by_flag.setdefault(flag, {})[name] = hp.default
     for hp in COMMON_HPARAMS:
-        _add_hparam(g, hp, hp.cli_flag(None), seen)
-    for name in algorithms.names():
-        spec = algorithms.spec(name)
-        own = [(hp, flag) for hp, flag in spec.all_hparams()[len(COMMON_HPARAMS):]]
+        _add_hparam(g, hp, hp.cli_flag(None), seen, defaults_by_flag)
+    for name, hparams in table.items():
+        own = hparams[len(COMMON_HPARAMS):]
         if not own:
             continue
         g = p.add_argument_group(f"{name}")
         for hp, flag in own:
-            _add_hparam(g, hp, flag, seen)
+            _add_hparam(g, hp, flag, seen, defaults_by_flag)
     return p
 
 
-def _add_hparam(group, hp, flag: str, seen: set[str]) -> None:
-    from fedjax_pfl import algorithms
-
+def _add_hparam(group, hp, flag: str, seen: set[str], defaults_by_flag: dict[str, dict[str, Any]]) -> None:
     if flag in seen:
         return
     seen.add(flag)
-    per_algo = {}
-    for name in algorithms.names():
-        for other, other_flag in algorithms.spec(name).all_hparams():
-            if other_flag == flag:
-                per_algo[name] = other.default
+    per_algo = defaults_by_flag[flag]
     defaults = sorted(set(map(repr, per_algo.values())))
     if len(defaults) == 1:
         default_text = f"default {defaults[0]}"
