@@ -476,13 +476,88 @@ def _loop_map(fn, shared, args):
     return jax.tree.map(lambda *rows: jnp.stack(rows), *outs)
 
 
+# Above this many rows balanced_order deals them in snake order (vectorised): with many rows
+# it is within a fraction of a percent of even, and the greedy pass is a sequential loop.
+_GREEDY_MAX_ROWS = 1024
+
+
 def balanced_order(costs: jax.Array, num_devices: int) -> jax.Array:
-    """A permutation of m rows such that contiguous blocks of ⌈m/D⌉ rows (one per device) carry
-    about equal total cost: rows dealt longest first in snake order (0, 1, …, D−1, D−1, …, 0, …),
-    then grouped by device. With one device, the identity."""
+    """A permutation of m rows such that contiguous blocks of ⌈m/D⌉ rows (one per device, the
+    last blocks short by the padding) carry about equal total cost; within a block, rows stay in
+    decreasing cost. With one device, the identity.
+
+    Longest processing time first: rows by decreasing cost, each to the least-loaded device with
+    room left; then, while a swap of one row between the most and the least loaded device brings
+    their loads closer, the best such swap. A device runs its clients one after another, so the
+    round lasts as long as its busiest device: on PGFed's Dirichlet split (6 of 25 clients with
+    828–3,724 samples, 2 devices) the busiest holds 1.8 % more than half the steps on average,
+    the best equal-count split, against 5.8 % for the snake order (0, 1, …, D−1, D−1, …, 0, …)
+    used above _GREEDY_MAX_ROWS rows."""
     m = costs.shape[0]
     if num_devices <= 1 or m <= 1:
         return jnp.arange(m)
+    if m > _GREEDY_MAX_ROWS:
+        return _snake_order(costs, num_devices)
+    block = -(-m // num_devices)
+    room = jnp.asarray([min(block, max(0, m - d * block)) for d in range(num_devices)], jnp.int32)
+    by_cost = jnp.argsort(-costs, stable=True)
+    sorted_costs = costs[by_cost]
+    if not jnp.issubdtype(sorted_costs.dtype, jnp.floating):
+        sorted_costs = sorted_costs.astype(jnp.int32)
+    loads = jnp.zeros(num_devices, sorted_costs.dtype)
+
+    def deal(i, carry):
+        loads, counts, device = carry
+        d = jnp.argmin(jnp.where(counts < room, loads, jnp.max(loads) + sorted_costs[0] + 1))
+        return loads.at[d].add(sorted_costs[i]), counts.at[d].add(1), device.at[i].set(d)
+
+    loads, _, device = jax.lax.fori_loop(
+        0, m, deal, (loads, jnp.zeros(num_devices, jnp.int32), jnp.zeros(m, jnp.int32)))
+
+    # Each swap moves 0 < δ < gap from the busiest to the idlest device, so the sum of squared
+    # loads falls strictly and the loop ends; the bound only guards against float rounding.
+    delta = sorted_costs[:, None] - sorted_costs[None, :]        # row i leaves, row j arrives
+
+    def swap(carry):
+        loads, device, _, it = carry
+        hi = jnp.argmax(loads)
+        lo = jnp.argmin(jnp.where(room > 0, loads, loads[hi]))      # (a device without rows)
+        gap = loads[hi] - loads[lo]
+        allowed = (device == hi)[:, None] & (device == lo)[None, :] & (delta > 0)
+        new_gap = jnp.where(allowed, jnp.abs(gap - 2 * delta), gap)
+        flat = jnp.argmin(new_gap)
+        i, j = flat // m, flat % m
+        better = new_gap[i, j] < gap
+        moved = jnp.where(better, delta[i, j], 0)
+        device = jnp.where(better, device.at[i].set(lo).at[j].set(hi), device)
+        return loads.at[hi].add(-moved).at[lo].add(moved), device, better, it + 1
+
+    _, device, _, _ = jax.lax.while_loop(lambda c: c[2] & (c[3] < 4 * m), swap,
+                                         (loads, device, jnp.ones((), bool), jnp.zeros((), jnp.int32)))
+    greedy = by_cost[jnp.argsort(device * m + jnp.arange(m), stable=True)]
+    # Swaps of one row can stop short of the best split; then the snake order may be the better
+    # one (a few percent of small random cases): take whichever leaves the busiest device less.
+    snake = _snake_order(costs, num_devices)
+    chosen = jnp.where(_busiest_block(costs, greedy, num_devices)
+                       <= _busiest_block(costs, snake, num_devices), greedy, snake)
+    # Longest first within each block (the snake's labels need not match the blocks), so that a
+    # chunk of several clients holds clients of similar length.
+    block_of = jnp.zeros(m, jnp.int32).at[chosen].set(jnp.arange(m, dtype=jnp.int32) // block)
+    return by_cost[jnp.argsort(block_of[by_cost] * m + jnp.arange(m), stable=True)]
+
+
+def _busiest_block(costs: jax.Array, order: jax.Array, num_devices: int) -> jax.Array:
+    """The largest total cost of a device's block of ⌈m/D⌉ rows of `order`."""
+    m = costs.shape[0]
+    block = -(-m // num_devices)
+    padded = jnp.zeros(block * num_devices, costs.dtype).at[:m].set(costs[order])
+    return jnp.max(jnp.sum(padded.reshape(num_devices, block), axis=1))
+
+
+def _snake_order(costs: jax.Array, num_devices: int) -> jax.Array:
+    """balanced_order for many rows: rows dealt longest first in snake order (0, 1, …, D−1,
+    D−1, …, 0, …), then grouped by device."""
+    m = costs.shape[0]
     by_cost = jnp.argsort(-costs, stable=True)
     rank = jnp.arange(m)
     lap, pos = rank // num_devices, rank % num_devices

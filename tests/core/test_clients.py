@@ -1,5 +1,7 @@
 """The client-axis primitives: sampling, gather/scatter, reductions and the three backends."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,3 +189,55 @@ def test_long_clients_do_not_hold_up_the_rest(lengths, width):
     assert work <= 3 * sum(lengths)
     if len(set(lengths)) > 1:
         assert work < 0.15 * len(lengths) * max(lengths)
+
+
+def _best_split(costs: np.ndarray, devices: int) -> int:
+    """Brute force: the least busiest-device load over every assignment of rows to devices that
+    fills the positional blocks (⌈m/D⌉ rows each, the last ones short)."""
+    m = len(costs)
+    block = -(-m // devices)
+    room = [min(block, max(0, m - d * block)) for d in range(devices)]
+
+    def best_from(rows: tuple[int, ...], d: int) -> int:
+        if d == devices - 1:
+            return int(costs[list(rows)].sum())
+        return min(max(int(costs[list(chosen)].sum()),
+                       best_from(tuple(r for r in rows if r not in chosen), d + 1))
+                   for chosen in itertools.combinations(rows, room[d]))
+
+    return best_from(tuple(range(m)), 0)
+
+
+def _blocks(costs: np.ndarray, order: np.ndarray, devices: int) -> list[np.ndarray]:
+    block = -(-len(costs) // devices)
+    return [costs[order[d * block:(d + 1) * block]] for d in range(devices)]
+
+
+def test_balanced_order_gives_every_device_a_near_equal_share():
+    """The busiest device's load against the brute-force best split: exact on PGFed's Dirichlet
+    protocol example, where the snake order (0, 1, 1, 0, 0, 1 by decreasing size) leaves one
+    device 5,930 of 11,004 steps; within 1 % of the best on average over random cases, where
+    the snake order is 2.8 % above it."""
+    order = jax.jit(core.balanced_order, static_argnums=1)
+    example = np.array([1000, 3430, 574, 2500, 1500, 2000])
+    got = [int(b.sum()) for b in _blocks(example, np.asarray(order(jnp.asarray(example), 2)), 2)]
+    assert max(got) == _best_split(example, 2) == 5504
+    rng = np.random.default_rng(1)
+    ratios = []
+    for devices, sizes in ((2, range(2, 11)), (3, range(2, 8)), (4, (5, 7))):
+        for m in sizes:
+            for _ in range(12):
+                costs = rng.integers(1, 4000, m)
+                perm = np.asarray(order(jnp.asarray(costs), devices))
+                np.testing.assert_array_equal(np.sort(perm), np.arange(m))
+                blocks = _blocks(costs, perm, devices)
+                assert all(np.all(np.diff(b) <= 0) for b in blocks)    # longest first per device
+                ratios.append(max(b.sum() for b in blocks) / _best_split(costs, devices))
+    assert min(ratios) >= 1.0 and np.mean(ratios) <= 1.01, np.mean(ratios)
+
+
+def test_balanced_order_of_many_rows_balances_them():
+    costs = jnp.arange(2000.0)
+    perm = np.asarray(core.balanced_order(costs, 2))
+    loads = [b.sum() for b in _blocks(np.asarray(costs), perm, 2)]
+    assert sorted(perm.tolist()) == list(range(2000)) and loads[0] == loads[1]
