@@ -533,26 +533,19 @@ def balanced_order(costs: jax.Array, num_devices: int) -> jax.Array:
         device = jnp.where(better, device.at[i].set(lo).at[j].set(hi), device)
         return loads.at[hi].add(-moved).at[lo].add(moved), device, better, it + 1
 
-    _, device, _, _ = jax.lax.while_loop(lambda c: c[2] & (c[3] < 4 * m), swap,
-                                         (loads, device, jnp.ones((), bool), jnp.zeros((), jnp.int32)))
-    greedy = by_cost[jnp.argsort(device * m + jnp.arange(m), stable=True)]
+    loads, device, _, _ = jax.lax.while_loop(
+        lambda c: c[2] & (c[3] < 4 * m), swap,
+        (loads, device, jnp.ones((), bool), jnp.zeros((), jnp.int32)))
     # Swaps of one row can stop short of the best split; then the snake order may be the better
     # one (a few percent of small random cases): take whichever leaves the busiest device less.
-    snake = _snake_order(costs, num_devices)
-    chosen = jnp.where(_busiest_block(costs, greedy, num_devices)
-                       <= _busiest_block(costs, snake, num_devices), greedy, snake)
-    # Longest first within each block (the snake's labels need not match the blocks), so that a
-    # chunk of several clients holds clients of similar length.
-    block_of = jnp.zeros(m, jnp.int32).at[chosen].set(jnp.arange(m, dtype=jnp.int32) // block)
-    return by_cost[jnp.argsort(block_of[by_cost] * m + jnp.arange(m), stable=True)]
-
-
-def _busiest_block(costs: jax.Array, order: jax.Array, num_devices: int) -> jax.Array:
-    """The largest total cost of a device's block of ⌈m/D⌉ rows of `order`."""
-    m = costs.shape[0]
-    block = -(-m // num_devices)
-    padded = jnp.zeros(block * num_devices, costs.dtype).at[:m].set(costs[order])
-    return jnp.max(jnp.sum(padded.reshape(num_devices, block), axis=1))
+    # Its labels are the positional blocks it fills (for D > 2 they need not be its devices).
+    snake_block = jnp.zeros(m, jnp.int32).at[_snake_order(costs, num_devices)].set(
+        jnp.arange(m, dtype=jnp.int32) // block)[by_cost]
+    snake_loads = jax.ops.segment_sum(sorted_costs, snake_block, num_segments=num_devices)
+    device = jnp.where(jnp.max(loads) <= jnp.max(snake_loads), device, snake_block)
+    # Grouped by device, longest first within each block, so that a chunk of several clients
+    # holds clients of similar length.
+    return by_cost[jnp.argsort(device * m + jnp.arange(m), stable=True)]
 
 
 def _snake_order(costs: jax.Array, num_devices: int) -> jax.Array:
