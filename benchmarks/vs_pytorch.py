@@ -3,6 +3,9 @@
     pip install torch==2.13.0        # benchmark-only; the CPU wheel (also: pip install -e ".[bench]")
     python benchmarks/vs_pytorch.py --split iid
     python benchmarks/vs_pytorch.py --split dirichlet --algos fedavg pgfedmo --repeats 3
+    # on a GPU machine (both sides on the GPU; M = 25 and 100 clients per round):
+    python benchmarks/vs_pytorch.py --torch-device cuda --torch-data loader resident \
+        --engine-args "--participation 1.0 --clients 100"
 
 Protocol (issue 13; preset pgfed_paper with the FedAvg CNN): Fashion-MNIST, 25 clients, 75/25
 train/test per client, 6 sampled per round, 5 local epochs of batch 10 with drop_last, SGD lr
@@ -14,9 +17,14 @@ sampled clients (the engine's).
 PyTorch side: what a researcher writes — a DataLoader per client (shuffle, drop_last), one model
 and one torch.optim.SGD per client (kept across rounds, so momentum persists as in the preset),
 weighted averaging of state_dicts, evaluation in batches of 256 under no_grad;
-`torch.set_num_threads(--torch-threads)`. Engine side: the same Program `experiments/run.py`
+`torch.set_num_threads(--torch-threads)`. With `--torch-device cuda` the models and optimizers
+live on the GPU and each batch is moved there (`--torch-data loader`, the tutorial pattern), or
+the client data is moved once and batches are drawn on the GPU with `torch.randperm`
+(`--torch-data resident`, what a researcher tuning for a GPU writes); both can be timed in one
+run. Engine side: the same Program `experiments/run.py`
 builds for `--preset pgfed_paper --model cnn --algo A` (2 XLA:CPU devices by default), compiled
-once before timing.
+once before timing. `--engine-args` changes the protocol for both sides, e.g. `--clients 100
+--participation 1.0` for M = 100 clients per round (700 samples per client on Fashion-MNIST's 70,000).
 
 Each repetition times `--rounds` rounds of every side back to back (PyTorch, then each engine
 algorithm), so slow phases of the machine hit all sides alike; the table reports medians over
@@ -63,19 +71,43 @@ def _client_arrays(data):
 class TorchFedAvg:
     """Idiomatic PyTorch FedAvg with the preset's hyperparameters."""
 
-    def __init__(self, clients, lr, momentum, epochs, batch, threads, seed=0):
+    def __init__(self, clients, lr, momentum, epochs, batch, threads, seed=0, device="cpu",
+                 resident=False):
         import torch
         from torch import nn
 
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.torch, self.nn = torch, nn
-        self.clients = [(torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(c), torch.from_numpy(d))
-                        for a, b, c, d in clients]
+        self.device = torch.device(device)
+        self.resident = resident
+        # Training data stays on the host for the DataLoader (moved batch by batch); resident data
+        # and the test data live on the training device.
+        self.clients = [(torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(c).to(self.device),
+                         torch.from_numpy(d).to(self.device)) for a, b, c, d in clients]
+        if resident:
+            self.clients = [(a.to(self.device), b.to(self.device), c, d) for a, b, c, d in self.clients]
         self.epochs, self.batch = epochs, batch
-        self.global_model = self._cnn(clients[0][0].shape[1], 10)
-        self.models = [self._cnn(clients[0][0].shape[1], 10) for _ in clients]
+        self.global_model = self._cnn(clients[0][0].shape[1], 10).to(self.device)
+        self.models = [self._cnn(clients[0][0].shape[1], 10).to(self.device) for _ in clients]
         self.opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum) for m in self.models]
+
+    def sync(self):
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def _batches(self, x, y):
+        torch = self.torch
+        if self.resident:
+            order = torch.randperm(len(y), device=self.device)
+            for j in range(0, len(y) - self.batch + 1, self.batch):    # drop_last
+                idx = order[j:j + self.batch]
+                yield x[idx], y[idx]
+            return
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
+                                             batch_size=self.batch, shuffle=True, drop_last=True)
+        for xb, yb in loader:
+            yield xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
 
     def _cnn(self, channels, classes):
         nn = self.nn
@@ -84,18 +116,15 @@ class TorchFedAvg:
                              nn.Linear(64 * 4 * 4, 512), nn.ReLU(), nn.Linear(512, classes))
 
     def train_round(self, sampled) -> int:
-        torch = self.torch
         loss_fn = self.nn.CrossEntropyLoss()
         states, weights, steps = [], [], 0
         for i in sampled:
             model, opt = self.models[i], self.opts[i]
             model.load_state_dict(self.global_model.state_dict())
             x, y = self.clients[i][0], self.clients[i][1]
-            loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
-                                                 batch_size=self.batch, shuffle=True, drop_last=True)
             model.train()
             for _ in range(self.epochs):
-                for xb, yb in loader:
+                for xb, yb in self._batches(x, y):
                     opt.zero_grad()
                     loss_fn(model(xb), yb).backward()
                     opt.step()
@@ -105,6 +134,7 @@ class TorchFedAvg:
         total = float(sum(weights))
         avg = {k: sum(s[k] * (w / total) for s, w in zip(states, weights)) for k in states[0]}
         self.global_model.load_state_dict(avg)
+        self.sync()
         return steps
 
     def evaluate(self) -> float:
@@ -116,6 +146,7 @@ class TorchFedAvg:
                 for j in range(0, len(y), 256):
                     correct += int((self.global_model(x[j:j + 256]).argmax(1) == y[j:j + 256]).sum())
                     count += len(y[j:j + 256])
+        self.sync()
         return correct / max(count, 1)
 
 
@@ -131,12 +162,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-args", default="", help="extra run.py flags for the engine, e.g. '--chunk-size 1'")
     parser.add_argument("--cpu-devices", type=int, default=None,
                         help="XLA:CPU devices for the engine (default: one per core, as run.py)")
+    parser.add_argument("--torch-device", default="cpu", choices=("cpu", "cuda"),
+                        help="where PyTorch trains (default cpu; the engine uses JAX's default backend)")
+    parser.add_argument("--torch-data", nargs="+", default=["loader"], choices=("loader", "resident"),
+                        help="PyTorch sides: loader = DataLoader on host data, batches moved to the "
+                             "device; resident = data on the device, randperm batches (default loader)")
     parser.add_argument("--json", help="append one JSON line per side with the raw timings")
     args = parser.parse_args(argv)
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         print("vs_pytorch.py: error: needs PyTorch: pip install torch==2.13.0 (the CPU wheel)", file=sys.stderr)
+        return 2
+    if args.torch_device == "cuda" and not torch.cuda.is_available():
+        print("vs_pytorch.py: error: --torch-device cuda but PyTorch sees no CUDA device", file=sys.stderr)
         return 2
 
     import fedjax_pfl
@@ -149,11 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     hp = first.hparams
     clients = _client_arrays(first.data)
     sizes = [len(c[1]) for c in clients]
-    print(f"{args.split}: {len(clients)} clients, train sizes {min(sizes)}-{max(sizes)}, "
-          f"{len(jax.devices())} engine devices, B={hp['batch_size']}, E={hp['local_epochs']}, "
-          f"torch threads {args.torch_threads}")
-    torch_side = TorchFedAvg(clients, hp["lr"], hp["momentum"], hp["local_epochs"], hp["batch_size"],
-                             args.torch_threads)
+    print(f"{args.split}: {len(clients)} clients, participation {hp.get('participation')}, "
+          f"train sizes {min(sizes)}-{max(sizes)}, {len(jax.devices())} engine devices "
+          f"({jax.devices()[0].device_kind}), B={hp['batch_size']}, E={hp['local_epochs']}, "
+          f"torch on {args.torch_device}, threads {args.torch_threads}")
+    torch_sides = {f"pytorch fedavg{'' if data == 'loader' else ' (resident)'}":
+                   TorchFedAvg(clients, hp["lr"], hp["momentum"], hp["local_epochs"], hp["batch_size"],
+                               args.torch_threads, device=args.torch_device, resident=data == "resident")
+                   for data in args.torch_data}
     engines = {}
     for name, prep in preps.items():
         t = prep.program.compile(prep.round_keys)
@@ -161,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         engines[name] = [prep, state, 0]
         print(f"engine {name}: compiled in {t:.1f}s")
 
-    rows = {side: [] for side in ["pytorch fedavg"] + [f"engine {a}" for a in args.algos]}
+    rows = {side: [] for side in list(torch_sides) + [f"engine {a}" for a in args.algos]}
     for rep in range(args.repeats):
         # The sampled clients of the engine's first algorithm, so PyTorch does the same work.
         for r in range(args.rounds):
@@ -179,13 +221,15 @@ def main(argv: list[str] | None = None) -> int:
                 rows[f"engine {name}"].append((train, evaluation, steps))
                 if name == args.algos[0]:
                     sampled = np.asarray(metrics[0]["sampled"])
-            t0 = time.perf_counter()
-            steps = torch_side.train_round([int(i) for i in sampled])
-            train = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            torch_side.evaluate()
-            rows["pytorch fedavg"].append((train, time.perf_counter() - t1, steps))
-        print(f"repetition {rep + 1}/{args.repeats} done")
+            for side, torch_side in torch_sides.items():
+                torch_side.sync()
+                t0 = time.perf_counter()
+                steps = torch_side.train_round([int(i) for i in sampled])
+                train = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                torch_side.evaluate()
+                rows[side].append((train, time.perf_counter() - t1, steps))
+        print(f"repetition {rep + 1}/{args.repeats} done ({len(sampled)} clients per round)", flush=True)
 
     base = None
     print(f"\n| side | ms per local step | training s per round | evaluation s per round | vs PyTorch FedAvg |")
@@ -198,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps({"split": args.split, "side": side, "engine_args": args.engine_args,
+                                    "device": jax.devices()[0].device_kind, "torch_device": args.torch_device,
                                     "samples": samples, "ms_per_step": ms}) + "\n")
     return 0
 
