@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     import jax.numpy as jnp
 
     import run as cli
-    from fedjax_pfl import runner
+    from fedjax_pfl import core, runner
     from fedjax_pfl.core import clients
 
     cfg = cli.config_from_args(cli.parse(["--algo", "fedavg", "--preset", "pgfed_paper", "--dataset",
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     data, _ = runner.load_data(cfg)
     counts = np.asarray(data.clients.train_count)[:data.num_real_clients]
     hp = cfg.validate()
-    steps_all = hp["local_epochs"] * (counts // hp["batch_size"])          # drop_last batches
+    steps_all = hp["local_epochs"] * np.asarray(core.steps_per_epoch(counts, hp["batch_size"], hp["drop_last"]))
     greedy = jax.jit(clients.balanced_order, static_argnums=1)
     snake = jax.jit(clients._snake_order, static_argnums=1)
     rng = np.random.default_rng(0)

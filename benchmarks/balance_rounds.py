@@ -19,6 +19,7 @@ import time
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "experiments"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # balance.py beside this script
 
 
 def main(argv: list[str]) -> None:
@@ -30,7 +31,8 @@ def main(argv: list[str]) -> None:
     import numpy as np
 
     import run as cli
-    from fedjax_pfl import runner
+    from balance import busiest
+    from fedjax_pfl import core, runner
 
     argv = ["--algo", "fedavg", "--preset", "pgfed_paper", "--dataset", "fashion_mnist", "--model",
             "cnn", "--quiet", "--no-memory-check", "--local-epochs", epochs]
@@ -45,12 +47,12 @@ def main(argv: list[str]) -> None:
         jax.block_until_ready(state)
         seconds = time.perf_counter() - t0
         idx = np.asarray(metrics[0]["sampled"])                  # in the round's row order
-        steps = int(epochs) * (counts[idx] // prep.hparams["batch_size"])
-        half = -(-len(idx) // 2)
-        busiest = max(steps[:half].sum(), steps[half:].sum()) / (steps.sum() / 2)
+        steps = int(epochs) * np.asarray(core.steps_per_epoch(counts[idx], prep.hparams["batch_size"],
+                                                              prep.hparams["drop_last"]))
+        ratio = busiest(steps, np.arange(len(idx))) / (steps.sum() / 2)
         total_time, total_steps = total_time + seconds, total_steps + steps.sum()
         print(f"round {r}: {seconds:.2f} s, {steps.sum()} steps, busiest device / half "
-              f"{busiest:.3f}, {1e3 * seconds / steps.sum():.2f} ms a step")
+              f"{ratio:.3f}, {1e3 * seconds / steps.sum():.2f} ms a step")
     print(f"all rounds: {1e3 * total_time / total_steps:.3f} ms a step")
 
 

@@ -83,10 +83,9 @@ class TorchFedAvg:
         self.resident = resident
         # Training data stays on the host for the DataLoader (moved batch by batch); resident data
         # and the test data live on the training device.
-        self.clients = [(torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(c).to(self.device),
-                         torch.from_numpy(d).to(self.device)) for a, b, c, d in clients]
-        if resident:
-            self.clients = [(a.to(self.device), b.to(self.device), c, d) for a, b, c, d in self.clients]
+        train_on = self.device if resident else torch.device("cpu")
+        self.clients = [tuple(torch.from_numpy(v).to(on) for v, on in zip(c, (train_on, train_on, self.device, self.device)))
+                        for c in clients]
         self.epochs, self.batch = epochs, batch
         self.global_model = self._cnn(clients[0][0].shape[1], 10).to(self.device)
         self.models = [self._cnn(clients[0][0].shape[1], 10).to(self.device) for _ in clients]
@@ -232,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"repetition {rep + 1}/{args.repeats} done ({len(sampled)} clients per round)", flush=True)
 
     base = None
-    print(f"\n| side | ms per local step | training s per round | evaluation s per round | vs PyTorch FedAvg |")
+    print("\n| side | ms per local step | training s per round | evaluation s per round | vs PyTorch FedAvg |")
     print("|---|---|---|---|---|")
     for side, samples in rows.items():
         ms = np.median([t / s * 1e3 for t, _, s in samples])
