@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-cr", type=float, default=2.0,
                    help="compression rate of --model cp_mlp / cp_vgg8: rank round(ΠI/(CR·ΣI)) per "
                         "weight tensor (TDPFed's rule; 1 = the dense model)")
+    g.add_argument("--conv", default="auto", choices=models.CONV_IMPLS,
+                   help="how convolutions are computed: winograd (F(m, kw) along the width) or "
+                        "im2col; auto = winograd for stride-1 convs with kh*C_in >= 8 on CPU, "
+                        "im2col elsewhere. The same function up to float rounding; im2col "
+                        "reproduces runs made before winograd existed bit for bit")
 
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default="digits", help=f"one of {list(sources.DATASETS)}")
@@ -256,7 +261,7 @@ def config_from_args(args: argparse.Namespace):
                             synthetic_clients=args.synthetic_clients)
     out = args.out or os.path.join("runs", f"{args.algo}_{args.dataset}_{time.strftime('%Y%m%d-%H%M%S')}")
     return RunConfig(algo=args.algo, dataset=args.dataset, model=args.model,
-                     model_cr=args.model_cr, partition=partition,
+                     model_cr=args.model_cr, model_conv=args.conv, partition=partition,
                      rounds=args.rounds, seed=args.seed, eval_every=args.eval_every,
                      eval_clients=args.eval_clients, rounds_per_call=args.rounds_per_call,
                      state_dtype=args.state_dtype, memory_check=not args.no_memory_check, out=out,

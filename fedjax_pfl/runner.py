@@ -70,8 +70,9 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "client_metrics.npz
              "learning_curve.png", "label_distribution.png", "checkpoints")
 DEFAULT_CHECKPOINT_EVERY = 10
 # Configuration that may change when a run is resumed (everything else must match).
+# model_conv changes float rounding only (the same convolution, computed another way).
 RESUMABLE_CHANGES = ("rounds", "out", "progress", "memory_check", "checkpoint_every", "resume",
-                     "overwrite", "target_acc")
+                     "overwrite", "target_acc", "model_conv")
 # Models whose strided stages collapse small images (8×8 digits) to 1×1: they train at chance.
 MIN_IMAGE_SIDE = {"resnet9": 16, "resnet18": 16}
 
@@ -88,6 +89,7 @@ class RunConfig:
     dataset: str = "digits"
     model: str | None = None
     model_cr: float = 2.0
+    model_conv: str = "auto"              # how convolutions are computed (models.CONV_IMPLS)
     partition: PartitionConfig = dataclasses.field(default_factory=PartitionConfig)
     rounds: int = 50
     seed: int = 0
@@ -130,6 +132,8 @@ class RunConfig:
             raise ValueError(f"--model must be one of {list(models.MODELS)}, got {self.model!r}")
         if not self.model_cr >= 1:
             raise ValueError(f"--model-cr must be >= 1, got {self.model_cr}")
+        if self.model_conv not in models.CONV_IMPLS:
+            raise ValueError(f"--conv must be one of {list(models.CONV_IMPLS)}, got {self.model_conv!r}")
         if self.state_dtype not in core.STATE_DTYPES:
             raise ValueError(f"--state-dtype must be one of {list(core.STATE_DTYPES)}, "
                              f"got {self.state_dtype!r}")
@@ -223,7 +227,8 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
         raise ValueError(f"--model {model_name} needs images of at least {side}x{side} (its strided "
                          f"stages reduce {shape[0]}x{shape[1]} {cfg.dataset} images to 1x1 and it "
                          "trains at chance); use --model mlp")
-    model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr)
+    model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
+                       conv=cfg.model_conv)
     algo = algorithms.get(cfg.algo, model=model, **hparams)
     vectorised = hparams["backend"] != "loop"
     mesh = core.client_mesh() if vectorised else None
@@ -300,12 +305,12 @@ def resume_conflicts(cfg: RunConfig, hparams: dict, model_name: str, saved: dict
                     flag = flags.get((key, sub), f"--{sub.replace('_', '-')}")
                     return (f"--resume: the run in {cfg.out} was made with {flag} {b.get(sub)!r}, "
                             f"not {a.get(sub)!r} (only --rounds, --checkpoint-every, --target-acc, "
-                            "--quiet and --no-memory-check may change)")
+                            "--conv, --quiet and --no-memory-check may change)")
         elif a != b and not _same_number(a, b):
             flag = flags.get((key, None), f"--{key.replace('_', '-')}")
             return (f"--resume: the run in {cfg.out} was made with {flag} {b!r}, not {a!r} "
-                    "(only --rounds, --checkpoint-every, --target-acc, --quiet and --no-memory-check "
-                    "may change)")
+                    "(only --rounds, --checkpoint-every, --target-acc, --conv, --quiet and "
+                    "--no-memory-check may change)")
     return None
 
 

@@ -214,8 +214,10 @@ def test_resume_refuses_incompatible_flags_and_extends_rounds(tmp_path, capsys):
     assert cli.main(_short(out, "--algo", "pfedsop", "--pfedsop-rho", "2", "--resume",
                            "--rounds", "3")) == 0
     assert cli.main(["--resume", str(out), "--rounds", "4", "--quiet"]) == 0
+    # --conv changes float rounding only, so it may change on resume.
+    assert cli.main(["--resume", str(out), "--rounds", "5", "--conv", "im2col", "--quiet"]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4, 5]
     assert "resuming from" in capsys.readouterr().out
 
 
@@ -223,6 +225,13 @@ def test_resume_refuses_incompatible_flags_and_extends_rounds(tmp_path, capsys):
 def test_header_pluralises_clients(tmp_path, capsys):
     assert cli.main(_short(tmp_path / "run")) == 0
     assert "fedavg on digits: 4 clients (" in capsys.readouterr().out
+
+
+def test_conv_flag_reaches_the_config_and_is_checked():
+    assert cli.config_from_args(cli.parse(["--conv", "im2col"])).model_conv == "im2col"
+    assert cli.config_from_args(cli.parse([])).model_conv == "auto"
+    with pytest.raises(ValueError, match="--conv must be one of"):
+        runner.RunConfig(model_conv="fft").validate()
 
 
 def test_preset_naming_its_algorithm_or_with_algo_runs(no_compute, capsys):

@@ -19,7 +19,7 @@ GENERAL = ["--rounds", "--seed", "--eval-every", "--eval-clients", "--rounds-per
            "--state-dtype", "--model", "--model-cr", "--partition", "--clients", "--alpha",
            "--min-size", "--classes-per-client", "--shards-per-client", "--shard-size",
            "--clusters", "--test-fraction", "--checkpoint-every", "--dataset", "--preset",
-           "--target-acc"]
+           "--target-acc", "--conv"]
 SPECIAL = ["0", "1", "-1", "2", "inf", "-inf", "nan", "1e9", "0.5", "true", "", "x", "1.5", "-0"]
 
 

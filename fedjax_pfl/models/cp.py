@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfl.models.layers import conv2d_im2col, max_pool_2x2, torch_default_bias_init
+from fedjax_pfl.models.layers import conv2d, max_pool_2x2, torch_default_bias_init
 from fedjax_pfl.ops.cp import cp_num_params, cp_rank_for_compression, cp_reconstruct
 
 Params = Any
@@ -198,7 +198,8 @@ class CPConv(nn.Module):
     """A 2-D convolution (NHWC, HWIO kernel, cross-correlation) whose kernel is rank-R CP.
 
     factored=True runs `cp_conv_factored` (TDPFed's four convolutions); factored=False
-    reconstructs the HWIO kernel and runs the engine's im2col convolution. Same outputs.
+    reconstructs the HWIO kernel and runs the engine's convolution (layers.conv2d with `conv`).
+    Same outputs.
     """
 
     features: int
@@ -208,6 +209,7 @@ class CPConv(nn.Module):
     padding: str | Sequence[tuple[int, int]] = "VALID"
     use_bias: bool = True
     factored: bool = True
+    conv: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -218,8 +220,8 @@ class CPConv(nn.Module):
         if self.factored:
             y = cp_conv_factored(x, kernel.factors, strides=self.strides, padding=self.padding)
         else:
-            y = conv2d_im2col(x, cp_reconstruct(kernel.factors), strides=self.strides,
-                              padding=self.padding)
+            y = conv2d(x, cp_reconstruct(kernel.factors), strides=self.strides,
+                       padding=self.padding, impl=self.conv)
         if self.use_bias:
             y = y + self.param("bias", torch_default_bias_init(kh * kw * cin), (self.features,))
         return y
@@ -263,13 +265,14 @@ class CPVGG8(nn.Module):
     num_classes: int
     cr: float = 2.0
     factored: bool = True
+    conv: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         for i, width in enumerate(VGG8_CONV_WIDTHS):
             rank = cp_rank_for_compression((3, 3, x.shape[-1], width), self.cr)
             x = CPConv(width, (3, 3), rank, padding="SAME", factored=self.factored,
-                       name=f"Conv2D_{i}")(x)
+                       conv=self.conv, name=f"Conv2D_{i}")(x)
             x = max_pool_2x2(nn.relu(x))
         x = x.reshape(x.shape[0], -1)
         widths = (*VGG8_DENSE_WIDTHS, self.num_classes)

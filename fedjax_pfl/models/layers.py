@@ -5,8 +5,11 @@ which XLA:CPU runs 6–10× slower than a Python loop over clients (measured wit
 benchmarks/RESULTS.md). `Conv2D` below computes the same convolution as im2col: the kh·kw
 shifted (strided) slices of the padded input are concatenated on the channel axis and multiplied
 by the kernel reshaped to [kh·kw·C_in, C_out]. Under vmap this is a batched matmul, which runs at
-parity with the loop. Outputs equal `lax.conv_general_dilated` (NHWC / HWIO, cross-correlation);
-tests/models/test_layers.py checks that.
+parity with the loop. On CPU, stride-1 convolutions with enough input depth run by Winograd's
+minimal filtering along the width instead (`conv2d_winograd`: 2.5× fewer multiplications for a
+5×5 kernel, the FedAvg CNN's step 1.4× faster); `conv2d` picks between the two. Outputs equal
+`lax.conv_general_dilated` (NHWC / HWIO, cross-correlation); tests/models/test_layers.py checks
+that in float64.
 
 Initialisation follows PyTorch's defaults (U(±1/√fan_in) for weights and biases) because the
 reference codes of our papers are PyTorch; `torch_default_*` make that explicit.
@@ -15,11 +18,13 @@ reference codes of our papers are PyTorch; `torch_default_*` make that explicit.
 from __future__ import annotations
 
 import functools
+from fractions import Fraction
 from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # PyTorch's kaiming_uniform_(a=√5) for weights is U(±√(1/fan_in)) = variance_scaling(1/3, fan_in, uniform).
 torch_default_kernel_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
@@ -186,6 +191,192 @@ def patches_matmul(patches: jax.Array, kernel: jax.Array) -> jax.Array:
     return _patches_matmul(patches, kernel)
 
 
+# Finite interpolation points of Winograd's minimal filtering, in the order they are taken
+# (the last point is always ∞). Small magnitudes and reciprocal pairs keep the transforms'
+# entries small, so the float32 error stays near the direct convolution's (Lavin & Gray 2016).
+_WINOGRAD_POINTS = (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2), 3, -3, Fraction(1, 3))
+
+
+@functools.lru_cache(maxsize=None)
+def winograd_matrices(m: int, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Aᵀ [m, n], G [n, r], Bᵀ [n, n] of Winograd's F(m, r), n = m + r - 1, for correlation:
+    y = Aᵀ [(G g) ⊙ (Bᵀ d)] gives y_i = Σ_k d_{i+k} g_k, i < m, for a filter g of r taps and an
+    input tile d of n values (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks",
+    CVPR 2016, eq. 7).
+
+    Derived as the transpose of Toom–Cook polynomial multiplication at the points
+    `_WINOGRAD_POINTS[: n - 1]` and ∞: with V the [n, n] evaluation matrix of polynomials of
+    degree < n (row j = powers of point j; the ∞ row picks the leading coefficient), V_r and V_m
+    its first r and m columns, Aᵀ = V_mᵀ, G = V_r and Bᵀ = V⁻ᵀ. Computed in exact rational
+    arithmetic, then rounded once to float64.
+    """
+    n = m + r - 1
+    if not (1 <= m and 1 <= r and n - 1 <= len(_WINOGRAD_POINTS)):
+        raise ValueError(f"F({m}, {r}) needs {n - 1} finite points; at most "
+                         f"{len(_WINOGRAD_POINTS)} are defined")
+    points = [Fraction(a) for a in _WINOGRAD_POINTS[: n - 1]]
+    v = [[a ** k for k in range(n)] for a in points] + [[Fraction(int(k == n - 1)) for k in range(n)]]
+    # Gauss–Jordan inverse of v, exact.
+    aug = [row[:] + [Fraction(int(i == j)) for j in range(n)] for i, row in enumerate(v)]
+    for col in range(n):
+        pivot = next(i for i in range(col, n) if aug[i][col] != 0)
+        aug[col], aug[pivot] = aug[pivot], aug[col]
+        scale = aug[col][col]
+        aug[col] = [e / scale for e in aug[col]]
+        for i in range(n):
+            if i != col and aug[i][col] != 0:
+                factor = aug[i][col]
+                aug[i] = [e - factor * f for e, f in zip(aug[i], aug[col])]
+    v_inv = [row[n:] for row in aug]
+    a_t = np.array([[float(v[j][i]) for j in range(n)] for i in range(m)])
+    a_t[m - 1, n - 1] = 1.0  # the ∞ row of V_m: the product's leading coefficient
+    a_t[: m - 1, n - 1] = 0.0
+    g = np.array([[float(v[j][k]) for k in range(r)] for j in range(n)])
+    g[n - 1] = 0.0
+    g[n - 1, r - 1] = 1.0
+    b_t = np.array([[float(v_inv[j][i]) for j in range(n)] for i in range(n)])
+    return a_t, g, b_t
+
+
+def _linear_combinations(matrix: np.ndarray, terms: Sequence[jax.Array]) -> list[jax.Array]:
+    """[Σ_u matrix[i, u] · terms[u] for each row i], skipping zero coefficients, so XLA fuses each
+    into one elementwise loop (the transforms' entries are mostly 0 and ±1)."""
+    out = []
+    for row in matrix:
+        acc = None
+        for c, t in zip(row, terms):
+            if c == 0:
+                continue
+            t = t if c == 1 else -t if c == -1 else t * float(c)
+            acc = t if acc is None else acc + t
+        out.append(acc if acc is not None else jnp.zeros_like(terms[0]))
+    return out
+
+
+def winograd_tile(kw: int, w_out: int, max_tile: int = 8) -> int:
+    """The output tile m of F(m, kw) along the width: the one with the fewest transform points
+    per output column, T·n / w_out with T = ⌈w_out / m⌉ tiles of n = m + kw - 1 points, among
+    tiles of at most `max_tile` points (larger ones lose float32 accuracy)."""
+    best = None
+    for m in range(2, max_tile - kw + 2):
+        cost = (-(-w_out // m)) * (m + kw - 1) / w_out
+        if best is None or cost < best[0] - 1e-12:
+            best = (cost, m)
+    if best is None:
+        raise ValueError(f"no Winograd tile of at most {max_tile} points for a kernel width {kw}")
+    return best[1]
+
+
+def conv2d_winograd(
+    x: jax.Array,
+    kernel: jax.Array,
+    *,
+    padding: str | Sequence[tuple[int, int]] = "VALID",
+    tile: int | None = None,
+) -> jax.Array:
+    """Stride-1 NHWC × HWIO cross-correlation with Winograd's minimal filtering F(m, kw) along
+    the width and im2col along the height.
+
+    y[b, i, t·m + a, o] = Σ_j Aᵀ[a, j] Σ_{(p, c)} (Bᵀ d_{b,i,t})[j, (p, c)] · (G k)[j, (p, c), o],
+
+    where d_{b,i,t}[u, (p, c)] = x_pad[b, i + p, t·m + u, c] (u < n = m + kw - 1) are the kh input
+    rows of output row i over the columns of width tile t, and (G k)[j] the kernel transformed
+    along its width (Lavin & Gray 2016, eq. 7, in one dimension). The n transform points are n
+    GEMMs [B·H_out·T, kh·C_in] × [kh·C_in, C_out], m/n as many multiplications per output as
+    im2col's one GEMM of depth kh·kw·C_in: for the FedAvg CNN's conv 2 (5×5, 32 → 64 channels,
+    8×8 outputs) F(4, 5) does 2.5× fewer, and its forward and backward take half the time of
+    im2col's on one core (benchmarks/RESULTS.md). Float32 results differ from the direct sum
+    by rounding only (about 2× im2col's error; tests/models/test_layers.py compares both with
+    lax.conv in float64). Gradients by autodiff, which is Winograd's form again, so forward
+    mode works too.
+
+    Args:
+      x: [B, H, W, C_in].
+      kernel: [kh, kw, C_in, C_out].
+      padding: "VALID", "SAME" or explicit ((lo, hi), (lo, hi)).
+      tile: m, the outputs per width tile; None picks `winograd_tile(kw, W_out)`.
+    """
+    kh, kw, cin, cout = kernel.shape
+    if isinstance(padding, str):
+        pads = jax.lax.padtype_to_pads(x.shape[1:3], (kh, kw), (1, 1), padding)
+    else:
+        pads = tuple(tuple(p) for p in padding)
+    b, h, w = x.shape[0], x.shape[1] + sum(pads[0]), x.shape[2] + sum(pads[1])
+    h_out, w_out = h - kh + 1, w - kw + 1
+    if h_out < 1 or w_out < 1:
+        raise ValueError(
+            f"input of spatial size {h}x{w} (after padding) is smaller than the {kh}x{kw} kernel"
+        )
+    m = winograd_tile(kw, w_out) if tile is None else tile
+    a_t, g, b_t = winograd_matrices(m, kw)
+    n = m + kw - 1
+    tiles = -(-w_out // m)
+    # Columns past the input feed only the outputs past w_out, which are cropped.
+    extra = (tiles - 1) * m + n - w
+    if any(p != (0, 0) for p in pads) or extra > 0:
+        x = jnp.pad(x, ((0, 0), pads[0], (pads[1][0], pads[1][1] + max(extra, 0)), (0, 0)))
+    rows = jnp.concatenate([x[:, p : p + h_out] for p in range(kh)], axis=-1)
+    columns = [rows[:, :, u : u + (tiles - 1) * m + 1 : m].reshape(-1, kh * cin) for u in range(n)]
+    kernel_by_column = kernel.transpose(1, 0, 2, 3).reshape(kw, kh * cin, cout)
+    products = [d @ k for d, k in zip(_linear_combinations(b_t, columns),
+                                      _linear_combinations(g, list(kernel_by_column)))]
+    outputs = _linear_combinations(a_t, products)
+    y = jnp.stack([o.reshape(b, h_out, tiles, cout) for o in outputs], axis=3)
+    return y.reshape(b, h_out, tiles * m, cout)[:, :, :w_out]
+
+
+CONV_IMPLS = ("auto", "im2col", "winograd")
+# auto: Winograd needs this much depth per kernel column (kh·C_in) to pay; the FedAvg CNN's
+# conv 1 on one-channel images (5 × 1) ran 2–3 % slower with it, TDPFed's VGG8 conv 1 (3 × 3)
+# the same as im2col (benchmarks/RESULTS.md).
+WINOGRAD_MIN_DEPTH = 8
+
+
+def uses_winograd(kernel_shape: Sequence[int], strides: Sequence[int], w_out: int,
+                  impl: str = "auto") -> bool:
+    """Whether `conv2d` computes a convolution of this HWIO kernel shape and output width by
+    Winograd.
+
+    It applies at stride 1 to kernels 2 to 7 wide (tiles of at most 8 points). "winograd": wherever
+    it applies; "im2col": never; "auto": where it applies, its GEMMs do fewer multiplications than
+    im2col's (T·n < W_out·kw, false for one output column), kh·C_in ≥ WINOGRAD_MIN_DEPTH and the
+    default backend is the CPU. On a GPU the im2col convolution is what was measured
+    (benchmarks/RESULTS.md), so auto keeps it there.
+    """
+    if impl not in CONV_IMPLS:
+        raise ValueError(f"conv impl must be one of {list(CONV_IMPLS)}, got {impl!r}")
+    kh, kw, cin = kernel_shape[0], kernel_shape[1], kernel_shape[2]
+    if impl == "im2col" or tuple(strides) != (1, 1) or not 2 <= kw <= 7:
+        return False
+    if impl == "winograd":
+        return True
+    m = winograd_tile(kw, w_out)
+    fewer_products = -(-w_out // m) * (m + kw - 1) < w_out * kw
+    return fewer_products and kh * cin >= WINOGRAD_MIN_DEPTH and jax.default_backend() == "cpu"
+
+
+def conv2d(
+    x: jax.Array,
+    kernel: jax.Array,
+    *,
+    strides: tuple[int, int] = (1, 1),
+    padding: str | Sequence[tuple[int, int]] = "VALID",
+    impl: str = "auto",
+) -> jax.Array:
+    """NHWC × HWIO cross-correlation (as lax.conv_general_dilated) by `conv2d_winograd` where
+    `uses_winograd` says so, else by `conv2d_im2col`. Both equal the direct sum up to float
+    rounding."""
+    kw = kernel.shape[1]
+    if isinstance(padding, str):
+        pads = jax.lax.padtype_to_pads(x.shape[1:3], kernel.shape[:2], strides, padding)
+    else:
+        pads = tuple(tuple(p) for p in padding)
+    w_out = x.shape[2] + sum(pads[1]) - kw + 1
+    if w_out >= 1 and uses_winograd(kernel.shape, strides, w_out, impl):
+        return conv2d_winograd(x, kernel, padding=pads)
+    return conv2d_im2col(x, kernel, strides=strides, padding=pads)
+
+
 def max_pool_2x2(x: jax.Array) -> jax.Array:
     """2×2 max pooling with stride 2 (floor mode, as torch.nn.MaxPool2d(2)) on NHWC input."""
     b, h, w, c = x.shape
@@ -194,13 +385,15 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
 
 
 class Conv2D(nn.Module):
-    """A 2-D convolution layer computed by `conv2d_im2col` (NHWC in, NHWC out; HWIO kernel)."""
+    """A 2-D convolution layer computed by `conv2d` (NHWC in, NHWC out; HWIO kernel); `impl`
+    picks im2col or Winograd (see `conv2d`)."""
 
     features: int
     kernel_size: tuple[int, int]
     strides: tuple[int, int] = (1, 1)
     padding: str | Sequence[tuple[int, int]] = "VALID"
     use_bias: bool = True
+    impl: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -209,7 +402,7 @@ class Conv2D(nn.Module):
         kernel = self.param(
             "kernel", torch_default_kernel_init, (kh, kw, cin, self.features), jnp.float32
         )
-        y = conv2d_im2col(x, kernel, strides=self.strides, padding=self.padding)
+        y = conv2d(x, kernel, strides=self.strides, padding=self.padding, impl=self.impl)
         if self.use_bias:
             bias = self.param("bias", torch_default_bias_init(kh * kw * cin), (self.features,))
             y = y + bias

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_pfl.models import nets
+from fedjax_pfl.models import layers, nets
 
 Params = Any
 
@@ -84,6 +84,7 @@ def get(
     width: int = 64,
     norm: str = "group",
     cr: float = 2.0,
+    conv: str = "auto",
 ) -> Model:
     """A named model for inputs of `input_shape` (without the batch axis).
 
@@ -92,10 +93,14 @@ def get(
     least 16×16 images); vgg8: TDPFed's VGG8 (32×32 images); resnet9 / resnet18: pFedSOP's
     networks with GroupNorm; cp_mlp / cp_vgg8: TDPFed's CP-DNN / CP-VGG8, every weight tensor as
     CP factors with ranks for compression rate `cr` (models/cp.py; cr = 1 is the dense model).
+    `conv` picks how convolutions are computed (layers.CONV_IMPLS: "auto", "im2col",
+    "winograd"; see layers.conv2d); the function is the same up to float rounding.
     """
     from fedjax_pfl.models import cp
 
     input_shape = tuple(int(s) for s in input_shape)
+    if conv not in layers.CONV_IMPLS:
+        raise ValueError(f"--conv must be one of {list(layers.CONV_IMPLS)}, got {conv!r}")
     if name in ("cp_mlp", "cp_vgg8") and cr == 1:
         name = name[3:]  # CR ×1: no decomposition
     if name == "mlp":
@@ -108,7 +113,8 @@ def get(
         if len(input_shape) != 3 or min(input_shape[:2]) < 32:
             raise ValueError(f"--model {name} needs images of at least 32x32 (five 2x2 pools), "
                              f"got shape {input_shape}; use --model mlp or cnn")
-        module = nets.VGG8(num_classes) if name == "vgg8" else cp.CPVGG8(num_classes, cr=cr)
+        module = (nets.VGG8(num_classes, conv=conv) if name == "vgg8"
+                  else cp.CPVGG8(num_classes, cr=cr, conv=conv))
     elif name in ("cnn", "resnet9", "resnet18"):
         if len(input_shape) != 3:
             raise ValueError(f"--model {name} needs image inputs [H, W, C], got shape {input_shape}")
@@ -118,11 +124,11 @@ def get(
                     f"--model cnn needs images of at least 16x16 (two 5x5 valid convs and two "
                     f"2x2 pools), got {input_shape[0]}x{input_shape[1]}; use --model mlp"
                 )
-            module = nets.FedAvgCNN(num_classes)
+            module = nets.FedAvgCNN(num_classes, conv=conv)
         elif name == "resnet9":
-            module = nets.ResNet9(num_classes, width=width, norm=norm)
+            module = nets.ResNet9(num_classes, width=width, norm=norm, conv=conv)
         else:
-            module = nets.ResNet18(num_classes, width=width, norm=norm)
+            module = nets.ResNet18(num_classes, width=width, norm=norm, conv=conv)
     else:
         raise ValueError(f"unknown --model {name!r}; expected one of {MODELS}")
     return from_flax(module, input_shape, name=name)

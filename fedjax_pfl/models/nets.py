@@ -10,6 +10,7 @@ algorithm has to carry or average `batch_stats`. `norm="none"` removes normalisa
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import flax.linen as nn
@@ -42,14 +43,16 @@ class FedAvgCNN(nn.Module):
 
     Conv 5×5 (32, valid) → ReLU → MaxPool 2 → Conv 5×5 (64, valid) → ReLU → MaxPool 2 → Flatten
     → Dense 512 → ReLU → Dense num_classes. 878,538 parameters on 32×32×3 with 10 classes.
+    `conv` is the convolutions' `impl` (layers.conv2d).
     """
 
     num_classes: int
+    conv: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = max_pool_2x2(nn.relu(Conv2D(32, (5, 5))(x)))
-        x = max_pool_2x2(nn.relu(Conv2D(64, (5, 5))(x)))
+        x = max_pool_2x2(nn.relu(Conv2D(32, (5, 5), impl=self.conv)(x)))
+        x = max_pool_2x2(nn.relu(Conv2D(64, (5, 5), impl=self.conv)(x)))
         x = x.reshape(x.shape[0], -1)
         x = nn.relu(Dense(512)(x))
         return Dense(self.num_classes)(x)
@@ -70,10 +73,12 @@ class ConvNormReLU(nn.Module):
     features: int
     strides: tuple[int, int] = (1, 1)
     norm: str = "group"
+    conv: str = "auto"
 
     @nn.compact
     def __call__(self, x):
-        x = Conv2D(self.features, (3, 3), self.strides, "SAME", use_bias=self.norm == "none")(x)
+        x = Conv2D(self.features, (3, 3), self.strides, "SAME", use_bias=self.norm == "none",
+                   impl=self.conv)(x)
         norm = _norm(self.norm, self.features)
         return nn.relu(norm(x) if norm is not None else x)
 
@@ -88,16 +93,18 @@ class ResNet9(nn.Module):
     num_classes: int
     width: int = 64
     norm: str = "group"
+    conv: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        w, n = self.width, self.norm
-        x = ConvNormReLU(w, norm=n)(x)
-        x = max_pool_2x2(ConvNormReLU(2 * w, norm=n)(x))
-        x = x + ConvNormReLU(2 * w, norm=n)(ConvNormReLU(2 * w, norm=n)(x))
-        x = max_pool_2x2(ConvNormReLU(4 * w, norm=n)(x))
-        x = max_pool_2x2(ConvNormReLU(8 * w, norm=n)(x))
-        x = x + ConvNormReLU(8 * w, norm=n)(ConvNormReLU(8 * w, norm=n)(x))
+        w = self.width
+        block = functools.partial(ConvNormReLU, norm=self.norm, conv=self.conv)
+        x = block(w)(x)
+        x = max_pool_2x2(block(2 * w)(x))
+        x = x + block(2 * w)(block(2 * w)(x))
+        x = max_pool_2x2(block(4 * w)(x))
+        x = max_pool_2x2(block(8 * w)(x))
+        x = x + block(8 * w)(block(8 * w)(x))
         x = jnp.max(x, axis=(1, 2))
         return Dense(self.num_classes)(x)
 
@@ -106,14 +113,15 @@ class BasicBlock(nn.Module):
     features: int
     strides: tuple[int, int] = (1, 1)
     norm: str = "group"
+    conv: str = "auto"
 
     @nn.compact
     def __call__(self, x):
         bias = self.norm == "none"
-        y = Conv2D(self.features, (3, 3), self.strides, "SAME", use_bias=bias)(x)
+        y = Conv2D(self.features, (3, 3), self.strides, "SAME", use_bias=bias, impl=self.conv)(x)
         norm = _norm(self.norm, self.features)
         y = nn.relu(norm(y) if norm is not None else y)
-        y = Conv2D(self.features, (3, 3), (1, 1), "SAME", use_bias=bias)(y)
+        y = Conv2D(self.features, (3, 3), (1, 1), "SAME", use_bias=bias, impl=self.conv)(y)
         norm = _norm(self.norm, self.features)
         y = norm(y) if norm is not None else y
         if self.strides != (1, 1) or x.shape[-1] != self.features:
@@ -133,14 +141,15 @@ class ResNet18(nn.Module):
     num_classes: int
     width: int = 64
     norm: str = "group"
+    conv: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = ConvNormReLU(self.width, norm=self.norm)(x)
+        x = ConvNormReLU(self.width, norm=self.norm, conv=self.conv)(x)
         for stage, mult in enumerate((1, 2, 4, 8)):
             strides = (1, 1) if stage == 0 else (2, 2)
-            x = BasicBlock(mult * self.width, strides, self.norm)(x)
-            x = BasicBlock(mult * self.width, (1, 1), self.norm)(x)
+            x = BasicBlock(mult * self.width, strides, self.norm, self.conv)(x)
+            x = BasicBlock(mult * self.width, (1, 1), self.norm, self.conv)(x)
         x = jnp.mean(x, axis=(1, 2))
         return Dense(self.num_classes)(x)
 
@@ -152,11 +161,12 @@ class VGG8(nn.Module):
     lists none; Table I counts weights only). 1,112,650 parameters on 32×32×3 with 10 classes."""
 
     num_classes: int
+    conv: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         for width in (32, 64, 128, 256, 256):
-            x = max_pool_2x2(nn.relu(Conv2D(width, (3, 3), padding="SAME")(x)))
+            x = max_pool_2x2(nn.relu(Conv2D(width, (3, 3), padding="SAME", impl=self.conv)(x)))
         x = x.reshape(x.shape[0], -1)
         x = nn.relu(Dense(256)(x))
         x = nn.relu(Dense(256)(x))

@@ -1,4 +1,5 @@
-"""The im2col convolution equals lax.conv, parameter counts match the papers, stateless only."""
+"""The im2col and Winograd convolutions equal lax.conv, parameter counts match the papers,
+stateless only."""
 
 import flax.linen as nn
 import jax
@@ -66,6 +67,112 @@ def test_im2col_conv_gradients_equal_autodiff_of_lax_conv(x64, padding, strides,
     hvp = lambda f: jax.jvp(jax.grad(f), (k[0],), (v,))[1]
     np.testing.assert_allclose(hvp(lambda k: ours(k, x[0])), hvp(lambda k: ref(k, x[0])),
                                rtol=1e-9, atol=1e-9)
+
+
+def _direct_correlation(d, g, m):
+    # y_i = Σ_k d_{i+k} g_k by the definition, loops in float64.
+    return np.array([sum(d[i + k] * g[k] for k in range(len(g))) for i in range(m)])
+
+
+@pytest.mark.parametrize("m,r", [(2, 3), (4, 3), (6, 3), (2, 5), (3, 5), (4, 5), (2, 7), (2, 2)])
+def test_winograd_matrices_compute_the_correlation(m, r):
+    # Lavin & Gray 2016 eq. 7: Aᵀ[(G g) ⊙ (Bᵀ d)] is the correlation of an n = m + r - 1 tile
+    # with an r-tap filter, checked against the sum itself for random tiles and filters.
+    a_t, g_mat, b_t = models.layers.winograd_matrices(m, r)
+    n = m + r - 1
+    assert a_t.shape == (m, n) and g_mat.shape == (n, r) and b_t.shape == (n, n)
+    rng = np.random.default_rng(m * 10 + r)
+    for _ in range(5):
+        d, g = rng.normal(size=n), rng.normal(size=r)
+        np.testing.assert_allclose(a_t @ ((g_mat @ g) * (b_t @ d)), _direct_correlation(d, g, m),
+                                   rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("padding", ["VALID", "SAME", ((2, 1), (0, 3))])
+@pytest.mark.parametrize("kernel", [(5, 5), (3, 3), (3, 2), (2, 7)])
+@pytest.mark.parametrize("tile", [None, 2, 3])
+def test_winograd_conv_equals_lax_conv(x64, padding, kernel, tile):
+    # Width 13 leaves a partial last tile for every m here (W_out = 9, 11, 12, 14 or 16).
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(2, 11, 13, 3))
+    k = rng.normal(size=(*kernel, 3, 4))
+    got = models.conv2d_winograd(jnp.asarray(x), jnp.asarray(k), padding=padding, tile=tile)
+    want = jax.lax.conv_general_dilated(x, k, (1, 1), padding,
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("padding,kernel", [("VALID", (5, 5, 3, 6)), ("SAME", (3, 3, 2, 5))])
+def test_winograd_conv_gradients_equal_autodiff_of_lax_conv(x64, padding, kernel):
+    # As the im2col test above: input and kernel gradients per client, under vmap over
+    # per-client kernels, and forward-over-reverse (Per-FedAvg HF).
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(2, 3, 12, 12, kernel[2])))   # 2 clients, batch 3
+    k = jnp.asarray(rng.normal(size=(2, *kernel)))
+    v = jnp.asarray(rng.normal(size=k.shape[1:]))
+
+    def loss(conv):
+        return lambda k, x: jnp.sum(jnp.tanh(conv(x, k)) ** 2)
+
+    ours = loss(lambda x, k: models.conv2d_winograd(x, k, padding=padding))
+    ref = loss(lambda x, k: jax.lax.conv_general_dilated(
+        x, k, (1, 1), padding, dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    for c in range(2):
+        got = jax.grad(ours, argnums=(0, 1))(k[c], x[c])
+        want = jax.grad(ref, argnums=(0, 1))(k[c], x[c])
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(jax.vmap(jax.grad(ours))(k, x), jax.vmap(jax.grad(ref))(k, x),
+                               rtol=1e-10, atol=1e-10)
+    hvp = lambda f: jax.jvp(jax.grad(f), (k[0],), (v,))[1]
+    np.testing.assert_allclose(hvp(lambda k: ours(k, x[0])), hvp(lambda k: ref(k, x[0])),
+                               rtol=1e-9, atol=1e-9)
+
+
+def test_winograd_float32_error_stays_near_im2col():
+    # The FedAvg CNN's conv 2 (F(4, 5), the transforms' largest entries 16 and 5.25) in float32,
+    # against lax.conv in float64: the transforms may cost accuracy, but not more than a few
+    # times the direct sum's rounding.
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(10, 12, 12, 32))
+    k = rng.uniform(-1, 1, size=(5, 5, 32, 64)) / np.sqrt(800)
+    with jax.enable_x64(True):
+        want = np.asarray(jax.lax.conv_general_dilated(
+            x, k, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    x32, k32 = jnp.asarray(x, jnp.float32), jnp.asarray(k, jnp.float32)
+    scale = np.max(np.abs(want))
+    err_winograd = np.max(np.abs(np.asarray(models.conv2d_winograd(x32, k32)) - want)) / scale
+    err_im2col = np.max(np.abs(np.asarray(models.conv2d_im2col(x32, k32)) - want)) / scale
+    assert err_winograd < 1e-5
+    assert err_winograd < 8 * err_im2col
+
+
+def test_conv2d_picks_winograd_where_it_pays():
+    uses = models.layers.uses_winograd
+    assert uses((5, 5, 32, 64), (1, 1), 8)              # the FedAvg CNN's conv 2
+    assert not uses((5, 5, 1, 32), (1, 1), 24)          # its conv 1: kh·C_in = 5 < 8
+    assert uses((5, 5, 1, 32), (1, 1), 24, "winograd")
+    assert not uses((5, 5, 32, 64), (1, 1), 8, "im2col")
+    assert uses((3, 3, 3, 32), (1, 1), 32)              # VGG8's conv 1: kh·C_in = 9
+    assert not uses((3, 3, 64, 64), (2, 2), 16)         # strided
+    assert not uses((3, 3, 64, 64), (2, 2), 16, "winograd")
+    assert not uses((1, 1, 64, 64), (1, 1), 16, "winograd")
+    assert not uses((3, 3, 64, 64), (1, 1), 1)         # one output column: 4 products, not 3
+    with pytest.raises(ValueError, match="conv impl"):
+        uses((3, 3, 64, 64), (1, 1), 16, "fft")
+    with pytest.raises(ValueError, match="--conv"):
+        models.get("cnn", (28, 28, 1), 10, conv="fft")
+
+
+def test_the_cnn_computes_the_same_function_with_either_conv():
+    # Same parameters (structure and values), outputs equal up to float32 rounding.
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(3, 28, 28, 1)), jnp.float32)
+    by = {conv: models.get("cnn", (28, 28, 1), 10, conv=conv) for conv in ("im2col", "winograd")}
+    params = by["im2col"].init(jax.random.key(0))
+    assert jax.tree.structure(params) == jax.tree.structure(by["winograd"].init(jax.random.key(0)))
+    np.testing.assert_allclose(jax.jit(by["winograd"].apply)(params, x),
+                               jax.jit(by["im2col"].apply)(params, x), rtol=1e-4, atol=1e-5)
 
 
 def test_max_pool_matches_reduce_window():
