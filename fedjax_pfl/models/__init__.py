@@ -6,6 +6,7 @@ from fedjax_pfl.models.model import MODELS, Model, from_flax, get, softmax_cross
 from fedjax_pfl.models.nets import MLP, FedAvgCNN, ResNet9, ResNet18
 
 __all__ = [
-    "CONV_IMPLS", "Conv2D", "Dense", "conv2d", "conv2d_im2col", "conv2d_winograd", "max_pool_2x2", "MODELS", "Model", "from_flax", "get",
-    "softmax_cross_entropy", "MLP", "FedAvgCNN", "ResNet9", "ResNet18",
+    "CONV_IMPLS", "Conv2D", "Dense", "conv2d", "conv2d_im2col", "conv2d_winograd", "max_pool_2x2",
+    "MODELS", "Model", "from_flax", "get", "softmax_cross_entropy", "MLP", "FedAvgCNN", "ResNet9",
+    "ResNet18",
 ]
