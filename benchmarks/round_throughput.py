@@ -121,7 +121,9 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[10, 32])
     p.add_argument("--backends", nargs="+", default=["vmap", "loop"],
                    choices=["vmap", "chunked", "loop"])
-    p.add_argument("--conv", default="im2col", choices=["im2col", "lax"])
+    p.add_argument("--conv", default="im2col", choices=["im2col", "lax"],
+                   help="im2col: the engine's Conv2D (impl auto: Winograd on CPU where it pays); "
+                        "lax: flax's nn.Conv")
     p.add_argument("--samples-per-client", type=int, default=64)
     p.add_argument("--chunk-size", type=int, default=0, help="0: automatic (the engine's default)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds after the first")

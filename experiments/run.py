@@ -316,6 +316,8 @@ def _saved_defaults(record: dict) -> dict:
     out.update({k: v for k, v in record.get("data_options", {}).items()})
     if "checkpoint_every" in record:
         out["checkpoint_every"] = record["checkpoint_every"]
+    # A run saved before --conv existed computed every convolution by im2col.
+    out["conv"] = record.get("model_conv", "im2col")
     for hp, flag in algorithms.spec(record["algo"]).all_hparams():
         if hp.name in record.get("hparams", {}):
             out["hp__" + flag.lstrip("-").replace("-", "_")] = record["hparams"][hp.name]

@@ -214,10 +214,14 @@ def test_resume_refuses_incompatible_flags_and_extends_rounds(tmp_path, capsys):
     assert cli.main(_short(out, "--algo", "pfedsop", "--pfedsop-rho", "2", "--resume",
                            "--rounds", "3")) == 0
     assert cli.main(["--resume", str(out), "--rounds", "4", "--quiet"]) == 0
-    # --conv changes float rounding only, so it may change on resume.
+    # --conv changes float rounding only, so it may change on resume; a resume without the flag
+    # keeps the saved one.
     assert cli.main(["--resume", str(out), "--rounds", "5", "--conv", "im2col", "--quiet"]) == 0
+    assert json.loads((out / "config.json").read_text())["model_conv"] == "im2col"
+    assert cli.main(["--resume", str(out), "--rounds", "6", "--quiet"]) == 0
+    assert json.loads((out / "config.json").read_text())["model_conv"] == "im2col"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert "resuming from" in capsys.readouterr().out
 
 

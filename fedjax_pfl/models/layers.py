@@ -286,8 +286,9 @@ def conv2d_winograd(
     im2col's one GEMM of depth kh·kw·C_in: for the FedAvg CNN's conv 2 (5×5, 32 → 64 channels,
     8×8 outputs) F(4, 5) does 2.5× fewer, and its forward and backward take half the time of
     im2col's on one core (benchmarks/RESULTS.md). Float32 results differ from the direct sum
-    by rounding only (about 2× im2col's error; tests/models/test_layers.py compares both with
-    lax.conv in float64). Gradients by autodiff, which is Winograd's form again, so forward
+    by rounding only, with 2–6× im2col's error depending on the tile (F(4, 5) about 2×, F(6, 3)
+    and F(6, 2) 4–6× on random data; tests/models/test_layers.py compares both with lax.conv in
+    float64). Gradients by autodiff, which is Winograd's form again, so forward
     mode works too.
 
     Args:

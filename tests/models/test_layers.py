@@ -94,7 +94,7 @@ def test_winograd_matrices_compute_the_correlation(m, r):
     (((2, 1), (0, 3)), (2, 7), None), ("SAME", (2, 7), 2),
 ])
 def test_winograd_conv_equals_lax_conv(x64, padding, kernel, tile):
-    # Width 13 leaves a partial last tile for every m here (W_out = 9, 11, 12, 14 or 16).
+    # Output widths 9 to 14: three of the cases end in a partial last tile.
     rng = np.random.default_rng(4)
     x = rng.normal(size=(2, 11, 13, 3))
     k = rng.normal(size=(*kernel, 3, 4))
@@ -150,6 +150,18 @@ def test_winograd_float32_error_stays_near_im2col():
     assert err_winograd < 8 * err_im2col
 
 
+def test_conv2d_dispatches_to_the_impl_it_names():
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(2, 12, 12, 32)), jnp.float32)
+    k = jnp.asarray(np.random.default_rng(9).normal(size=(5, 5, 32, 8)) / 30, jnp.float32)
+    winograd, im2col = models.conv2d_winograd(x, k), models.conv2d_im2col(x, k)
+    assert not np.array_equal(winograd, im2col)         # they round differently
+    np.testing.assert_array_equal(models.conv2d(x, k, impl="winograd"), winograd)
+    np.testing.assert_array_equal(models.conv2d(x, k, impl="im2col"), im2col)
+    np.testing.assert_array_equal(models.conv2d(x, k, strides=(2, 2), impl="winograd"),
+                                  models.conv2d_im2col(x, k, strides=(2, 2)))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="auto picks Winograd on CPU only")
 def test_conv2d_picks_winograd_where_it_pays():
     uses = models.layers.uses_winograd
     assert uses((5, 5, 32, 64), (1, 1), 8)              # the FedAvg CNN's conv 2
@@ -173,8 +185,9 @@ def test_the_cnn_computes_the_same_function_with_either_conv():
     by = {conv: models.get("cnn", (28, 28, 1), 10, conv=conv) for conv in ("im2col", "winograd")}
     params = by["im2col"].init(jax.random.key(0))
     assert jax.tree.structure(params) == jax.tree.structure(by["winograd"].init(jax.random.key(0)))
-    np.testing.assert_allclose(jax.jit(by["winograd"].apply)(params, x),
-                               jax.jit(by["im2col"].apply)(params, x), rtol=1e-4, atol=1e-5)
+    winograd, im2col = jax.jit(by["winograd"].apply)(params, x), jax.jit(by["im2col"].apply)(params, x)
+    assert not np.array_equal(winograd, im2col)         # the option reached the layers
+    np.testing.assert_allclose(winograd, im2col, rtol=1e-4, atol=1e-5)
 
 
 def test_max_pool_matches_reduce_window():
