@@ -584,6 +584,7 @@ def _rounds(cfg, prep, program, state, round_keys, prog: _Progress, out, log, pr
     every = cfg.checkpoint_interval() if out and jax.process_count() == 1 else 0
     metrics_file = open(os.path.join(out, "metrics.jsonl"), "a") if out else None
     bar = _progress(cfg.rounds, cfg.progress and primary, initial=prog.round)
+    evaluation = core.CachedEvaluation(program)    # personalised models: only the changed ones
     try:
         r = prog.round
         while r < cfg.rounds:
@@ -595,13 +596,14 @@ def _rounds(cfg, prep, program, state, round_keys, prog: _Progress, out, log, pr
             for i, m in enumerate(per_round):
                 row = _round_row(r + i + 1, m, call_time / count)
                 sampled = np.asarray(m["sampled"])
+                evaluation.changed(sampled)
                 rows.append((row, sampled))
             last_row, last_sampled = rows[-1]
             evals = ids = None
             if (r + count) % cfg.eval_every == 0 or r + count == cfg.rounds:
                 t1 = time.perf_counter()
                 ids = _eval_ids(prep, last_sampled, final=r + count == cfg.rounds)
-                evals = _compute(program.evaluate, state, ids)
+                evals = _compute(evaluation, state, ids)
                 eval_dt = time.perf_counter() - t1
             # Everything of this call is on the host: record it (no interrupt can split it).
             with _Deferred():

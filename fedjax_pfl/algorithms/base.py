@@ -10,7 +10,9 @@ An algorithm is a factory of pure functions (FedJAX's `FederatedAlgorithm(init, 
 
 `evaluate` returns per-client arrays (leading axis N, or K with `ids`): key "client" is the model
 each client would use (its personalised model, or the global model for FedAvg) and is the
-headline accuracy; "global" is the global model where an algorithm also has one.
+headline accuracy; "global" is the global model where an algorithm also has one. An algorithm
+whose personalised models only its sampled rounds change says so with `evaluate_parts`
+(`split_evaluate`), and the runner then evaluates those models again only where they changed.
 
 `round_fn` returns at least: "sampled" [M] client ids, "train_loss" [M] mean local minibatch loss
 per sampled client, "client_steps" () the number of local steps taken (for throughput).
@@ -34,14 +36,46 @@ from fedjax_pfl.models.model import Model
 Params = Any
 
 
+class EvaluateParts(NamedTuple):
+    """An algorithm's `evaluate` in two parts, so that evaluation can skip the clients whose
+    models did not change (`core.CachedEvaluation`):
+
+    - rows(state, data, ids): the entries whose value for client i is a function of client i's
+      own rows of the state alone, which only the rounds that sample i change (a personalised
+      model kept per client, stale while the client is not sampled);
+    - rest(state, data, ids): every other entry (the global model changes every round).
+
+    evaluate(state, data, ids) == {**rows(state, data, ids), **rest(state, data, ids)}.
+    """
+
+    rows: Callable[..., dict[str, ClientEval]]
+    rest: Callable[..., dict[str, ClientEval]]
+
+
 class Algorithm(NamedTuple):
-    """init(key, data) -> state; round_fn(state, data, key) -> (state, metrics); evaluate(state, data)."""
+    """init(key, data) -> state; round_fn(state, data, key) -> (state, metrics); evaluate(state, data).
+
+    `evaluate_parts`, where set, splits `evaluate` by what a round can change (`EvaluateParts`)."""
 
     name: str
     init: Callable[[jax.Array, FederatedData], Any]
     round_fn: Callable[[Any, FederatedData, jax.Array], tuple[Any, dict]]
     evaluate: Callable[[Any, FederatedData], dict[str, ClientEval]]
     hparams: Mapping[str, Any]
+    evaluate_parts: EvaluateParts | None = None
+
+
+def split_evaluate(rows: Callable[..., dict[str, ClientEval]],
+                   rest: Callable[..., dict[str, ClientEval]] | None = None
+                   ) -> tuple[Callable[..., dict[str, ClientEval]], EvaluateParts]:
+    """`evaluate` from its two parts (`EvaluateParts`; `rest` None: no other entry), and the
+    parts."""
+    rest = rest or (lambda state, data, ids=None: {})
+
+    def evaluate(state, data, ids=None) -> dict[str, ClientEval]:
+        return {**rows(state, data, ids), **rest(state, data, ids)}
+
+    return evaluate, EvaluateParts(rows, rest)
 
 
 # ----------------------------------------------------------------------------------------------

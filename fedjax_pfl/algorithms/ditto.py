@@ -90,11 +90,14 @@ def ditto(model: Model, *, lam: float, prox_step: str, **common: Any) -> base.Al
                                           down_clients=m, down_floats_per_client=d))
         return new_state, metrics
 
-    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.personal, ids),
-                "global": engine.evaluator.shared(data, state.params, ids)}
+    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        return {"client": engine.evaluator.personal(data, state.personal, ids)}
 
-    return base.Algorithm("ditto", init, round_fn, evaluate, {})
+    def evaluate_global(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        return {"global": engine.evaluator.shared(data, state.params, ids)}
+
+    evaluate, parts = base.split_evaluate(evaluate_personal, evaluate_global)
+    return base.Algorithm("ditto", init, round_fn, evaluate, {}, parts)
 
 
 base.register(base.AlgorithmSpec(

@@ -48,10 +48,11 @@ def local(model: Model, **common: Any) -> base.Algorithm:
                       state.round + 1),
                 base.train_metrics(result, idx))
 
-    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.personal(data, state.params, ids)}
 
-    return base.Algorithm("local", init, round_fn, evaluate, {})
+    evaluate, parts = base.split_evaluate(evaluate_personal)
+    return base.Algorithm("local", init, round_fn, evaluate, {}, parts)
 
 
 base.register(base.AlgorithmSpec(

@@ -123,10 +123,11 @@ def pfedsop(
                        delta_glob_norm=ops.tree_norm(delta_glob))
         return State(clients, delta_glob, state.x0, state.round + 1), metrics
 
-    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.personal(data, state.clients.x, ids)}
 
-    return base.Algorithm("pfedsop", init, round_fn, evaluate, {})
+    evaluate, parts = base.split_evaluate(evaluate_personal)
+    return base.Algorithm("pfedsop", init, round_fn, evaluate, {}, parts)
 
 
 base.register(base.AlgorithmSpec(

@@ -157,11 +157,14 @@ def pgfed(
         )
         return new_state, metrics
 
-    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.clients.theta, ids),
-                "global": engine.evaluator.shared(data, state.global_params, ids)}
+    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        return {"client": engine.evaluator.personal(data, state.clients.theta, ids)}
 
-    return base.Algorithm("pgfed", init, round_fn, evaluate, {})
+    def evaluate_global(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        return {"global": engine.evaluator.shared(data, state.global_params, ids)}
+
+    evaluate, parts = base.split_evaluate(evaluate_personal, evaluate_global)
+    return base.Algorithm("pgfed", init, round_fn, evaluate, {}, parts)
 
 
 def pgfed_plain(model: Model, *, mu: float, alpha_lr: float, **common: Any) -> base.Algorithm:

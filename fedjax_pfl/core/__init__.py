@@ -31,6 +31,7 @@ from fedjax_pfl.core.local import (
 from fedjax_pfl.core.metrics import History, summarize
 from fedjax_pfl.core.program import (
     STATE_DTYPES,
+    CachedEvaluation,
     MemoryPlan,
     MemoryPlanError,
     Program,
@@ -44,5 +45,5 @@ __all__ = [
     "num_sampled_clients", "sample_clients", "scatter", "sum_over_clients", "where_clients",
     "AUTO_EVAL_BATCH", "ClientEval", "Evaluator", "FullPass", "auto_eval_batch", "LocalResult", "LocalTrainer", "add_aux_gradient",
     "epoch_permutation", "masked_mean_loss", "steps_per_epoch", "History", "summarize",
-    "STATE_DTYPES", "MemoryPlan", "MemoryPlanError", "Program", "check_memory", "prepare_data",
+    "STATE_DTYPES", "CachedEvaluation", "MemoryPlan", "MemoryPlanError", "Program", "check_memory", "prepare_data",
 ]

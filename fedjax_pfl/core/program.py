@@ -237,6 +237,14 @@ class Program:
         fn = self._jitted("evaluate_ids", lambda s, d, i: self.algo.evaluate(s, d, i))
         return jax.device_get(fn(state, self.data, jnp.asarray(ids, jnp.int32)))
 
+    def evaluate_part(self, part: str, state: Params, ids: np.ndarray | None = None) -> dict:
+        """One part ("rows" or "rest") of an algorithm's `evaluate_parts`, as `evaluate`."""
+        fn = getattr(self.algo.evaluate_parts, part)
+        if ids is None:
+            return jax.device_get(self._jitted(f"evaluate_{part}", lambda s, d: fn(s, d))(state, self.data))
+        run = self._jitted(f"evaluate_{part}_ids", lambda s, d, i: fn(s, d, i))
+        return jax.device_get(run(state, self.data, jnp.asarray(ids, jnp.int32)))
+
     def compile(self, round_keys: jax.Array) -> float:
         """Compiles the round (and evaluation) ahead of time from abstract shapes; returns the
         number of seconds it took. Nothing of the state is allocated."""
@@ -286,6 +294,72 @@ class Program:
             client_state_per_device=int(per_client) * self.num_clients // devices,
             replicated_state=int(replicated), data=_nbytes(self.data), working_set=working,
             eval_working_set=evaluating, available=available_memory(platform))
+
+
+class CachedEvaluation:
+    """`Program.evaluate` that evaluates a client's personalised model again only when a round
+    has changed it.
+
+    For an algorithm with `evaluate_parts` (PGFed, Ditto, pFedSOP, Local: a personalised model
+    per client that only the rounds sampling the client change), the "rows" entries of a client
+    not sampled since its last evaluation are the values kept from then, which a new evaluation
+    of the same model on the same test data would repeat; the "rest" entries (the global model)
+    are evaluated every time. With 6 of 25 clients sampled a round, PGFed's personal evaluation
+    costs 6/25 of a full one. Clients are evaluated in groups padded to a power of two (a
+    repeated id), so that few shapes compile. Without `evaluate_parts` it is `Program.evaluate`.
+
+        evaluation = CachedEvaluation(program)
+        state, per_round = program.run_rounds(state, keys, r, 1)
+        evaluation.changed(per_round[0]["sampled"])
+        evals = evaluation(state)              # or evaluation(state, ids)
+    """
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.parts = program.algo.evaluate_parts
+        self.cache: dict | None = None                      # row entries, host arrays [N, ...]
+        self.current = np.zeros(program.num_clients, bool)   # cache holds client i's value now
+        self.row_names: tuple[str, ...] | None = None
+
+    def changed(self, clients) -> None:
+        """Clients whose state rows a round changed: the round's metrics' "sampled"."""
+        self.current[np.asarray(clients, np.int64).ravel()] = False
+
+    def __call__(self, state: Params, ids: np.ndarray | None = None) -> dict:
+        if self.parts is None:
+            return self.program.evaluate(state, ids)
+        n = self.program.num_clients
+        want = np.arange(n) if ids is None else np.asarray(ids, np.int64)
+        todo = np.unique(want[~self.current[want]])
+        group = min(1 << int(todo.size - 1).bit_length(), n) if todo.size else 0
+        if group >= n and ids is None:          # everyone is due: the whole (precompiled) evaluation
+            full = self.program.evaluate(state)
+            if self.row_names is None:
+                self.row_names = tuple(jax.eval_shape(lambda s: self.parts.rows(s, self.program.data), state))
+            self.cache = {name: full[name] for name in self.row_names}
+            self.current[:] = True
+            return full
+        if todo.size:
+            if group >= n:
+                todo, fresh = np.arange(n), self.program.evaluate_part("rows", state)
+            else:
+                padded = np.concatenate([todo, np.full(group - todo.size, todo[0])])
+                fresh = self.program.evaluate_part("rows", state, padded)
+            if self.cache is None:
+                self.cache = jax.tree.map(lambda a: np.zeros((n,) + a.shape[1:], a.dtype), fresh)
+            for name, entry in fresh.items():
+                self.cache[name] = jax.tree.map(_put_rows(todo), self.cache[name], entry)
+            self.current[todo] = True
+        rows = {name: jax.tree.map(lambda a: a[want], entry) for name, entry in self.cache.items()}
+        return {**rows, **self.program.evaluate_part("rest", state, ids)}
+
+
+def _put_rows(rows: np.ndarray):
+    def put(cached: np.ndarray, fresh: np.ndarray) -> np.ndarray:
+        cached = np.array(cached)
+        cached[rows] = fresh[: rows.size]
+        return cached
+    return put
 
 
 def prepare_data(data, mesh: Mesh | None):
