@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The engine alone on PGFed's CNN protocol (vs_pytorch.py's engine side, shorter): compile time,
-ms per local step and evaluation seconds per round, under the current XLA_FLAGS.
+ms per local step and evaluation seconds per round (the runner's: personalised models only
+where the round changed them), under the current XLA_FLAGS.
 
     python benchmarks/protocol_step.py fedavg 10 --eval-batch-size 256
     python benchmarks/protocol_step.py fedavg 10                      # automatic evaluation batch
@@ -25,7 +26,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_pytorch import _engine  # noqa: E402  (the protocol's run.py flags, one definition)
+from vs_pytorch import _engine, warm_evaluation  # noqa: E402  (the protocol's run.py flags, one definition)
 
 
 def main(argv: list[str]) -> None:
@@ -39,8 +40,10 @@ def main(argv: list[str]) -> None:
     program.compile(prep.round_keys)
     compile_s = time.perf_counter() - t0
     state = program.init(jax.random.fold_in(prep.root, 0))
+    evaluation = warm_evaluation(program, state)
     state, metrics = program.run_rounds(state, prep.round_keys, 0, 1)          # warm-up
-    jax.block_until_ready(program.evaluate(state))
+    evaluation.changed(metrics[0]["sampled"])
+    jax.block_until_ready(evaluation(state))
     train, evaluate = [], []
     for r in range(1, 4):
         t0 = time.perf_counter()
@@ -48,7 +51,8 @@ def main(argv: list[str]) -> None:
         jax.block_until_ready(state)
         train.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        jax.block_until_ready(program.evaluate(state))
+        evaluation.changed(metrics[0]["sampled"])      # as the runner evaluates
+        jax.block_until_ready(evaluation(state))
         evaluate.append(time.perf_counter() - t0)
     n = int(np.sum(metrics[0]["client_steps"]))
     digest = hashlib.sha256(b"".join(np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(state)
