@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from fedjax_pfl.core.clients import cast_client_leaves, client_shardings, is_client_leaf, replicate
+from fedjax_pfl.core.clients import (cast_client_leaves, client_shardings, is_client_leaf,
+                                     num_sampled_clients, replicate)
 
 Params = Any
 STATE_DTYPES = ("float32", "bfloat16")
@@ -305,8 +306,11 @@ class CachedEvaluation:
     not sampled since its last evaluation are the values kept from then, which a new evaluation
     of the same model on the same test data would repeat; the "rest" entries (the global model)
     are evaluated every time. With 6 of 25 clients sampled a round, PGFed's personal evaluation
-    costs 6/25 of a full one. Clients are evaluated in groups padded to a power of two (a
-    repeated id), so that few shapes compile. Without `evaluate_parts` it is `Program.evaluate`.
+    costs 8/25 of a full one. Rows are always evaluated in groups of `group` clients (default:
+    the power of two at or above the clients sampled a round; a repeated id pads the last group)
+    by one program, so a client's numbers do not depend on when or beside whom it was evaluated:
+    a run resumed from a checkpoint, whose cache starts empty, reports the same bits as a run
+    that never stopped. Without `evaluate_parts` it is `Program.evaluate`.
 
         evaluation = CachedEvaluation(program)
         state, per_round = program.run_rounds(state, keys, r, 1)
@@ -314,12 +318,19 @@ class CachedEvaluation:
         evals = evaluation(state)              # or evaluation(state, ids)
     """
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, group: int | None = None):
         self.program = program
         self.parts = program.algo.evaluate_parts
+        n = program.num_clients
+        if group is None:
+            m = num_sampled_clients(program.data.num_real_clients,
+                                    program.algo.hparams.get("participation", 1.0))
+            group = 1 << (m - 1).bit_length()
+        if group < 1:
+            raise ValueError(f"group must be >= 1, got {group}")
+        self.group = min(group, n)
         self.cache: dict | None = None                      # row entries, host arrays [N, ...]
-        self.current = np.zeros(program.num_clients, bool)   # cache holds client i's value now
-        self.row_names: tuple[str, ...] | None = None
+        self.current = np.zeros(n, bool)                    # cache holds client i's value now
 
     def changed(self, clients) -> None:
         """Clients whose state rows a round changed: the round's metrics' "sampled"."""
@@ -331,27 +342,17 @@ class CachedEvaluation:
         n = self.program.num_clients
         want = np.arange(n) if ids is None else np.asarray(ids, np.int64)
         todo = np.unique(want[~self.current[want]])
-        group = min(1 << int(todo.size - 1).bit_length(), n) if todo.size else 0
-        if group >= n and ids is None:          # everyone is due: the whole (precompiled) evaluation
-            full = self.program.evaluate(state)
-            if self.row_names is None:
-                self.row_names = tuple(jax.eval_shape(lambda s: self.parts.rows(s, self.program.data), state))
-            self.cache = {name: full[name] for name in self.row_names}
-            self.current[:] = True
-            return full
-        if todo.size:
-            if group >= n:
-                todo, fresh = np.arange(n), self.program.evaluate_part("rows", state)
-            else:
-                padded = np.concatenate([todo, np.full(group - todo.size, todo[0])])
-                fresh = self.program.evaluate_part("rows", state, padded)
+        for start in range(0, todo.size, self.group):
+            rows = todo[start:start + self.group]
+            padded = np.concatenate([rows, np.full(self.group - rows.size, rows[0])])
+            fresh = self.program.evaluate_part("rows", state, padded)
             if self.cache is None:
                 self.cache = jax.tree.map(lambda a: np.zeros((n,) + a.shape[1:], a.dtype), fresh)
             for name, entry in fresh.items():
-                self.cache[name] = jax.tree.map(_put_rows(todo), self.cache[name], entry)
-            self.current[todo] = True
-        rows = {name: jax.tree.map(lambda a: a[want], entry) for name, entry in self.cache.items()}
-        return {**rows, **self.program.evaluate_part("rest", state, ids)}
+                self.cache[name] = jax.tree.map(_put_rows(rows), self.cache[name], entry)
+        self.current[todo] = True
+        kept = {name: jax.tree.map(lambda a: a[want], entry) for name, entry in self.cache.items()}
+        return {**kept, **self.program.evaluate_part("rest", state, ids)}
 
 
 def _put_rows(rows: np.ndarray):
