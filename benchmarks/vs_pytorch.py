@@ -57,7 +57,7 @@ def _engine(algo: str, split: str, extra: list[str]):
 
 def warm_evaluation(program, state):
     """The runner's evaluation (`core.CachedEvaluation`: personalised models only where a round
-    changed them) with its programs compiled: everyone once, then one round's sampled clients."""
+    changed them) with its programs compiled (its first call evaluates everyone with them)."""
     import jax
 
     from fedjax_pfl import core
@@ -67,9 +67,6 @@ def warm_evaluation(program, state):
     state = jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype)
                          if getattr(x, "weak_type", False) else x, state)
     evaluate = core.CachedEvaluation(program)
-    jax.block_until_ready(evaluate(state))
-    m = core.num_sampled_clients(program.data.num_real_clients, program.algo.hparams["participation"])
-    evaluate.changed(np.arange(m))
     jax.block_until_ready(evaluate(state))
     return evaluate
 

@@ -231,19 +231,19 @@ class Program:
 
     def evaluate(self, state: Params, ids: np.ndarray | None = None) -> dict:
         """The algorithm's evaluation (every client, or the clients `ids`), on the host."""
-        if ids is None:
-            fn = getattr(self, "_eval_compiled", None) or self._jitted(
-                "evaluate", lambda s, d: self.algo.evaluate(s, d))
-            return jax.device_get(fn(state, self.data))
-        fn = self._jitted("evaluate_ids", lambda s, d, i: self.algo.evaluate(s, d, i))
-        return jax.device_get(fn(state, self.data, jnp.asarray(ids, jnp.int32)))
+        if ids is None and getattr(self, "_eval_compiled", None) is not None:
+            return jax.device_get(self._eval_compiled(state, self.data))
+        return self._evaluate_with("evaluate", self.algo.evaluate, state, ids)
 
     def evaluate_part(self, part: str, state: Params, ids: np.ndarray | None = None) -> dict:
         """One part ("rows" or "rest") of an algorithm's `evaluate_parts`, as `evaluate`."""
-        fn = getattr(self.algo.evaluate_parts, part)
+        return self._evaluate_with(f"evaluate_{part}", getattr(self.algo.evaluate_parts, part),
+                                   state, ids)
+
+    def _evaluate_with(self, name: str, fn: Callable, state: Params, ids: np.ndarray | None) -> dict:
         if ids is None:
-            return jax.device_get(self._jitted(f"evaluate_{part}", lambda s, d: fn(s, d))(state, self.data))
-        run = self._jitted(f"evaluate_{part}_ids", lambda s, d, i: fn(s, d, i))
+            return jax.device_get(self._jitted(name, lambda s, d: fn(s, d))(state, self.data))
+        run = self._jitted(f"{name}_ids", lambda s, d, i: fn(s, d, i))
         return jax.device_get(run(state, self.data, jnp.asarray(ids, jnp.int32)))
 
     def compile(self, round_keys: jax.Array) -> float:
@@ -348,19 +348,12 @@ class CachedEvaluation:
             fresh = self.program.evaluate_part("rows", state, padded)
             if self.cache is None:
                 self.cache = jax.tree.map(lambda a: np.zeros((n,) + a.shape[1:], a.dtype), fresh)
-            for name, entry in fresh.items():
-                self.cache[name] = jax.tree.map(_put_rows(rows), self.cache[name], entry)
+            for cached, new in zip(jax.tree.leaves(self.cache), jax.tree.leaves(fresh), strict=True):
+                cached[rows] = new[: rows.size]
         self.current[todo] = True
         kept = {name: jax.tree.map(lambda a: a[want], entry) for name, entry in self.cache.items()}
         return {**kept, **self.program.evaluate_part("rest", state, ids)}
 
-
-def _put_rows(rows: np.ndarray):
-    def put(cached: np.ndarray, fresh: np.ndarray) -> np.ndarray:
-        cached = np.array(cached)
-        cached[rows] = fresh[: rows.size]
-        return cached
-    return put
 
 
 def prepare_data(data, mesh: Mesh | None):
