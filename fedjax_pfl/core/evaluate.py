@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedjax_pfl.core.clients import (ClientLoop, ClientMapper, balanced_order, compiled_for_analysis,
-                                     jit_unless_loop)
-from fedjax_pfl.data.federated import ClientSplits, FederatedData
+from fedjax_pfl.core.analysis import compiled_for_analysis, traced_bounds
+from fedjax_pfl.core.clients import ClientLoop, ClientMapper, balanced_order, jit_unless_loop
+from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
 
 Params = Any
@@ -65,6 +65,12 @@ def _auto_eval_batch(model: Model, input_shape: tuple[int, ...], temp_budget_byt
     probe = 8
     params = jax.eval_shape(model.init, jax.random.key(0))
     x = jax.ShapeDtypeStruct((probe, *input_shape), jnp.float32)
+    try:     # no compilation where even an upper bound of the temporaries allows the largest batch
+        bounds = traced_bounds(model.apply, params, x)
+    except Exception:
+        bounds = None
+    if bounds is not None and bounds.temp_bytes / probe * MAX_EVAL_BATCH <= temp_budget_bytes:
+        return MAX_EVAL_BATCH
     try:
         analysis = compiled_for_analysis(model.apply, params, x).memory_analysis()
         per_sample = analysis.temp_size_in_bytes / probe
