@@ -123,12 +123,12 @@ def _flops(eqn) -> float | None:
     return None
 
 
-def _walk(jaxpr, live_outside: int, totals: dict, held=()) -> bool:
+def _walk(jaxpr, live_outside: int, totals: dict, slices=()) -> bool:
     """Adds the flops of `jaxpr` (sub-programs included, a loop's body once, as HloCostAnalysis
     counts it) to totals["flops"], and raises totals["peak"] to the most bytes its values hold
     at once (each value from its definition to its last use) plus `live_outside` bytes held by
     the enclosing programs. Its inputs are buffers the caller holds (arguments, or values counted
-    outside) except `held` (a scan's per-iteration slices). False where no bound is known."""
+    outside) except `slices` (a scan's per-iteration slices). False where no bound is known."""
     last_use = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
@@ -138,7 +138,7 @@ def _walk(jaxpr, live_outside: int, totals: dict, held=()) -> bool:
         if not isinstance(v, jex_core.Literal):
             last_use[v] = len(jaxpr.eqns)
     size = lambda v: _nbytes(v.aval) + _ALIGN
-    live = {v: size(v) for v in held}
+    live = {v: size(v) for v in slices}
     live_bytes = sum(live.values())
     for i, eqn in enumerate(jaxpr.eqns):
         flops = _flops(eqn)
@@ -150,10 +150,10 @@ def _walk(jaxpr, live_outside: int, totals: dict, held=()) -> bool:
         extra = outs * (_EXPANDED_BUFFERS.get(name, 1) - 1)
         totals["peak"] = max(totals["peak"], live_outside + live_bytes + outs + extra)
         for sub in jex_core.jaxprs_in_params(eqn.params):
-            held = ()
+            inner_slices = ()
             if name == "scan":              # the slices of the scanned-over inputs
-                held = sub.invars[eqn.params["num_consts"] + eqn.params["num_carry"]:]
-            if not _walk(sub, live_outside + live_bytes + outs, totals, held):
+                inner_slices = sub.invars[eqn.params["num_consts"] + eqn.params["num_carry"]:]
+            if not _walk(sub, live_outside + live_bytes + outs, totals, inner_slices):
                 return False
         for v in eqn.outvars:
             live[v] = size(v)
@@ -169,9 +169,13 @@ def traced_bounds(fn: Callable, *abstract_args: Any) -> Bounds | None:
     off its traced program without compiling it: temporaries from the most bytes its values hold
     at once in program order (arguments apart, each value padded to 64 bytes), outputs exactly,
     flops per primitive as HloCostAnalysis counts them (`_PER_OUTPUT`), with margins. None where
-    no bound is known (a while loop, a sort: see `_PER_OUTPUT`). Checked against XLA's analyses
-    in tests/core/test_analysis.py."""
-    closed = jax.make_jaxpr(fn)(*abstract_args)
+    no bound is known (a while loop, a sort: see `_PER_OUTPUT`; or a program that does not
+    trace, which the compiled analysis then reports). Checked against XLA's analyses in
+    tests/core/test_analysis.py."""
+    try:
+        closed = jax.make_jaxpr(fn)(*abstract_args)
+    except Exception:
+        return None
     totals = {"peak": 0, "flops": 0.0}
     if not _walk(closed.jaxpr, 0, totals):
         return None

@@ -382,10 +382,7 @@ def traced_chunk_size(one_client_fn: Callable, *abstract_args: Any,
     """A chunk size no larger than `auto_chunk_size`'s, without compiling: the same budgets
     applied to upper bounds of one client's temporaries, outputs and flops read off its traced
     program (`analysis.traced_bounds`). 0 where no bound is known."""
-    try:
-        bounds = traced_bounds(one_client_fn, *abstract_args)
-    except Exception:  # a primitive the bounds do not know how to read
-        return 0
+    bounds = traced_bounds(one_client_fn, *abstract_args)
     if bounds is None:
         return 0
     return _chunk_within(bounds, temp_budget_bytes, memory_budget_bytes, flop_target)

@@ -65,10 +65,8 @@ def _auto_eval_batch(model: Model, input_shape: tuple[int, ...], temp_budget_byt
     probe = 8
     params = jax.eval_shape(model.init, jax.random.key(0))
     x = jax.ShapeDtypeStruct((probe, *input_shape), jnp.float32)
-    try:     # no compilation where even an upper bound of the temporaries allows the largest batch
-        bounds = traced_bounds(model.apply, params, x)
-    except Exception:
-        bounds = None
+    # No compilation where even an upper bound of the temporaries allows the largest batch.
+    bounds = traced_bounds(model.apply, params, x)
     if bounds is not None and bounds.temp_bytes / probe * MAX_EVAL_BATCH <= temp_budget_bytes:
         return MAX_EVAL_BATCH
     try:

@@ -79,27 +79,20 @@ def test_traced_bounds_hold_xlas_analyses(name):
     assert bounds.flops <= 8 * flops
 
 
-def test_the_engines_own_probes_are_bounded(ragged_data):
+def test_the_engines_own_probes_are_bounded(ragged_data, monkeypatch):
     """The steps the engine actually analyses (PGFed's local step with its α bookkeeping, its
     full pass, evaluation) for the MLP: the bounds hold there too."""
     from fedjax_pfl import algorithms
 
     seen = []
     original = clients.traced_chunk_size
-
-    def record(fn, *args, **kwargs):
-        seen.append((fn, args))
-        return original(fn, *args, **kwargs)
-
-    clients.traced_chunk_size = record
-    try:
-        algo = algorithms.get("pgfedmo", model=models.get("mlp", (5,), 3), batch_size=4,
-                              participation=0.5, local_steps=3)
-        program = core.Program(algo, core.prepare_data(ragged_data, None), mesh=None)
-        state, _ = program.run_rounds(program.init(jax.random.key(0)), jax.random.key(1), 0, 1)
-        program.evaluate(state)
-    finally:
-        clients.traced_chunk_size = original
+    monkeypatch.setattr(clients, "traced_chunk_size",
+                        lambda fn, *args: seen.append((fn, args)) or original(fn, *args))
+    algo = algorithms.get("pgfedmo", model=models.get("mlp", (5,), 3), batch_size=4,
+                          participation=0.5, local_steps=3)
+    program = core.Program(algo, core.prepare_data(ragged_data, None), mesh=None)
+    state, _ = program.run_rounds(program.init(jax.random.key(0)), jax.random.key(1), 0, 1)
+    program.evaluate(state)
     assert len(seen) >= 3
     for fn, args in seen:
         temp, out, flops = _xla(fn, args)
