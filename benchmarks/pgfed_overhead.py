@@ -18,9 +18,9 @@ sample a client holds, so its overhead is at least
 
     (samples in the full pass / samples trained) × (full pass's cost per sample / training's)
 
-and the pass's cost per sample, unlike training's, has no optimizer update to share and is
-as cheap as this engine's fastest forward+backward at any batch; the table prints that floor
-with the cheapest batch measured.
+where a sample of the pass costs a forward and backward pass without the optimizer update (which
+training shares among the samples of a batch). The last line prints that floor at the cheapest
+batch measured.
 """
 
 from __future__ import annotations
