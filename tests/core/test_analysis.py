@@ -67,14 +67,19 @@ def _xla(fn, args):
     return memory.temp_size_in_bytes, memory.output_size_in_bytes, cost["flops"]
 
 
-@pytest.mark.parametrize("name", PROGRAMS)
-def test_traced_bounds_hold_xlas_analyses(name):
-    fn, args = PROGRAMS[name]
+def _assert_bounds_hold(fn, args):
+    """traced_bounds of fn is at least XLA's temporaries, outputs and flops; returns both."""
     temp, out, flops = _xla(fn, args)
     bounds = analysis.traced_bounds(fn, *args)
     assert bounds is not None
     assert bounds.temp_bytes >= temp and bounds.output_bytes >= out and bounds.flops >= flops, (
         bounds, (temp, out, flops))
+    return bounds, flops
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_traced_bounds_hold_xlas_analyses(name):
+    bounds, flops = _assert_bounds_hold(*PROGRAMS[name])
     # Bounds, not wild guesses: within a small factor of XLA's flops (they decide chunks).
     assert bounds.flops <= 8 * flops
 
@@ -95,10 +100,7 @@ def test_the_engines_own_probes_are_bounded(ragged_data, monkeypatch):
     program.evaluate(state)
     assert len(seen) >= 3
     for fn, args in seen:
-        temp, out, flops = _xla(fn, args)
-        bounds = analysis.traced_bounds(fn, *args)
-        assert bounds is not None
-        assert bounds.temp_bytes >= temp and bounds.output_bytes >= out and bounds.flops >= flops
+        _assert_bounds_hold(fn, args)
 
 
 @pytest.mark.parametrize("fn", [
