@@ -49,6 +49,7 @@ class State(NamedTuple):
     alpha: jax.Array   # mixing weights α_k                                   [N]
     opt_state: Any     # per-client optimizer states of (w_k, v_k) (persist), else None
     round: jax.Array   # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("local", "alpha", "opt_state")  # per-client rows [N, ...]
 
 
 def mixed_gradients(loss_fn, w: Params, v: Params, alpha: jax.Array):

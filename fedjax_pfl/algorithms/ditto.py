@@ -48,6 +48,7 @@ class State(NamedTuple):
     opt_state: Any          # per-client optimizer states of w_k's training (persist), else None
     personal_opt_state: Any  # per-client optimizer states of v_k's training (persist), else None
     round: jax.Array        # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("personal", "opt_state", "personal_opt_state")  # per-client rows [N, ...]
 
 
 def ditto(model: Model, *, lam: float, prox_step: str, **common: Any) -> base.Algorithm:

@@ -28,6 +28,7 @@ class State(NamedTuple):
     opt_state: Any     # per-client optimizer states (momentum_buffer=persist) [N, ...], else None
     round: jax.Array   # rounds completed; shape=(), int32
     rng: jax.Array     # base key for evaluation-time randomness (fine-tuning batch order)
+    CLIENT_FIELDS = ("opt_state",)  # per-client rows [N, ...]
 
 
 def fedavg(model: Model, *, ft_epochs: int | None = None, **common: Any) -> base.Algorithm:

@@ -39,6 +39,7 @@ class State(NamedTuple):
     client_params: Params  # mask_fill="keep": each client's own model from its last round [N, ...]
     opt_state: Any         # per-client optimizer states (--momentum-buffer persist), else None
     round: jax.Array       # shape=(), int32
+    CLIENT_FIELDS = ("client_params", "opt_state")  # per-client rows [N, ...]
 
 
 def random_mask(key: jax.Array, like: Params, cr: float, kind: str) -> Params:

@@ -55,6 +55,7 @@ class State(NamedTuple):
     opt_state: Any     # per-client optimizer states [N, ...] (momentum_buffer=persist), else None
     round: jax.Array   # rounds completed; shape=(), int32
     rng: jax.Array     # base key of the fine-tuning batch order at evaluation
+    CLIENT_FIELDS = ("opt_state",)  # per-client rows [N, ...]
 
 
 def fedbabu(model: Model, *, head: str, finetune_epochs: int, finetune_lr: float | None,

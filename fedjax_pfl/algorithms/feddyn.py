@@ -45,6 +45,7 @@ class State(NamedTuple):
     grad_corr: Params  # g_k = ∇L_k(θ_k), each client's linear correction      leaves [N, ...]
     opt_state: Any     # per-client optimizer states (momentum_buffer=persist) [N, ...], else None
     round: jax.Array   # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("grad_corr", "opt_state")  # per-client rows [N, ...]
 
 
 def feddyn(model: Model, *, alpha: float, **common: Any) -> base.Algorithm:

@@ -105,6 +105,7 @@ class State(NamedTuple):
     graph: graph_ops.Graph     # kNN edges, senders < receivers                       [M] int32 each
     same_labels: jax.Array     # fraction of edges joining identical label sets       shape=()
     round: jax.Array           # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("z",)  # per-client rows [N, ...]
 
 
 def accumulate_gradients() -> optax.GradientTransformation:

@@ -36,6 +36,7 @@ class State(NamedTuple):
     heads: Params      # personalisation layers h_i (None on body leaves)         leaves [N, ...]
     opt_state: Any     # per-client optimizer states [N, ...] (momentum_buffer=persist), else None
     round: jax.Array   # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("heads", "opt_state")  # per-client rows [N, ...]
 
 
 def fedper(model: Model, *, head: str, **common: Any) -> base.Algorithm:

@@ -56,6 +56,7 @@ class State(NamedTuple):
     opt_head: Any      # per-client head-phase optimizer states [N, ...] (persist), else None
     opt_body: Any      # per-client body-phase optimizer states [N, ...] (persist), else None
     round: jax.Array   # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("heads", "opt_head", "opt_body")  # per-client rows [N, ...]
 
 
 def fedrep(model: Model, *, head: str, head_epochs: int, **common: Any) -> base.Algorithm:

@@ -58,6 +58,7 @@ class State(NamedTuple):
     class_counts: jax.Array  # n_i,c, training labels per client and class           [N, C] int32
     opt_state: Any        # per-client optimizer states [N, ...] (momentum_buffer=persist), else None
     round: jax.Array      # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("heads", "class_counts", "opt_state")  # per-client rows [N, ...]
 
 
 def log_prior(counts: jax.Array) -> jax.Array:

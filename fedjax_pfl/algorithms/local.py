@@ -26,6 +26,7 @@ class State(NamedTuple):
     params: Any       # each client's model θ_i             leaves [N, ...]
     opt_state: Any    # per-client optimizer states [N, ...] (momentum_buffer=persist), else None
     round: jax.Array  # shape=(), int32
+    CLIENT_FIELDS = ("params", "opt_state")  # per-client rows [N, ...]
 
 
 def local(model: Model, **common: Any) -> base.Algorithm:

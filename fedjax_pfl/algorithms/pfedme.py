@@ -37,6 +37,7 @@ class State(NamedTuple):
     params: Params      # w, the global model                                     leaves [...]
     opt_state: Any      # per-client inner-optimizer states (--momentum-buffer persist), else None
     round: jax.Array    # shape=(), int32
+    CLIENT_FIELDS = ("theta", "opt_state")  # per-client rows [N, ...]
 
 
 def pfedme(model: Model, *, lam: float, personal_lr: float, personal_steps: int, beta: float,

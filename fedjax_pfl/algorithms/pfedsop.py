@@ -53,6 +53,7 @@ class ClientState(NamedTuple):
     x: Params          # personalised model x_i                  leaves [N, ...]
     delta: Params      # latest local pseudo-gradient Δ_i         leaves [N, ...]
     is_new: jax.Array  # True until client i first takes part     [N] bool
+    CLIENT_FIELDS = ("x", "delta", "is_new")  # per-client rows [N, ...]
 
 
 class State(NamedTuple):
@@ -60,6 +61,7 @@ class State(NamedTuple):
     delta_glob: Params  # Δ_{t−1}, the previous round's global pseudo-gradient   leaves [...]
     x0: Params          # the shared random initial model                          leaves [...]
     round: jax.Array    # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("clients",)  # per-client rows [N, ...]
 
 
 def pfedsop(

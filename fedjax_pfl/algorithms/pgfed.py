@@ -45,6 +45,7 @@ class ClientState(NamedTuple):
     opt_state: Any      # optimizer state (momentum buffer) when it persists, else None
     aux: Params         # held auxiliary gradient h_i (g̃^i), zero until set   leaves [N, ...]
     aux_set: jax.Array  # whether h_i was ever set                            [N] bool
+    CLIENT_FIELDS = ("theta", "opt_state", "aux", "aux_set")  # per-client rows [N, ...]
 
 
 class State(NamedTuple):
@@ -59,6 +60,7 @@ class State(NamedTuple):
     has_prev: jax.Array       # False in round 1 (nothing uploaded yet); shape=(), bool
     global_params: Params     # θ_g                                            leaves [...]
     round: jax.Array          # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("clients", "alpha", "alpha_row_sum")  # per-client rows [N, ...]
 
 
 def pgfed(

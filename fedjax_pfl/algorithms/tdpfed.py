@@ -64,6 +64,7 @@ class State(NamedTuple):
     omega: Params          # ACT: ω̃_t, the dense start of the next round; AFM: None
     opt_state: Any         # per-client (NAG, factor) optimizer states when persisted, else None
     round: jax.Array       # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("theta", "opt_state")  # per-client rows [N, ...]
 
 
 def factor_gradient(factors: Params, theta: Params, lam: float, mode: int | None = None) -> Params:
