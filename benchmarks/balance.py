@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import run as cli
     from fedjax_pfl import core, runner
-    from fedjax_pfl.core import clients
+    from fedjax_pfl.core import execution, placement
 
     cfg = cli.config_from_args(cli.parse(["--algo", "fedavg", "--preset", "pgfed_paper", "--dataset",
                                           "fashion_mnist", "--model", "cnn", "--quiet"]))
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     counts = np.asarray(data.clients.train_count)[:data.num_real_clients]
     hp = cfg.validate()
     steps_all = hp["local_epochs"] * np.asarray(core.steps_per_epoch(counts, hp["batch_size"], hp["drop_last"]))
-    greedy = jax.jit(clients.balanced_order, static_argnums=1)
-    snake = jax.jit(clients._snake_order, static_argnums=1)
+    greedy = jax.jit(placement.balanced_order, static_argnums=1)
+    snake = jax.jit(placement._snake_order, static_argnums=1)
     rng = np.random.default_rng(0)
     ratios = {"balanced_order (now)": [], "snake order (before)": [], "best equal-count split": []}
     for _ in range(args.rounds):

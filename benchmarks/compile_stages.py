@@ -18,10 +18,10 @@ CHILD = r'''
 import logging, os, sys
 sys.path[:0] = ["tests", "tests/algorithms"]
 import jax
-from fedjax_pfl.core import clients
+from fedjax_pfl.core import execution, placement
 if sys.argv[1] == "one-stage":
-    run_capped = clients._run_capped
-    clients._run_capped = lambda loop, *a: run_capped(loop._replace(uniform=True), *a)
+    run_capped = execution._run_capped
+    execution._run_capped = lambda loop, *a: run_capped(loop._replace(uniform=True), *a)
 times = []
 class Compiles(logging.Handler):
     def emit(self, record):

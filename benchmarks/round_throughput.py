@@ -109,8 +109,6 @@ def run_one(args) -> dict:
         "compile_s": compile_s, "round_s": steady,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "devices": len(jax.devices()) if args.backends != "loop" else 1,
-        # chunk sizes the automatic choice made (training step, evaluation); empty otherwise
-        "auto_chunks": sorted(set(core.clients._AUTO_CHUNK_CACHE.values())),
     }
 
 
@@ -173,7 +171,7 @@ def main() -> None:
                     print(f"{row['model']:<12} {backend:<8} {clients:>7} {batch:>5} "
                           f"{row['client_steps_per_s']:>15.0f} {row['samples_per_s']:>10.0f} "
                           f"{row['compile_s']:>9.2f} {row['round_s']:>8.3f} {row['peak_rss_mb']:>8.0f} "
-                          f"{row['devices']:>7} {','.join(map(str, row['auto_chunks'])) or '-'}",
+                          f"{row['devices']:>7}",
                           flush=True)
                     if args.json:
                         with open(args.json, "a") as f:

@@ -161,9 +161,9 @@ class RunConfig:
             value = hparams.get(hp.name)
             if hp.type is float and value is not None and not math.isfinite(value):
                 raise ValueError(f"{flag} must be finite, got {value}")
-        if self.rounds_per_call > 1 and hparams["backend"] == "loop":
-            raise ValueError("--rounds-per-call needs --backend chunked or vmap (the loop backend "
-                             "runs one client at a time from Python)")
+        if self.rounds_per_call > 1 and hparams["backend"] in core.EAGER_BACKENDS:
+            raise ValueError(f"--rounds-per-call needs --backend chunked or vmap (the "
+                             f"{hparams['backend']} backend runs one client at a time from Python)")
         return hparams
 
 
@@ -230,7 +230,7 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
     model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
                        conv=cfg.model_conv)
     algo = algorithms.get(cfg.algo, model=model, **hparams)
-    vectorised = hparams["backend"] != "loop"
+    vectorised = hparams["backend"] not in core.EAGER_BACKENDS
     mesh = core.client_mesh() if vectorised else None
     data = core.prepare_data(data, mesh)
     program = core.Program(algo, data, mesh=mesh, jit=vectorised, state_dtype=cfg.state_dtype,

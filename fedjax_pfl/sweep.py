@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfl import algorithms, core
-from fedjax_pfl.core import clients as clients_lib
 
 Params = Any
 
@@ -76,7 +75,7 @@ class VectorProgram:
         # Every concrete combination is validated like a normal run before anything is traced.
         for r in runs:
             self.resolved = self.spec.resolve({**static_hparams, **dict(r.traced)})
-        if self.resolved["backend"] == "loop":
+        if self.resolved["backend"] in core.EAGER_BACKENDS:
             raise ValueError("a vectorised sweep needs --backend chunked or vmap")
         self.model, self.runs, self.traced_names = model, list(runs), traced_names
         self.static = {k: v for k, v in self.resolved.items() if k not in traced_names}
@@ -99,7 +98,7 @@ class VectorProgram:
     def _make(self, hp: dict) -> algorithms.Algorithm:
         """The algorithm with traced hyperparameters (inside the trace); clients of a run stay on
         the run's device."""
-        with clients_lib.single_device_clients():
+        with core.single_device_clients():
             return self.spec.factory(model=self.model, **self.static, **hp)
 
     def _per_device(self, fn):

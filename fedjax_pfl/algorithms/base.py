@@ -165,8 +165,9 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
            "drop each epoch's last partial batch: ⌊n/B⌋ steps instead of ⌈n/B⌉"),
     HParam("backend", str, "chunked",
            "how sampled clients run: 'chunked' (vmap over chunks of --chunk-size clients, "
-           "sequential over chunks), 'vmap' (all clients in one vectorised step) or 'loop' (one "
-           "client at a time, the reference); with several devices clients are split across them",
+           "sequential over chunks), 'vmap' (all clients in one vectorised step), 'loop' (one "
+           "client at a time, the reference) or 'debug' (no jit at all; an error names the "
+           "client, round and stage); with several devices clients are split across them",
            choices=core.BACKENDS),
     HParam("chunk_size", int, 0,
            "clients per chunk for --backend chunked and for evaluation; 0 picks it from XLA's "
@@ -335,7 +336,7 @@ class Engine:
         for all of them with `shared_start`)."""
         keys = client_keys(key, idx)
         return self.trainer(data, params, opt_state, core.gather(data.clients, idx), keys,
-                            extra=extra, hook_state=hook_state, shared_start=shared_start)
+                            extra=extra, hook_state=hook_state, shared_start=shared_start, ids=idx)
 
     def evaluate_after_training(self, trainer: LocalTrainer, data: FederatedData, params: Params,
                                 key: jax.Array, ids: jax.Array | None) -> core.ClientEval:
@@ -345,7 +346,7 @@ class Engine:
         ids = evaluated_ids(data, ids)
         opt = core.broadcast(trainer.init_opt_state(params), ids.shape[0])
         trained = trainer(data, params, opt, core.gather(data.clients, ids), client_keys(key, ids),
-                          shared_start=True)
+                          shared_start=True, ids=ids)
         return self.evaluator.rows(data, trained.params, ids)
 
 

@@ -1,22 +1,31 @@
 """The shared engine: the client axis, local training, evaluation and metrics."""
 
 from fedjax_pfl.core.clients import (
-    BACKENDS,
-    ClientLoop,
-    ClientMapper,
-    balanced_order,
     broadcast,
-    client_mapper,
-    client_mesh,
-    replicate,
-    replicated_sharding,
     gather,
+    map_clients,
     mean_over_clients,
     num_sampled_clients,
     sample_clients,
     scatter,
     sum_over_clients,
     where_clients,
+)
+from fedjax_pfl.core.execution import (
+    BACKENDS,
+    EAGER_BACKENDS,
+    ClientError,
+    ClientLoop,
+    ClientMapper,
+    client_mapper,
+)
+from fedjax_pfl.core.placement import (
+    balanced_order,
+    client_mask,
+    client_mesh,
+    replicate,
+    replicated_sharding,
+    single_device_clients,
 )
 from fedjax_pfl.core.evaluate import AUTO_EVAL_BATCH, ClientEval, Evaluator, auto_eval_batch
 from fedjax_pfl.core.local import (
@@ -40,9 +49,11 @@ from fedjax_pfl.core.program import (
 )
 
 __all__ = [
-    "BACKENDS", "ClientLoop", "ClientMapper", "balanced_order", "broadcast", "client_mapper", "client_mesh", "replicate",
-    "replicated_sharding", "gather", "mean_over_clients",
-    "num_sampled_clients", "sample_clients", "scatter", "sum_over_clients", "where_clients",
+    "broadcast", "gather", "map_clients", "mean_over_clients", "num_sampled_clients",
+    "sample_clients", "scatter", "sum_over_clients", "where_clients",
+    "BACKENDS", "EAGER_BACKENDS", "ClientError", "ClientLoop", "ClientMapper", "client_mapper",
+    "balanced_order", "client_mask", "client_mesh", "replicate", "replicated_sharding",
+    "single_device_clients",
     "AUTO_EVAL_BATCH", "ClientEval", "Evaluator", "FullPass", "auto_eval_batch", "LocalResult", "LocalTrainer", "add_aux_gradient",
     "epoch_permutation", "masked_mean_loss", "steps_per_epoch", "History", "summarize",
     "STATE_DTYPES", "CachedEvaluation", "MemoryPlan", "MemoryPlanError", "Program", "check_memory", "prepare_data",

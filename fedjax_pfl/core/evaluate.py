@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl.core.analysis import compiled_for_analysis, traced_bounds
-from fedjax_pfl.core.clients import ClientLoop, ClientMapper, balanced_order, jit_unless_loop
+from fedjax_pfl.core.execution import EAGER_BACKENDS, ClientLoop, ClientMapper, jit_unless_loop
+from fedjax_pfl.core.placement import balanced_order
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
 
@@ -94,7 +95,7 @@ class Evaluator:
         self.batch_size = int(batch_size)
         # Evaluation touches all N clients: never vmap them all at once (memory), use lanes.
         if mapper.backend == "vmap":
-            mapper = ClientMapper("chunked", mapper.chunk_size, mapper.mesh)
+            mapper = mapper._replace(backend="chunked")
         self.mapper = mapper
         self._loops = {}
         self._personal = jit_unless_loop(mapper, self._map_personal, static_argnums=3)
@@ -115,18 +116,18 @@ class Evaluator:
     def _map_personal(self, data, params, clients, batch):
         loop, probe = self._loop_for(batch, True)
         return self._balanced(lambda rows: self.mapper.run(loop, rows, shared=(data, None),
-                                                           probe=probe), (params, clients), clients)
+                                                           probe=probe, stage="evaluation"), (params, clients), clients)
 
     def _map_shared(self, data, params, clients, batch):
         loop, probe = self._loop_for(batch, False)
         return self._balanced(lambda rows: self.mapper.run(loop, rows, shared=(data, params),
-                                                           probe=probe), (None, clients), clients)
+                                                           probe=probe, stage="evaluation"), (None, clients), clients)
 
     def _balanced(self, run, rows, clients):
         """With several devices, clients are evaluated in an order that gives each device an equal
         share of test samples; the (small) results are put back in client order."""
         devices = 1 if self.mapper.mesh is None else self.mapper.mesh.size
-        if devices == 1 or self.mapper.backend == "loop":
+        if devices == 1 or self.mapper.backend in EAGER_BACKENDS:
             return run(rows)
         order = balanced_order(clients.test_count, devices)
         out = run(_rows(rows, order))

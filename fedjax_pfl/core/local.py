@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_pfl.core.clients import ClientLoop, ClientMapper, jit_unless_loop
+from fedjax_pfl.core.execution import ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.core.evaluate import auto_eval_batch
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
 from fedjax_pfl.models.model import Model
@@ -47,6 +47,29 @@ from fedjax_pfl.models.model import Model
 Params = Any
 OnStep = Callable[[Any, Params, dict], Any]
 StepFn = Callable[..., tuple[Params, Any, jax.Array]]
+
+
+class TrainRow(NamedTuple):
+    """One client's inputs to local training (a row of the mapped arguments)."""
+
+    params: Params        # the client's starting model; None when all start from one model
+    opt_state: Any        # its optimizer state
+    hook_state: Any       # the `on_step` hook's state
+    client: ClientSplits  # where its samples are
+    key: jax.Array        # its PRNG key (batch order)
+    extra: dict           # per-client inputs of the optimizer and the hook
+
+
+class TrainCarry(NamedTuple):
+    """One client's local-training loop carry between minibatch steps."""
+
+    params: Params
+    opt_state: Any
+    hook_state: Any
+    loss_sum: jax.Array   # Σ of the minibatch losses so far; shape=()
+    client: ClientSplits
+    key: jax.Array
+    extra: dict
 
 
 class LocalResult(NamedTuple):
@@ -184,6 +207,7 @@ class LocalTrainer:
         extra: dict | None = None,
         hook_state: Any = None,
         shared_start: bool = False,
+        ids: jax.Array | None = None,
     ) -> LocalResult:
         """Trains M clients. Every argument but `data` has leading axis M.
 
@@ -196,18 +220,22 @@ class LocalTrainer:
           keys: [M] PRNG keys (one per client; fold the client id in for order independence).
           extra: per-client inputs for the optimizer and the `on_step` hook.
           hook_state: per-client state carried by `on_step`.
+          ids: the M clients' ids (optional): the debug backend names a failing client by it.
         """
         extra = {} if extra is None else extra
         train = self._train_many_shared_start if shared_start else self._train_many
-        return train(data, params, opt_state, hook_state, clients, keys, extra)
+        return train(data, params, opt_state, hook_state, clients, keys, extra, ids)
 
-    def _map_clients(self, data, params, opt_state, hook_state, clients, keys, extra):
-        rows = (params, opt_state, hook_state, clients, keys, extra)
-        return self.mapper.run(self._loop, rows, shared=(data, None), probe=self._probe)
+    def _map_clients(self, data, params, opt_state, hook_state, clients, keys, extra, ids=None):
+        rows = TrainRow(params, opt_state, hook_state, clients, keys, extra)
+        return self.mapper.run(self._loop, rows, shared=(data, None), probe=self._probe, ids=ids,
+                               stage="local training")
 
-    def _map_clients_shared_start(self, data, params, opt_state, hook_state, clients, keys, extra):
-        rows = (None, opt_state, hook_state, clients, keys, extra)
-        return self.mapper.run(self._loop, rows, shared=(data, params), probe=self._probe)
+    def _map_clients_shared_start(self, data, params, opt_state, hook_state, clients, keys, extra,
+                                  ids=None):
+        rows = TrainRow(None, opt_state, hook_state, clients, keys, extra)
+        return self.mapper.run(self._loop, rows, shared=(data, params), probe=self._probe, ids=ids,
+                               stage="local training")
 
     def _make_loop(self):
         """(loop, probe): one client's local training as a ClientLoop, and one step of it."""
@@ -222,13 +250,13 @@ class LocalTrainer:
 
         update = step_fn or gradient_step
 
-        def init(shared, row):
-            data, start = shared
-            params, opt_state, hook_state, client, key, extra = row
-            params = start if params is None else params
-            return (params, opt_state, hook_state, jnp.zeros(()), client, key, extra)
+        def init(shared, row: TrainRow) -> TrainCarry:
+            _, start = shared
+            params = start if row.params is None else row.params
+            return TrainCarry(params, row.opt_state, row.hook_state, jnp.zeros(()), row.client,
+                              row.key, row.extra)
 
-        def step(shared, carry, t):
+        def step(shared, carry: TrainCarry, t) -> TrainCarry:
             """Minibatch t: the hook (pre-step params), then the update (default: gradient +
             optimizer)."""
             data = shared[0]
@@ -246,16 +274,16 @@ class LocalTrainer:
                 hook_state = on_step(hook_state, params, extra)
             params, opt_state, loss = update(params, opt_state, data.inputs(rows),
                                              data.labels(rows), mask, extra)
-            return params, opt_state, hook_state, loss_sum + loss, client, key, extra
+            return TrainCarry(params, opt_state, hook_state, loss_sum + loss, client, key, extra)
 
-        def finish(shared, carry):
-            params, opt_state, hook_state, loss_sum, client, _, _ = carry
-            total = self.num_steps(client.train_count)
-            mean_loss = loss_sum / jnp.maximum(total, 1)
-            return LocalResult(params, opt_state, hook_state, mean_loss, total.astype(jnp.int32))
+        def finish(shared, carry: TrainCarry) -> LocalResult:
+            total = self.num_steps(carry.client.train_count)
+            mean_loss = carry.loss_sum / jnp.maximum(total, 1)
+            return LocalResult(carry.params, carry.opt_state, carry.hook_state, mean_loss,
+                               total.astype(jnp.int32))
 
-        def length(row):
-            return self.num_steps(row[3].train_count)
+        def length(row: TrainRow):
+            return self.num_steps(row.client.train_count)
 
         def probe(data, start, row):
             return step((data, start), init((data, start), row), jnp.zeros((), jnp.int32))
@@ -305,7 +333,8 @@ class FullPass:
         batch = self.batch_for(data)
         if batch not in self._per_batch:
             loop, probe = self._make_loop(batch)
-            run = lambda d, p, c: self.mapper.run(loop, (p, c), shared=(d,), probe=probe)
+            run = lambda d, p, c: self.mapper.run(loop, (p, c), shared=(d,), probe=probe,
+                                                  stage="full-data pass")
             self._per_batch[batch] = jit_unless_loop(self.mapper, run)
         return self._per_batch[batch](data, params, clients)
 

@@ -3,8 +3,8 @@
 `Program` is what the runner (and the sweep tool) executes:
 
   * client state is SHARDED along the client axis over the device mesh ("clients"): every leaf
-    whose leading axis has N rows is split across devices, the rest (global models, scalars) is
-    replicated. So memory per device is about N × (state per client) / devices + the working set.
+    of a field the algorithm's state declares per-client (`CLIENT_FIELDS`, `core.placement`) is
+    split across devices, the rest (global models, scalars) is replicated. So memory per device is about N × (state per client) / devices + the working set.
     N is padded to a multiple of the device count with empty clients (`FederatedData.pad_clients`).
     The dataset is replicated (every device can train any client).
   * the algorithm's `round_fn` is jitted with the state donated and its shardings kept; with
@@ -27,8 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from fedjax_pfl.core.clients import (cast_client_leaves, client_shardings, is_client_leaf,
-                                     num_sampled_clients, replicate)
+from fedjax_pfl.core.clients import num_sampled_clients
+from fedjax_pfl.core.execution import ClientError
+from fedjax_pfl.core.placement import (cast_client_leaves, client_mask, client_shardings,
+                                       client_state_bytes, replicate)
 
 Params = Any
 STATE_DTYPES = ("float32", "bfloat16")
@@ -154,7 +156,7 @@ class Program:
 
     def _update_shardings(self):
         if self.mesh is not None and self.abstract_state is not None:
-            self.shardings = client_shardings(self.abstract_state, self.num_clients, self.mesh)
+            self.shardings = client_shardings(self.abstract_state, self.mesh, self.num_clients)
 
     def _eager_init(self, key):
         """Runs an untraceable init once (on the host) and learns the state's shapes from it."""
@@ -168,7 +170,10 @@ class Program:
     # -- pieces ---------------------------------------------------------------------------------
 
     def _store(self, state):
-        return state if self.storage is None else cast_client_leaves(state, self.num_clients, self.storage)
+        if self.storage is None:
+            client_mask(state, self.num_clients)     # the declaration must match the shapes
+            return state
+        return cast_client_leaves(state, self.storage, self.num_clients)
 
     def _round(self, state, data, round_keys, r):
         state, metrics = self.algo.round_fn(state, data, jax.random.fold_in(round_keys, r))
@@ -210,7 +215,12 @@ class Program:
         as host numpy dicts). `count` is normally `rounds_per_call` (a shorter last call
         compiles once more)."""
         if not self.jit:
-            state, m = self._round(state, self.data, round_keys, first)
+            try:
+                state, m = self._round(state, self.data, round_keys, first)
+            except ClientError as e:                      # the debug backend: add the round
+                e.round = first + 1
+                raise ClientError(e.stage, client=e.client, row=e.row, cause=e.cause,
+                                  round=e.round) from e.cause
             return state, [jax.device_get(m)]
         fn = self._round_function(count)
         state, m = fn(state, self.data, round_keys, jnp.asarray(first, jnp.int32))
@@ -274,11 +284,7 @@ class Program:
     def memory_plan(self) -> MemoryPlan:
         """Bytes per device (call `compile` first for the working sets)."""
         devices = 1 if self.mesh is None else self.mesh.size
-        leaves = jax.tree.leaves(self.abstract_state)
-        per_client = sum(np.prod(x.shape[1:]) * _itemsize(x.dtype)
-                         for x in leaves if is_client_leaf(x, self.num_clients))
-        replicated = sum(np.prod(x.shape) * _itemsize(x.dtype)
-                         for x in leaves if not is_client_leaf(x, self.num_clients))
+        per_client, replicated = client_state_bytes(self.abstract_state, _itemsize)
         working = evaluating = 0
         for attr in ("_round_compiled", "_eval_compiled"):
             compiled = getattr(self, attr, None)

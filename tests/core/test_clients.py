@@ -90,12 +90,12 @@ def test_automatic_chunk_size_follows_the_working_set():
     # one client per chunk, a 1 MB one at most 64 (fewer if XLA keeps temporaries).
     fn = lambda row: jnp.tanh(row[:, None] * row[None, :])
     spec = jax.ShapeDtypeStruct((64,), jnp.float32)
-    assert core.clients.auto_chunk_size(fn, spec, memory_budget_bytes=16 * 1024) == 1
-    assert 8 <= core.clients.auto_chunk_size(fn, spec, memory_budget_bytes=2**20) <= 64
+    assert core.chunking.auto_chunk_size(fn, spec, memory_budget_bytes=16 * 1024) == 1
+    assert 8 <= core.chunking.auto_chunk_size(fn, spec, memory_budget_bytes=2**20) <= 64
     # A function with a large temporary (a [64, 64, 64] intermediate reduced away) is limited by
     # the temporaries budget instead.
     big = lambda row: jnp.sum(jnp.sin(row[:, None, None] * row[None, :, None] * row), axis=0)
-    limited = core.clients.auto_chunk_size(big, spec, temp_budget_bytes=2**20)
+    limited = core.chunking.auto_chunk_size(big, spec, temp_budget_bytes=2**20)
     assert 1 <= limited <= 2**20 // (64 * 64 * 4)
     # An automatic mapper gives the same result as plain vmap.
     rows = jnp.arange(20.0).reshape(5, 4)
@@ -185,7 +185,7 @@ def test_chunks_of_one_client_run_unbatched(backend, width, m, batched):
 def test_long_clients_do_not_hold_up_the_rest(lengths, width):
     """Lane-steps (masked lanes included) stay within 3× the clients' own steps, where one
     vectorised block would take m × longest (200,000 vs ~2,300 in the first case)."""
-    work = core.clients.capped_work(lengths, width)
+    work = core.execution.capped_work(lengths, width)
     assert work <= 3 * sum(lengths)
     if len(set(lengths)) > 1:
         assert work < 0.15 * len(lengths) * max(lengths)

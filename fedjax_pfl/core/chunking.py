@@ -1,0 +1,91 @@
+"""How many clients one vectorised chunk holds on a CPU device: budgets and their calibration.
+
+The chunked backend (`core.execution`) runs the sampled clients W at a time. W comes from
+budgets on one client's temporaries, outputs and floating-point operations, read from XLA's
+memory and cost analyses of one client's step (or from upper bounds of them off the traced
+program, `core.analysis`, which need no compilation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+from fedjax_pfl.core.analysis import Bounds, compiled_for_analysis, traced_bounds
+
+Params = Any
+
+AUTO_CHUNK = 0
+# Budgets of one chunk on one CPU device, calibrated on this project's 2-core machines
+# (benchmarks/RESULTS.md). Speed: a chunk's temporaries (activations, im2col patches) should stay
+# near the cache; the MLP has almost none (whole vmap is fastest: per-op overhead dominates) and
+# the FedAvg CNN ~6.7 MB (B = 10) or ~22 MB (B = 32) per client, whose measured optima are
+# chunks of 2 and 1. Memory: temporaries plus outputs (the clients' parameters and optimizer
+# state) stay within a bound, so peak memory does not grow with the number of clients.
+CHUNK_TEMP_BUDGET_BYTES = 16 * 2**20
+# Vectorising clients pays while one client's step is too small to keep the cores busy (small
+# GEMMs, per-op overhead); past about this much work per chunk step, wider chunks only spill the
+# caches. Calibrated on 2 AVX2 cores (benchmarks/RESULTS.md, "chunk size"): the 784-100-10 MLP
+# at B = 10 (~4.8 MFLOP per client step) was fastest at chunks of 8-16, the FedAvg CNN at B = 10
+# (~250 MFLOP) at 1.
+CHUNK_FLOP_TARGET = 48e6
+CHUNK_MEMORY_BUDGET_BYTES = 2**30
+
+
+def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
+                    temp_budget_bytes: int = CHUNK_TEMP_BUDGET_BYTES,
+                    memory_budget_bytes: int = CHUNK_MEMORY_BUDGET_BYTES,
+                    flop_target: float = CHUNK_FLOP_TARGET) -> int:
+    """The largest chunk within the budgets on a CPU device.
+
+    One client's temporaries, outputs and floating-point operations are what XLA's memory and
+    cost analyses of `one_client_fn`, compiled for a single client, report (shared inputs such as
+    the dataset are not counted). The chunk keeps chunk·temp ≤ temp_budget,
+    chunk·(temp + out) ≤ memory_budget and chunk·flops ≤ flop_target (rounded down, at least 1).
+    Accelerators get no limit (whole vmap): they want the widest batch.
+    """
+    if jax.default_backend() != "cpu":
+        return 1 << 30
+    try:
+        compiled = compiled_for_analysis(one_client_fn, *abstract_args)
+        analysis = compiled.memory_analysis()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        one_client = Bounds(analysis.temp_size_in_bytes, analysis.output_size_in_bytes,
+                            float((cost or {}).get("flops", 0.0)))
+    except Exception:  # no memory analysis on this backend: a conservative fixed chunk
+        return 32
+    return _chunk_within(one_client, temp_budget_bytes, memory_budget_bytes, flop_target)
+
+
+def traced_chunk_size(one_client_fn: Callable, *abstract_args: Any,
+                      temp_budget_bytes: int = CHUNK_TEMP_BUDGET_BYTES,
+                      memory_budget_bytes: int = CHUNK_MEMORY_BUDGET_BYTES,
+                      flop_target: float = CHUNK_FLOP_TARGET) -> int:
+    """A chunk size no larger than `auto_chunk_size`'s, without compiling: the same budgets
+    applied to upper bounds of one client's temporaries, outputs and flops read off its traced
+    program (`analysis.traced_bounds`). 0 where no bound is known."""
+    bounds = traced_bounds(one_client_fn, *abstract_args)
+    if bounds is None:
+        return 0
+    return _chunk_within(bounds, temp_budget_bytes, memory_budget_bytes, flop_target)
+
+
+def _chunk_within(one_client: Bounds, temp_budget_bytes: int, memory_budget_bytes: int,
+                  flop_target: float) -> int:
+    temp, flops = one_client.temp_bytes, one_client.flops
+    total = temp + one_client.output_bytes
+    by_speed = temp_budget_bytes // temp if temp > 0 else 1 << 30
+    by_work = flop_target // flops if flops > 0 else 1 << 30
+    return max(1, int(min(by_speed, by_work, memory_budget_bytes // max(total, 1))))
+
+
+def abstract_row(tree: Params) -> Params:
+    """Shape/dtype stand-ins for one client's row of a stacked tree (works on tracers too)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+
+
+def abstract(tree: Params) -> Params:
+    """Shape/dtype stand-ins for a whole tree."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
