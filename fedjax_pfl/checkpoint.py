@@ -9,6 +9,8 @@ Layout of a checkpoint directory `path`:
     arrays/      orbax (OCDBT) with one entry per pytree leaf, named by its flat index
     meta.json    format version, number of leaves, each leaf's path/shape/dtype, `metadata`
     host.npz     optional host-side numpy arrays (`host=`), e.g. a run's per-round logs
+    manifest.json  every other file of the checkpoint with its size in bytes and its SHA-256,
+                 written last (see "Verification")
 
 Atomicity: everything is written into a hidden sibling `.NAME.tmp-PID-…`, flushed, and the
 directory is then renamed to `path` in one `os.rename`. A write that is interrupted (Ctrl-C,
@@ -19,14 +21,26 @@ kill, full disk) leaves only the hidden temporary, which `restore` never reads a
 `jax.ShapeDtypeStruct`s) and puts every array directly in `like`'s sharding, so a client state
 sharded over devices is read shard by shard; PRNG key arrays are stored as their key data and
 rebuilt; bfloat16 leaves stay bfloat16.
+
+Verification: `verify(path)` checks the manifest before any array is read: every listed file must
+exist, have the listed size (sizes first: a truncated file is found without reading anything)
+and the listed SHA-256 (FIPS 180-4; one sequential read of the checkpoint). It raises
+`CheckpointError` with one line naming the damaged or missing file; `is_intact(path)` is the
+same check as a bool. `restore`, `load_numpy`, `read_metadata` and `read_host` verify first, so a
+truncated array file or host.npz is reported as such instead of as an orbax/TensorStore or zip
+error after compiling. Files in the directory that the manifest does not list are ignored.
+A checkpoint written before manifests existed (no manifest.json, and meta.json not saying it has
+one) is accepted as before: it is only checked for meta.json and arrays/ (`is_complete`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import uuid
+import zipfile
 from typing import Any
 
 import jax
@@ -36,6 +50,8 @@ FORMAT = 1
 _META = "meta.json"
 _HOST = "host.npz"
 _ARRAYS = "arrays"
+_MANIFEST = "manifest.json"
+_HASH_CHUNK = 1 << 20          # bytes read at a time when hashing a file
 
 
 class CheckpointError(ValueError):
@@ -85,8 +101,10 @@ def save(path: str, state: Any, *, metadata: dict | None = None,
                 _flush(f)
         with open(os.path.join(tmp, _META), "w") as f:
             json.dump({"format": FORMAT, "num_leaves": len(described), "leaves": described,
-                       "metadata": metadata or {}}, f, indent=1, default=_json_default)
+                       "manifest": _MANIFEST, "metadata": metadata or {}}, f, indent=1,
+                      default=_json_default)
             _flush(f)
+        _write_manifest(tmp)                          # last: it describes every file above
         if os.path.lexists(path):                     # replace: move the old one aside first
             old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
             os.rename(path, old)
@@ -106,18 +124,87 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, _META)) and os.path.isdir(os.path.join(path, _ARRAYS))
 
 
+def verify(path: str) -> None:
+    """Checks the checkpoint at `path` against its manifest before anything is loaded.
+
+    Every file the manifest lists must exist with the listed size (all sizes are compared first:
+    cheap, and a truncated or deleted file is found without reading any data) and the listed
+    SHA-256. A checkpoint without a manifest, written before manifests existed, passes when it
+    is complete (`is_complete`); one whose meta.json says it has a manifest does not.
+
+    Raises:
+      CheckpointError: one line naming the checkpoint and the missing or damaged file.
+    """
+    manifest_file = os.path.join(path, _MANIFEST)
+    if not os.path.isfile(manifest_file):
+        meta = _read_meta(path, check=False)      # names a missing or unreadable meta.json
+        if meta.get("manifest"):
+            raise CheckpointError(f"checkpoint {path}: {_MANIFEST} is missing (meta.json says it "
+                                  "was written): the checkpoint is damaged")
+        return                                    # written before manifests: accepted as is
+    try:
+        with open(manifest_file, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+        files = manifest["files"]
+        listed = [(str(name), int(entry["size"]), str(entry["sha256"]))
+                  for name, entry in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {_MANIFEST} is unreadable ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())}): the checkpoint is damaged") from None
+    for name, _, _ in listed:
+        parts = name.split("/")
+        if os.path.isabs(name) or ".." in parts or "" in parts:
+            raise CheckpointError(f"checkpoint {path}: {_MANIFEST} lists {name!r}, which is not a "
+                                  "file inside the checkpoint: the manifest is damaged")
+    for name, size, _ in listed:                  # sizes first: no file is read yet
+        file = os.path.join(path, *name.split("/"))
+        if not os.path.isfile(file):
+            raise CheckpointError(f"checkpoint {path}: file {name} is missing")
+        actual = os.path.getsize(file)
+        if actual != size:
+            raise CheckpointError(f"checkpoint {path}: file {name} has {actual} bytes, the "
+                                  f"manifest says {size} (truncated or damaged)")
+    signature = _signature(path, [_MANIFEST] + [name for name, _, _ in listed])
+    if _VERIFIED.get(os.path.abspath(path)) == signature:
+        return                                    # hashed already, and no file changed since
+    for name, _, digest in listed:
+        try:
+            actual = _sha256(os.path.join(path, *name.split("/")))
+        except OSError as e:
+            raise CheckpointError(f"checkpoint {path}: file {name} cannot be read ({e.strerror})"
+                                  ) from None
+        if actual != digest:
+            raise CheckpointError(f"checkpoint {path}: file {name} does not match its SHA-256 in "
+                                  "the manifest (damaged)")
+    _VERIFIED[os.path.abspath(path)] = signature
+
+
+def is_intact(path: str) -> bool:
+    """True when `verify(path)` passes: a complete checkpoint whose files match its manifest."""
+    try:
+        verify(path)
+    except CheckpointError:
+        return False
+    return True
+
+
 def read_metadata(path: str) -> dict:
-    """The `metadata` dict saved with the checkpoint."""
+    """The `metadata` dict saved with the checkpoint (verified first: `verify`)."""
     return _read_meta(path)["metadata"]
 
 
 def read_host(path: str) -> dict[str, np.ndarray]:
-    """The `host` arrays saved with the checkpoint ({} if none)."""
+    """The `host` arrays saved with the checkpoint ({} if none; verified first: `verify`)."""
+    verify(path)
     file = os.path.join(path, _HOST)
     if not os.path.exists(file):
         return {}
-    with np.load(file) as z:
-        return {k: z[k] for k in z.files}
+    try:
+        with np.load(file, allow_pickle=False) as z:   # never unpickle: plain arrays only
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"checkpoint {path}: file {_HOST} is unreadable ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())})") from None
 
 
 def load_numpy(path: str) -> dict[str, np.ndarray]:
@@ -208,15 +295,65 @@ def _key_impl(dtype):
     return getattr(dtype, "_impl", None)
 
 
-def _read_meta(path: str) -> dict:
+def _read_meta(path: str, check: bool = True) -> dict:
+    """meta.json, after `verify(path)` unless `check` is False."""
     file = os.path.join(path, _META)
+    if check:
+        verify(path)
     if not is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint (no {_META} or {_ARRAYS}/)")
-    with open(file) as f:
-        meta = json.load(f)
+    try:
+        with open(file, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+        if not isinstance(meta, dict):
+            raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: file {_META} is unreadable ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())})") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {meta.get('format')}, expected {FORMAT}")
     return meta
+
+
+def _write_manifest(directory: str) -> None:
+    """manifest.json in `directory`: every file below it (but itself) with its size and SHA-256,
+    written to a temporary name, flushed and renamed, so it is either absent or whole."""
+    files = {}
+    for root, dirs, names in os.walk(directory):
+        dirs.sort()
+        for name in sorted(names):
+            file = os.path.join(root, name)
+            rel = os.path.relpath(file, directory).replace(os.sep, "/")
+            if rel == _MANIFEST:
+                continue
+            files[rel] = {"size": os.path.getsize(file), "sha256": _sha256(file)}
+    tmp = os.path.join(directory, f".{_MANIFEST}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": FORMAT, "hash": "sha256", "files": files}, f, indent=1)
+        _flush(f)
+    os.replace(tmp, os.path.join(directory, _MANIFEST))
+
+
+# Checkpoints whose hashes matched, with the (size, mtime, inode) of each of their files then:
+# restoring reads the metadata, the host arrays and the arrays, and each verifies first; a file
+# that has changed since (any write updates its mtime) is hashed again.
+_VERIFIED: dict[str, tuple] = {}
+
+
+def _signature(path: str, names: list[str]) -> tuple:
+    out = []
+    for name in names:
+        st = os.stat(os.path.join(path, *name.split("/")))
+        out.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+def _sha256(file: str) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(_HASH_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _remove_stale_temporaries(parent: str, name: str) -> None:

@@ -115,3 +115,112 @@ def test_load_numpy_reads_without_a_target(tmp_path):
     arrays = checkpoint.load_numpy(str(tmp_path / "c"))
     assert arrays[".round"] == 7 and arrays[".clients.x['w']"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(arrays[".key"], jax.random.key_data(state.key))
+
+
+# -- verification: a manifest of sizes and SHA-256s, checked before any array is read ------------
+
+
+def _files(path) -> dict[str, bytes]:
+    """Every file under the checkpoint directory, by its '/'-separated relative name."""
+    out = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            file = os.path.join(root, name)
+            out[os.path.relpath(file, path).replace(os.sep, "/")] = open(file, "rb").read()
+    return out
+
+
+def _no_array_reads(monkeypatch):
+    """Makes any orbax restore fail the test: verification must stop a damaged checkpoint first."""
+    import orbax.checkpoint as ocp
+
+    def forbidden(*a, **k):
+        raise AssertionError("orbax restore was called on a damaged checkpoint")
+    monkeypatch.setattr(ocp.Checkpointer, "restore", forbidden)
+
+
+def test_manifest_lists_every_file_with_size_and_sha256(tmp_path):
+    import hashlib
+    import json
+
+    path = str(tmp_path / "c")
+    checkpoint.save(path, _state(), host={"a": np.arange(3)})
+    files = _files(path)
+    manifest = json.loads(files.pop("manifest.json"))["files"]
+    # Every other file, arrays included, with the size and the SHA-256 hashlib computes here.
+    assert set(manifest) == set(files) and {"meta.json", "host.npz"} <= set(files)
+    assert any(name.startswith("arrays/") for name in manifest)
+    for name, data in files.items():
+        assert manifest[name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert checkpoint.is_intact(path)
+    _assert_same(checkpoint.restore(path, like=_state(seed=1)), _state())
+    assert checkpoint.is_intact(path)          # restoring leaves the files as the manifest says
+
+
+def _largest_array_file(path) -> str:
+    files = {n: len(d) for n, d in _files(path).items() if n.startswith("arrays/") and "/d/" in n}
+    return max(files, key=files.get)
+
+
+def _truncate(file):
+    data = open(file, "rb").read()
+    open(file, "wb").write(data[: len(data) // 2])
+
+
+def _flip(file):
+    data = bytearray(open(file, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(file, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("damage,target", [
+    ("truncate", "array"), ("truncate", "host.npz"), ("delete", "meta.json"),
+    ("delete", "array"), ("flip", "array"), ("flip", "host.npz"),
+])
+def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, monkeypatch, damage, target):
+    path = str(tmp_path / "c")
+    checkpoint.save(path, _state(), metadata={"round": 7}, host={"a": np.arange(1000)})
+    checkpoint.verify(path)                    # intact (and hashed once: a later change is seen)
+    name = _largest_array_file(path) if target == "array" else target
+    file = os.path.join(path, *name.split("/"))
+    {"truncate": _truncate, "delete": os.remove, "flip": _flip}[damage](file)
+    _no_array_reads(monkeypatch)
+    with pytest.raises(checkpoint.CheckpointError) as exc:
+        checkpoint.verify(path)
+    message = str(exc.value)
+    assert "\n" not in message and f"file {name} " in message and path in message
+    assert {"truncate": "truncated", "delete": "is missing", "flip": "SHA-256"}[damage] in message
+    assert not checkpoint.is_intact(path)
+    for read in (lambda: checkpoint.restore(path, like=_state(seed=1)),
+                 lambda: checkpoint.read_host(path), lambda: checkpoint.read_metadata(path),
+                 lambda: checkpoint.load_numpy(path)):
+        with pytest.raises(checkpoint.CheckpointError, match=f"file {name} "):
+            read()
+
+
+def test_checkpoint_without_manifest_is_accepted_as_before(tmp_path):
+    """A checkpoint written before manifests (no manifest.json, no "manifest" in meta.json)
+    restores as it always did; one whose meta.json says it has a manifest, but lacks it, does not."""
+    import json
+
+    path = str(tmp_path / "c")
+    checkpoint.save(path, _state(), host={"a": np.arange(3)})
+    os.remove(os.path.join(path, "manifest.json"))
+    with pytest.raises(checkpoint.CheckpointError, match="manifest.json is missing"):
+        checkpoint.verify(path)
+    meta_file = os.path.join(path, "meta.json")
+    meta = json.load(open(meta_file))
+    del meta["manifest"]
+    json.dump(meta, open(meta_file, "w"))
+    assert checkpoint.is_intact(path)
+    _assert_same(checkpoint.restore(path, like=_state(seed=1)), _state())
+    np.testing.assert_array_equal(checkpoint.read_host(path)["a"], np.arange(3))
+
+
+def test_unreadable_manifest_or_metadata_is_one_line(tmp_path):
+    path = str(tmp_path / "c")
+    checkpoint.save(path, _state())
+    open(os.path.join(path, "manifest.json"), "w").write('{"files": {"meta.json": ')   # cut short
+    with pytest.raises(checkpoint.CheckpointError, match="manifest.json is unreadable") as exc:
+        checkpoint.verify(path)
+    assert "\n" not in str(exc.value)
