@@ -34,7 +34,7 @@ def measure(algo: str, flags: list[str], level: int, fusion: bool) -> str:
     """Compile the round once at these settings (in this process) and time 5 rounds."""
     prep = runner.prepare(cli.config_from_args(cli.parse(["--algo", algo, "--quiet", *flags])))
     program = prep.program
-    lowered = program._round_function(1).lower(program._abstract_with_shardings(), program.data,
+    lowered = program._round_function(1).lower(program.abstract_sharded_state(), program.data,
                                                prep.round_keys, jax.ShapeDtypeStruct((), jnp.int32))
     state = program.init(jax.random.fold_in(prep.root, 0))
     t0 = time.perf_counter()

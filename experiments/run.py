@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -115,7 +115,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run in DIR (or --out) from its last checkpoint, with the "
                         "configuration saved there (metrics identical to an uninterrupted run); "
                         "other flags must match it, except --rounds (to extend the run), "
-                        "--checkpoint-every, --target-acc, --quiet and --no-memory-check")
+                        "--checkpoint-every, --target-acc, --conv, --log, "
+                        "--checkpoint-on-signal, --quiet and --no-memory-check")
+    g.add_argument("--checkpoint-on-signal", nargs="?", const="USR1", default=None,
+                   metavar="SIGNAL",
+                   help="also checkpoint at the next round boundary when SIGNAL arrives (default "
+                        "USR1): a scheduler's warning before it stops the job, e.g. SLURM's "
+                        "--signal=B:USR1@120. SIGINT and SIGTERM always stop a run cleanly "
+                        "(resumable; exit 130 and 143)")
+    g.add_argument("--log", default="",
+                   help="metric sinks besides metrics.jsonl, comma-separated: tensorboard "
+                        "(OUT/tensorboard), mlflow (OUT/mlruns unless MLFLOW_TRACKING_URI is set), "
+                        "wandb (offline in OUT/wandb unless WANDB_MODE is set); each needs its "
+                        "extra: pip install \"fedjax_pfl[tensorboard]\" (or mlflow, wandb, log)")
+    g.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use JAX's persistent compilation cache (default: on, in "
+                        "$FEDJAX_PFL_COMPILE_CACHE or ~/.cache/fedjax_pfl/jax, so a second run "
+                        "of the same configuration skips XLA compilation)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--model", default=None,
                    help=f"one of {list(models.MODELS)}; default per dataset (mlp for digits/mnist-"
@@ -260,6 +276,12 @@ def config_from_args(args: argparse.Namespace):
         data_options.update(synthetic_alpha=args.synthetic_alpha, synthetic_beta=args.synthetic_beta,
                             synthetic_clients=args.synthetic_clients)
     out = args.out or os.path.join("runs", f"{args.algo}_{args.dataset}_{time.strftime('%Y%m%d-%H%M%S')}")
+    from fedjax_pfl import sinks
+    from fedjax_pfl.interrupts import parse_signal
+
+    log = sinks.parse_log_flag(args.log)
+    if args.checkpoint_on_signal is not None:
+        parse_signal(args.checkpoint_on_signal)
     return RunConfig(algo=args.algo, dataset=args.dataset, model=args.model,
                      model_cr=args.model_cr, model_conv=args.conv, partition=partition,
                      rounds=args.rounds, seed=args.seed, eval_every=args.eval_every,
@@ -267,7 +289,8 @@ def config_from_args(args: argparse.Namespace):
                      state_dtype=args.state_dtype, memory_check=not args.no_memory_check, out=out,
                      hparams=hparams, data_options=data_options, progress=not args.quiet,
                      checkpoint_every=args.checkpoint_every, resume=args.resume is not None,
-                     target_acc=args.target_acc)
+                     target_acc=args.target_acc, log=log,
+                     checkpoint_on_signal=args.checkpoint_on_signal)
 
 
 def parse(argv: list[str] | None = None, base_defaults: dict | None = None) -> argparse.Namespace:
@@ -316,6 +339,10 @@ def _saved_defaults(record: dict) -> dict:
     out.update({k: v for k, v in record.get("data_options", {}).items()})
     if "checkpoint_every" in record:
         out["checkpoint_every"] = record["checkpoint_every"]
+    if record.get("log"):
+        out["log"] = ",".join(record["log"])
+    if record.get("checkpoint_on_signal"):
+        out["checkpoint_on_signal"] = record["checkpoint_on_signal"]
     # A run saved before --conv existed computed every convolution by im2col.
     out["conv"] = record.get("model_conv", "im2col")
     for hp, flag in algorithms.spec(record["algo"]).all_hparams():
@@ -338,27 +365,35 @@ def _fail(message: str, code: int = 2) -> None:
     raise SystemExit(code)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, callbacks: Sequence[Any] = ()) -> int:
     """The command line; returns the exit status (0, 1 on divergence, 2 on bad input, 130 on
-    Ctrl-C). Errors before any computation raise SystemExit(2) with one line on stderr."""
+    Ctrl-C, 143 on SIGTERM). Errors before any computation raise SystemExit(2) with one line on
+    stderr. `callbacks` (fedjax_pfl.callbacks.Callback) are passed to the run."""
+    from fedjax_pfl.interrupts import exit_status, stop_signals
+
     try:
-        return _main(argv)
+        with stop_signals():
+            return _main(argv, callbacks)
     except KeyboardInterrupt as e:
         _report_interrupt(e)
-        return 130
+        return exit_status(e)
 
 
 def _report_interrupt(e: KeyboardInterrupt) -> None:
     from fedjax_pfl import runner
+    from fedjax_pfl.interrupts import signal_name
 
+    how = "terminated (SIGTERM)" if signal_name(e) == "SIGTERM" else "interrupted"
+    if isinstance(e, runner.Interrupted):
+        how = "terminated (SIGTERM)" if e.signal == "SIGTERM" else "interrupted"
     if isinstance(e, runner.Interrupted) and e.out:
         where = (f"during compilation" if e.phase == "compile" else f"after round {e.last_round}")
         ckpt = ("no checkpoint yet" if e.checkpoint_round is None
                 else f"last checkpoint: round {e.checkpoint_round}")
-        print(f"run.py: interrupted {where}; {e.out} records what finished ({ckpt}); continue "
+        print(f"run.py: {how} {where}; {e.out} records what finished ({ckpt}); continue "
               f"with: python experiments/run.py --resume {e.out}", file=sys.stderr, flush=True)
     else:
-        print("run.py: interrupted before the run started; nothing was written", file=sys.stderr,
+        print(f"run.py: {how} before the run started; nothing was written", file=sys.stderr,
               flush=True)
 
 
@@ -387,36 +422,13 @@ def _resume_config(args, runner):
     return cfg
 
 
-class _DeferInterrupts:
-    """Holds back Ctrl-C while JAX and the package are imported (a KeyboardInterrupt inside a
-    C extension's initialisation surfaces as an ImportError traceback), then raises it.
+def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
+    # Signals wait while JAX and the package are imported (a KeyboardInterrupt inside a C
+    # extension's initialisation surfaces as an ImportError traceback); fedjax_pfl.interrupts
+    # imports only the standard library.
+    from fedjax_pfl.interrupts import deferred_signals
 
-    The twin of `fedjax_pfl.runner._Deferred`, which cannot be used here: importing it imports
-    the package and JAX, the very imports this guards."""
-
-    def __enter__(self):
-        import signal
-        import threading
-
-        self.hit, self.previous = False, None
-        if threading.current_thread() is threading.main_thread():
-            def note(signum, frame):
-                self.hit = True
-            self.previous = signal.signal(signal.SIGINT, note)
-        return self
-
-    def __exit__(self, exc_type, *exc):
-        import signal
-
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-            if self.hit and exc_type is None:
-                raise KeyboardInterrupt
-        return False
-
-
-def _main(argv: list[str] | None) -> int:
-    with _DeferInterrupts():
+    with deferred_signals():
         import fedjax_pfl
 
         args = parse(argv)
@@ -426,6 +438,8 @@ def _main(argv: list[str] | None) -> int:
             fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
         else:
             fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (not on GPU)
+        if not args.no_compile_cache:
+            fedjax_pfl.use_compile_cache()
         from fedjax_pfl import core, runner
         from fedjax_pfl.checkpoint import CheckpointError
         from fedjax_pfl.data.sources import DatasetNotFoundError
@@ -439,8 +453,8 @@ def _main(argv: list[str] | None) -> int:
                 cfg = config_from_args(args)
                 cfg.validate()
                 runner.check_out(cfg.out, overwrite=args.overwrite)
-            data, info = runner._compute(runner.load_data, cfg)
-            prepared = runner._compute(runner.prepare, cfg, data, info)   # the algorithm's checks
+            data, info = runner.compute(runner.load_data, cfg)
+            prepared = runner.compute(runner.prepare, cfg, data, info)   # the algorithm's checks
         except DatasetNotFoundError as e:
             # One line, but keep everything the message says (where we looked, what to put where).
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
@@ -455,7 +469,8 @@ def _main(argv: list[str] | None) -> int:
             runner.clear_out(cfg.out)
             return _run_seeds(cfg, args.seeds, data, info)
         try:
-            summary = runner.run(cfg, prepared=prepared, log=lambda s: print(s, flush=True))
+            summary = runner.run(cfg, prepared=prepared, log=lambda s: print(s, flush=True),
+                                 callbacks=callbacks)
         except runner.NonFiniteError as e:
             _fail(str(e), code=1)
         except (core.MemoryPlanError, runner.ResumeError, CheckpointError) as e:
@@ -500,7 +515,7 @@ def _run_seeds(cfg, seeds, data, info) -> int:
             if values:
                 aggregate[f"{kind}_{key}"] = {"mean": float(np.mean(values)),
                                               "std": float(np.std(values)), "values": values}
-    runner._write_json(os.path.join(cfg.out, "summary.json"), aggregate)
+    runner.write_json(os.path.join(cfg.out, "summary.json"), aggregate)
     print(f"{len(seeds)} seeds in one program, {summaries[0]['group_wall_time_s']:.1f}s")
     for key in keys:
         if f"last_{key}" in aggregate:
@@ -520,4 +535,4 @@ if __name__ == "__main__":
     sys.stderr.flush()
     # After Ctrl-C a worker thread may still be inside XLA: leave without interpreter teardown
     # (tearing down around it is what used to end in a segfault, exit -11).
-    os._exit(status) if status == 130 else sys.exit(status)
+    os._exit(status) if status in (130, 143) else sys.exit(status)

@@ -3,6 +3,8 @@
   label_distribution_figure(counts)    clients × classes heatmap of a partition's label counts
   plot_label_distribution(counts, path)  the same, written as a PNG (the runner's
                                          label_distribution.png)
+  plot_learning_curves(runs, path)     accuracy and training loss against rounds, one or
+                                         several runs (the runner's learning_curve.png)
 """
 
 from __future__ import annotations
@@ -91,4 +93,42 @@ def plot_label_distribution(counts: np.ndarray, path: str, title: str = "", *, s
 
     fig = label_distribution_figure(counts, title=title, share=share, class_names=class_names)
     fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_learning_curves(runs: dict[str, list[dict]], path: str, title: str = "",
+                         acc_keys: tuple[str, ...] = ("acc_mean",)) -> None:
+    """Accuracy (each of `acc_keys`) and mean local training loss against rounds, for one or
+    several runs (label -> per-round metric rows), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.2))
+    styles = ("-", ":", "--", "-.")
+    palette = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
+    for (label, rows), color in zip(runs.items(), palette * (1 + len(runs) // len(palette))):
+        for key, style in zip(acc_keys, styles):
+            pts = [(r["round"], r[key]) for r in rows if key in r]
+            if pts:
+                name = key if len(runs) == 1 else (label if len(acc_keys) == 1 else f"{label} {key}")
+                # A single point (a one-round run) draws no line: mark it.
+                ax_acc.plot(*zip(*pts), style, label=name, marker="o" if len(pts) == 1 else None,
+                            color=None if len(runs) == 1 else color)
+        ax_loss.plot([r["round"] for r in rows], [r["train_loss"] for r in rows], label=label,
+                     marker="o" if len(rows) == 1 else None, color=color)
+    ax_acc.set_xlabel("round")
+    ax_acc.set_ylabel("client test accuracy")
+    ax_acc.legend(fontsize=8)
+    ax_acc.grid(alpha=0.3)
+    ax_loss.set_xlabel("round")
+    ax_loss.set_ylabel("mean local training loss")
+    ax_loss.set_yscale("log")
+    if len(runs) > 1:
+        ax_loss.legend(fontsize=8)
+    ax_loss.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -163,7 +163,11 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
     program = VectorProgram(cfg.algo, model, data, cfg.hparams, runs)
     state = program.init()
     histories = [core.History(data.num_real_clients) for _ in runs]
-    bar = runner._progress(cfg.rounds, progress)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.rounds, desc="rounds", unit="round", dynamic_ncols=True)
     compile_time = None
     for r in range(cfg.rounds):
         t1 = time.perf_counter()
@@ -175,10 +179,10 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
         if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
             evals = program.evaluate(state)
         for v, m in enumerate(metrics):
-            row = runner._round_row(r + 1, m, round_time / len(runs))
+            row = runner.round_row(r + 1, m, round_time / len(runs))
             if evals is not None:
-                runner._record_evaluation(row, evals[v], None, data.num_real_clients,
-                                          histories[v], np.asarray(m["sampled"]))
+                runner.record_evaluation(row, evals[v], None, data.num_real_clients,
+                                         histories[v], np.asarray(m["sampled"]))
             histories[v].append(row)
         if bar is not None:
             bar.update(1)
@@ -192,7 +196,7 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
                    "clients": data.num_real_clients, **history.best_and_last(),
                    "vectorised_runs": len(runs), "group_wall_time_s": wall,
                    "group_first_round_s": compile_time}
-        comm = runner._communication_totals(history.rounds)
+        comm = runner.communication_totals(history.rounds)
         if comm:
             summary["communication"] = comm
         if out:
@@ -201,10 +205,10 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
             with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
                 for row in history.rounds:
                     f.write(json.dumps(row) + "\n")
-            config = runner._config_record(cfg, {**hparams, **dict(spec.traced)}, model_name, data_info)
+            config = runner.config_record(cfg, {**hparams, **dict(spec.traced)}, model_name, data_info)
             config["seed"] = spec.seed
-            runner._write_json(os.path.join(run_dir, "config.json"), config)
-            runner._write_json(os.path.join(run_dir, "summary.json"), summary)
+            runner.write_json(os.path.join(run_dir, "config.json"), config)
+            runner.write_json(os.path.join(run_dir, "summary.json"), summary)
         summaries.append({**summary, "rows": history.rounds})
     return summaries
 

@@ -75,10 +75,10 @@ def no_figures(monkeypatch):
     what they show is not what resume must reproduce
     (test_interrupted_run_records_what_finished_and_resumes, tests/test_cli.py and
     tests/test_interrupts.py check that runs write them)."""
-    from fedjax_pfl import runner
+    from fedjax_pfl import plots
 
-    monkeypatch.setattr(runner, "plot_label_distribution", lambda *args, **kwargs: None)
-    monkeypatch.setattr(runner, "plot_learning_curves", lambda *args, **kwargs: None)
+    monkeypatch.setattr(plots, "plot_label_distribution", lambda *args, **kwargs: None)
+    monkeypatch.setattr(plots, "plot_learning_curves", lambda *args, **kwargs: None)
 
 
 def pytest_unconfigure(config):

@@ -20,6 +20,7 @@ from fedjax_pfl import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "experiments" / "run.py")
+PAUSE_SCRIPT = str(ROOT / "tests" / "pause_run.py")    # run.py with a pause after round R
 pytestmark = pytest.mark.slow           # each case starts JAX and compiles 2–3 times
 
 COMMON = ["--clients", "8", "--participation", "0.5", "--local-steps", "2", "--rounds", "12"]
@@ -52,9 +53,10 @@ def _run(argv, **env):
     return proc
 
 
-def _start(argv, **env):
+def _start(argv, pause_after=None, **env):
+    script = [SCRIPT] if pause_after is None else [PAUSE_SCRIPT, str(pause_after)]
     with _ctrl_c_for_children():
-        return subprocess.Popen([sys.executable, SCRIPT, *argv], stdout=subprocess.PIPE,
+        return subprocess.Popen([sys.executable, *script, *argv], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=_env(**env))
 
 
@@ -92,21 +94,28 @@ def _assert_same_run(a, b):
     # PGFed's N × N α matrix and persistent momentum rows, 2 rounds per call; Ctrl-C.
     ("pgfed", ["--rounds-per-call", "2", "--eval-every", "2", "--checkpoint-every", "2",
                "--momentum", "0.9", "--momentum-buffer", "persist"], 8, signal.SIGINT),
+    # FedAvg stopped by SIGTERM (kill, timeout, a scheduler's preemption): exit 143, resumable.
+    ("fedavg", ["--checkpoint-every", "3"], 6, signal.SIGTERM),
 ])
 def test_stopped_run_resumes_bit_for_bit(tmp_path, algo, flags, stop, sig):
     argv = ["--algo", algo, *COMMON, *flags, "--quiet"]
     _run(argv + ["--out", str(tmp_path / "full")])
 
     out = tmp_path / "stopped"
-    proc = _start(argv + ["--out", str(out)], FEDJAX_PFL_TEST_PAUSE_AFTER_ROUND=str(stop))
+    proc = _start(argv + ["--out", str(out)], pause_after=stop)
     _wait_for(proc, f"paused after round {stop}")
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    if sig == signal.SIGINT:
-        assert proc.returncode == 130 and "Traceback" not in err, err
-        assert err.strip().splitlines()[-1].startswith(f"run.py: interrupted after round {stop};")
+    if sig in (signal.SIGINT, signal.SIGTERM):
+        status, said = (130, "interrupted") if sig == signal.SIGINT else (143, "terminated (SIGTERM)")
+        assert proc.returncode == status and "Traceback" not in err, err
+        assert err.strip().splitlines()[-1].startswith(f"run.py: {said} after round {stop};")
         summary = json.loads((out / "summary.json").read_text())
         assert summary["interrupted"] and summary["last_completed_round"] == stop
+        assert summary["interrupted_by"] == signal.Signals(sig).name
+        names = sorted(os.listdir(out / "checkpoints"))
+        assert not [n for n in names if n.startswith(".")], names   # no save's temporary left
+        assert len(names) <= 2 and names[-1] == f"round_{stop:06d}", names   # the last two kept
         assert summary["last_checkpoint_round"] == stop
         assert (out / "learning_curve.png").exists() and (out / "client_metrics.npz").exists()
     else:

@@ -9,6 +9,7 @@ import pytest
 import helpers
 import run as cli        # experiments/run.py (on the tests' pythonpath)
 from fedjax_pfl import runner
+from fedjax_pfl.callbacks import Callback
 
 
 def _config(algo, out, rounds, *flags, checkpoint_every=2):
@@ -34,13 +35,14 @@ def test_interrupted_run_records_what_finished_and_resumes(tmp_path, monkeypatch
     quiet = lambda *_: None
     runner.run(full_cfg, prepared=prep, log=quiet)
 
-    def ctrl_c_after_round_3(r):
-        if r == 4:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(runner, "_test_pause", ctrl_c_after_round_3)
+    class CtrlCAfterRound4(Callback):
+        def on_round_end(self, event):
+            if event.round == 4:
+                raise KeyboardInterrupt
     out = tmp_path / "stopped"
     with pytest.raises(runner.Interrupted) as exc:
-        runner.run(_config("fedavg", out, 5, checkpoint_every=3), prepared=prep, log=quiet)
+        runner.run(_config("fedavg", out, 5, checkpoint_every=3), prepared=prep, log=quiet,
+                   callbacks=[CtrlCAfterRound4()])
     assert (exc.value.last_round, exc.value.checkpoint_round, exc.value.phase) == (4, 3, "rounds")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] and summary["interrupted_during"] == "rounds"

@@ -267,7 +267,7 @@ class Program:
         if self.abstract_state is None:
             raise RuntimeError("this algorithm's init needs concrete data: call init(key) first "
                                "(Program.traceable_init is False)")
-        abstract = self._abstract_with_shardings()
+        abstract = self.abstract_sharded_state()
         fn = self._round_function(self.rounds_per_call)
         self._round_compiled = fn.lower(abstract, self.data, round_keys,
                                         jax.ShapeDtypeStruct((), jnp.int32)).compile()
@@ -275,7 +275,14 @@ class Program:
         self._eval_compiled = ev.lower(abstract, self.data).compile()
         return time.perf_counter() - t0
 
-    def _abstract_with_shardings(self):
+    @property
+    def is_compiled(self) -> bool:
+        """Whether `compile` has run (a reused program is not compiled again)."""
+        return getattr(self, "_round_compiled", None) is not None
+
+    def abstract_sharded_state(self):
+        """The state's shapes and dtypes with their shardings (`jax.ShapeDtypeStruct`s): what a
+        checkpoint is restored into before any state exists."""
         if self.shardings is None:
             return self.abstract_state
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -1,0 +1,215 @@
+"""A run's configuration: `RunConfig`, its checks, its record in config.json, and what a resumed
+run may change."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+from typing import Any
+
+import jax
+import numpy as np
+
+from fedjax_pfl import algorithms, core, models
+from fedjax_pfl.data.build import PartitionConfig
+
+
+DEFAULT_CHECKPOINT_EVERY = 10
+# Configuration that may change when a run is resumed (everything else must match).
+# model_conv changes float rounding only (the same convolution, computed another way).
+RESUMABLE_CHANGES = ("rounds", "out", "progress", "memory_check", "checkpoint_every", "resume",
+                     "overwrite", "target_acc", "model_conv", "log", "checkpoint_on_signal")
+# Models whose strided stages collapse small images (8×8 digits) to 1×1: they train at chance.
+MIN_IMAGE_SIDE = {"resnet9": 16, "resnet18": 16}
+
+
+DEFAULT_MODEL = {"digits": "mlp", "synthetic": "logreg", "mnist": "mlp", "fashion_mnist": "mlp",
+                 "emnist": "mlp", "cifar10": "cnn", "cifar100": "cnn"}
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Everything a run needs. `hparams` holds the algorithm's hyperparameters (CLI or notebook)."""
+
+    algo: str = "fedavg"
+    dataset: str = "digits"
+    model: str | None = None
+    model_cr: float = 2.0
+    model_conv: str = "auto"              # how convolutions are computed (models.CONV_IMPLS)
+    partition: PartitionConfig = dataclasses.field(default_factory=PartitionConfig)
+    rounds: int = 50
+    seed: int = 0
+    eval_every: int = 1
+    eval_clients: str = "all"
+    rounds_per_call: int = 1
+    state_dtype: str = "float32"
+    memory_check: bool = True
+    out: str | None = None
+    hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
+    data_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    progress: bool = True
+    checkpoint_every: int | None = None   # None: every 10 rounds (a multiple of rounds_per_call)
+    resume: bool = False                  # continue from the latest checkpoint in `out`
+    target_acc: float | None = None       # stop after the first evaluation with acc_mean >= this
+    log: tuple[str, ...] = ()             # metric sinks (fedjax_pfl.sinks): tensorboard, mlflow, wandb
+    checkpoint_on_signal: str | None = None  # e.g. "USR1": checkpoint at the next round boundary
+
+    def checkpoint_interval(self) -> int:
+        """Rounds between checkpoints, also written after the last round (0: none; none either
+        without `out`)."""
+        if self.checkpoint_every is not None:
+            return self.checkpoint_every
+        k = self.rounds_per_call
+        return k * max(1, math.ceil(DEFAULT_CHECKPOINT_EVERY / k))
+
+    def validate(self) -> dict[str, Any]:
+        """Checks everything that needs no data; returns the resolved algorithm hyperparameters."""
+        spec = algorithms.spec(self.algo)
+        for flag, value in (("--rounds", self.rounds), ("--seed", self.seed),
+                            ("--eval-every", self.eval_every),
+                            ("--rounds-per-call", self.rounds_per_call)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"{flag} must be an integer, got {value!r}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed must be in [0, 2**32), got {self.seed}")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
+        if self.eval_every < 1:
+            raise ValueError(f"--eval-every must be >= 1, got {self.eval_every}")
+        if self.model is not None and self.model not in models.MODELS:
+            raise ValueError(f"--model must be one of {list(models.MODELS)}, got {self.model!r}")
+        if not self.model_cr >= 1:
+            raise ValueError(f"--model-cr must be >= 1, got {self.model_cr}")
+        if self.model_conv not in models.CONV_IMPLS:
+            raise ValueError(f"--conv must be one of {list(models.CONV_IMPLS)}, got {self.model_conv!r}")
+        if self.state_dtype not in core.STATE_DTYPES:
+            raise ValueError(f"--state-dtype must be one of {list(core.STATE_DTYPES)}, "
+                             f"got {self.state_dtype!r}")
+        if self.rounds_per_call < 1:
+            raise ValueError(f"--rounds-per-call must be >= 1, got {self.rounds_per_call}")
+        if self.eval_every % self.rounds_per_call:
+            raise ValueError(f"--eval-every {self.eval_every} must be a multiple of "
+                             f"--rounds-per-call {self.rounds_per_call} (evaluation runs between calls)")
+        if self.checkpoint_every is not None:
+            if self.checkpoint_every < 0:
+                raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+            if self.checkpoint_every % self.rounds_per_call:
+                raise ValueError(f"--checkpoint-every {self.checkpoint_every} must be a multiple of "
+                                 f"--rounds-per-call {self.rounds_per_call} (checkpoints are written "
+                                 "between calls)")
+        if not math.isfinite(self.model_cr):
+            raise ValueError(f"--model-cr must be finite, got {self.model_cr}")
+        if self.target_acc is not None and (isinstance(self.target_acc, bool) or not isinstance(
+                self.target_acc, (int, float, np.integer, np.floating)) or not 0 < self.target_acc <= 1):
+            raise ValueError(f"--target-acc must be in (0, 1] (a mean client accuracy), got {self.target_acc}")
+        parse_eval_clients(self.eval_clients)
+        if self.checkpoint_on_signal is not None:
+            from fedjax_pfl.interrupts import parse_signal
+
+            parse_signal(self.checkpoint_on_signal)
+        if self.log:
+            from fedjax_pfl import sinks
+
+            sinks.parse_log_flag(",".join(self.log))
+        self.partition.validate()
+        hparams = spec.resolve(self.hparams)
+        for hp, flag in spec.all_hparams():
+            value = hparams.get(hp.name)
+            if hp.type is float and value is not None and not math.isfinite(value):
+                raise ValueError(f"{flag} must be finite, got {value}")
+        if self.rounds_per_call > 1 and hparams["backend"] in core.EAGER_BACKENDS:
+            raise ValueError(f"--rounds-per-call needs --backend chunked or vmap (the "
+                             f"{hparams['backend']} backend runs one client at a time from Python)")
+        return hparams
+
+
+def model_name_of(cfg: RunConfig) -> str:
+    """--model, or the dataset's default model."""
+    return cfg.model or DEFAULT_MODEL.get(cfg.dataset, "mlp")
+
+
+def parse_eval_clients(value: str) -> str | int:
+    """'all', 'participants', or K (a fixed random subset of K clients)."""
+    value = str(value)
+    if value in ("all", "participants"):
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        raise ValueError(f"--eval-clients must be 'all', 'participants' or a number of clients, "
+                         f"got {value!r}") from None
+    if k < 1:
+        raise ValueError(f"--eval-clients must be >= 1, got {k}")
+    return k
+
+
+def config_record(cfg: RunConfig, hparams: dict, model_name: str, data_info: dict) -> dict:
+    record = dataclasses.asdict(cfg)
+    record["hparams"] = hparams
+    record["model"] = model_name
+    record["data"] = data_info
+    record["versions"] = {"python": platform.python_version(), "jax": jax.__version__,
+                          "numpy": np.__version__}
+    return record
+
+
+def resume_conflicts(cfg: RunConfig, hparams: dict, model_name: str, saved: dict) -> str | None:
+    """The first setting of `cfg` that differs from the saved run's config.json record, as a
+    one-line message naming its flag (None when the run may resume)."""
+    mine = config_record(cfg, hparams, model_name, {})
+    flags = _flag_names(cfg.algo)
+    for key in sorted(set(mine) | set(saved)):
+        if key in RESUMABLE_CHANGES or key in ("data", "versions", "devices"):
+            continue
+        a, b = mine.get(key), saved.get(key)
+        if isinstance(a, dict) or isinstance(b, dict):
+            a, b = a or {}, b or {}
+            for sub in sorted(set(a) | set(b)):
+                if key == "data_options" and sub in ("data_dir", "tfds_dir", "download"):
+                    continue
+                if a.get(sub) != b.get(sub) and not (key == "hparams" and
+                                                     _same_number(a.get(sub), b.get(sub))):
+                    flag = flags.get((key, sub), f"--{sub.replace('_', '-')}")
+                    return (f"--resume: the run in {cfg.out} was made with {flag} {b.get(sub)!r}, "
+                            f"not {a.get(sub)!r} (only --rounds, --checkpoint-every, --target-acc, "
+                            "--conv, --log, --checkpoint-on-signal, --quiet and --no-memory-check may change)")
+        elif a != b and not _same_number(a, b):
+            flag = flags.get((key, None), f"--{key.replace('_', '-')}")
+            return (f"--resume: the run in {cfg.out} was made with {flag} {b!r}, not {a!r} "
+                    "(only --rounds, --checkpoint-every, --target-acc, --conv, --log, "
+                    "--checkpoint-on-signal, --quiet and --no-memory-check may change)")
+    return None
+
+
+def _same_number(a, b) -> bool:
+    return (isinstance(a, (int, float)) and isinstance(b, (int, float))
+            and not isinstance(a, bool) and not isinstance(b, bool) and float(a) == float(b))
+
+
+def _flag_names(algo: str) -> dict:
+    names = {("algo", None): "--algo", ("model", None): "--model", ("dataset", None): "--dataset",
+             ("partition", "scheme"): "--partition", ("partition", "num_clients"): "--clients",
+             ("partition", "seed"): "--seed"}
+    try:
+        for hp, flag in algorithms.spec(algo).all_hparams():
+            names[("hparams", hp.name)] = flag
+    except ValueError:
+        pass
+    return names
+
+
+def read_config(out: str) -> dict:
+    with open(os.path.join(out, "config.json")) as f:
+        return json.load(f)
+
+
+def config_from_record(record: dict) -> RunConfig:
+    """The RunConfig a config.json record describes (to resume a run from its directory)."""
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    kwargs = {k: v for k, v in record.items() if k in fields}
+    kwargs["partition"] = PartitionConfig(**record["partition"])
+    kwargs["hparams"] = dict(record.get("hparams", {}))
+    return RunConfig(**kwargs)

@@ -1,0 +1,318 @@
+"""Runs an algorithm for R rounds: prepare, compile, the round loop, the report.
+
+Phases: `prepare` (checks, data, model, algorithm, program) → compile and memory plan → rounds
+(round-end callbacks: metrics.jsonl, progress bar, checkpoints, metric sinks, the caller's own)
+→ report. `run` strings them together.
+
+Resume (`RunConfig.resume`): the run continues from its newest intact checkpoint and its metrics
+are identical, bit for bit on the same backend and devices, to an uninterrupted run's (round
+times aside). SIGINT and SIGTERM stop a run cleanly: the rounds done are recorded
+(summary.json marked interrupted) and `Interrupted` is raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from fedjax_pfl import algorithms, core, models, plots
+from fedjax_pfl.callbacks import Callback, RoundEnd, RunStart
+from fedjax_pfl.data.build import build_federated
+from fedjax_pfl.data.federated import FederatedData, label_counts
+from fedjax_pfl.interrupts import (WarningSignal, compute, deferred_signals, parse_signal,
+                                   signal_name, stop_signals)
+from fedjax_pfl.runner import checkpoints, rundir
+from fedjax_pfl.runner.checkpoints import ResumeError
+from fedjax_pfl.runner.config import (MIN_IMAGE_SIDE, RunConfig, config_record, model_name_of,
+                                      parse_eval_clients, read_config, resume_conflicts)
+from fedjax_pfl.runner.records import (Progress, eval_ids, record_call, report, round_row,
+                                       target_round)
+from fedjax_pfl.runner.writers import MetricsWriter, ProgressBar
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal (SIGINT: Ctrl-C; SIGTERM: kill, timeout, a scheduler) stopped the run; the output
+    directory records what finished.
+
+    Attributes: `last_round` (rounds completed), `checkpoint_round` (round of the latest
+    checkpoint, or None), `out` (the output directory, or None), `phase` ("compile", "rounds"),
+    `signal` ("SIGINT" or "SIGTERM").
+    """
+
+    def __init__(self, last_round: int, checkpoint_round: int | None, out: str | None, phase: str,
+                 signal: str = "SIGINT"):
+        super().__init__(f"interrupted ({signal}) during {phase} after round {last_round}")
+        self.last_round, self.checkpoint_round, self.out, self.phase, self.signal = (
+            last_round, checkpoint_round, out, phase, signal)
+
+
+def load_data(cfg: RunConfig) -> tuple[FederatedData, dict[str, Any]]:
+    """Reads the dataset (fails fast when absent) and builds the federated split."""
+    from fedjax_pfl.data import sources
+
+    raw = sources.load_raw(cfg.dataset, seed=cfg.seed, **cfg.data_options)
+    n = int(np.asarray(raw.y).size)
+    part = cfg.partition
+    if part.scheme != "natural" and part.num_clients > n:
+        raise ValueError(f"--clients {part.num_clients} is more than the {n} samples of {cfg.dataset}")
+    return build_federated(raw, part)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A run after its checks: data on device, the algorithm, its compiled program."""
+
+    cfg: RunConfig
+    hparams: dict[str, Any]
+    data: FederatedData
+    data_info: dict[str, Any]
+    model_name: str
+    algo: Any
+    program: core.Program
+    root: jax.Array
+    round_keys: jax.Array
+    eval_ids: np.ndarray | None        # a fixed evaluation subset (--eval-clients K), or None
+
+
+def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict | None = None) -> Prepared:
+    """Phase 1: validate, load the data, build the model, the algorithm and its program."""
+    hparams = cfg.validate()
+    if data is None:
+        data, data_info = load_data(cfg)
+    model_name = model_name_of(cfg)
+    side = MIN_IMAGE_SIDE.get(model_name)
+    shape = tuple(data.input_shape)
+    if side and len(shape) == 3 and min(shape[:2]) < side:
+        raise ValueError(f"--model {model_name} needs images of at least {side}x{side} (its strided "
+                         f"stages reduce {shape[0]}x{shape[1]} {cfg.dataset} images to 1x1 and it "
+                         "trains at chance); use --model mlp")
+    model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
+                       conv=cfg.model_conv)
+    algo = algorithms.get(cfg.algo, model=model, **hparams)
+    vectorised = hparams["backend"] not in core.EAGER_BACKENDS
+    mesh = core.client_mesh() if vectorised else None
+    data = core.prepare_data(data, mesh)
+    program = core.Program(algo, data, mesh=mesh, jit=vectorised, state_dtype=cfg.state_dtype,
+                           rounds_per_call=cfg.rounds_per_call)
+    root = jax.random.key(cfg.seed)
+    subset = parse_eval_clients(cfg.eval_clients)
+    eval_ids = None
+    if isinstance(subset, int):
+        if subset > data.num_real_clients:
+            raise ValueError(f"--eval-clients {subset} is more than the {data.num_real_clients} clients")
+        rng = np.random.default_rng(cfg.seed + 7)
+        eval_ids = np.sort(rng.choice(data.num_real_clients, subset, replace=False)).astype(np.int32)
+    return Prepared(cfg, hparams, data, data_info or {}, model_name, algo, program, root,
+                    jax.random.fold_in(root, 1), eval_ids)
+
+
+
+def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | None = None,
+        log: Callable[[str], None] = print, prepared: Prepared | None = None,
+        callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
+    """Runs `cfg` and returns the summary (also written to `cfg.out` when it is set).
+
+    Args:
+      cfg: the run's configuration.
+      data, data_info: the federated dataset when the caller already has it.
+      log: where progress lines go.
+      prepared: the result of `prepare(cfg, …)` when the caller already has it.
+      callbacks: the caller's round-end callbacks (`fedjax_pfl.callbacks`), called after the
+        run's own writers and sinks.
+
+    With `cfg.out`, a new run first removes a previous run's files there (`rundir.check_out` is
+    the gatekeeper that refuses such a directory without --overwrite); with `cfg.resume` it
+    continues from the newest intact checkpoint in `cfg.out`, found and checked before anything
+    is compiled or written. SIGINT or SIGTERM raises `Interrupted` after summary.json (marked
+    interrupted), metrics.jsonl, client_metrics.npz and the learning curve record what finished.
+    """
+    t_start = time.perf_counter()
+    prep = prepared or prepare(cfg, data, data_info)
+    program = prep.program
+    primary = jax.process_index() == 0       # in a multi-process run only process 0 writes
+    out = cfg.out if primary else None
+    if not primary:
+        log = lambda *_: None
+    prog = Progress(core.History(prep.data.num_real_clients))
+    resume = _resume_point(cfg, prep, log)
+    if out:
+        if resume is None:
+            rundir.clear_out(out)
+        os.makedirs(out, exist_ok=True)
+        if resume is None:     # a resumed run's record is rewritten once its checkpoint loaded
+            _write_config(cfg, prep, out)
+    phase, compile_time, plan = "compile", None, None
+    own: list[Callback] = []
+    started: list[Callback] = []          # callbacks whose on_run_start ran: they get on_run_end
+    warning = WarningSignal(parse_signal(cfg.checkpoint_on_signal)
+                            if cfg.checkpoint_on_signal else None)
+    try:
+        with stop_signals(), warning:
+            state, compile_time, plan = _compile(cfg, prep, log)
+            round_keys = prep.round_keys
+            if resume is not None:
+                like = state if state is not None else program.abstract_sharded_state()
+                state, prog, round_keys, first = checkpoints.load(resume[0], like, prep)
+                assert first == prog.round, (first, prog.round)   # the RNG position is the round
+                log(f"resuming from {resume[0]} (round {prog.round} of {cfg.rounds})")
+                if out:
+                    _write_config(cfg, prep, out)
+            elif state is None:
+                state = compute(program.init, jax.random.fold_in(prep.root, 0))
+            own, theirs = _callbacks(cfg, prep, prog, out, t_start, warning, log, callbacks)
+            start = RunStart(out, config_record(cfg, prep.hparams, prep.model_name, prep.data_info),
+                             prog.round, cfg.rounds)
+            for cb in own + theirs:
+                cb.on_run_start(start)
+                started.append(cb)
+            if out:
+                _draw_label_distribution(out, prep)
+            phase = "rounds"
+            state = _rounds(cfg, prep, state, round_keys, prog, own, theirs)
+    except KeyboardInterrupt as e:
+        with deferred_signals(raise_after=False):
+            fresh_start = phase == "compile" and resume is not None and prog.round == 0
+            # A resume stopped while compiling: the directory keeps its previous record.
+            summary = report(cfg, prep, prog, None if fresh_start else out, t_start,
+                             compile_time=None, plan=None, interrupted=phase,
+                             signal=signal_name(e))
+            _end(started, summary)
+        raise Interrupted(prog.round, prog.checkpoint_round, out, phase, signal_name(e)) from None
+    except BaseException:
+        _close(own)
+        raise
+    summary = report(cfg, prep, prog, out, t_start, compile_time=compile_time, plan=plan)
+    _end(started, summary)
+    return summary
+
+
+def _resume_point(cfg: RunConfig, prep: Prepared, log) -> tuple[str, dict] | None:
+    """The checkpoint a resume starts from, checked before anything is compiled or written:
+    the flags agree with the saved run's, the checkpoint verifies (or an older one does), and
+    it is not past --rounds."""
+    if not (cfg.resume and cfg.out):
+        return None
+    if os.path.isfile(os.path.join(cfg.out, "config.json")):
+        conflict = resume_conflicts(cfg, prep.hparams, prep.model_name, read_config(cfg.out))
+        if conflict:
+            raise ResumeError(conflict)
+    point = checkpoints.resume_point(cfg.out, log)
+    if point is not None and int(point[1]["round"]) > cfg.rounds:
+        raise ResumeError(f"--rounds {cfg.rounds} is less than the {point[1]['round']} rounds the "
+                          f"checkpoint {point[0]} has done")
+    return point
+
+
+def _write_config(cfg: RunConfig, prep: Prepared, out: str) -> None:
+    rundir.write_json(os.path.join(out, "config.json"),
+                      config_record(cfg, prep.hparams, prep.model_name, prep.data_info))
+
+
+def _compile(cfg: RunConfig, prep: Prepared, log):
+    """Phase 2: (state or None, compile seconds, memory plan). An init that needs concrete data
+    (FedPC's host-side graph: its shapes are known after init) runs first."""
+    program = prep.program
+    state = None
+    if not program.traceable_init:
+        state = compute(program.init, jax.random.fold_in(prep.root, 0))
+    compile_time = 0.0
+    if not program.is_compiled:                   # a reused Prepared is compiled already
+        if cfg.progress:
+            log(f"compiling {cfg.algo}'s round and evaluation (XLA; a large model can take "
+                "minutes; Ctrl-C stops cleanly)")
+        compile_time = compute(program.compile, prep.round_keys)
+    plan = program.memory_plan()
+    if cfg.progress or cfg.memory_check:
+        log(plan.describe())
+    if cfg.memory_check:
+        core.check_memory(plan)
+    return state, compile_time, plan
+
+
+def _callbacks(cfg, prep, prog, out, t_start, warning, log, extra):
+    """(the run's own writers, run inside the signal-deferred record of each call; the metric
+    sinks and the caller's callbacks, run after it)."""
+    own: list[Callback] = []
+    if out:
+        own.append(MetricsWriter(out, prog.history.rounds))
+    if cfg.progress and jax.process_index() == 0:
+        own.append(ProgressBar())
+    # Multi-process runs: orbax would need every process to write its shards; not done yet.
+    every = cfg.checkpoint_interval() if out and jax.process_count() == 1 else 0
+    if out and (every or cfg.checkpoint_on_signal):
+        own.append(checkpoints.Checkpointer(cfg, out, prog, prep, t_start, every, warning, log))
+    theirs: list[Callback] = []
+    if cfg.log and jax.process_index() == 0:
+        from fedjax_pfl import sinks
+
+        theirs += sinks.make(sinks.parse_log_flag(",".join(cfg.log)), out)
+    return own, theirs + list(extra)
+
+
+def _end(callbacks: Sequence[Callback], summary: dict) -> None:
+    for cb in callbacks:
+        cb.on_run_end(summary)
+
+
+def _close(callbacks: Sequence[Callback]) -> None:
+    for cb in callbacks:
+        close = getattr(cb, "close", None)
+        if close is not None:
+            close()
+
+
+def _draw_label_distribution(out: str, prep: Prepared) -> None:
+    path = os.path.join(out, "label_distribution.png")
+    if not os.path.exists(path):
+        data = prep.data
+        plots.plot_label_distribution(label_counts(data, "all")[: data.num_real_clients], path,
+                                      title=f"{prep.cfg.dataset}: {prep.cfg.partition.scheme} partition")
+
+
+def _rounds(cfg: RunConfig, prep: Prepared, state, round_keys, prog: Progress,
+            own: Sequence[Callback], theirs: Sequence[Callback]):
+    """Phase 3: the rounds from `prog.round` to `cfg.rounds`, evaluated every --eval-every."""
+    program, n_real = prep.program, prep.data.num_real_clients
+    evaluation = core.CachedEvaluation(program)    # personalised models: only the changed ones
+    r = prog.round
+    while r < cfg.rounds:
+        count = min(cfg.rounds_per_call, cfg.rounds - r)
+        t0 = time.perf_counter()
+        state, per_round = compute(program.run_rounds, state, round_keys, r, count)
+        call_time = time.perf_counter() - t0
+        rows = []
+        for i, m in enumerate(per_round):
+            sampled = np.asarray(m["sampled"])
+            evaluation.changed(sampled)
+            rows.append((round_row(r + i + 1, m, call_time / count), sampled))
+        evals = ids = None
+        eval_time = 0.0
+        if (r + count) % cfg.eval_every == 0 or r + count == cfg.rounds:
+            t1 = time.perf_counter()
+            ids = eval_ids(prep, rows[-1][1], final=r + count == cfg.rounds)
+            evals = compute(evaluation, state, ids)
+            eval_time = time.perf_counter() - t1
+        events = []
+        # Everything of this call is on the host: record it (no signal can split it).
+        with deferred_signals():
+            recorded = record_call(prog, rows, evals, ids, eval_time, r, n_real)
+            reached = evals is not None and target_round(cfg, [rows[-1][0]]) is not None
+            r += count
+            for i, (row, sampled, accuracy) in enumerate(recorded):
+                last = i == len(recorded) - 1
+                events.append(RoundEnd(row["round"], row, sampled, accuracy,
+                                       state if last else None,
+                                       last and (r == cfg.rounds or reached)))
+                for cb in own:
+                    cb.on_round_end(events[-1])
+        for event in events:
+            for cb in theirs:
+                cb.on_round_end(event)
+        if reached:
+            break
+    return state

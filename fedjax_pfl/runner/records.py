@@ -1,0 +1,209 @@
+"""What the rounds of a run produced: per-round rows, evaluation statistics, the progress a
+checkpoint stores, and the summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from fedjax_pfl import core, plots
+from fedjax_pfl.runner import rundir
+
+
+class NonFiniteError(FloatingPointError):
+    """Training produced NaN/Inf; the message names the round and the clients."""
+
+
+@dataclasses.dataclass
+class Progress:
+    """What the rounds produced so far: everything a checkpoint stores besides the state."""
+
+    history: core.History
+    sampled_log: list = dataclasses.field(default_factory=list)
+    acc_log: list = dataclasses.field(default_factory=list)
+    eval_rounds: list = dataclasses.field(default_factory=list)
+    train_time: float = 0.0
+    eval_time: float = 0.0
+    total_steps: int = 0
+    num_sampled: int | None = None
+    round: int = 0                        # rounds completed
+    checkpoint_round: int | None = None   # round of the latest checkpoint
+    previous_wall: float = 0.0            # wall time of earlier sessions (resumed runs)
+
+    def host_arrays(self, n_real: int) -> dict[str, np.ndarray]:
+        return {"best_when_sampled": self.history.best_when_sampled,
+                "sampled": (np.stack(self.sampled_log) if self.sampled_log
+                            else np.zeros((0, 0), np.int32)),
+                "accuracy": (np.stack(self.acc_log) if self.acc_log
+                             else np.zeros((0, n_real))),
+                "eval_rounds": np.asarray(self.eval_rounds, np.int32)}
+
+
+def target_round(cfg, rows: list[dict]) -> int | None:
+    """The first of these rounds whose evaluation reached --target-acc (None: none, or no target).
+    Rounds-to-accuracy is how FedAvg (McMahan et al. 2017, Table 2) compares methods."""
+    if cfg.target_acc is None:
+        return None
+    return next((row["round"] for row in rows if row.get("acc_mean", -1.0) >= cfg.target_acc), None)
+
+
+def record_call(prog: Progress, rows, evals, ids, eval_time, r, n_real) -> list:
+    """Adds one call's rounds (and the evaluation after its last round) to `prog`; returns each
+    round's (row, sampled ids, per-client accuracy or None)."""
+    prog.train_time += sum(row["round_time"] for row, _ in rows)
+    recorded = []
+    for i, (row, sampled) in enumerate(rows):
+        prog.num_sampled = sampled.size
+        prog.total_steps += row["client_steps"]
+        prog.sampled_log.append(sampled)
+        accuracy = None
+        if i == len(rows) - 1 and evals is not None:
+            prog.eval_time += eval_time
+            accuracy = record_evaluation(row, evals, ids, n_real, prog.history, sampled)
+            prog.acc_log.append(accuracy)
+            prog.eval_rounds.append(r + i + 1)
+        prog.history.append(row)
+        prog.round = r + i + 1
+        recorded.append((row, sampled, accuracy))
+    return recorded
+
+
+def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
+           interrupted: str | None = None, signal: str | None = None) -> dict[str, Any]:
+    """Phase 4: summary.json, client_metrics.npz and the learning curve of the rounds done."""
+    n_real = prep.data.num_real_clients
+    wall = prog.previous_wall + time.perf_counter() - t_start
+    rows = prog.history.rounds
+    times = [row["round_time"] for row in (rows[1:] if len(rows) > 1 else rows)]
+    per_round = float(np.median(times)) if times else float("nan")
+    summary = {
+        "algo": cfg.algo, "dataset": cfg.dataset, "model": prep.model_name, "rounds": cfg.rounds,
+        "interrupted": interrupted is not None,
+        "last_completed_round": prog.round,
+        "last_checkpoint_round": prog.checkpoint_round,
+        "clients": n_real, "clients_per_round": prog.num_sampled,
+        "backend": prep.hparams["backend"],
+        **best_and_last(rows),
+        "wall_time_s": wall, "compile_time_s": compile_time, "train_time_s": prog.train_time,
+        "eval_time_s": prog.eval_time, "time_per_round_s": per_round,
+        "client_steps_per_s": prog.total_steps / max(prog.train_time, 1e-9),
+        "devices": [str(d) for d in jax.devices()],
+    }
+    if interrupted is not None:
+        summary["interrupted_during"] = interrupted
+        summary["interrupted_by"] = signal or "SIGINT"
+    if cfg.target_acc is not None:
+        summary["target"] = {"acc_mean": cfg.target_acc, "round": target_round(cfg, rows)}
+    if plan is not None:
+        summary["memory_plan"] = dataclasses.asdict(plan)
+    communication = communication_totals(rows)
+    if communication:
+        summary["communication"] = communication
+    if out:
+        if prog.sampled_log:
+            host = prog.host_arrays(n_real)
+            rundir.atomic(os.path.join(out, "client_metrics.npz"), lambda f: np.savez_compressed(
+                f, sampled=host["sampled"], eval_rounds=host["eval_rounds"],
+                accuracy=host["accuracy"]))
+        if rows:
+            plots.plot_learning_curves({cfg.algo: rows}, os.path.join(out, "learning_curve.png"),
+                                 title=f"{cfg.algo} on {cfg.dataset}"
+                                       + (f" (interrupted after round {prog.round})" if interrupted else ""),
+                                       acc_keys=("acc_mean", "acc_worst10", "global_acc_mean"))
+        rundir.write_json(os.path.join(out, "summary.json"), summary)
+    return summary
+
+
+def best_and_last(rows: list[dict]) -> dict[str, dict]:
+    """"last": every numeric metric's last value; "best": the highest value over the rounds of
+    each accuracy metric only (a best round time or step count means nothing), and "best_round":
+    the round where it was reached (the first, on ties)."""
+    last: dict[str, float] = {}
+    best: dict[str, float] = {}
+    best_round: dict[str, int] = {}
+    for row in rows:
+        for k, v in row.items():
+            if k == "round" or isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                continue
+            last[k] = v
+            if is_accuracy(k) and (k not in best or v > best[k]):
+                best[k], best_round[k] = v, row["round"]
+    return {"best": best, "best_round": best_round, "last": last}
+
+
+def is_accuracy(key: str) -> bool:
+    return ("acc" in key and not key.endswith("_std")) or key == "participant_best_mean"
+
+
+def round_row(round_number: int, m: dict, round_time: float) -> dict[str, Any]:
+    """One metrics.jsonl row from a round's metrics; stops the run on a non-finite loss."""
+    sampled = np.asarray(m["sampled"])
+    losses = np.asarray(m["train_loss"], np.float64)
+    if not np.all(np.isfinite(losses)):
+        trained = np.asarray(m.get("trained", sampled))  # TDPFed trains every client
+        bad = trained[~np.isfinite(losses)].tolist()
+        raise NonFiniteError(f"round {round_number}: clients {bad} have a non-finite training "
+                             "loss; lower --lr or check the data")
+    row: dict[str, Any] = {"round": round_number, "train_loss": float(losses.mean()),
+                           "client_steps": int(m["client_steps"]), "round_time": round_time}
+    row.update(scalar_metrics(m))
+    return row
+
+
+def eval_ids(prep, sampled: np.ndarray, *, final: bool) -> np.ndarray | None:
+    """The clients evaluated this time: all at the last round, else per --eval-clients."""
+    if final or prep.cfg.eval_clients == "all":
+        return None
+    if prep.cfg.eval_clients == "participants":
+        return np.asarray(sampled, np.int32)
+    return prep.eval_ids
+
+
+def record_evaluation(row: dict, evals: dict, ids, n_real: int, history, sampled) -> np.ndarray:
+    """Adds the evaluation statistics to `row`; returns the per-client accuracy [n_real] (NaN
+    for clients not evaluated this time)."""
+    client = evals["client"]
+    correct, count = np.asarray(client.correct), np.asarray(client.count)
+    accuracy = np.full(n_real, np.nan)
+    acc = np.where(count > 0, correct / np.maximum(count, 1), np.nan)
+    where = np.arange(n_real) if ids is None else np.asarray(ids)
+    accuracy[where] = acc[: len(where)]
+    row.update(core.summarize(client.correct, client.loss_sum, client.count))
+    row["eval_clients"] = int(np.sum(count > 0))
+    row.update(history.record_participants(accuracy, sampled))
+    for name, ev in evals.items():
+        if name != "client":
+            row.update(core.summarize(ev.correct, ev.loss_sum, ev.count, prefix=f"{name}_"))
+    return accuracy
+
+
+def communication_totals(rows: list[dict]) -> dict[str, float]:
+    """Every per-round `comm_*` metric summed over the rounds run (floats or bits sent), and
+    its per-round mean as `<name>_per_round`."""
+    totals: dict[str, float] = {}
+    for row in rows:
+        for k, v in row.items():
+            if k.startswith("comm_"):
+                totals[k] = totals.get(k, 0.0) + float(v)
+    out = {}
+    for k, v in sorted(totals.items()):
+        out[f"{k[5:]}_total"] = v
+        out[f"{k[5:]}_per_round"] = v / max(len(rows), 1)
+    return out
+
+
+def scalar_metrics(m: dict) -> dict[str, float]:
+    """Algorithm-specific scalar metrics (everything but the standard per-client arrays)."""
+    out = {}
+    for k, v in m.items():
+        if k in ("sampled", "trained", "train_loss", "client_steps"):
+            continue
+        v = np.asarray(v)
+        if v.ndim == 0:
+            out[k] = float(v)
+    return out

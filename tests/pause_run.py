@@ -1,0 +1,32 @@
+"""experiments/run.py with a pause after a given round, for tests that signal a real run at a
+known point: `python tests/pause_run.py R <run.py flags>` prints "paused after round R" once
+round R and its checkpoint are written, then sleeps (up to a minute) so the test can send its
+signal. The pause is an ordinary round-end callback (fedjax_pfl.callbacks), run after the run's
+own writers."""
+
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+import run  # noqa: E402
+from fedjax_pfl.callbacks import Callback  # noqa: E402
+
+
+class PauseAfter(Callback):
+    def __init__(self, round_number: int):
+        self.round_number = round_number
+
+    def on_round_end(self, event):
+        if event.round == self.round_number:
+            print(f"paused after round {event.round}", flush=True)
+            time.sleep(60)
+
+
+if __name__ == "__main__":
+    status = run.main(sys.argv[2:], callbacks=[PauseAfter(int(sys.argv[1]))])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status) if status in (130, 143) else sys.exit(status)
