@@ -13,7 +13,9 @@ Where each dataset comes from:
 
   1. a prepared TensorFlow Datasets (TFDS) directory (``tfds_dir``, else ``$TFDS_DATA_DIR``, else
      ``~/tensorflow_datasets``). Only already-prepared data is read; this step never downloads;
-  2. the original distribution files (IDX ``.gz`` files, CIFAR python pickles or their ``.tar.gz``)
+  2. the original distribution files (IDX ``.gz`` files, CIFAR python pickles or their ``.tar.gz``;
+     the pickles are read by an unpickler that admits only NumPy arrays, dtypes and builtin
+     containers, so a crafted batch cannot run code)
      under ``data_dir`` (default `default_data_dir()`), and for Fashion-MNIST also Debian's
      ``/usr/share/datasets/fashion-mnist`` (``apt-get install dataset-fashion-mnist``);
   3. only with ``download=True``: a TFDS download into ``tfds_dir``, after a 3 s connectivity probe.
@@ -229,7 +231,7 @@ def load_raw(
 def _load_digits() -> RawDataset:
     """The 1,797 8×8 digits (scikit-learn's copy of the UCI set), pixels 0..16, from the package"""
     resource = importlib.resources.files("fedjax_pfl.data").joinpath("digits.npz")
-    with resource.open("rb") as f, np.load(f) as npz:
+    with resource.open("rb") as f, np.load(f, allow_pickle=False) as npz:
         x = np.asarray(npz["x"], dtype=np.uint8)
         y = np.asarray(npz["y"], dtype=np.int32)
     return RawDataset(
@@ -518,11 +520,86 @@ def _decode_cifar_batch(
     return np.ascontiguousarray(x), labels.astype(np.int32)
 
 
-def _unpickle(f, where: str) -> object:
-    # The CIFAR batches are pickles written by Python 2; encoding="bytes" keeps their str keys as
-    # bytes. (Unpickling runs code from the file: only point --data-dir at files you trust.)
+class UnsafePickleError(ValueError):
+    """A pickle asked for something a CIFAR batch never holds (a function, a class of its own):
+    loading it would run code from the data file, so it is refused before anything runs."""
+
+
+def _latin1_encode(text: str, encoding: str = "utf-8") -> bytes:
+    """`_codecs.encode` as Python 3 pickles bytes at protocol 2 (text, 'latin1'); no other codec."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"_codecs.encode with {encoding!r} (only latin1 is admitted)")
+    return text.encode("latin1")
+
+
+def _numpy_reconstruct() -> Callable:
+    try:  # NumPy >= 2 keeps it in numpy._core; NumPy 1.x pickles name numpy.core
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # pragma: no cover (NumPy 1.x)
+        from numpy.core.multiarray import _reconstruct
+    return _reconstruct
+
+
+def _numpy_frombuffer() -> Callable:
     try:
-        return pickle.load(f, encoding="bytes")
+        from numpy._core.numeric import _frombuffer
+    except ImportError:  # pragma: no cover (NumPy 1.x)
+        from numpy.core.numeric import _frombuffer
+    return _frombuffer
+
+
+# Everything a CIFAR python batch (or the same dict pickled again by Python 3 at any protocol)
+# refers to by name: NumPy's array and dtype reconstructors, builtin containers, and bytes as
+# Python 3 writes them at protocol 2. (module, name) -> the object, looked up here, never imported
+# by the name the file gives. Dicts, lists, tuples, str, bytes and numbers need no name at all.
+_ALLOWED_GLOBALS: dict[tuple[str, str], Callable[[], object]] = {
+    **{(module, "_reconstruct"): _numpy_reconstruct
+       for module in ("numpy.core.multiarray", "numpy._core.multiarray")},
+    **{(module, "_frombuffer"): _numpy_frombuffer
+       for module in ("numpy.core.numeric", "numpy._core.numeric")},
+    ("numpy", "ndarray"): lambda: np.ndarray,
+    ("numpy", "dtype"): lambda: np.dtype,
+    ("_codecs", "encode"): lambda: _latin1_encode,
+    **{(module, name): (lambda obj=obj: obj)
+       for module in ("builtins", "__builtin__")
+       for name, obj in (("set", set), ("frozenset", frozenset), ("list", list), ("dict", dict),
+                         ("tuple", tuple), ("bytes", bytes), ("bytearray", bytearray),
+                         ("str", str), ("unicode", str), ("int", int), ("long", int),
+                         ("float", float), ("bool", bool))},
+}
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """An unpickler that admits only what CIFAR's python batches contain (`_ALLOWED_GLOBALS`).
+
+    A pickle runs code through the callables it names (GLOBAL / STACK_GLOBAL, and the copyreg
+    extension codes, which also resolve through `find_class`) and then calls with REDUCE, so
+    refusing every other name here means nothing from the file is ever called but NumPy's array
+    reconstruction and builtin constructors. Persistent ids are refused by the base class.
+    """
+
+    def __init__(self, file, where: str):
+        # encoding="bytes": the batches were written by Python 2, and their str keys stay bytes.
+        super().__init__(file, encoding="bytes")
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> object:
+        found = _ALLOWED_GLOBALS.get((module, name))
+        if found is None:
+            raise UnsafePickleError(
+                f"{self.where}: refused to unpickle {module}.{name}: a CIFAR batch holds only "
+                "NumPy arrays, dtypes and builtin containers, so this file is not one (it could "
+                "run code); replace it with the original download"
+            )
+        return found()
+
+
+def _unpickle(f, where: str) -> object:
+    """One CIFAR batch, read by `_CifarUnpickler` (never plain `pickle.load`)."""
+    try:
+        return _CifarUnpickler(f, where).load()
+    except UnsafePickleError:
+        raise
     except Exception as e:  # pickle raises many types on bad input
         raise ValueError(f"{where}: corrupt or truncated pickle ({e!r}); download it again") from e
 
