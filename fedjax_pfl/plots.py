@@ -96,10 +96,10 @@ def plot_label_distribution(counts: np.ndarray, path: str, title: str = "", *, s
     plt.close(fig)
 
 
-def plot_learning_curves(runs: dict[str, list[dict]], path: str, title: str = "",
-                         acc_keys: tuple[str, ...] = ("acc_mean",)) -> None:
+def learning_curve_figure(runs: dict[str, list[dict]], title: str = "",
+                          acc_keys: tuple[str, ...] = ("acc_mean",)):
     """Accuracy (each of `acc_keys`) and mean local training loss against rounds, for one or
-    several runs (label -> per-round metric rows), as a PNG."""
+    several runs (label -> per-round metric rows): a matplotlib Figure [accuracy, loss]."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,5 +130,14 @@ def plot_learning_curves(runs: dict[str, list[dict]], path: str, title: str = ""
     ax_loss.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_learning_curves(runs: dict[str, list[dict]], path: str, title: str = "",
+                         acc_keys: tuple[str, ...] = ("acc_mean",)) -> None:
+    """Writes `learning_curve_figure(runs, …)` to `path` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = learning_curve_figure(runs, title, acc_keys)
     fig.savefig(path, dpi=100)
     plt.close(fig)

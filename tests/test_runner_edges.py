@@ -1,0 +1,173 @@
+"""The runner's edges: what a resume checks before it compiles or writes, a damaged checkpoint's
+fallback, an interrupt during a save, the scheduler's warning signal, the callback protocol and
+the one-round learning curve."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import helpers
+from fedjax_pfl import checkpoint, core, plots, runner
+from fedjax_pfl.callbacks import Callback
+
+pytestmark = pytest.mark.usefixtures("no_figures")
+quiet = lambda *_: None
+
+
+def _config(out, rounds, *flags, checkpoint_every=2):
+    return helpers.default_config("fedavg", out, rounds, *flags, checkpoint_every=checkpoint_every)
+
+
+def _forbid_compile(monkeypatch):
+    def compile_(*args, **kwargs):
+        raise AssertionError("compiled although the resume was already known to fail")
+    monkeypatch.setattr(core.Program, "compile", compile_)
+
+
+def _snapshot(out):
+    return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))
+            if (out / name).is_file()}
+
+
+def _truncate_an_array_file(ckpt):
+    arrays = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ckpt, "arrays")) for f in fs]
+    biggest = max(arrays, key=os.path.getsize)
+    with open(biggest, "r+b") as f:
+        f.truncate(os.path.getsize(biggest) // 2)
+    return biggest
+
+
+def test_resume_with_fewer_rounds_than_done_fails_before_compiling_and_writing(tmp_path, monkeypatch):
+    prep = helpers.default_prepared("fedavg")
+    out = tmp_path / "run"
+    runner.run(_config(out, 4), prepared=prep, log=quiet)
+    before = _snapshot(out)
+    fresh = runner.prepare(_config(out, 2, "--resume"))           # not compiled yet
+    _forbid_compile(monkeypatch)
+    with pytest.raises(runner.ResumeError, match=r"--rounds 2 is less than the 4 rounds"):
+        runner.run(_config(out, 2, "--resume"), prepared=fresh, log=quiet)
+    assert _snapshot(out) == before                                # config.json untouched
+
+
+def test_a_damaged_last_checkpoint_falls_back_to_the_one_before(tmp_path):
+    prep = helpers.default_prepared("fedavg")
+    runner.run(_config(tmp_path / "full", 8), prepared=prep, log=quiet)
+    out = tmp_path / "stopped"
+    runner.run(_config(out, 6), prepared=prep, log=quiet)
+    kept = sorted(os.listdir(out / "checkpoints"))
+    assert kept == ["round_000004", "round_000006"]                # the last two are kept
+    damaged = _truncate_an_array_file(str(out / "checkpoints" / "round_000006"))
+    said = []
+    runner.run(_config(out, 8, "--resume"), prepared=prep, log=said.append)
+    warning = [line for line in said if " is damaged " in line]
+    assert len(warning) == 1 and "round_000006" in warning[0]
+    assert os.path.basename(damaged) in warning[0]                 # names the file
+    assert any("resuming from" in line and "round_000004" in line for line in said)
+    assert helpers.metric_rows(out) == helpers.metric_rows(tmp_path / "full")
+
+
+def test_no_intact_checkpoint_is_one_error_naming_the_file_before_compiling(tmp_path, monkeypatch):
+    prep = helpers.default_prepared("fedavg")
+    out = tmp_path / "run"
+    runner.run(_config(out, 2), prepared=prep, log=quiet)
+    os.remove(os.path.join(out, "checkpoints", "round_000002", "host.npz"))
+    before = _snapshot(out)
+    fresh = runner.prepare(_config(out, 4, "--resume"))
+    _forbid_compile(monkeypatch)
+    with pytest.raises(runner.ResumeError, match=r"no intact checkpoint .*host\.npz"):
+        runner.run(_config(out, 4, "--resume"), prepared=fresh, log=quiet)
+    assert _snapshot(out) == before
+
+
+def test_an_interrupt_during_a_save_reports_the_checkpoint_it_wrote(tmp_path, monkeypatch):
+    prep = helpers.default_prepared("fedavg")
+    real_save = checkpoint.save
+
+    def save_while_ctrl_c(path, *args, **kwargs):
+        if path.endswith("round_000004"):
+            os.kill(os.getpid(), signal.SIGINT)     # arrives while the checkpoint is written
+        return real_save(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", save_while_ctrl_c)
+    out = tmp_path / "run"
+    with pytest.raises(runner.Interrupted) as info:
+        runner.run(_config(out, 8, checkpoint_every=2), prepared=prep, log=quiet)
+    assert (info.value.last_round, info.value.checkpoint_round) == (4, 4)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["last_checkpoint_round"] == 4 and summary["last_completed_round"] == 4
+    assert sorted(os.listdir(out / "checkpoints")) == ["round_000002", "round_000004"]
+    assert runner.latest_checkpoint(str(out)).endswith("round_000004")
+
+
+def test_checkpoint_on_signal_saves_at_the_next_round_boundary(tmp_path):
+    prep = helpers.default_prepared("fedavg")
+
+    class WarnAtRound2(Callback):
+        def on_round_end(self, event):
+            if event.round == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    out = tmp_path / "run"
+    runner.run(_config(out, 5, "--checkpoint-on-signal", "USR1", checkpoint_every=0),
+               prepared=prep, log=quiet, callbacks=[WarnAtRound2()])
+    # The run's own writers see round 2 before the warning: the next boundary is round 3.
+    assert sorted(os.listdir(out / "checkpoints")) == ["round_000003"]
+    assert checkpoint.read_metadata(str(out / "checkpoints" / "round_000003"))["round"] == 3
+
+
+def test_callbacks_see_every_round_as_written(tmp_path):
+    prep = helpers.default_prepared("fedavg")
+
+    class Record(Callback):
+        def __init__(self):
+            self.starts, self.events, self.summaries = [], [], []
+
+        def on_run_start(self, start):
+            self.starts.append(start)
+
+        def on_round_end(self, event):
+            self.events.append(event)
+
+        def on_run_end(self, summary):
+            self.summaries.append(summary)
+
+    rec = Record()
+    out = tmp_path / "run"
+    summary = runner.run(_config(out, 3, "--eval-every", "2"), prepared=prep, log=quiet,
+                         callbacks=[rec])
+    assert [(s.first_round, s.total_rounds, s.out) for s in rec.starts] == [(0, 3, str(out))]
+    assert rec.starts[0].config["algo"] == "fedavg"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [dict(e.row) for e in rec.events] == rows
+    assert [e.round for e in rec.events] == [1, 2, 3]
+    assert [e.final for e in rec.events] == [False, False, True]
+    assert all(e.state is not None for e in rec.events)       # one round per call
+    evaluated = [e.round for e in rec.events if e.accuracy is not None]
+    assert evaluated == [2, 3]
+    npz = np.load(out / "client_metrics.npz")
+    np.testing.assert_array_equal(np.stack([e.accuracy for e in rec.events if e.accuracy is not None]),
+                                  npz["accuracy"])
+    np.testing.assert_array_equal(np.stack([e.sampled for e in rec.events]), npz["sampled"])
+    # The mean of the per-client accuracies the callback got is the row's acc_mean.
+    last = rec.events[-1]
+    assert np.nanmean(last.accuracy) == pytest.approx(last.row["acc_mean"], rel=1e-6)
+    assert rec.summaries == [summary]
+
+
+def test_a_one_round_curve_is_drawn_with_markers():
+    import matplotlib.pyplot as plt
+
+    fig = plots.learning_curve_figure({"fedavg": [{"round": 1, "acc_mean": 0.4,
+                                                   "train_loss": 1.2}]})
+    acc, loss = fig.axes[:2]
+    for ax in (acc, loss):
+        (line,) = ax.get_lines()
+        assert line.get_marker() == "o" and len(line.get_xdata()) == 1
+    plt.close(fig)
+    fig = plots.learning_curve_figure({"fedavg": [{"round": r, "acc_mean": 0.1 * r,
+                                                   "train_loss": 1.0} for r in (1, 2, 3)]})
+    assert fig.axes[0].get_lines()[0].get_marker() in ("None", None, "")
+    plt.close(fig)
