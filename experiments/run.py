@@ -15,6 +15,7 @@ summary, the last checkpoint) in --out.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import math
 import os
@@ -234,10 +235,9 @@ def config_from_args(args: argparse.Namespace):
     for key, value in vars(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"--{key.replace('_', '-')} must be finite, got {value}")
+    check_processes(args)
     if args.seeds is not None:
-        for seed in args.seeds:
-            if not 0 <= seed < 2**32:
-                raise ValueError(f"--seeds must be in [0, 2**32), got {seed}")
+        check_seeds(args.seeds)
         if len(args.seeds) > 1 and args.target_acc is not None:
             raise ValueError("--target-acc stops one run; --seeds runs several as one program "
                              "(run the seeds one by one with --seed to stop each at the target)")
@@ -305,7 +305,13 @@ def parse(argv: list[str] | None = None, base_defaults: dict | None = None) -> a
         path = CONFIG_DIR / f"{pre.preset}.json"
         if not path.exists():
             _fail(f"--preset {pre.preset!r} not found; available: {_presets()}")
-        preset = json.loads(path.read_text())
+        try:
+            preset = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as e:          # JSONDecodeError, UnicodeDecodeError, …
+            _fail(f"preset file {path}: not valid JSON ({' '.join(str(e).split())})")
+        if not isinstance(preset, dict):
+            _fail(f"preset file {path}: must hold a JSON object of settings, got a JSON "
+                  f"{type(preset).__name__}")
         preset.pop("_doc", None)
         dests = {a.dest for a in parser._actions}
         defaults = {}
@@ -360,7 +366,55 @@ def _explicit_dests(argv: list[str] | None) -> set[str]:
     return set(vars(given))
 
 
+class UsageError(ValueError):
+    """Bad command-line input: one line naming the flag (what `_fail` reports with status 2)."""
+
+
+# True inside `parse_flags`: `_fail` raises UsageError instead of printing and exiting.
+_RAISE_USAGE_ERRORS = contextvars.ContextVar("raise_usage_errors", default=False)
+
+
+def parse_flags(argv: list[str]) -> argparse.Namespace:
+    """`parse(argv)` for entry points that report errors their own way (experiments/sweep.py's
+    --common): a bad flag, value or preset raises UsageError instead of exiting."""
+    token = _RAISE_USAGE_ERRORS.set(True)
+    try:
+        return parse(argv)
+    finally:
+        _RAISE_USAGE_ERRORS.reset(token)
+
+
+def check_seeds(seeds: Sequence[int], flag: str = "--seeds") -> None:
+    """Each seed an integer in [0, 2**32) and none listed twice (two runs of one seed would share
+    one seed_S directory and count twice in the mean ± std). ValueError naming `flag`."""
+    for seed in seeds:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"{flag} must be in [0, 2**32), got {seed!r}")
+    repeated = sorted({s for s in seeds if list(seeds).count(s) > 1})
+    if repeated:
+        raise ValueError(f"{flag} lists seed {repeated[0]} more than once; each seed is one run")
+
+
+def check_processes(args: argparse.Namespace) -> None:
+    """--coordinator / --num-processes / --process-id describe one process of a multi-process
+    run, or are all left at their defaults. ValueError naming the flag."""
+    n, i = args.num_processes, args.process_id
+    if n < 1:
+        raise ValueError(f"--num-processes must be >= 1, got {n}")
+    if not 0 <= i < n:
+        raise ValueError(f"--process-id must be in [0, --num-processes {n}), got {i}")
+    if args.coordinator is None and n != 1:
+        raise ValueError(f"--num-processes {n} needs --coordinator HOST:PORT (process 0's address); "
+                         "without it the run is a single process")
+    if args.coordinator is not None:
+        host, sep, port = args.coordinator.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+
+
 def _fail(message: str, code: int = 2) -> None:
+    if code == 2 and _RAISE_USAGE_ERRORS.get():
+        raise UsageError(message)
     print(f"run.py: error: {message}", file=sys.stderr)
     raise SystemExit(code)
 
@@ -432,9 +486,11 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
         import fedjax_pfl
 
         args = parse(argv)
+        try:
+            check_processes(args)                # before jax.distributed starts
+        except ValueError as e:
+            _fail(str(e))
         if args.coordinator:
-            if not 0 <= args.process_id < args.num_processes:
-                _fail(f"--process-id must be in [0, --num-processes), got {args.process_id}")
             fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
         else:
             fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (not on GPU)
