@@ -8,10 +8,10 @@ faithful full-data gradient pass puts under it (issue 13's "PGFed within 15 % of
 Per repetition, back to back on the same machine: one engine FedAvg round and one PGFedMo round
 of the protocol (vs_pytorch.py's: preset pgfed_paper, the FedAvg CNN, 6 of 25 clients, 5 epochs
 of batch 10; both algorithms sample the same clients), then PGFed's full-data pass alone
-(`core.local.FullPass`, Algorithm 1 line C10, spec/pgfed.md A10) over the clients PGFedMo just
-trained, at their final models, at each batch size of --batches. The round's PGFedMo time splits
-into FedAvg's training, that pass, and the rest (the α step and auxiliary gradient on every
-local step, the server's α/ḡ bookkeeping).
+(`core.local.FullPass`, Algorithm 1 line C10, docs/algorithms/pgfed.md#a10) over the clients
+PGFedMo just trained, at their final models, at each batch size of --batches. The round's PGFedMo
+time splits into FedAvg's training, that pass, and the rest (the α step and auxiliary gradient on
+every local step, the server's α/ḡ bookkeeping).
 
 The floor: PGFedMo's round does FedAvg's training plus one forward and backward pass over every
 sample a client holds, so its overhead is at least

@@ -1,6 +1,6 @@
 """FedAvg (s.a.r.): FedAvg whose transmissions carry a random 1/CR of the coordinates, TDPFed's
 compression baseline ("selected at random", Wang et al. arXiv:2208.12959 Section VII-D;
-spec/tdpfed.md §3.4, §10.19).
+docs/algorithms/fedavg_sar.md).
 
 Per round, with global model w and sampled clients S:
   downlink: client i receives m_i ⊙ w + (1 − m_i) ⊙ fill_i,   m_i a fresh random mask

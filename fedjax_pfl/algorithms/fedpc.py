@@ -1,14 +1,15 @@
 """FedPC: a shared component plus personal components fused on a client similarity graph by ADMM.
 
-spec/fedpc.md (the draft "A Fast Training Framework for Federated Model with Personalized
-Component", Algorithms 1, 3, 4, 5, with its closed forms corrected). Every client's model is
-y^(n) = M x + N z^(n): the shared leaves x (one copy) and the personal leaves z^(n) (one row per
-client), split by parameter path (`core/split.py`, `--fedpc-personal`). The objective (§3) is
+docs/algorithms/fedpc.md (the draft "A Fast Training Framework for Federated Model with
+Personalized Component", Algorithms 1, 3, 4, 5, with its closed forms corrected). Every client's
+model is y^(n) = M x + N z^(n): the shared leaves x (one copy) and the personal leaves z^(n) (one
+row per client), split by parameter path (`core/split.py`, `--fedpc-personal`). Objective
+(#objective):
 
     min_{x, Z} (1/N) Σ_n f_n(M x + N z^(n)) + λ Σ_{edges (i,j)} ‖z^(i) − z^(j)‖_p
 
 on a symmetrised kNN graph of the clients built once, in `init`, from client distances in the
-data, feature or model space (§2). One round t (§4, the draft's Algorithm 5):
+data, feature or model space (#graph). One round t (#round, the draft's Algorithm 5):
 
   S_t ← sample ⌊N·rate⌋ clients                                                   (partial part.)
   y^(n) = M x_t + N z_t^(n) for n ∈ S_t                                           step 1
@@ -20,7 +21,7 @@ data, feature or model space (§2). One round t (§4, the draft's Algorithm 5):
      min_Z (1/N)⟨NᵀG_t, Z⟩ + λ‖ZQ‖_{1,p} + ‖Z − Z_t‖²/(2η_z)  over ALL N clients    step 4 (Alg. 4)
   y_{t+1}^(n) = M x_{t+1} + N z_{t+1}^(n) is client n's personalised model        step 5
 
-Readings settled here (the draft is silent or ambiguous; spec §4–6):
+Readings settled here (the draft is silent or ambiguous; A1–A10):
   * Local computation (step 2). The client sends the SUM of the minibatch gradients along K
     local SGD steps (lr --lr) from y^(n), accumulated by an optax transform in the engine's
     LocalTrainer: K = 1 is exactly the draft's stochastic gradient at y^(n) (a minibatch of
@@ -31,12 +32,12 @@ Readings settled here (the draft is silent or ambiguous; spec §4–6):
     participation, the unbiased mean over the sampled clients (--fedpc-shared-mean sampled,
     default); 'all' is the literal Σ_{n∈S_t}/N with zero rows for the others.
   * Personal step size (step 4). The Z-subproblem keeps the objective's 1/N, so with λ = 0 it
-    gives z^(n) ← z^(n) − (η_z/N)∇_z f_n (spec §7). The draft uses η_z = η_t, which moves the
+    gives z^(n) ← z^(n) − (η_z/N)∇_z f_n (A3). The draft uses η_z = η_t, which moves the
     personal parts N times more slowly than the shared part; the default η_z = N·η_t
     (--fedpc-eta-personal unset) makes a λ = 0 round move z^(n) by η_t∇_z f_n, like local SGD.
     Set --fedpc-eta-personal to η (--fedpc-eta, default --lr) for the literal draft.
   * Partial participation (not in the draft): unsampled clients contribute zero rows to G_t; their
-    z still moves through the graph coupling (spec §4).
+    z still moves through the graph coupling (A4).
   * λ = 0 decouples the clients: the Z-subproblem's minimiser Z_t − η_z G_t/N is returned in closed
     form instead of running ADMM (the ADMM converges to it, tests/ops/test_graph.py), and no graph
     is built (nor with d2 = 0).
@@ -45,13 +46,13 @@ Readings settled here (the draft is silent or ambiguous; spec §4–6):
     per round (Cholesky, N ≤ 1024) or solved by matrix-free CG (--fedpc-solver).
   * The ‖·‖_p of an edge spans all personal leaves together (one vector in R^{d2}), so W and Ω are
     [M, d2] matrices over the flattened personal part (edge axis leading).
-  * Compression (γ > 0, §5): per sampled client, on the whole ∇ (shared and personal leaves), Λ
+  * Compression (#compression): per sampled client, on the whole ∇ (shared and personal leaves), Λ
     per leaf; ρ_c defaults to 1/(η_t γ) (c = ρ_c η_t γ = 1); the output is exactly piecewise
     constant: −δ_J/η fitted on the jump set of the ADMM's sparse r (ops/difference.py).
     Uplink accounting: Σ_leaves d_l⌈log2 k_l⌉ + 32k_l bits for k_l distinct values, against
     32·d dense.
   * Downlink: the sampled clients receive their y^(n) (d floats each) before computing.
-  * Graph (§2). data: squared MMD (RBF, median-heuristic bandwidth) between per-client subsamples
+  * Graph. data: squared MMD (RBF, median-heuristic bandwidth) between per-client subsamples
     of --fedpc-graph-samples flattened training inputs (random Fourier features above 1,000
     clients); feature: log-Euclidean (or Frobenius) distance of the input covariances on a fixed
     Gaussian projection to --fedpc-projection-dim dimensions, same subsamples (the Frobenius
@@ -191,7 +192,7 @@ def fedpc(
         return difference.compress_gradient(grad, eta=eta_t, gamma=gamma, rho_c=rho_c_t,
                                             iters=compress_iters)
 
-    def build_graph(key: jax.Array, data, params0: Params) -> graph_ops.Graph:   # spec §2
+    def build_graph(key: jax.Array, data, params0: Params) -> graph_ops.Graph:   # #graph
         n = data.num_clients
         if graph == "model":
             keys = base.client_keys(key, jnp.arange(n))

@@ -1,5 +1,6 @@
 """pFedMe (Dinh, Tran & Nguyen, "Personalized Federated Learning with Moreau Envelopes",
-NeurIPS 2020, arXiv:2006.08848), Algorithm 1, as TDPFed compares against it (spec/tdpfed.md §7).
+NeurIPS 2020, arXiv:2006.08848), Algorithm 1, as TDPFed compares against it
+(docs/algorithms/pfedme.md).
 
 Per round t, with global model w_t:
   every client k (all K train, as in the authors' code and TDPFed's Algorithm 1):

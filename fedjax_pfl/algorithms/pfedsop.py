@@ -1,4 +1,5 @@
-"""pFedSOP (Sen & Mohan, arXiv:2506.07159, 2025), Algorithms 1–3; spec/pfedsop.md.
+"""pFedSOP (Sen & Mohan, arXiv:2506.07159, 2025), Algorithms 1–3;
+docs/algorithms/pfedsop.md.
 
 Per round t, for each sampled client i (S1; server state: the previous round's Δ):
 
@@ -14,11 +15,11 @@ server: Δ ← (1/M) Σ_{i∈S_t} Δ_i                unweighted, this round's c
 
 Unsampled clients keep x_i, Δ_i and is_new bit for bit. There is no global model.
 
-Options (spec §1.6):
+Options (docs/algorithms/pfedsop.md#a3, #a5, #a8):
   keep="sgd" (default, reading R2): the client keeps z, i.e. local SGD training plus, next round,
       the global-informed Newton correction. This is the default because it trains: on the
       embedded digits it reaches 0.89 best mean client accuracy in the default 50 rounds.
-  keep="newton" (the literal reading R1, spec A3's best reading of the text): the SGD run is a
+  keep="newton" (the literal reading R1 of A3, the more faithful to the text): the SGD run is a
       probe; x_i after the Newton step is the personalised model and z is discarded. A client's
       model then moves only by Newton steps, each of norm η₁‖Δᵖ‖/(ρ + ‖Δᵖ‖²) ≤ η₁/(2√ρ), so at
       most that much per round it takes part in: with η₁ = η₂ = --lr = 0.05 and ρ = 1 a digits
@@ -26,10 +27,10 @@ Options (spec §1.6):
   blend="gompertz" (default) | "local" (β ≡ 0) | "global" (β ≡ 1): the paper's ablation (A8).
   η₁ (eta_personal) defaults to 1 (the top of the paper's grid {1, 0.1, …, 1e-4}), so that the
       Newton correction, of norm ≤ η₁/(2√ρ) = 0.5 at ρ = 1, is not negligible next to local SGD;
-      tied to --lr (spec A5's reading) it is ≤ 0.025 and pFedSOP behaves like Local (0.83 on
+      tied to --lr (A5's tied reading) it is ≤ 0.025 and pFedSOP behaves like Local (0.83 on
       digits). η₂ (eta_local) defaults to --lr. For the paper's tied reading pass
       --pfedsop-eta-personal equal to --lr (the pfedsop_paper presets do).
-BatchNorm (spec A4): the engine's models are stateless (GroupNorm), so Δ, the angle and the
+BatchNorm (A4): the engine's models are stateless (GroupNorm), so Δ, the angle and the
 Newton step cover every trainable parameter and there are no running statistics to carry.
 """
 
@@ -111,7 +112,7 @@ def pfedsop(
         result = engine.train(data, idx, x, engine.opt_states_for(None, idx, state.x0), train_key)  # C9
         z = result.params
         delta = ops.tree_scale(1.0 / eta_local, ops.tree_sub(x, z))                    # C10, eq. 11
-        kept = x if keep == "newton" else z                                            # spec A3
+        kept = x if keep == "newton" else z                                            # reading A3
         rows = ClientState(kept, delta, jnp.zeros(m, bool))                            # C11
         clients = core.scatter(state.clients, idx, rows)
         delta_glob = core.mean_over_clients(delta)                                     # S3, eq. 13
@@ -140,8 +141,9 @@ base.register(base.AlgorithmSpec(
         base.HParam("eta_personal", float, 1.0,
                     "η₁, learning rate of the personalisation (Newton) step x ← x − η₁F⁻¹Δᵖ; the "
                     "step's norm is at most η₁/(2√ρ). 1, the top of the paper's grid, makes the "
-                    "global-informed correction count next to local SGD; spec A5's tied reading "
-                    "η₁ = η₂ is --pfedsop-eta-personal equal to --lr (then pFedSOP is about Local)",
+                    "global-informed correction count next to local SGD; the tied reading η₁ = η₂ "
+                    "(docs/algorithms/pfedsop.md#a5) is --pfedsop-eta-personal equal to --lr "
+                    "(then pFedSOP is about Local)",
                     check=base.NON_NEGATIVE),
         base.HParam("eta_local", float, None,
                     "η₂, learning rate of the local SGD probe; Δ_i = (x_i − z)/η₂ (default: --lr)",

@@ -1,6 +1,7 @@
-"""PGFed, PGFedMo and PGFed-CE (Luo et al., ICCV 2023, arXiv:2212.01448); spec/pgfed.md.
+"""PGFed, PGFedMo and PGFed-CE (Luo et al., ICCV 2023, arXiv:2212.01448);
+docs/algorithms/pgfed.md (readings A1–A21 cited below).
 
-The round is the vectorised statement of the authors' code (spec §2.4) of the paper's Algorithm 1
+The round is the vectorised statement of the authors' code (#round) of the paper's Algorithm 1
 (server lines S1–S14, client lines C1–C11). With S = S_t, P = S_{t−1} (both of size M),
 G ∈ R^{M×d} the full-data gradients G_j = ∇f_j(θ_j) of P's clients at their final models,
 b_j = μ(L_j − G_j·θ_j) (the first term g_α^(1) of eq. 11, Alg. 1 C10) and
@@ -177,8 +178,9 @@ def pgfed_ce(model: Model, *, mu: float, alpha_lr: float, **common: Any) -> base
     return pgfed(model, mu=mu, alpha_lr=alpha_lr, beta=0.0, constant_alpha_grad=True, **common)
 
 
-# The reference code's defaults (spec §2.5, §3): SGD momentum 0.9 with a persistent per-client
-# buffer, lr 0.005, batch 10 with drop_last, 5 local epochs, 25 % participation.
+# The reference code's defaults (docs/algorithms/pgfed.md#a8, #a9, #a16): SGD momentum 0.9 with
+# a persistent per-client buffer, lr 0.005, batch 10 with drop_last, 5 local epochs, 25 %
+# participation.
 _REFERENCE_DEFAULTS = {"lr": 0.005, "momentum": 0.9, "momentum_buffer": "persist", "batch_size": 10,
                        "local_epochs": 5, "participation": 0.25, "drop_last": True}
 _MU = base.HParam("mu", float, 0.1,

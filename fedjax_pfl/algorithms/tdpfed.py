@@ -1,5 +1,5 @@
 """TDPFed (Wang et al., "Tensor Decomposition based Personalized Federated Learning",
-arXiv:2208.12959), Algorithm 1 read as spec/tdpfed.md §2.6.
+arXiv:2208.12959), Algorithm 1 read as docs/algorithms/tdpfed.md#round.
 
 Every client k holds a dense personalised model θ_k and a "tensorized local model" A_k: the CP
 factors of each weight tensor (biases dense), ⟦A_k⟧ being its reconstruction. Per round t:
@@ -17,20 +17,20 @@ factors of each weight tensor (biases dense), ⟦A_k⟧ being its reconstruction
 p_k = |D_k| / Σ_{j∈S_t} |D_j| (`weights="data_size"`, the best reading of eq. 18's |𝓑_k|) or 1/S
 (`"uniform"`, what the literal |𝓑_k| gives with equal batches). β > 1 extrapolates (Table IV).
 
-Readings of the spec's ambiguities (§10):
-  * one minibatch per local round, reused for the s inner steps (§2.3); NAG in PyTorch's form
+Readings of the ambiguities (docs/algorithms/tdpfed.md, A1–A26):
+  * one minibatch per local round, reused for the s inner steps (A7); NAG in PyTorch's form
     buf ← μ buf + g, step g + μ buf (optax nesterov) with μ = --momentum (0.9, unstated in paper);
-  * factor steps are "simultaneous" (one optimizer over all factors, §10.9) by default;
+  * factor steps are "simultaneous" (one optimizer over all factors, A9) by default;
     `factor_update="cyclic"` updates mode n = 1…N in turn (block-coordinate, ALS-like);
-    `factor_opt="adam"` (PyTorch defaults; §10.10) or "gd" (eq. 17). Under Adam λ barely
-    changes the factor step (Adam is scale invariant, §2.4);
+    `factor_opt="adam"` (PyTorch defaults; A10) or "gd" (eq. 17). Under Adam λ barely
+    changes the factor step (Adam is scale invariant, #factor-gradient);
   * optimizer states (NAG buffer, Adam moments) restart every round unless
     --momentum-buffer persist (then each client keeps its own across rounds);
-  * ACT's ω̃ mixes the reconstruction ⟦A_t⟧ (eq. 19, spec §9.28), not the previous ω̃_t;
+  * ACT's ω̃ mixes the reconstruction ⟦A_t⟧ (eq. 19, A13), not the previous ω̃_t;
   * the factor initialisation is unspecified: Gaussian factors whose reconstruction has the
     variance of the dense model's own initialisation (models.cp.cp_init_like); CR = 1 is the
     identity parameterisation (A = the dense model), under which factor_opt="gd" with s' = 1 is
-    exactly pFedMe (spec §2.6; tests/algorithms/test_tdpfed.py checks it against `pfedme`).
+    exactly pFedMe (#pfedme; tests/algorithms/test_tdpfed.py checks it against `pfedme`).
 
 Evaluated: "client" = each θ_k after this round's training (the paper's headline personalised
 accuracy); "global" = the CP network ⟦A_{t+1}⟧ on each client's test split. Communication per
@@ -38,7 +38,7 @@ round (floats, weights and biases): uplink S·|A|; downlink `comm_down_floats` =
 configuration needs: K·|A| for AFM (clients rebuild ⟦A⟧ from the factors) and K·(|A| + |W|) for
 ACT (its ω̃ is not ⟦A⟧, so the dense tensor is sent); also reported: `comm_down_floats_factors_only`
 = K·|A| and `comm_down_floats_with_tensor` = K·(|A| + |W|), the paper's literal "full tensor and
-factors" (spec §3.4).
+factors" (A12).
 """
 
 from __future__ import annotations
@@ -68,9 +68,10 @@ class State(NamedTuple):
 
 
 def factor_gradient(factors: Params, theta: Params, lam: float, mode: int | None = None) -> Params:
-    """∇_A λ/2‖θ − ⟦A⟧‖² over a CP tree: λ(A^(n)V_n − θ_(n)H_n) per factor (spec §2.4, eq. 23),
-    λ(A − θ) for dense leaves. With `mode` = n only factor n (and dense leaves when n = 0) gets a
-    gradient; the rest are zero (one block of a cyclic sweep)."""
+    """∇_A λ/2‖θ − ⟦A⟧‖² over a CP tree: λ(A^(n)V_n − θ_(n)H_n) per factor (eq. 23;
+    docs/algorithms/tdpfed.md#factor-gradient), λ(A − θ) for dense leaves. With `mode` = n only
+    factor n (and dense leaves when n = 0) gets a gradient; the rest are zero (one block of a
+    cyclic sweep)."""
 
     def one(a, t):
         if cp.is_cp(a):

@@ -3,7 +3,8 @@
 `LocalTrainer` runs E epochs of minibatch optimisation for each sampled client, all clients at
 once through a `ClientMapper` (vmap, lanes or loop), inside whatever jit encloses it.
 
-Exact epoch semantics per client (spec/pfedsop.md A6, spec/pgfed.md A9): in every epoch client i
+Exact epoch semantics per client (docs/algorithms/README.md#epochs;
+pfedsop.md#a6, pgfed.md#a9 there): in every epoch client i
 visits each of its own n_i training samples once, in a fresh random order, in
 S_i = ⌈n_i/B⌉ steps (or ⌊n_i/B⌋ with drop_last, and one step of all n_i samples when n_i < B, as
 PGFed's `batch = min(B, n_i)`). The last partial batch is averaged over its real samples only.
@@ -295,7 +296,7 @@ def add_aux_gradient(name: str = "aux_grad") -> optax.GradientTransformationExtr
     """g ← g + v, with the per-client vector v passed to `update` as keyword `name`.
 
     The gradient of f(θ) + ⟨v, θ⟩: PGFed adds its auxiliary gradient g̃_i this way (eq. 10),
-    before the momentum buffer (spec/pgfed.md A8).
+    before the momentum buffer (docs/algorithms/pgfed.md#a8).
     """
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -314,7 +315,8 @@ class FullPass:
     (up to float rounding of the sums). batch_size 0: the evaluation's automatic batch
     (`evaluate.auto_eval_batch`, from XLA's memory analysis of the forward pass), 256 for the
     MLPs and 8 for the CNN, whose im2col patches make large batches slower per sample on CPU.
-    PGFed uploads these at the end of local training (Algorithm 1 line C10; spec/pgfed.md A10).
+    PGFed uploads these at the end of local training (Algorithm 1 line C10;
+    docs/algorithms/pgfed.md#a10).
     """
 
     def __init__(self, model: Model, *, batch_size: int, mapper: ClientMapper):

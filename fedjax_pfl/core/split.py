@@ -1,7 +1,7 @@
 """Shared/personal splits of a parameter pytree by leaf path (FedPC, FedPer, FedRep, LG-FedAvg, …).
 
-A model's parameters x^(n) = M x + N z^(n) (spec/fedpc.md §1) split into a shared part x and a
-personal part z. Neither selection matrix is materialised: the split is a boolean per leaf,
+A model's parameters x^(n) = M x + N z^(n) (docs/algorithms/fedpc.md#model) split into a shared part
+x and a personal part z. Neither selection matrix is materialised: the split is a boolean per leaf,
 chosen by the leaf's path, a '/'-joined string such as "Dense_1/kernel":
 
     mask = personal_mask(params, "head")       # the last dense layer (the classifier head)

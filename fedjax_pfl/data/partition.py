@@ -4,7 +4,7 @@ Each partitioner returns a list of N int64 arrays of sample indices (disjoint). 
 train/test split is separate (`split_train_test`). The setups of our source papers map to:
 
   PGFed (CIFAR, Dir(0.3), min 40 samples)      dirichlet(alpha=0.3, min_size=40)
-  pFedSOP Dir(0.07)                            dirichlet(alpha=0.07)  (class-wise, spec A10)
+  pFedSOP Dir(0.07)                            dirichlet(alpha=0.07)  (class-wise, pfedsop.md#a10)
   the same skew with equal client sizes        dirichlet_client(alpha=0.07)  (Hsu et al. 2019)
   pFedSOP pathological (shard-COUNT reading)   shards(shards_per_client=2)   # 200 shards, 100 clients
   pFedMe / TDPFed two labels per client        pathological(classes_per_client=2)
@@ -176,7 +176,7 @@ def clustered(labels: np.ndarray, num_clients: int, *, clusters: int, seed: int)
     exactly the labels of set g, and each of those labels' shuffled samples is dealt in near-equal
     parts among the group's clients. Every sample is assigned, clients of one group share their
     label set and clients of different groups share none: a similarity graph has G clusters to
-    find (spec/fedpc.md §2), and `cluster_of_clients` gives the planted truth.
+    find (docs/algorithms/fedpc.md#graph), and `cluster_of_clients` gives the planted truth.
     """
     labels = np.asarray(labels)
     _check_clients(labels.size, num_clients)
@@ -211,7 +211,8 @@ def shards(
     Give exactly one of `shards_per_client` (b: N·b shards of size ⌊n/(N·b)⌋) or `shard_size`
     (z: ⌊n/z⌋ shards, ⌊#shards/N⌋ per client). Each client receives its shards at random without
     replacement, so "b classes" means AT MOST b classes (two shards may share a label). pFedSOP's
-    CIFAR-10 setting is the shard-count reading: 200 shards of 300, b = 2 (spec A11). The
+    CIFAR-10 setting is the shard-count reading: 200 shards of 300, b = 2
+    (docs/algorithms/pfedsop.md#a11). The
     remainder that does not fill a whole shard is left unassigned; `unassigned_count` reports it.
     """
     labels = np.asarray(labels)

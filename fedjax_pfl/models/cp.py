@@ -1,10 +1,10 @@
 """CP-decomposed models: factor pytrees, the CPDense / CPConv layers, CP-DNN and CP-VGG8.
 
-TDPFed (Wang et al., arXiv:2208.12959, Section IV-B; spec/tdpfed.md §1) replaces every weight
-tensor of a network by rank-R CP factors: a dense kernel [I_in, I_out] by A_in [I_in, R] and
-A_out [I_out, R], a conv kernel (HWIO) [I_d, I_d, I_S, I_T] by A^(1) [I_d, R] (rows),
-A^(2) [I_d, R] (columns), A^(3) [I_S, R] (input channels), A^(4) [I_T, R] (output channels).
-Biases are not decomposed (spec §10.17).
+TDPFed (Wang et al., arXiv:2208.12959, Section IV-B; docs/algorithms/tdpfed.md#layers) replaces
+every weight tensor of a network by rank-R CP factors: a dense kernel [I_in, I_out] by
+A_in [I_in, R] and A_out [I_out, R], a conv kernel (HWIO) [I_d, I_d, I_S, I_T] by A^(1) [I_d, R]
+(rows), A^(2) [I_d, R] (columns), A^(3) [I_S, R] (input channels), A^(4) [I_T, R] (output
+channels). Biases are not decomposed (docs/algorithms/tdpfed.md#a17).
 
 A "CP parameter tree" is the dense parameter tree with each decomposed kernel replaced by a
 `CPFactors` node holding the factors in the kernel's axis order, so `reconstruct(tree)` is the
@@ -95,10 +95,10 @@ def cp_init_like(key: jax.Array, dense: Params, cr: float, *, min_ndim: int = 2)
     """Random rank-R factors for every leaf of `dense` with ndim ≥ min_ndim; other leaves kept.
 
     R per tensor from TDPFed's rule (ops.cp_rank_for_compression). The paper leaves the factor
-    initialisation unspecified (spec §4); we draw each factor entry from N(0, s²) with
-    R·s^{2N} = Var(dense leaf), so ⟦A⟧ has the variance of the model's own initialisation of that
-    tensor (entries of a sum of R products of N independent factors). CR = 1 returns `dense`
-    itself (no decomposition).
+    initialisation unspecified (docs/algorithms/tdpfed.md#a26); we draw each factor entry from
+    N(0, s²) with R·s^{2N} = Var(dense leaf), so ⟦A⟧ has the variance of the model's own
+    initialisation of that tensor (entries of a sum of R products of N independent factors).
+    CR = 1 returns `dense` itself (no decomposition).
     """
     if cr == 1:
         return dense
@@ -172,10 +172,10 @@ def cp_conv_factored(x: jax.Array, factors: Sequence[jax.Array], *, strides=(1, 
       3. depthwise conv along the height with A^(1): w[b,i,j,r] = Σ_p v[b,s_h·i+p,j,r] A^(1)[p,r]
       4. 1×1 conv R → I_T with A^(4):              y[b,i,j,t] = Σ_r w[b,i,j,r] A^(4)[t,r]
 
-    Equal to the cross-correlation of x with the HWIO kernel ⟦A^(1), A^(2), A^(3), A^(4)⟧.
-    Zero padding is applied after stage 1 (the 1×1 conv maps zeros to zeros); a bias belongs
-    after stage 4 only (spec §9.14). The depthwise stages are shifted slices times per-channel
-    weights, which stay elementwise under vmap over clients (no grouped convolution).
+    Equal to the cross-correlation of x with the HWIO kernel ⟦A^(1), A^(2), A^(3), A^(4)⟧. Zero
+    padding is applied after stage 1 (the 1×1 conv maps zeros to zeros); a bias belongs after stage
+    4 only (docs/algorithms/tdpfed.md#layers). The depthwise stages are shifted slices times
+    per-channel weights, which stay elementwise under vmap over clients (no grouped convolution).
     """
     a_rows, a_cols, a_in, a_out = factors
     kh, kw = a_rows.shape[0], a_cols.shape[0]

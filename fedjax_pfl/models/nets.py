@@ -4,7 +4,7 @@ BatchNorm: none of these modules keeps running statistics. The ResNets normalise
 (32 groups, or fewer when a layer is narrower), a stateless choice that is standard in FL (BN
 statistics do not average well across non-IID clients) and that keeps every model a pure
 function of its trainable parameters. So pFedSOP's Δ, cosine and Newton step cover every
-trainable parameter, the GroupNorm scale and bias included (spec/pfedsop.md A4), and no
+trainable parameter, the GroupNorm scale and bias included (docs/algorithms/pfedsop.md#a4), and no
 algorithm has to carry or average `batch_stats`. `norm="none"` removes normalisation entirely.
 """
 
@@ -39,7 +39,7 @@ class MLP(nn.Module):
 
 
 class FedAvgCNN(nn.Module):
-    """The FedAvg CNN of the PGFed code (spec/pgfed.md §2.7).
+    """The FedAvg CNN of the PGFed code (docs/algorithms/pgfed.md#model).
 
     Conv 5×5 (32, valid) → ReLU → MaxPool 2 → Conv 5×5 (64, valid) → ReLU → MaxPool 2 → Flatten
     → Dense 512 → ReLU → Dense num_classes. 878,538 parameters on 32×32×3 with 10 classes.
@@ -155,9 +155,9 @@ class ResNet18(nn.Module):
 
 
 class VGG8(nn.Module):
-    """VGG8 of TDPFed (Table I; spec/tdpfed.md §5): five 3×3 convs 32-64-128-256-256, each with
-    SAME padding, ReLU and a 2×2 max pool (32×32 → 1×1, so the flatten is exactly 256), then
-    Dense 256 → ReLU → Dense 256 → ReLU → Dense num_classes. No BatchNorm or dropout (the paper
+    """VGG8 of TDPFed (Table I; docs/algorithms/tdpfed.md#models): five 3×3 convs 32-64-128-256-256,
+    each with SAME padding, ReLU and a 2×2 max pool (32×32 → 1×1, so the flatten is exactly 256),
+    then Dense 256 → ReLU → Dense 256 → ReLU → Dense num_classes. No BatchNorm or dropout (the paper
     lists none; Table I counts weights only). 1,112,650 parameters on 32×32×3 with 10 classes."""
 
     num_classes: int

@@ -1,13 +1,14 @@
 """CP (CANDECOMP/PARAFAC) tensors: reconstruction, rank rule, fit loss and gradient, ALS.
 
 A rank-R CP tensor of order N is given by its factor matrices A^(n) ∈ R^{I_n×R} (TDPFed
-Section III-A; spec/tdpfed.md §1.1):
+Section III-A; docs/algorithms/tdpfed.md#cp):
 
     ⟦A^(1), …, A^(N)⟧[i_1, …, i_N] = Σ_r Π_n A^(n)[i_n, r].
 
-Factors are passed as a sequence in the tensor's axis order. Unfolding convention (spec §1.1):
-`unfold(X, n)` is numpy's C-order `moveaxis(X, n, 0).reshape(I_n, -1)`, which pairs with the
-Khatri–Rao product of the other factors in INCREASING mode order (the first one varies slowest):
+Factors are passed as a sequence in the tensor's axis order. Unfolding convention
+(docs/algorithms/tdpfed.md#cp): `unfold(X, n)` is numpy's C-order
+`moveaxis(X, n, 0).reshape(I_n, -1)`, which pairs with the Khatri–Rao product of the other factors
+in INCREASING mode order (the first one varies slowest):
 
     unfold(⟦A⟧, n) = A^(n) · khatri_rao([A^(m) for m ≠ n, increasing])ᵀ.
 
@@ -91,7 +92,7 @@ def cp_fit_grad(factors: Factors, target: jax.Array,
     """∂/∂A^(n) of ½‖θ − ⟦A⟧‖² = A^(n)V_n − θ_(n)H_n for every n (TDPFed Appendix eqs. 23/29).
 
     The paper's main-text eq. (15) prints +θ_(n)H_n and drops λ on the second term; that form
-    does not match finite differences (spec §2.4, §10.1). Multiply by λ for TDPFed's
+    does not match finite differences (docs/algorithms/tdpfed.md#a1). Multiply by λ for TDPFed's
     regulariser λ/2‖θ − ⟦A⟧‖². No reconstruction and no Khatri–Rao product are formed: N MTTKRPs
     of θ plus R×R Gram products. With `modes`, only those factors' gradients are computed and
     the others are returned as zeros (one block of a block-coordinate sweep).
@@ -105,11 +106,11 @@ def cp_als(tensor: jax.Array, rank: int, init: Factors, iters: int,
            ridge: float = 1e-7) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """Alternating least squares for a rank-R CP fit of `tensor`, warm-started at `init`.
 
-    One sweep updates n = 1, …, N in turn (Gauss–Seidel), each the exact least-squares solution
-    with the others fixed:  A^(n) ← X_(n) H_n (V_n + δI)⁻¹,  δ = ridge · max(diag V_n).
-    The tiny ridge keeps V_n invertible when R exceeds a mode size (TDPFed's ranks can: conv5 at
-    ×1.5 has R = 759 > 256) and changes an exact fit by O(ridge). Used by TDPFed's ACT aggregation
-    (eq. 20: the server re-decomposes the averaged tensor; the method is unspecified, spec §10.13).
+    One sweep updates n = 1, …, N in turn (Gauss–Seidel), each the exact least-squares solution with
+    the others fixed:  A^(n) ← X_(n) H_n (V_n + δI)⁻¹,  δ = ridge · max(diag V_n). The tiny ridge
+    keeps V_n invertible when R exceeds a mode size (TDPFed's ranks can: conv5 at ×1.5 has R = 759 >
+    256) and changes an exact fit by O(ridge). Used by TDPFed's ACT aggregation (eq. 20: the server
+    re-decomposes the averaged tensor; the method is unspecified, docs/algorithms/tdpfed.md#a13).
 
     Args:
       tensor: the [I_1, …, I_N] tensor to fit.
@@ -145,7 +146,8 @@ def cp_relative_error(factors: Factors, tensor: jax.Array) -> jax.Array:
 
 
 def cp_rank_for_compression(shape: Sequence[int], cr: float) -> int:
-    """R = round(Π_n I_n / (CR · Σ_n I_n)), at least 1: TDPFed's rank rule (spec §1.4).
+    """R = round(Π_n I_n / (CR · Σ_n I_n)), at least 1: TDPFed's rank rule
+    (docs/algorithms/tdpfed.md#ranks).
 
     The CP layer then holds R·Σ I_n parameters against Π I_n dense, a compression rate of about
     CR (eqs. 21–22). Round-to-nearest (halves up) reproduces all 20 ranks of the paper's Table I;
@@ -163,7 +165,8 @@ def cp_num_params(shape: Sequence[int], rank: int) -> int:
 
 
 def unfold(tensor: jax.Array, mode: int) -> jax.Array:
-    """C-order mode-n unfolding [I_n, Π_{m≠n} I_m] (numpy's moveaxis + reshape, spec §1.1)."""
+    """C-order mode-n unfolding [I_n, Π_{m≠n} I_m] (numpy's moveaxis + reshape,
+    docs/algorithms/tdpfed.md#cp)."""
     return jnp.moveaxis(tensor, mode, 0).reshape(tensor.shape[mode], -1)
 
 

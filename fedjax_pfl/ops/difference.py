@@ -1,7 +1,7 @@
 """First differences Λ, the O(d) solve of (I + cΛᵀΛ)y = b, and FedPC's compressed uplink.
 
-Λ is the d×d first-difference matrix of spec/fedpc.md §5: 1 on the diagonal, −1 on the
-superdiagonal, so
+Λ is the d×d first-difference matrix of docs/algorithms/fedpc.md#compression: 1 on the diagonal, −1
+on the superdiagonal, so
 
     (Λy)_i = y_i − y_{i+1}  (i < d−1),   (Λy)_{d−1} = y_{d−1},
     (Λᵀr)_i = r_i − r_{i−1}  (r_{−1} = 0),
@@ -12,7 +12,7 @@ solves it in O(d) (`jax.lax.linalg.tridiagonal_solve`, LAPACK gtsv on CPU). No d
 eigendecomposition is ever formed: d is the model size.
 
 Λ acts on each parameter leaf's flattened (row-major) vector separately: the Λ of a pytree is
-block-diagonal over its leaves (spec §5, a documented choice), so leaves stay independent.
+block-diagonal over its leaves (docs/algorithms/fedpc.md#accounting), so leaves stay independent.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def difference_solve(b: Params, c: jax.typing.ArrayLike) -> Params:
 
     Args:
       b: a pytree of arrays (one client's vector in R^d, split into leaves).
-      c: c ≥ 0 (FedPC's compression: c = ρ_c·η·γ, spec §5 [fix]).
+      c: c ≥ 0 (FedPC's compression: c = ρ_c·η·γ, docs/algorithms/fedpc.md#f3).
     Returns:
       A pytree shaped like b. O(d): a tridiagonal solve; never a d×d matrix.
     """
@@ -80,8 +80,9 @@ def count_distinct(v: jax.Array) -> jax.Array:
 def codebook_bits(size: jax.typing.ArrayLike, distinct: jax.typing.ArrayLike) -> jax.Array:
     """Bits to send `size` values that take `distinct` = k different values: d·⌈log2 k⌉ + 32·k.
 
-    A 32-bit codebook of the k values plus a ⌈log2 k⌉-bit index per coordinate (spec §5
-    accounting). k = 1 costs 32 bits. ⌈log2 k⌉ is computed exactly on integers (bit length of k−1).
+    A 32-bit codebook of the k values plus a ⌈log2 k⌉-bit index per coordinate
+    (docs/algorithms/fedpc.md#accounting). k = 1 costs 32 bits. ⌈log2 k⌉ is computed exactly on
+    integers (bit length of k−1).
     """
     k = jnp.maximum(jnp.asarray(distinct, jnp.int32), 1)
     index_bits = 32 - jax.lax.clz(k - 1)
@@ -117,22 +118,23 @@ def piecewise_constant(y: jax.Array, r: jax.Array) -> jax.Array:
 
 def compress_vector(g: jax.Array, *, eta: jax.typing.ArrayLike, gamma: float,
                     rho_c: jax.typing.ArrayLike, iters: int, output: str = "piecewise") -> jax.Array:
-    """∇ = (x_t − v)/η for one vector g [d], v the communication-efficient point (spec §5).
+    """∇ = (x_t − v)/η for one vector g [d], v the communication-efficient point
+    (docs/algorithms/fedpc.md#compression).
 
         v = argmin_y ⟨g, y⟩ + γ‖Λ(y − x_t)‖₁ + ‖y − x_t‖²/(2η)
 
     The problem is invariant to shifting x_t, so it is solved for δ = y − x_t (x_t drops out; no
     cancellation in float32) by J iterations of ADMM on r = Λδ, with c = ρ_c·η·γ:
 
-        r_{j+1} = soft_threshold(Λδ_j − ω_j/ρ_c, 1/ρ_c)                        [fix] not ρ
-        δ_{j+1} solves (I + cΛᵀΛ) δ = −ηg + cΛᵀ(r_{j+1} + ω_j/ρ_c)              [fix] c, not 4/(ρηγ)
+        r_{j+1} = soft_threshold(Λδ_j − ω_j/ρ_c, 1/ρ_c)                        [F2] not ρ
+        δ_{j+1} solves (I + cΛᵀΛ) δ = −ηg + cΛᵀ(r_{j+1} + ω_j/ρ_c)              [F3] c, not 4/(ρηγ)
         ω_{j+1} = ω_j + ρ_c (r_{j+1} − Λδ_{j+1})
 
     from δ_0 = −ηg (the γ = 0 point) and ω_0 = 0. In x_t-coordinates (y = x_t + δ) these are the
-    spec's updates line by line. Equivalently ∇ = argmin ½‖∇ − g‖² + γ‖Λ∇‖₁ (a 1-D total-variation
+    draft's updates line by line. Equivalently ∇ = argmin ½‖∇ − g‖² + γ‖Λ∇‖₁ (a 1-D total-variation
     denoising of g), so the exact ∇ does not depend on η; γ is in units of g.
 
-    output: "y" returns the spec's literal ∇ = −δ_J/η, which converges to the minimiser but after
+    output: "y" returns the draft's literal ∇ = −δ_J/η, which converges to the minimiser but after
     finitely many iterations is only approximately piecewise constant (nearly d distinct values in
     floating point, so nothing to gain in the bit accounting). "piecewise" (default) keeps the
     jump set that the ADMM found, the support of the sparse r_J, and fits −δ_J/η on it
@@ -173,7 +175,8 @@ def _compress_admm(g, eta, gamma, rho_c, iters, output):
 
 def compress_gradient(g: Params, *, eta: jax.typing.ArrayLike, gamma: float,
                       rho_c: jax.typing.ArrayLike, iters: int, output: str = "piecewise") -> Compressed:
-    """FedPC's communication-efficient update of one client's gradient pytree (spec §5).
+    """FedPC's communication-efficient update of one client's gradient pytree
+    (docs/algorithms/fedpc.md#compression).
 
     `compress_vector` on every leaf's flattened vector (Λ block-diagonal over leaves), and the
     uplink accounting: k_l distinct values in leaf l cost d_l·⌈log2 k_l⌉ + 32·k_l bits.

@@ -1,14 +1,15 @@
 """FedPC's similarity network: client distances, the kNN graph, Laplacian solves and the Z-ADMM.
 
-Notation (spec/fedpc.md §2–4). N clients, M undirected edges. Edge m = (i, j), i < j, is column m
-of the signed incidence matrix Q ∈ R^{N×M} (+1 at i, −1 at j); L = QQᵀ is the graph Laplacian.
-The spec stacks personal parts as columns, Z ∈ R^{d2×N}; the engine stacks clients on the
+Notation (docs/algorithms/fedpc.md#graph, #round). N clients, M undirected edges. Edge
+m = (i, j), i < j, is column m of the signed incidence matrix Q ∈ R^{N×M} (+1 at i, −1 at j);
+L = QQᵀ is the graph Laplacian.
+The draft stacks personal parts as columns, Z ∈ R^{d2×N}; the engine stacks clients on the
 LEADING axis, so here Z is [N, d2] (row n = z^(n)) and the edge variables W, Ω are [M, d2]
-(row m = column m of the spec's W, Ω). In this layout
+(row m = column m of the draft's W, Ω). In this layout
 
-    spec ZQ    = here Qᵀ Z  = `edge_differences(graph, Z)`   row m: z^(i) − z^(j)      [M, d2]
-    spec WQᵀ   = here Q W   = `incidence_apply(graph, W, N)`  row n: Σ_{m∋n} ±W_m       [N, d2]
-    spec ZL    = here L Z   = `laplacian_apply(graph, Z)`                               [N, d2]
+    draft ZQ   = here Qᵀ Z  = `edge_differences(graph, Z)`   row m: z^(i) − z^(j)      [M, d2]
+    draft WQᵀ  = here Q W   = `incidence_apply(graph, W, N)`  row n: Σ_{m∋n} ±W_m       [N, d2]
+    draft ZL   = here L Z   = `laplacian_apply(graph, Z)`                               [N, d2]
 
 Q is never formed: its actions are gathers and `segment_sum`s over the edge endpoints, O(M·d2).
 Nothing here allocates an N×N array except `dense_laplacian` and the Cholesky path of
@@ -56,12 +57,12 @@ class Graph(NamedTuple):
 
 
 def edge_differences(graph: Graph, z: jax.Array) -> jax.Array:
-    """Qᵀz: row m is z[i] − z[j] for edge m = (i, j). [N, ...] -> [M, ...] (the spec's ZQ)."""
+    """Qᵀz: row m is z[i] − z[j] for edge m = (i, j). [N, ...] -> [M, ...] (the draft's ZQ)."""
     return z[graph.senders] - z[graph.receivers]
 
 
 def incidence_apply(graph: Graph, w: jax.Array, num_nodes: int) -> jax.Array:
-    """Qw: row n is Σ_{m=(n,·)} w_m − Σ_{m=(·,n)} w_m. [M, ...] -> [N, ...] (the spec's WQᵀ)."""
+    """Qw: row n is Σ_{m=(n,·)} w_m − Σ_{m=(·,n)} w_m. [M, ...] -> [N, ...] (the draft's WQᵀ)."""
     return (jax.ops.segment_sum(w, graph.senders, num_nodes)
             - jax.ops.segment_sum(w, graph.receivers, num_nodes))
 
@@ -180,14 +181,15 @@ def graph_prox_admm(z_t: jax.Array, linear: jax.Array, w: jax.Array, omega: jax.
                     graph: Graph, *, eta: jax.typing.ArrayLike, lam: jax.typing.ArrayLike,
                     rho: jax.typing.ArrayLike, p, iters: int, method: str = "auto",
                     tol: float = 1e-6, maxiter: int = 200) -> AdmmResult:
-    """K iterations of ADMM on FedPC's Z-subproblem (spec §4 step 4; the draft's Algorithm 4):
+    """K iterations of ADMM on FedPC's Z-subproblem (docs/algorithms/fedpc.md#round step 4; the
+    draft's Algorithm 4):
 
         min_Z ⟨linear, Z⟩ + λ Σ_m ‖(QᵀZ)_m‖_p + ‖Z − Z_t‖_F²/(2η),   linear = G_t/N,
 
     split as W = QᵀZ with multiplier Ω and penalty ρ (row layout of the module docstring):
 
         Z_{k+1} solves (I + ηρL) Z = Z_t + η(QΩ_k − linear + ρ QW_k)
-        W_{k+1} = prox_{(λ/ρ)‖·‖_p}(QᵀZ_{k+1} − Ω_k/ρ)     row by row              [fix] all p
+        W_{k+1} = prox_{(λ/ρ)‖·‖_p}(QᵀZ_{k+1} − Ω_k/ρ)     row by row              [F1] all p
         Ω_{k+1} = Ω_k + ρ(W_{k+1} − QᵀZ_{k+1})
 
     The system matrix is factored (or its preconditioner built) once and reused by all K
@@ -234,8 +236,8 @@ def graph_prox_admm(z_t: jax.Array, linear: jax.Array, w: jax.Array, omega: jax.
 
 def knn_graph(dist: jax.Array | RowsFn, k: int, *, num_nodes: int | None = None,
               block_size: int | None = None) -> Graph:
-    """The symmetrised k-nearest-neighbour graph (spec §2): edge (i, j) if j is among i's k
-    nearest or i among j's, each undirected edge once, sorted, no self-loops.
+    """The symmetrised k-nearest-neighbour graph (docs/algorithms/fedpc.md#graph): edge (i, j) if j
+    is among i's k nearest or i among j's, each undirected edge once, sorted, no self-loops.
 
     Args:
       dist: an [N, N] distance matrix, or a function rows(start, stop) -> [stop − start, N]
@@ -290,7 +292,7 @@ def edges_within(graph: Graph, groups: np.ndarray) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# Client distances in the three spaces of spec §2
+# Client distances in the three spaces of docs/algorithms/fedpc.md#graph
 
 
 def _sq_dists(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -336,7 +338,7 @@ def _mean_kernel(xa, wa, xb, wb, bandwidth):
 
 
 def mmd_rows(samples: jax.Array, counts: jax.Array, bandwidth: jax.typing.ArrayLike) -> RowsFn:
-    """Rows of squared MMD between clients' subsamples (spec §2, data space).
+    """Rows of squared MMD between clients' subsamples (docs/algorithms/fedpc.md#graph, data space).
 
         MMD²(i, j) = k̄(i, i) + k̄(j, j) − 2 k̄(i, j),   k̄(i, j) = mean_{a∈S_i, b∈S_j} k(x_a, x_b),
 
@@ -397,7 +399,8 @@ def random_projection(key: jax.Array, dim: int, rank: int, dtype=jnp.float32) ->
 
 def covariance_embedding(samples: jax.Array, counts: jax.Array, projection: jax.Array, *,
                          metric: str = "frobenius", eps: float = 1e-6) -> jax.Array:
-    """Per-client input covariance on a fixed projection, flattened (spec §2, feature space).
+    """Per-client input covariance on a fixed projection, flattened (docs/algorithms/fedpc.md#graph,
+    feature space).
 
     C_i = (1/(n_i − 1)) Σ_a (P ᵀx_a − m_i)(Pᵀx_a − m_i)ᵀ over client i's (sub)samples, r×r.
     metric "frobenius": the embedding is C_i, so Euclidean distance = ‖C_i − C_j‖_F;
@@ -421,9 +424,10 @@ def covariance_embedding(samples: jax.Array, counts: jax.Array, projection: jax.
 
 
 def model_embedding(stacked: Params, reference: Params) -> jax.Array:
-    """[N, d]: each client's parameters minus the common `reference`, flattened (spec §2, model
-    space). Euclidean distances equal those of the parameters themselves; cosine distances compare
-    the directions the clients moved in from the common initialisation."""
+    """[N, d]: each client's parameters minus the common `reference`, flattened
+    (docs/algorithms/fedpc.md#graph, model space). Euclidean distances equal those of the parameters
+    themselves; cosine distances compare the directions the clients moved in from the common
+    initialisation."""
     leaves = jax.tree.leaves(jax.tree.map(lambda s, r: (s - r[None]).reshape(s.shape[0], -1),
                                           stacked, reference))
     return jnp.concatenate(leaves, axis=1)

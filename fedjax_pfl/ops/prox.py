@@ -1,7 +1,7 @@
 """Proximal operators of norms: soft-thresholding, ℓ1-ball projection, prox of ‖·‖_p (FedPC).
 
-FedPC's W-update (spec/fedpc.md §4, step 4) applies, to every edge column v ∈ R^{d2} of
-V = ZQ − Ω/ρ, the proximal operator
+FedPC's W-update (docs/algorithms/fedpc.md#round, step 4) applies, to every edge column v ∈ R^{d2}
+of V = ZQ − Ω/ρ, the proximal operator
 
     prox_{τ‖·‖_p}(v) = argmin_w  τ‖w‖_p + ½‖w − v‖²,      τ = λ/ρ,  p ∈ {1, 2, ∞}.
 
@@ -58,7 +58,7 @@ def soft_threshold(v: jax.Array, tau: jax.typing.ArrayLike) -> jax.Array:
     """sign(v) · max(|v| − τ, 0), elementwise: the minimiser of τ‖w‖₁ + ½‖w − v‖² (τ ≥ 0).
 
     It is also the minimiser of ‖r‖₁ + (ρ/2)‖r − a‖² with τ = 1/ρ: FedPC's compression r-step
-    thresholds at 1/ρ_c (spec §5 [fix]; the draft writes ρ).
+    thresholds at 1/ρ_c (docs/algorithms/fedpc.md#f2; the draft writes ρ).
     """
     return jnp.sign(v) * jnp.maximum(jnp.abs(v) - tau, 0.0).astype(v.dtype)
 
@@ -86,7 +86,8 @@ def project_l1_ball(v: jax.Array, radius: jax.typing.ArrayLike = 1.0) -> jax.Arr
 
 
 def prox_norm(v: jax.Array, tau: jax.typing.ArrayLike, p) -> jax.Array:
-    """prox_{τ‖·‖_p}(v) = argmin_w τ‖w‖_p + ½‖w − v‖² for p ∈ {1, 2, ∞} (spec §4 [fix]).
+    """prox_{τ‖·‖_p}(v) = argmin_w τ‖w‖_p + ½‖w − v‖² for p ∈ {1, 2, ∞}
+    (docs/algorithms/fedpc.md#f1).
 
     By Moreau's decomposition, v − Proj_{‖·‖_q ≤ τ}(v) with q the dual exponent (module
     docstring). τ = 0 returns v. One vector (last axis); vmap over the columns of a d2 × M matrix.

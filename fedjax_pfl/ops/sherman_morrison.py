@@ -12,8 +12,8 @@ def sherman_morrison_step(delta_p: Params, rho: jax.typing.ArrayLike) -> Params:
 
     Sherman–Morrison gives F⁻¹Δᵖ = Δᵖ/ρ − Δᵖ(ΔᵖᵀΔᵖ)/(ρ² + ρ‖Δᵖ‖²), which simplifies exactly to
     Δᵖ / (ρ + ‖Δᵖ‖²). We use the last form: the two-term one cancels catastrophically in float32
-    when ‖Δᵖ‖² ≫ ρ (16 % error at ρ = 1e-3, spec/pfedsop.md §1.3 item 6). The step keeps Δᵖ's
-    direction and its norm is at most 1/(2√ρ) (reached at ‖Δᵖ‖ = √ρ).
+    when ‖Δᵖ‖² ≫ ρ (16 % error at ρ = 1e-3, docs/algorithms/pfedsop.md#sherman-morrison). The step
+    keeps Δᵖ's direction and its norm is at most 1/(2√ρ) (reached at ‖Δᵖ‖ = √ρ).
 
     Args:
       delta_p: one client's blended pseudo-gradient; all leaves together are a vector in R^d.

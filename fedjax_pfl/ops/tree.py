@@ -2,7 +2,7 @@
 
 Every dot product and norm here is GLOBAL: it sums over all leaves. Per-leaf (per-layer) versions
 would give different angles and step sizes and are wrong for the algorithms in this package
-(spec/pfedsop.md §1.1, §7.33).
+(docs/algorithms/pfedsop.md#global-norms).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""FedPC: the spec's reductions (d2 = 0 is minibatch SGD, λ = 0 is independent SGD on the personal
-parts, λ → ∞ fuses them), partial participation, the K-step gradient reading, the graph spaces on
-planted clusters, the compressed uplink's accounting, backends and compile-once.
+"""FedPC (docs/algorithms/fedpc.md#tests): the reductions (d2 = 0 is minibatch SGD, λ = 0 is
+independent SGD on the personal parts, λ → ∞ fuses them), partial participation, the K-step gradient
+reading, the graph spaces on planted clusters, the compressed uplink's accounting, backends and
+compile-once.
 
 References are jax.grad of each client's full-batch mean loss in float64 (a full batch makes the
 engine's minibatch the whole client, whatever its order), not the engine's code paths.
@@ -65,7 +66,7 @@ def get(**hp):
 
 @pytest.mark.slow
 def test_all_shared_is_synchronous_minibatch_sgd(x64):
-    # §7: d2 = 0 — x ← x − η·(1/N)Σ_n ∇f_n(x), the mean over all clients (full participation).
+    # T8: d2 = 0 — x ← x − η·(1/N)Σ_n ∇f_n(x), the mean over all clients (full participation).
     data = make_data(SIZES)
     algo = get(personal="none")
     state = algo.init(jax.random.key(0), data)
@@ -82,7 +83,7 @@ def test_all_shared_is_synchronous_minibatch_sgd(x64):
 @pytest.mark.slow
 @pytest.mark.parametrize("shared_mean", ["sampled", "all"])
 def test_lambda_zero_is_independent_sgd_on_personal_parts(x64, shared_mean):
-    # §7: λ = 0 — z_n ← z_n − (η_z/N)∇_z f_n (η_z = η: the spec's formula), for the sampled
+    # T2: λ = 0 — z_n ← z_n − (η_z/N)∇_z f_n (η_z = η: the draft's formula), for the sampled
     # clients only (unsampled rows of G_t are zero), and x ← x − η·mean over S_t of ∇_x f_n
     # ('sampled') or Σ_{S_t} ∇_x f_n / N ('all').
     data = make_data(SIZES)
@@ -137,7 +138,7 @@ def test_client_sends_the_sum_of_its_local_minibatch_gradients(x64, steps):
 
 @pytest.mark.slow
 def test_large_lambda_fuses_all_personal_parts(x64):
-    # §7: λ → ∞ on a connected graph: after the round's ADMM every client has the same head.
+    # T3: λ → ∞ on a connected graph: after the round's ADMM every client has the same head.
     data = make_data(SIZES)
     algo = get(lam=1e3, admm_iters=300, k=2)
     state, m = jax.jit(algo.round_fn)(algo.init(jax.random.key(0), data), data, jax.random.key(0))

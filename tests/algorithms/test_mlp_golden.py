@@ -1,10 +1,11 @@
 """pFedSOP and PGFed through `round_fn` and `evaluate` on a model with several leaves, against an
-independent NumPy float64 transcription of the papers' rounds (spec/pfedsop.md §1.2,
-spec/pgfed.md §2.3).
+independent NumPy float64 transcription of the papers' rounds (docs/algorithms/pfedsop.md#round,
+docs/algorithms/pgfed.md#round).
 
 The model is a two-layer tanh MLP with leaves of 20, 4, 12 and 3 entries: every norm, dot product
-and angle of both algorithms must be taken over the whole parameter vector (spec/pfedsop.md §1.1),
-which a one-leaf model cannot tell apart from a per-leaf reading. Every client takes full-batch
+and angle of both algorithms must be taken over the whole parameter vector
+(docs/algorithms/pfedsop.md#global-norms), which a one-leaf model cannot tell apart from a
+per-leaf reading. Every client takes full-batch
 steps (B ≥ n_i), so the batch order cannot matter and the transcription needs no engine keys.
 
 The headline number a user reads is `evaluate(state, data)["client"]`: the tests compare it,
@@ -146,7 +147,8 @@ def _run(name, data, rounds, **hp):
 
 
 def pfedsop_reference(clients, x0, sampled_per_round, *, eta1, eta2, rho, lam, epochs, keep):
-    """spec/pfedsop.md §1.2, literally, one client at a time: one vector in R^d per model."""
+    """docs/algorithms/pfedsop.md#round, literally, one client at a time: one vector in R^d per
+    model."""
     n = len(clients)
     x = [x0.copy() for _ in range(n)]
     delta = [np.zeros_like(x0) for _ in range(n)]
@@ -170,7 +172,7 @@ def pfedsop_reference(clients, x0, sampled_per_round, *, eta1, eta2, rho, lam, e
             for _ in range(epochs):                                           # C9, full batch
                 z = z - eta2 * loss_and_grad(z, clients[i][0], clients[i][1])[1]
             delta[i] = (xi - z) / eta2                                        # C10
-            x[i] = xi if keep == "newton" else z                              # C11 (spec A3)
+            x[i] = xi if keep == "newton" else z                              # C11 (pfedsop.md#a3)
             is_new[i] = False
             uploads.append(delta[i])
         delta_glob = np.mean(uploads, axis=0)                                 # S3
@@ -230,7 +232,8 @@ def test_pfedsop_headline_evaluation_is_each_clients_current_personal_model(x64,
 
 def pgfed_reference(clients, theta0, sampled_per_round, *, mu, eta1, eta2, momentum, epochs,
                     ce=False):
-    """The reference code's round (spec/pgfed.md §2.3), literally, one client at a time."""
+    """The reference code's round (docs/algorithms/pgfed.md#round), literally, one client at a
+    time."""
     n, m = len(clients), len(sampled_per_round[0])
     A = np.full((n, n), 1.0 / m)
     theta = [theta0.copy() for _ in range(n)]

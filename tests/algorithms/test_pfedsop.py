@@ -1,4 +1,4 @@
-"""pFedSOP through the real round_fn: spec/pfedsop.md §7 items 18–32 and 34."""
+"""pFedSOP through the real round_fn: docs/algorithms/pfedsop.md#tests, T18–T32 and T34."""
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,7 @@ def centres_data(centres, repeats=None):
 
 
 def golden(keep="newton", **hp):
-    # §7.28: d = 2, K = K' = 2, c₁ = [1,0], c₂ = [0,1], 𝒯 = 2 full-batch steps, η₂ = 0.5, η₁ = 1,
+    # T28: d = 2, K = K' = 2, c₁ = [1,0], c₂ = [0,1], 𝒯 = 2 full-batch steps, η₂ = 0.5, η₁ = 1,
     # ρ = 1, λ = 1, x0 = [0,0].
     hp = dict(participation=1.0, local_epochs=2, batch_size=1, eta_local=0.5, eta_personal=1.0,
               rho=1.0, gompertz_lambda=1.0, keep=keep) | hp
@@ -41,13 +41,13 @@ def test_golden_two_client_example(x64):
     step = jax.jit(algo.round_fn)
     state = algo.init(jax.random.key(0), data)
     state, m1 = step(state, data, jax.random.key(1))
-    # Round 1 (§7.29): both clients new, start at x0, Δ₁ = [−1.5, 0], Δ₂ = [0, −1.5].
+    # Round 1 (T29): both clients new, start at x0, Δ₁ = [−1.5, 0], Δ₂ = [0, −1.5].
     np.testing.assert_allclose(state.clients.delta["x"], [[-1.5, 0], [0, -1.5]], rtol=1e-12)
     np.testing.assert_allclose(state.delta_glob["x"], [-0.75, -0.75], rtol=1e-12)
     np.testing.assert_array_equal(state.clients.x["x"], np.zeros((2, 2)))     # R1: x stays x0
     assert int(m1["returning_clients"]) == 0 and np.isnan(m1["beta_mean"])
     state, m2 = step(state, data, jax.random.key(2))
-    # Round 2 (§7.30–32).
+    # Round 2 (T30–T32).
     assert float(m2["beta_mean"]) == pytest.approx(0.710432928, abs=1e-9)
     assert float(m2["angle_mean"]) == pytest.approx(0.785398163, abs=1e-9)
     np.testing.assert_allclose(state.clients.x["x"],
@@ -59,7 +59,7 @@ def test_golden_two_client_example(x64):
 
 @pytest.mark.slow
 def test_keep_sgd_persists_the_end_of_local_sgd(x64):
-    # §7.27 (R2): the kept model is x − η₂Δ_i, the SGD end point; round 1 from x0 = 0 gives
+    # T27 (R2): the kept model is x − η₂Δ_i, the SGD end point; round 1 from x0 = 0 gives
     # z₁ = [0.75, 0] (two steps of 0.5 towards [1, 0]).
     algo, data = golden(keep="sgd")
     state = algo.init(jax.random.key(0), data)
@@ -84,8 +84,8 @@ def test_blend_ablation(x64, blend, beta):
 
 
 def test_local_pseudo_gradient_closed_form(x64):
-    # §7.19: from x, 𝒯 full-batch steps give Δ = (1 − (1 − η₂)^𝒯)(x − c)/η₂ — the sum of the 𝒯
-    # gradients (§7.18). Clients hold 3 and 1 copies of their centre: same full-batch gradient.
+    # T19: from x, 𝒯 full-batch steps give Δ = (1 − (1 − η₂)^𝒯)(x − c)/η₂ — the sum of the 𝒯
+    # gradients (T18). Clients hold 3 and 1 copies of their centre: same full-batch gradient.
     data = centres_data([[2.0, -1.0], [0.5, 4.0]], repeats=[3, 1])
     algo = algorithms.get("pfedsop", model=QUADRATIC, participation=1.0, local_epochs=5,
                           batch_size=3, eta_local=0.2, eta_personal=0.0)
@@ -94,13 +94,13 @@ def test_local_pseudo_gradient_closed_form(x64):
     for i, c in enumerate([[2.0, -1.0], [0.5, 4.0]]):
         expected = (1 - 0.8**5) * (0 - np.array(c)) / 0.2
         np.testing.assert_allclose(state.clients.delta["x"][i], expected, rtol=1e-12)
-    # §7.21: the server mean is unweighted (3 samples vs 1 sample count equally).
+    # T21: the server mean is unweighted (3 samples vs 1 sample count equally).
     np.testing.assert_allclose(state.delta_glob["x"], state.clients.delta["x"].mean(0), rtol=1e-12)
 
 
 @pytest.mark.slow
 def test_new_client_at_a_later_round_and_returning_client(x64):
-    # §7.23–24. Client 0 returns with its own (stale) Δ₀ and model; client 1 is new at round t > 1.
+    # T23–T24. Client 0 returns with its own (stale) Δ₀ and model; client 1 is new at round t > 1.
     data = centres_data([[1.0, 0.0], [0.0, 1.0]])
     algo = algorithms.get("pfedsop", model=QUADRATIC, participation=1.0, local_epochs=1,
                           batch_size=1, eta_local=0.5, eta_personal=1.0, keep="newton")
@@ -140,7 +140,7 @@ def test_unsampled_clients_are_bitwise_unchanged(ragged_data):
 
 @pytest.mark.slow
 def test_zero_personal_lr_keeps_every_model_at_x0(ragged_data):
-    # §7.34: η₁ = 0 under R1: personalised models never move.
+    # T34: η₁ = 0 under R1: personalised models never move.
     algo = algorithms.get("pfedsop", model=linear_model(), participation=0.5, eta_personal=0.0,
                           keep="newton")
     state = algo.init(jax.random.key(0), ragged_data)

@@ -1,4 +1,5 @@
-"""PGFed / PGFedMo / PGFed-CE: spec/pgfed.md §8 against an independent NumPy transcription."""
+"""PGFed / PGFedMo / PGFed-CE: docs/algorithms/pgfed.md#tests (T-numbers below) against an
+independent NumPy transcription."""
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,8 @@ def quadratic_clients(seed=0):
 
 
 def reference_rounds(xs, sampled_per_round, *, mu, eta1, eta2, beta, epochs, momentum, ce=False):
-    """The reference code's round (spec §2.3), literally, one client at a time, in float64.
+    """The reference code's round (docs/algorithms/pgfed.md#round), literally, one client at a
+    time, in float64.
 
     Full batches (B ≥ n_i with drop_last: one step of all n_i samples per epoch), so the batch
     order cannot matter.
@@ -107,7 +109,7 @@ def test_matches_reference_transcription(x64, name, beta, ce):
 
 @pytest.mark.slow
 def test_mu_zero_reproduces_fedavg_exactly(ragged_data):
-    # §8.1: same sampling, batch order, optimizer and init: identical θ trajectories.
+    # T1: same sampling, batch order, optimizer and init: identical θ trajectories.
     hp = dict(participation=0.5, local_epochs=2, batch_size=4, lr=0.05, momentum=0.9,
               momentum_buffer="persist", drop_last=True)
     pg = algorithms.get("pgfed", model=linear_model(), mu=0.0, alpha_lr=0.5, **hp)
@@ -126,7 +128,7 @@ def test_mu_zero_reproduces_fedavg_exactly(ragged_data):
 
 @pytest.mark.slow
 def test_zero_alpha_and_zero_alpha_lr_is_fedavg_training(x64):
-    # §8.2: A ≡ 0 and η₂ = 0 give g̃ = 0 for any μ, and α never moves.
+    # T2: A ≡ 0 and η₂ = 0 give g̃ = 0 for any μ, and α never moves.
     data, xs = quadratic_clients(1)
     algo = algorithms.get("pgfed", model=QUADRATIC, participation=0.6, local_epochs=2,
                           batch_size=8, lr=0.1, mu=0.5, alpha_lr=0.0)
@@ -143,7 +145,7 @@ def test_zero_alpha_and_zero_alpha_lr_is_fedavg_training(x64):
 
 @pytest.mark.slow
 def test_beta_zero_pgfedmo_is_pgfed_bit_for_bit(ragged_data):
-    # §8.4
+    # T4
     hp = dict(participation=0.75, local_epochs=1, batch_size=4)
     a = algorithms.get("pgfed", model=linear_model(), **hp)
     b = algorithms.get("pgfedmo", model=linear_model(), beta=0.0, **hp)
@@ -156,8 +158,8 @@ def test_beta_zero_pgfedmo_is_pgfed_bit_for_bit(ragged_data):
 
 @pytest.mark.slow
 def test_round_two_download_is_gbar_and_momentum_recursion(x64):
-    # §8.8: in round 2 every sampled client's α row is 1/M, so c_i = ḡ for all of them.
-    # §8.6: with full participation a client's held gradient follows c¹, (1−β)c² + βc¹,
+    # T8: in round 2 every sampled client's α row is 1/M, so c_i = ḡ for all of them.
+    # T6: with full participation a client's held gradient follows c¹, (1−β)c² + βc¹,
     # (1−β)c³ + β(1−β)c² + β²c¹.
     data, xs = quadratic_clients(2)
     beta = 0.3
@@ -181,7 +183,7 @@ def test_round_two_download_is_gbar_and_momentum_recursion(x64):
 
 @pytest.mark.slow
 def test_alpha_is_nonnegative_and_only_previous_columns_move(ragged_data):
-    # §8.15–16: α ≥ 0; columns j ∉ S_{t−1} are unchanged during round t; rows of unsampled
+    # T15–T16: α ≥ 0; columns j ∉ S_{t−1} are unchanged during round t; rows of unsampled
     # clients are unchanged.
     algo = algorithms.get("pgfed", model=linear_model(), participation=0.5, alpha_lr=5.0, mu=1.0,
                           local_epochs=1, batch_size=4)
@@ -203,7 +205,7 @@ def test_alpha_is_nonnegative_and_only_previous_columns_move(ragged_data):
 
 @pytest.mark.slow
 def test_gradients_of_the_auxiliary_risk(x64):
-    # §8.9–11: R_aux(θ_i, α_i) = μ Σ_{j∈P} α_ij [L_j + G_j·(θ_i − θ_j)] (eq. 9), built from the
+    # T9–T11: R_aux(θ_i, α_i) = μ Σ_{j∈P} α_ij [L_j + G_j·(θ_i − θ_j)] (eq. 9), built from the
     # state the implementation uploaded in round 1. In round 2, jax.grad of R_aux in θ must be
     # the download the code adds to every step (constant in θ), and the code's α step must be
     # −η₂ times jax.grad in α with the exact μ G_j·θ_i replaced by its mean over j, ḡ·θ_i.
@@ -242,7 +244,7 @@ def test_gradients_of_the_auxiliary_risk(x64):
 
 @pytest.mark.slow
 def test_alpha_update_count_per_client(x64):
-    # §8.17: client i makes exactly E·⌊n_i/B⌋ α updates in a round (drop_last). With ḡ = 0 and
+    # T17: client i makes exactly E·⌊n_i/B⌋ α updates in a round (drop_last). With ḡ = 0 and
     # b_j = −1 every update adds exactly η₂ to each touched α_ij, so the change counts them.
     sizes = [7, 23, 12, 16]
     data = make_data(sizes)
@@ -305,7 +307,7 @@ def test_defaults_follow_the_reference_code():
 
 @pytest.mark.slow
 def test_alpha_recovers_from_zero_only_when_the_gradient_is_negative(x64):
-    # §8.3: from A ≡ 0 an entry leaves 0 only through a step with b_j + s < 0. With one local
+    # T3: from A ≡ 0 an entry leaves 0 only through a step with b_j + s < 0. With one local
     # epoch of one full batch, each sampled client takes exactly one α step, at θ_i = θ_g, so
     # α_ij = max(0, −η₂ (b_j + ḡ·θ_g)): positive exactly where the gradient is negative.
     # Client 2 sits far from the others: its b_j = μ(L_j − G_j·θ_j) is strongly positive while
@@ -336,7 +338,7 @@ def test_alpha_recovers_from_zero_only_when_the_gradient_is_negative(x64):
 
 @pytest.mark.slow
 def test_beta_one_keeps_the_first_download(x64):
-    # §8.5: with β = 1 the held auxiliary gradient stays at its first (copied) download.
+    # T5: with β = 1 the held auxiliary gradient stays at its first (copied) download.
     data, xs = quadratic_clients(5)
     algo = algorithms.get("pgfedmo", model=QUADRATIC, participation=1.0, local_epochs=1,
                           batch_size=8, lr=0.1, mu=0.2, alpha_lr=0.05, beta=1.0)
@@ -352,7 +354,7 @@ def test_beta_one_keeps_the_first_download(x64):
 
 @pytest.mark.slow
 def test_round_one_is_fedavg_for_any_mu(ragged_data):
-    # §8.7: no auxiliary term and no α update in round 1.
+    # T7: no auxiliary term and no α update in round 1.
     hp = dict(participation=0.5, local_epochs=2, batch_size=4, lr=0.05, momentum=0.9,
               momentum_buffer="persist", drop_last=True)
     pg = algorithms.get("pgfed", model=linear_model(), mu=0.7, alpha_lr=0.5, **hp)
@@ -365,7 +367,7 @@ def test_round_one_is_fedavg_for_any_mu(ragged_data):
 
 @pytest.mark.slow
 def test_taylor_gap_on_quadratic_clients(x64):
-    # §8.12: for f_j = mean ½‖θ − x‖², f_j(θ_i) − [L_j + G_j·(θ_i − θ_j)] = ½‖θ_i − θ_j‖².
+    # T12: for f_j = mean ½‖θ − x‖², f_j(θ_i) − [L_j + G_j·(θ_i − θ_j)] = ½‖θ_i − θ_j‖².
     data, xs = quadratic_clients(6)
     algo = algorithms.get("pgfed", model=QUADRATIC, participation=0.6, local_epochs=2,
                           batch_size=8, lr=0.1, mu=0.4, alpha_lr=0.05)
@@ -383,7 +385,7 @@ def test_taylor_gap_on_quadratic_clients(x64):
 
 @pytest.mark.slow
 def test_unsampled_clients_keep_all_their_state(ragged_data):
-    # §8.14/§8.22: θ_i, the held g̃_i, its flag and the optimizer buffer of unsampled clients.
+    # T14/T22: θ_i, the held g̃_i, its flag and the optimizer buffer of unsampled clients.
     algo = algorithms.get("pgfedmo", model=linear_model(), participation=0.5, local_epochs=1,
                           batch_size=4)
     step = jax.jit(algo.round_fn)
@@ -398,7 +400,7 @@ def test_unsampled_clients_keep_all_their_state(ragged_data):
 
 @pytest.mark.slow
 def test_identical_clients_give_identical_models(x64):
-    # §8.27: full participation, identical data on every client, equal α rows.
+    # T27: full participation, identical data on every client, equal α rows.
     x = np.random.default_rng(0).normal(size=(4, 3))
     data = FederatedData.from_arrays(np.tile(x, (3, 1)), np.zeros(12),
                                      [np.arange(0, 4), np.arange(4, 8), np.arange(8, 12)],

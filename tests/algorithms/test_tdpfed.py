@@ -1,8 +1,10 @@
-"""TDPFed, pFedMe and FedAvg (s.a.r.) (spec/tdpfed.md §2.6, §3, §9).
+"""TDPFed, pFedMe and FedAvg (s.a.r.) (docs/algorithms/tdpfed.md#round, #state and #tests;
+T-numbers below).
 
-The golden tests compare the real round_fn (float64) with a NumPy transcription of spec §2.6
-written here from the equations: explicit Khatri–Rao products and unfoldings for the factor
-gradient (eq. 23), Nesterov and Adam written out, softmax-regression gradients by hand.
+The golden tests compare the real round_fn (float64) with a NumPy transcription of
+docs/algorithms/tdpfed.md#round written here from the equations: explicit Khatri–Rao products and
+unfoldings for the factor gradient (eq. 23), Nesterov and Adam written out, softmax-regression
+gradients by hand.
 """
 
 import numpy as np
@@ -101,7 +103,7 @@ class Adam:
 
 
 def reference_client(start, a0, x, y, hp):
-    """ClientUpdate of spec §2.6 for one client: τ local rounds of s NAG + s' factor steps."""
+    """ClientUpdate of tdpfed.md#round for one client: τ local rounds of s NAG + s' factor steps."""
     theta = {k: v.copy() for k, v in start.items()}
     a = {"b": a0["b"].copy(), "w": [f.copy() for f in a0["w"]] if isinstance(a0["w"], list)
          else a0["w"].copy()}
@@ -137,7 +139,7 @@ def reference_client(start, a0, x, y, hp):
 
 
 def reference_round(data, factors, omega, sampled, hp):
-    """One round of spec §2.6 (all clients train; S_t aggregated by AFM or ACT)."""
+    """One round of tdpfed.md#round (all clients train; S_t aggregated by AFM or ACT)."""
     start = omega if omega is not None else recon(factors)
     thetas, locals_, losses = [], [], []
     for k in range(len(SIZES)):
@@ -221,7 +223,7 @@ def test_act_round_matches_the_numpy_transcription(x64):
 
 @pytest.mark.slow
 def test_identity_parameterisation_with_one_gd_factor_step_is_pfedme(ragged_data):
-    """Spec §2.6 / §9.23: CR ×1, s' = 1 plain GD step of lr η: w ← w − ηλ(w − θ̃), pFedMe."""
+    """T23: CR ×1, s' = 1 plain GD step of lr η: w ← w − ηλ(w − θ̃), pFedMe."""
     shared = dict(lam=5.0, personal_lr=0.05, personal_steps=3, beta=1.3, lr=0.03, momentum=0.0,
                   participation=0.5, batch_size=4, local_steps=3)
     td = algorithms.get("tdpfed", model=linear_model(), cr=1.0, factor_opt="gd", factor_steps=1,
@@ -296,7 +298,7 @@ def test_vectorised_backends_equal_the_loop_backend(ragged_data, name, hp):
 
 @pytest.mark.slow
 def test_communication_counts_of_the_mnist_dnn_at_cr2():
-    """Spec §3.4, §9.31: 39,556 floats per client per direction at ×2 (weights + biases), the
+    """T31: 39,556 floats per client per direction at ×2 (weights + biases), the
     dense downlink adds 79,510; S clients upload, all K download."""
     data = make_data([3, 4], feature_dim=784, num_classes=10)
     model = models.get("mlp", (784,), 10)

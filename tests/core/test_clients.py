@@ -13,7 +13,7 @@ from fedjax_pfl import core
 @pytest.mark.parametrize("n,rate,m", [(25, 0.25, 6), (50, 0.25, 12), (100, 0.25, 25), (25, 0.5, 12),
                                       (100, 0.2, 20), (100, 0.07, 7), (10, 1.0, 10), (3, 0.1, 1)])
 def test_num_sampled_is_floor_of_rate(n, rate, m):
-    # spec/pgfed.md §8.24: M = floor(rate·N): 6, 12, 25 at 25 %; at least one client.
+    # docs/algorithms/pgfed.md#t24: M = floor(rate·N): 6, 12, 25 at 25 %; at least one client.
     assert core.num_sampled_clients(n, rate) == m
 
 

@@ -159,8 +159,8 @@ def test_plain_sgd_on_quadratic_matches_closed_form(x64):
 
 
 def test_aux_gradient_and_on_step_hook(x64):
-    # Zero data gradient: θ moves by exactly −K·η·v after K steps (spec/pgfed.md §8.26), and the
-    # hook sees θ BEFORE each step: it accumulates Σ_k θ_{k−1}·1.
+    # Zero data gradient: θ moves by exactly −K·η·v after K steps (docs/algorithms/pgfed.md#t26),
+    # and the hook sees θ BEFORE each step: it accumulates Σ_k θ_{k−1}·1.
     data = make_data([6])
     model = Model(init=lambda k: {"w": jnp.zeros(2)}, apply=lambda p, x: 0.0 * x[:, :1] + 0 * p["w"][0],
                   loss=lambda out, y: out[:, 0])

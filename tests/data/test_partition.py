@@ -75,7 +75,8 @@ def test_pathological_two_labels_per_client_pfedme_assignment():
 
 
 def test_shards_count_reading_of_pfedsop():
-    # pFedSOP CIFAR-10: 200 shards of 300 for 100 clients, b = 2 shards each (spec A11).
+    # pFedSOP CIFAR-10: 200 shards of 300 for 100 clients, b = 2 shards each
+    # (docs/algorithms/pfedsop.md#a11).
     labels = np.repeat(np.arange(10), 6000)
     parts = P.shards(labels, 100, seed=0, shards_per_client=2)
     _check_disjoint(parts, labels.size)

@@ -1,5 +1,5 @@
-"""CP layers and networks: equal to dense layers with the reconstructed weights (spec §9.13–15),
-parameter counts of CP-DNN / CP-VGG8 (spec §1.4, §3.4)."""
+"""CP layers and networks: equal to dense layers with the reconstructed weights
+(docs/algorithms/tdpfed.md#tests, T13–T15), parameter counts of CP-DNN / CP-VGG8 (T12, T31)."""
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +103,7 @@ def test_cp_networks_equal_the_dense_network_with_reconstructed_weights(name, sh
     np.testing.assert_allclose(out[0], got, rtol=1e-5, atol=1e-5)
 
 
-# Spec §1.4 / §3.4: floats per model, weights + biases.
+# docs/algorithms/tdpfed.md#t12, #t31: floats per model, weights + biases.
 COUNTS = {("mlp", (28, 28, 1)): {1: 79_510, 1.5: 52_926, 2: 39_556},
           ("vgg8", (32, 32, 3)): {1: 1_112_650, 1.5: 741_534, 2: 556_745}}
 

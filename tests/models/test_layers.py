@@ -200,7 +200,7 @@ def test_max_pool_matches_reduce_window():
     ((32, 32, 3), 10, 878_538), ((32, 32, 3), 100, 924_708),
     ((28, 28, 1), 11, 582_539), ((32, 32, 3), 65, 906_753)])
 def test_fedavg_cnn_parameter_counts(shape, classes, total):
-    # spec/pgfed.md §2.7: CIFAR10, CIFAR100, OrganAMNIST, Office-home.
+    # docs/algorithms/pgfed.md#model: CIFAR10, CIFAR100, OrganAMNIST, Office-home.
     params = jax.eval_shape(models.get("cnn", shape, classes).init, jax.random.key(0))
     assert tree_size(params) == total
     fc1 = 1600 if shape[0] == 32 else 1024

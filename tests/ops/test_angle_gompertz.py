@@ -1,4 +1,4 @@
-"""Angle, Gompertz weight and blend: spec/pfedsop.md §7 items 1–10 and 33."""
+"""Angle, Gompertz weight and blend: docs/algorithms/pfedsop.md#tests, T1–T10 and T33."""
 
 import chex
 import jax
@@ -12,7 +12,7 @@ from fedjax_pfl import ops
 
 LAMBDAS = (0.5, 1.0, 2.5, 5.0)
 PHIS = (0.0, np.pi / 4, 1.0, np.pi / 2, 2.0, 3 * np.pi / 4, np.pi)
-# spec §7.3, computed there in float64 from β = 1 − exp(−exp(−λ(φ − 1))).
+# docs/algorithms/pfedsop.md#t3, computed in float64 from β = 1 − exp(−exp(−λ(φ − 1))).
 TABLE = {
     0.5: (0.807704, 0.671517, 0.632121, 0.528443, 0.454761, 0.398051, 0.290174),
     1.0: (0.934012, 0.710433, 0.632121, 0.431683, 0.307799, 0.227126, 0.110831),
@@ -52,7 +52,7 @@ class GompertzTest(parameterized.TestCase):
         np.testing.assert_allclose(ops.gompertz_weight(half, lams), 0.5, rtol=1e-6)
 
     def test_not_the_literal_latex_parse(self):
-        # spec §7.7: 1 − e^{eλ(φ−1)} would give −3.7189 at φ = π/2, λ = 1.
+        # T7: 1 − e^{eλ(φ−1)} would give −3.7189 at φ = π/2, λ = 1.
         beta = float(ops.gompertz_weight(np.pi / 2, 1.0))
         assert beta == pytest.approx(0.431683, abs=1e-6)
         assert beta != pytest.approx(1 - np.exp(np.e * (np.pi / 2 - 1)), abs=1e-3)
@@ -90,7 +90,7 @@ class AngleTest(parameterized.TestCase):
 
     @jax.enable_x64(True)
     def test_global_norms_not_per_layer(self):
-        # spec §7.33: leaf-wise with global norms equals the ravelled vector; per-layer differs.
+        # T33: leaf-wise with global norms equals the ravelled vector; per-layer differs.
         rng = np.random.default_rng(2)
         a = {"w": rng.normal(size=(4, 3)), "b": rng.normal(size=3) * 10}
         b = {"w": rng.normal(size=(4, 3)), "b": rng.normal(size=3)}
@@ -108,9 +108,9 @@ def blend(delta_i, delta_glob, lam=1.0):
 
 
 @pytest.mark.parametrize("delta_i,delta_glob,beta,expected", [
-    ([1.0, 0.0], [0.0, 1.0], 0.431683, [0.568317, 0.431683]),      # §7.10: φ = π/2
-    ([1.0, 0.0], [1.0, 1.0], 0.710433, [1.0, 0.710433]),           # §7.10: φ = π/4
-    ([1.0, 2.0], [-1.0, -2.0], 0.110831, [0.778339, 1.556677]),    # §7.8: φ = π, Δᵖ = (1 − 2β)Δ_i
+    ([1.0, 0.0], [0.0, 1.0], 0.431683, [0.568317, 0.431683]),      # T10: φ = π/2
+    ([1.0, 0.0], [1.0, 1.0], 0.710433, [1.0, 0.710433]),           # T10: φ = π/4
+    ([1.0, 2.0], [-1.0, -2.0], 0.110831, [0.778339, 1.556677]),    # T8: φ = π, Δᵖ = (1 − 2β)Δ_i
 ])
 def test_blend_worked_examples(delta_i, delta_glob, beta, expected):
     got, b = blend({"w": jnp.array(delta_i)}, {"w": jnp.array(delta_glob)})
@@ -119,10 +119,10 @@ def test_blend_worked_examples(delta_i, delta_glob, beta, expected):
 
 
 def test_blend_weights_the_global_update():
-    # §7.8: Δ_i = cΔ (φ = 0) gives (1 − β₀)cΔ + β₀Δ with β₀ = 0.934012.
+    # T8: Δ_i = cΔ (φ = 0) gives (1 − β₀)cΔ + β₀Δ with β₀ = 0.934012.
     d = jnp.array([0.3, -1.2, 2.0])
     got, b = blend({"w": 4.0 * d}, {"w": d})
     assert float(b) == pytest.approx(0.934012, abs=2e-6)
     np.testing.assert_allclose(got["w"], (1 - 0.934012) * 4.0 * d + 0.934012 * d, rtol=1e-5)
-    same, _ = blend({"w": d}, {"w": d}, lam=3.0)       # §7.9: Δ_i == Δ leaves it unchanged
+    same, _ = blend({"w": d}, {"w": d}, lam=3.0)       # T9: Δ_i == Δ leaves it unchanged
     np.testing.assert_allclose(same["w"], d, rtol=1e-6)

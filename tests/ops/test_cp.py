@@ -1,4 +1,5 @@
-"""CP ops against naive numpy references (spec/tdpfed.md §9, properties 1–12, 16–18, 26–28)."""
+"""CP ops against naive numpy references (docs/algorithms/tdpfed.md#tests, T1–T12,
+T16–T18, T26–T28)."""
 
 import itertools
 
@@ -83,8 +84,9 @@ def test_gauge_invariances(x64):
 
 @pytest.mark.parametrize("shape", [(4, 3), (3, 4, 2), (2, 3, 4, 3)])
 def test_unfolding_convention(x64, shape):
-    """C-order unfolding pairs with the INCREASING-order Khatri–Rao product (spec §1.1); the
-    paper's reverse order (Kolda's Fortran convention) must not match it."""
+    """C-order unfolding pairs with the INCREASING-order Khatri–Rao product
+    (docs/algorithms/tdpfed.md#cp); the paper's reverse order (Kolda's Fortran convention) must not
+    match it."""
     f = factors_np(shape, 3, seed=4)
     x = np.asarray(ops.cp_reconstruct(f))
     for n in range(len(shape)):
@@ -107,8 +109,8 @@ def test_gram_identity(x64):
 
 @pytest.mark.parametrize("shape", [(5, 4), pytest.param((3, 3, 4, 2), marks=pytest.mark.slow)])
 def test_fit_gradient_closed_form(x64, shape):
-    """∇_{A^(n)} ½‖θ − ⟦A⟧‖² = A^(n)V_n − θ_(n)H_n = unfold(⟦A⟧ − θ, n) H_n (spec §9.16), and
-    jax.grad of the naive objective agrees; the paper's eq. (15) sign does not (§9.17)."""
+    """∇_{A^(n)} ½‖θ − ⟦A⟧‖² = A^(n)V_n − θ_(n)H_n = unfold(⟦A⟧ − θ, n) H_n (T16), and
+    jax.grad of the naive objective agrees; the paper's eq. (15) sign does not (T17)."""
     f = factors_np(shape, 3, seed=6)
     theta = np.random.default_rng(7).normal(size=shape)
 
@@ -173,7 +175,7 @@ def test_exact_representability(x64):
 
 def test_adam_factor_fitting_recovers_a_low_rank_tensor():
     """Gradient-based CP fitting (what TDPFed's factor steps do) reaches 1e-3 relative error on
-    an exactly rank-2 tensor at rank 3 within a fixed budget (spec §9.9)."""
+    an exactly rank-2 tensor at rank 3 within a fixed budget (T9)."""
     target = ops.cp_reconstruct([jnp.asarray(a, jnp.float32) for a in factors_np((5, 4, 3), 2, 10)])
     f = [jnp.asarray(0.5 * a, jnp.float32) for a in factors_np((5, 4, 3), 3, seed=11)]
     opt = optax.adam(0.02)
@@ -228,12 +230,13 @@ def test_rank_rule_reproduces_table_one(layer):
     dims, r1, r2 = TABLE_I[layer]
     assert ops.cp_rank_for_compression(dims, 1.5) == r1
     assert ops.cp_rank_for_compression(dims, 2.0) == r2
-    # Floor would give a different rank for three of the twenty entries (spec §1.4).
+    # Floor would give a different rank for three of the twenty entries
+    # (docs/algorithms/tdpfed.md#ranks).
     assert ops.cp_num_params(dims, r2) == r2 * sum(dims)
 
 
 def test_weight_totals_and_overall_compression():
-    """Spec §1.4: DNN 52,816 / 39,446 CP weights vs 79,400; VGG8 740,276 / 555,487 vs 1,111,392."""
+    """T12: DNN 52,816 / 39,446 CP weights vs 79,400; VGG8 740,276 / 555,487 vs 1,111,392."""
     for model, r1_total, r2_total, dense_total in (("DNN", 52_816, 39_446, 79_400),
                                                    ("VGG", 740_276, 555_487, 1_111_392)):
         layers = [v for k, v in TABLE_I.items() if k.startswith(model)]
@@ -243,9 +246,9 @@ def test_weight_totals_and_overall_compression():
 
 
 def test_afm_equals_act_when_clients_differ_in_one_mode_only(x64):
-    """Multilinearity (spec §9.26): averaging factors that differ in ONE mode equals averaging
+    """Multilinearity (T26): averaging factors that differ in ONE mode equals averaging
     the reconstructed tensors; with two differing modes it does not; and a sign-flipped gauge
-    makes factor averaging collapse (§9.27)."""
+    makes factor averaging collapse (T27)."""
     f = factors_np((3, 4, 2), 2, seed=16)
     g = [f[0], factors_np((4,), 2, seed=17)[0], f[2]]
     afm = ops.cp_reconstruct([(a + b) / 2 for a, b in zip(f, g)])

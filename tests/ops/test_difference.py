@@ -1,6 +1,7 @@
-"""First differences Λ, difference_solve and the compressed uplink: spec/fedpc.md §5 and §7.
+"""First differences Λ, difference_solve and the compressed uplink:
+docs/algorithms/fedpc.md#compression, #f2, #f3 and #tests.
 
-Every [fix] of §5 has a test the draft's formula fails: the r-step threshold 1/ρ_c (not ρ), the
+Every fix (F2, F3) has a test the draft's formula fails: the r-step threshold 1/ρ_c (not ρ), the
 y-step constant c = ρ_c·η·γ (not 4/(ρηγ)), and the inverse (the draft's P(cΣ + 1)P⁻¹ is the
 matrix itself). References are dense float64 numpy solves and scipy's SLSQP (convex_reference.py).
 """

@@ -1,5 +1,6 @@
 """The similarity graph, Laplacian solves, the Z-subproblem ADMM and client distances:
-spec/fedpc.md §2, §4 and §7. References: dense float64 numpy and scipy SLSQP (convex_reference.py).
+docs/algorithms/fedpc.md#graph, #round and #tests. References: dense float64 numpy and scipy
+SLSQP (convex_reference.py).
 """
 
 import jax
@@ -172,7 +173,7 @@ def test_z_step_solves_its_normal_equations(x64):
 
 
 def test_lambda_zero_gives_the_plain_gradient_step(x64):
-    # §7: with λ = 0 the personal parts follow z ← z − η·(G/N), independently of the graph.
+    # T2: with λ = 0 the personal parts follow z ← z − η·(G/N), independently of the graph.
     z_t, linear, graph = small_problem(seed=14)
     res = G.graph_prox_admm(jnp.asarray(z_t), jnp.asarray(linear), jnp.zeros((4, 3)), jnp.zeros((4, 3)),
                             graph, eta=0.5, lam=0.0, rho=1.0, p=2, iters=200)
@@ -181,7 +182,7 @@ def test_lambda_zero_gives_the_plain_gradient_step(x64):
 
 @pytest.mark.parametrize("p", ["1", "2", "inf"])
 def test_large_lambda_makes_all_personal_parts_equal(x64, p):
-    # §7: λ → ∞ on a connected graph: consensus at the mean of Z_t − η·G/N.
+    # T3: λ → ∞ on a connected graph: consensus at the mean of Z_t − η·G/N.
     z_t, linear, graph = small_problem(seed=15)
     res = G.graph_prox_admm(jnp.asarray(z_t), jnp.asarray(linear), jnp.zeros((4, 3)), jnp.zeros((4, 3)),
                             graph, eta=0.5, lam=1e4, rho=1.0, p=p, iters=400)

@@ -3,7 +3,7 @@
 factor is invisible) or a single iteration (where Ω_{k+1} is never used), and at convergence the
 minimiser does not depend on the dual step either, so the guard follows the iterates: K = 6
 iterations from a non-zero warm start at ρ ≠ 1 against an ADMM written here in float64 NumPy,
-directly from the scaled-form equations of spec/fedpc.md §4 step 4:
+directly from the scaled-form equations of docs/algorithms/fedpc.md#round step 4:
 
     Z_{k+1} = (I + ηρL)⁻¹ (Z_t − η·linear + η Q(Ω_k + ρW_k))
     W_{k+1} = prox_{(λ/ρ)‖·‖_p}(QᵀZ_{k+1} − Ω_k/ρ)     row by row

@@ -1,4 +1,4 @@
-"""prox_norm, soft_threshold, project_l1_ball: spec/fedpc.md §4 [fix] and §7 item 1.
+"""prox_norm, soft_threshold, project_l1_ball: docs/algorithms/fedpc.md#f1 and T1.
 
 Expected values come from scipy's generic SLSQP on the epigraph form (convex_reference.py) and
 from a bisection on the ℓ1-ball threshold, both in float64.

@@ -1,4 +1,4 @@
-"""The Sherman–Morrison step: spec/pfedsop.md §7 items 11–17 and 35."""
+"""The Sherman–Morrison step: docs/algorithms/pfedsop.md#tests, T11–T17 and T35."""
 
 import chex
 import jax
@@ -26,13 +26,13 @@ class ShermanMorrisonTest(parameterized.TestCase):
             got = self.variant(ops.sherman_morrison_step)({"w": jnp.asarray(g)}, rho)["w"]
             np.testing.assert_allclose(got, dense, rtol=1e-12, atol=1e-13)
             np.testing.assert_allclose(two_term(jnp.asarray(g), rho), dense, rtol=1e-9)
-            # §7.13: (ggᵀ + ρI)Δ̄ = g, applying F implicitly.
+            # T13: (ggᵀ + ρI)Δ̄ = g, applying F implicitly.
             np.testing.assert_allclose(g * np.dot(g, got) + rho * np.asarray(got), g, rtol=1e-12)
 
     @parameterized.parameters(
         ([1.0, 2.0, 2.0], 1.0, [0.1, 0.2, 0.2]),                        # ‖g‖² = 9: g / 10
         ([3.0, 4.0], 0.5, [3 / 25.5, 4 / 25.5]),                         # ‖g‖² = 25
-        ([0.568317, 0.431683], 1.0, [0.376535, 0.286009]),               # §7.12
+        ([0.568317, 0.431683], 1.0, [0.376535, 0.286009]),               # T12
         ([1.0, 0.710433], 1.0, [0.399247, 0.283638]),
     )
     def test_fixed_cases(self, g, rho, expected):
@@ -65,7 +65,7 @@ class ShermanMorrisonTest(parameterized.TestCase):
 
 
 def test_float32_stability():
-    # §7.16: d = 10⁶, ‖g‖² ≈ 2500, ρ = 1e-3. The implemented step stays within 1e-5 of float64;
+    # T16: d = 10⁶, ‖g‖² ≈ 2500, ρ = 1e-3. The implemented step stays within 1e-5 of float64;
     # the literal two-term form loses ~16 % (this test guards the choice of formula).
     rng = np.random.default_rng(0)
     g64 = rng.normal(size=1_000_000) * np.sqrt(2500 / 1_000_000)
@@ -79,7 +79,7 @@ def test_float32_stability():
 
 
 def test_no_d_by_d_array_in_the_personalization_step():
-    # §7.17: the jaxpr of one client's personalisation (angle, β, blend, Newton step, update)
+    # T17: the jaxpr of one client's personalisation (angle, β, blend, Newton step, update)
     # contains no array with d² or more elements.
     params = {"w": jnp.ones((10, 5)), "b": jnp.ones(7)}
     d = 57
