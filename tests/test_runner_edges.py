@@ -171,3 +171,22 @@ def test_a_one_round_curve_is_drawn_with_markers():
                                                    "train_loss": 1.0} for r in (1, 2, 3)]})
     assert fig.axes[0].get_lines()[0].get_marker() in ("None", None, "")
     plt.close(fig)
+
+
+def test_log_tensorboard_in_a_real_run_holds_the_metrics_rows_and_overwrite_clears_it(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    prep = helpers.default_prepared("fedavg")
+    out = tmp_path / "run"
+    runner.run(_config(out, 3, "--log", "tensorboard"), prepared=prep, log=quiet)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    for key in ("train_loss", "acc_mean"):
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == [row["round"] for row in rows]
+        np.testing.assert_allclose([e.value for e in events], [row[key] for row in rows],
+                                   rtol=1e-6)     # TensorBoard stores float32
+    # A new run in that directory (--overwrite) starts without the old run's sink files.
+    runner.run(_config(out, 1), prepared=prep, log=quiet)
+    assert not (out / "tensorboard").exists()

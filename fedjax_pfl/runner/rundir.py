@@ -11,6 +11,7 @@ Output directory:
   learning_curve.png      accuracy and loss against rounds
   label_distribution.png  clients × classes sample counts
   checkpoints/round_RRRRRR/  the full state after round R (`runner.checkpoints`; the last two)
+  tensorboard/, mlflow.db, wandb/, …  what the metric sinks of --log write (`fedjax_pfl.sinks`)
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from fedjax_pfl import sinks
+
 # Files a run writes into its output directory (and removes from it when it starts afresh).
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "client_metrics.npz",
-             "learning_curve.png", "label_distribution.png", "checkpoints")
+             "learning_curve.png", "label_distribution.png", "checkpoints",
+             *sinks.RUN_FILES)       # what the metric sinks of --log write
 
 
 def check_out(out: str, *, overwrite: bool = False, resume: bool = False) -> None:
