@@ -41,7 +41,8 @@ def use_cpu_cores(count: int | None = None) -> int:
 
 def use_compile_cache(directory: str | None = None) -> str:
     """Turns on JAX's persistent compilation cache in `directory` (default
-    $FEDJAX_PFL_COMPILE_CACHE, else $XDG_CACHE_HOME/fedjax_pfl/jax or ~/.cache/fedjax_pfl/jax).
+    $FEDJAX_PFL_COMPILE_CACHE, else $JAX_COMPILATION_CACHE_DIR, else
+    $XDG_CACHE_HOME/fedjax_pfl/jax or ~/.cache/fedjax_pfl/jax).
 
     A compiled XLA executable is stored under a key of the program and compiler settings, so a
     second run of the same configuration (same algorithm, model, shapes, backend and devices)
@@ -52,15 +53,19 @@ def use_compile_cache(directory: str | None = None) -> str:
     import jax
 
     if directory is None:
-        directory = os.environ.get("FEDJAX_PFL_COMPILE_CACHE") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-            "fedjax_pfl", "jax")
+        directory = (os.environ.get("FEDJAX_PFL_COMPILE_CACHE")
+                     or os.environ.get("JAX_COMPILATION_CACHE_DIR")      # the user's own JAX cache
+                     or os.path.join(os.environ.get("XDG_CACHE_HOME")
+                                     or os.path.join(os.path.expanduser("~"), ".cache"),
+                                     "fedjax_pfl", "jax"))
     os.makedirs(directory, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", directory)
     # Every program is worth keeping: our rounds compile in 0.3 s to minutes, and even the small
-    # ones add up over a sweep (JAX's default threshold is 1 s).
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # ones add up over a sweep (JAX's default thresholds keep only those over 1 s).
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return directory
 
 
