@@ -125,6 +125,16 @@ def test_make_builds_one_callback_per_name(tmp_path):
         sinks.make(["csv"], str(tmp_path))
 
 
+def test_a_sink_made_without_out_writes_to_the_runs_out(tmp_path):
+    [sink] = sinks.make(["tensorboard"], None)
+    sink.on_run_start(RunStart(str(tmp_path / "run"), CONFIG, 0, 6))
+    sink.on_run_end(_summary(0, interrupted=False))
+    assert os.listdir(tmp_path / "run" / "tensorboard")
+    [sink] = sinks.make(["tensorboard"], None)
+    with pytest.raises(ValueError, match="--log tensorboard needs a run directory"):
+        sink.on_run_start(RunStart(None, CONFIG, 0, 6))
+
+
 # --- TensorBoard ------------------------------------------------------------------------------
 
 def _tensorboard_accumulator(out):
@@ -193,6 +203,8 @@ def test_mlflow_run_params_metrics_status_and_resume(tmp_path, monkeypatch, empt
     from fedjax_pfl.sinks import mlflow as mlflow_sink
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    # MLflow then refuses an overlong param instead of cutting it itself: the sink must cut it.
+    monkeypatch.setenv("MLFLOW_TRUNCATE_LONG_VALUES", "false")
     out = str(tmp_path)
     shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")

@@ -24,6 +24,7 @@ points at its step (the same values when the resumed run repeats the rounds exac
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import re
@@ -66,7 +67,15 @@ class Sink(Callback):
     def on_run_start(self, start: RunStart) -> None:
         out = _common.run_dir(self.out, start.out, "mlflow")
         default_store = not os.environ.get("MLFLOW_TRACKING_URI")
-        self.client = MlflowClient(tracking_uri=tracking_uri(out))
+        # MLflow announces the tables it makes in a new SQLite store at INFO, through the
+        # progress bar; a store it cannot open still raises.
+        db_log = logging.getLogger("mlflow.store.db.utils")
+        level = db_log.level
+        db_log.setLevel(logging.WARNING)
+        try:
+            self.client = MlflowClient(tracking_uri=tracking_uri(out))
+        finally:
+            db_log.setLevel(level)
         id_file = os.path.join(out, ID_FILE)
         params = {_key(k): str(v)[:_MAX_VALUE] for k, v in _common.flatten(start.config).items()}
         self.run_id = _common.read_id(id_file) if start.first_round > 0 else None
