@@ -494,7 +494,11 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
             fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
         else:
             fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (not on GPU)
-        if not args.no_compile_cache:
+        if args.no_compile_cache:
+            import jax
+
+            jax.config.update("jax_enable_compilation_cache", False)   # $JAX_COMPILATION_CACHE_DIR too
+        else:
             fedjax_pfl.use_compile_cache()
         from fedjax_pfl import core, runner
         from fedjax_pfl.checkpoint import CheckpointError

@@ -18,6 +18,7 @@ FLAGS = ["--algo", "pgfed", "--rounds", "3", "--clients", "6", "--quiet"]
 
 def _run(out, cache, *extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FEDJAX_PFL_COMPILE_CACHE": str(cache)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)      # the suite's own cache (tests/conftest.py)
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), *FLAGS,
                            "--out", str(out), *extra], capture_output=True, text=True, env=env,
                           timeout=600)
