@@ -17,8 +17,10 @@ callbacks of this protocol, and a notebook passes its own with `run(cfg, callbac
             if "acc_mean" in event.row:
                 print(event.round, event.row["acc_mean"])
 
-A callback that raises stops the run (the exception propagates after the run's record is
-written), so a callback can also end a run early on a condition of its own.
+The run's own writers run first, inside the block that records a round (signals wait until
+it is written); the metric sinks and the caller's callbacks run after it. A callback that raises
+stops the run: a KeyboardInterrupt is handled as Ctrl-C is (the rounds done are recorded and
+`runner.Interrupted` is raised), any other exception propagates at once.
 """
 
 from __future__ import annotations
