@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(resumable; exit 130 and 143)")
     g.add_argument("--log", default="",
                    help="metric sinks besides metrics.jsonl, comma-separated: tensorboard "
-                        "(OUT/tensorboard), mlflow (OUT/mlruns unless MLFLOW_TRACKING_URI is set), "
+                        "(OUT/tensorboard), mlflow (OUT/mlflow.db unless MLFLOW_TRACKING_URI is set), "
                         "wandb (offline in OUT/wandb unless WANDB_MODE is set); each needs its "
                         "extra: pip install \"fedjax_pfl[tensorboard]\" (or mlflow, wandb, log)")
     g.add_argument("--no-compile-cache", action="store_true",
