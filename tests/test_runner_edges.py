@@ -190,3 +190,31 @@ def test_log_tensorboard_in_a_real_run_holds_the_metrics_rows_and_overwrite_clea
     # A new run in that directory (--overwrite) starts without the old run's sink files.
     runner.run(_config(out, 1), prepared=prep, log=quiet)
     assert not (out / "tensorboard").exists()
+
+
+def _cli_resume_refused(out, argv, capsys):
+    import run as cli     # experiments/run.py
+
+    before = _snapshot(out)
+    ckpts = {n: sorted(os.listdir(out / "checkpoints" / n)) for n in os.listdir(out / "checkpoints")}
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--resume", str(out), "--quiet", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1, err
+    assert _snapshot(out) == before                     # no file of the run changed
+    assert {n: sorted(os.listdir(out / "checkpoints" / n))
+            for n in os.listdir(out / "checkpoints")} == ckpts
+    return err[0]
+
+
+def test_cli_resume_with_fewer_rounds_or_no_intact_checkpoint_is_one_line_exit_2(tmp_path, capsys):
+    prep = helpers.default_prepared("fedavg")
+    out = tmp_path / "run"
+    runner.run(_config(out, 4), prepared=prep, log=quiet)
+    line = _cli_resume_refused(out, ["--rounds", "3"], capsys)
+    assert line.startswith("run.py: error: --rounds 3 is less than the 4 rounds")
+    for name in os.listdir(out / "checkpoints"):
+        _truncate_an_array_file(str(out / "checkpoints" / name))
+    line = _cli_resume_refused(out, ["--rounds", "6"], capsys)
+    assert line.startswith("run.py: error: --resume: no intact checkpoint in")
+    assert "round_000004" in line and "arrays" in line
