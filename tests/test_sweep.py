@@ -52,11 +52,9 @@ def test_sweep_tool_writes_a_table_and_resumes(tmp_path, capsys):
     import sweep as tool
 
     argv = ["--out", str(tmp_path), "--algos", "fedavg", "local", "--seeds", "0", "1",
-            "--grid", "lr=0.05,0.1", "--grid", "ft_epochs=1",
-            "--common", "--rounds 2 --clients 6 --quiet"]
+            "--grid", "lr=0.05,0.1", "--common", "--rounds 2 --clients 6 --quiet"]
     assert tool.main(argv) == 0
-    out = capsys.readouterr().out
-    assert "fedavg: no hyperparameter ['ft_epochs']" in out
+    capsys.readouterr()
     table = (tmp_path / "results.md").read_text()
     for algo in ("fedavg", "local"):
         for lr in ("0.05", "0.1"):
