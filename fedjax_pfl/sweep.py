@@ -5,7 +5,7 @@ hyperparameters that the algorithm uses only in arithmetic (`AlgorithmSpec.trace
 λ, β, …) share every shape, so `VectorProgram` stacks their states along a leading "run" axis
 and vmaps init, round and evaluation over it: one compile for the whole group, and vectorised
 work across runs. The hyperparameters enter the traced program as arrays: the algorithm factory
-is called inside the trace with them (`spec.factory(model=…, lr=<tracer>, …)`).
+is called inside the trace with them (`spec.build(model, {…, "lr": <tracer>})`).
 
 With several devices the runs are split across them (each device holds whole runs; the clients of
 a run are not split further), so V runs on D devices need no communication at all.
@@ -99,7 +99,7 @@ class VectorProgram:
         """The algorithm with traced hyperparameters (inside the trace); clients of a run stay on
         the run's device."""
         with core.single_device_clients():
-            return self.spec.factory(model=self.model, **self.static, **hp)
+            return self.spec.build(self.model, {**self.static, **hp})
 
     def _per_device(self, fn):
         """fn over the local runs [V/D, ...]; with a mesh, each device takes a block of runs."""

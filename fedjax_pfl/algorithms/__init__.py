@@ -11,6 +11,7 @@ from fedjax_pfl.algorithms.base import (
     COMMON_HPARAMS,
     Algorithm,
     AlgorithmSpec,
+    EngineConfig,
     HParam,
     get,
     names,
@@ -21,4 +22,5 @@ for _module in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
     if _module != "base":
         _importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["COMMON_HPARAMS", "Algorithm", "AlgorithmSpec", "HParam", "get", "names", "spec"]
+__all__ = ["COMMON_HPARAMS", "Algorithm", "AlgorithmSpec", "EngineConfig", "HParam", "get", "names",
+           "spec"]

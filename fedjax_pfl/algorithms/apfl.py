@@ -58,9 +58,10 @@ def mixed_gradients(loss_fn, w: Params, v: Params, alpha: jax.Array):
         v, alpha)
 
 
-def apfl(model: Model, *, alpha: float, alpha_lr: float, **common: Any) -> base.Algorithm:
+def apfl(model: Model, config: base.EngineConfig, *, alpha: float, alpha_lr: float
+         ) -> base.Algorithm:
     """APFL; see the module docstring."""
-    inner = optax.sgd(common["lr"], momentum=common["momentum"] or None)
+    inner = optax.sgd(config.lr, momentum=config.momentum or None)
 
     def apfl_step(params, opt_state, x, y, mask, extra):
         """One minibatch: SGD on w_k and v_k, projected SGD on α_k (module docstring)."""
@@ -75,8 +76,8 @@ def apfl(model: Model, *, alpha: float, alpha_lr: float, **common: Any) -> base.
         return (w, v, a), opt_state, loss
 
     engine = base.Engine(
-        model, optimizer=optax.GradientTransformation(lambda p: inner.init((p[0], p[1])), _unused),
-        step_fn=apfl_step, **common)
+        model, config, step_fn=apfl_step,
+        optimizer=optax.GradientTransformation(lambda p: inner.init((p[0], p[1])), _unused))
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)

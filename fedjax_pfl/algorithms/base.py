@@ -16,6 +16,10 @@ whose personalised models only its sampled rounds change says so with `evaluate_
 
 `round_fn` returns at least: "sampled" [M] client ids, "train_loss" [M] mean local minibatch loss
 per sampled client, "client_steps" () the number of local steps taken (for throughput).
+
+A factory is `factory(model, config: EngineConfig, *, <its own hyperparameters by name>)`;
+`get` validates the hyperparameters (`AlgorithmSpec.resolve`) and splits them between the two
+(`AlgorithmSpec.build`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core
+from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.core.evaluate import ClientEval, Evaluator
 from fedjax_pfl.core.local import LocalResult, LocalTrainer
 from fedjax_pfl.data.federated import FederatedData
@@ -184,6 +189,39 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The common hyperparameters (`COMMON_HPARAMS`, same names, same defaults) that configure the
+    shared `Engine`: sampling, the client optimizer, the local-training schedule, the backend and
+    evaluation batching. Every factory takes one as its second argument, and its own
+    hyperparameters by name, so its signature shows which settings are its own; where a factory
+    uses a common setting itself (a fine-tuner's batch size, pFedSOP's η), it reads it from here.
+
+    No field is checked or converted here (`AlgorithmSpec.resolve` validates the flags): a sweep
+    passes the traceable ones, e.g. `lr`, as traced arrays (fedjax_pfl.sweep).
+    """
+
+    participation: float = 0.25   # fraction of the N real clients sampled per round: M = ⌊N·rate⌋
+    local_epochs: int = 1         # E: local epochs per round (unless local_steps is set)
+    local_steps: int | None = None  # K: exactly K local minibatch steps per round instead of epochs
+    batch_size: int = 10          # B: local minibatch size
+    lr: float = 0.05              # client learning rate η of sgd(η, momentum)
+    momentum: float = 0.0         # SGD momentum of the client optimizer (0: plain SGD)
+    momentum_buffer: str = "reset"  # 'persist': each client's buffer kept across rounds; 'reset'
+    drop_last: bool = False       # drop each epoch's last partial batch (⌊n/B⌋ steps, not ⌈n/B⌉)
+    backend: str = "chunked"      # how sampled clients run: core.BACKENDS
+    chunk_size: int = 0           # clients per chunk (chunked backend, evaluation); 0: automatic
+    eval_batch_size: int = 0      # test samples per evaluation batch; 0: automatic
+
+    @classmethod
+    def split(cls, hparams: Mapping[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
+        """(the configuration from the common names in `hparams`, absent ones at their
+        defaults; the remaining names, an algorithm's own hyperparameters)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        config = cls(**{k: v for k, v in hparams.items() if k in names})
+        return config, {k: v for k, v in hparams.items() if k not in names}
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
     """A registered algorithm: its factory, own hyperparameters and overrides of common defaults."""
 
@@ -217,6 +255,14 @@ class AlgorithmSpec:
             )
         return {name: hp.validate(overrides.get(name), flag) for name, (hp, flag) in table.items()}
 
+    def build(self, model: Model, hparams: Mapping[str, Any]) -> Algorithm:
+        """`factory(model, EngineConfig(common), **own)` from a full set of hyperparameters (e.g.
+        `resolve`'s): the common ones (`COMMON_HPARAMS`) go into the engine configuration, this
+        algorithm's own ones to the factory by name. Nothing is validated or converted here, so
+        a sweep may pass traced arrays (fedjax_pfl.sweep)."""
+        config, own = EngineConfig.split(hparams)
+        return self.factory(model, config, **own)
+
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
 
@@ -242,7 +288,7 @@ def get(name: str, *, model: Model, **hparams: Any) -> Algorithm:
     """Builds algorithm `name` for `model` with validated hyperparameters (others at defaults)."""
     s = spec(name)
     resolved = s.resolve(hparams)
-    algo = s.factory(model=model, **resolved)
+    algo = s.build(model, resolved)
     return algo._replace(name=name, hparams=resolved)
 
 
@@ -256,39 +302,32 @@ class Engine:
     def __init__(
         self,
         model: Model,
+        config: EngineConfig,
         *,
-        participation: float,
-        local_epochs: int,
-        local_steps: int | None,
-        batch_size: int,
-        lr: float,
-        momentum: float,
-        momentum_buffer: str,
-        drop_last: bool,
-        backend: str,
-        chunk_size: int,
-        eval_batch_size: int,
         client_transform: optax.GradientTransformation | None = None,
         on_step=None,
         optimizer: optax.GradientTransformation | None = None,
         step_fn=None,
     ):
-        """`optimizer` replaces the default client optimizer sgd(lr, momentum) (and
-        `client_transform`); `step_fn` replaces the default minibatch step (see LocalTrainer)."""
+        """`client_transform` is chained before the default client optimizer sgd(lr, momentum);
+        `optimizer` replaces both; `step_fn` replaces the default minibatch step and `on_step`
+        adds a per-step hook (see LocalTrainer)."""
         self.model = model
-        self.participation = participation
-        self.persist_opt_state = momentum_buffer == "persist" and momentum > 0
-        self.mapper = core.client_mapper(backend, chunk_size)
+        self.config = config
+        self.participation = config.participation
+        self.persist_opt_state = config.momentum_buffer == "persist" and config.momentum > 0
+        self.mapper = core.client_mapper(config.backend, config.chunk_size)
         if optimizer is None:
-            optimizer = optax.sgd(lr, momentum=momentum or None)
+            optimizer = optax.sgd(config.lr, momentum=config.momentum or None)
             if client_transform is not None:
                 optimizer = optax.chain(client_transform, optimizer)
+        schedule = ({"steps": config.local_steps} if config.local_steps
+                    else {"epochs": config.local_epochs})
         self.trainer = LocalTrainer(
-            model, optimizer, batch_size=batch_size, mapper=self.mapper, drop_last=drop_last,
-            on_step=on_step, step_fn=step_fn,
-            **({"steps": local_steps} if local_steps else {"epochs": local_epochs}),
+            model, optimizer, batch_size=config.batch_size, mapper=self.mapper,
+            drop_last=config.drop_last, on_step=on_step, step_fn=step_fn, **schedule,
         )
-        self.evaluator = Evaluator(model, batch_size=eval_batch_size, mapper=self.mapper)
+        self.evaluator = Evaluator(model, batch_size=config.eval_batch_size, mapper=self.mapper)
 
     def num_sampled(self, data: FederatedData) -> int:
         """M = floor(N·rate) of the N real clients (padding clients are never sampled)."""
@@ -393,3 +432,87 @@ def require_choices(**named: tuple[Any, Sequence[Any]]) -> None:
     for name, (value, allowed) in named.items():
         if value not in allowed:
             raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# State types and assemblies shared by several algorithm modules (no algorithm imports a sibling)
+
+
+class GlobalModelState(NamedTuple):
+    """The state of an algorithm that keeps one global model and nothing else per client but
+    optimizer states: FedAvg(-FT), FedProx(-FT), Per-FedAvg."""
+
+    params: Any        # global model θ                                  leaves [...]
+    opt_state: Any     # per-client optimizer states (momentum_buffer=persist) [N, ...], else None
+    round: jax.Array   # rounds completed; shape=(), int32
+    rng: jax.Array     # base key for evaluation-time randomness (fine-tuning batch order)
+    CLIENT_FIELDS = ("opt_state",)  # per-client rows [N, ...]
+
+
+class SplitModelState(NamedTuple):
+    """The state of FedAvg on part of the model, each client keeping the rest (`split_fedavg`:
+    FedPer's head, LG-FedAvg's body)."""
+
+    body: Params       # the averaged leaves θ_B (None on the kept ones)              leaves [...]
+    heads: Params      # each client's kept leaves h_i (None on the averaged ones)    leaves [N, ...]
+    opt_state: Any     # per-client optimizer states [N, ...] (momentum_buffer=persist), else None
+    round: jax.Array   # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("heads", "opt_state")  # per-client rows [N, ...]
+
+
+def split_fedavg(name: str, model: Model, config: EngineConfig, mask: Any) -> Algorithm:
+    """FedAvg (McMahan et al. 2017, Algorithm 1) on the leaves where `mask` is False; each client
+    keeps its own copy of the leaves where it is True (FedPer: the head; LG-FedAvg: the body).
+    Per round, with θ_B the averaged leaves and h_i client i's kept ones:
+
+        each sampled i ∈ S_t starts from (θ_B, h_i) and runs local SGD on all its parameters
+        θ_B ← Σ_{i∈S_t} (n_i / Σ_{k∈S_t} n_k) θ_B,i        FedAvg's sample weights
+        h_i ← what client i trained; unsampled clients keep theirs
+
+    Communication: |θ_B| floats down to and up from each sampled client. Evaluated: each
+    client's (θ_B, h_i). With nothing kept (mask all False) it is FedAvg bit for bit (one
+    shared start); with everything kept, Local.
+    """
+    engine = Engine(model, config)
+    template = jax.eval_shape(model.init, jax.random.key(0))
+    has_head = any(jax.tree.leaves(mask))
+    body_size = split_lib.count(split_lib.split(template, mask)[0])    # d1: what is communicated
+
+    def init(key: jax.Array, data) -> SplitModelState:
+        params = model.init(key)                   # the same initial model as every algorithm
+        body, head0 = split_lib.split(params, mask)
+        return SplitModelState(body, core.broadcast(head0, data.num_clients),
+                               engine.init_client_opt_states(params, data.num_clients),
+                               jnp.zeros((), jnp.int32))
+
+    def round_fn(state: SplitModelState, data, key: jax.Array) -> tuple[SplitModelState, dict]:
+        sample_key, train_key = jax.random.split(key)
+        idx = engine.sample(sample_key, data)                                      # S_t
+        m = idx.shape[0]
+        if has_head:
+            start = split_lib.merge(core.broadcast(state.body, m), core.gather(state.heads, idx), mask)
+            opt = engine.opt_states_for(state.opt_state, idx, first_row(start))
+            result = engine.train(data, idx, start, opt, train_key)                # (θ_B, h_i)
+        else:                                      # no head: one shared start, exactly FedAvg
+            opt = engine.opt_states_for(state.opt_state, idx, state.body)
+            result = engine.train(data, idx, state.body, opt, train_key, shared_start=True)
+        bodies, heads = split_lib.split(result.params, mask)
+        weights = core.gather(data.clients.train_count, idx)
+        body = core.mean_over_clients(bodies, weights)                             # θ_B average
+        new_state = SplitModelState(
+            body, core.scatter(state.heads, idx, heads),                           # keep h_i
+            engine.store_opt_states(state.opt_state, idx, result.opt_state), state.round + 1)
+        metrics = train_metrics(result, idx)
+        metrics.update(communication(up_clients=m, up_floats_per_client=body_size,
+                                     down_clients=m, down_floats_per_client=body_size))
+        return new_state, metrics
+
+    def evaluate(state: SplitModelState, data, ids=None) -> dict[str, core.ClientEval]:
+        if not has_head:
+            return {"client": engine.evaluator.shared(data, state.body, ids)}
+        ids = evaluated_ids(data, ids)
+        params = split_lib.merge(core.broadcast(state.body, ids.shape[0]),
+                                 core.gather(state.heads, ids), mask)
+        return {"client": engine.evaluator.rows(data, params, ids)}
+
+    return Algorithm(name, init, round_fn, evaluate, {})

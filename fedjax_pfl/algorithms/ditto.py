@@ -51,14 +51,15 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("personal", "opt_state", "personal_opt_state")  # per-client rows [N, ...]
 
 
-def ditto(model: Model, *, lam: float, prox_step: str, **common: Any) -> base.Algorithm:
+def ditto(model: Model, config: base.EngineConfig, *, lam: float, prox_step: str
+          ) -> base.Algorithm:
     """Ditto; see the module docstring."""
     base.require_choices(**{"--ditto-prox-step": (prox_step, ("explicit", "implicit"))})
-    engine = base.Engine(model, **common)                                  # w_k: plain FedAvg
+    engine = base.Engine(model, config)                                    # w_k: plain FedAvg
     personal_tx = _prox.add_proximal_term(lam)
     if prox_step == "implicit":
-        personal_tx = optax.chain(personal_tx, optax.scale(1.0 / (1.0 + common["lr"] * lam)))
-    personal = base.Engine(model, client_transform=personal_tx, **common)  # v_k: prox objective
+        personal_tx = optax.chain(personal_tx, optax.scale(1.0 / (1.0 + config.lr * lam)))
+    personal = base.Engine(model, config, client_transform=personal_tx)    # v_k: prox objective
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)

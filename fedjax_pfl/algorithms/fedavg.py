@@ -12,8 +12,6 @@ data (fresh optimizer state, the same learning rate): the usual personalised bas
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import jax
 import jax.numpy as jnp
 
@@ -23,22 +21,18 @@ from fedjax_pfl.core.local import LocalTrainer
 from fedjax_pfl.models.model import Model
 
 
-class State(NamedTuple):
-    params: Any        # global model θ                                  leaves [...]
-    opt_state: Any     # per-client optimizer states (momentum_buffer=persist) [N, ...], else None
-    round: jax.Array   # rounds completed; shape=(), int32
-    rng: jax.Array     # base key for evaluation-time randomness (fine-tuning batch order)
-    CLIENT_FIELDS = ("opt_state",)  # per-client rows [N, ...]
+State = base.GlobalModelState     # the global model θ, per-client optimizer states, round, rng
 
 
-def fedavg(model: Model, *, ft_epochs: int | None = None, **common: Any) -> base.Algorithm:
+def fedavg(model: Model, config: base.EngineConfig, *, ft_epochs: int | None = None
+           ) -> base.Algorithm:
     """FedAvg; with `ft_epochs` set, FedAvg-FT (the global model fine-tuned before evaluation)."""
-    engine = base.Engine(model, **common)
+    engine = base.Engine(model, config)
     fine_tuner = None
     if ft_epochs is not None:
         fine_tuner = LocalTrainer(
-            model, engine.trainer.optimizer, epochs=ft_epochs, batch_size=common["batch_size"],
-            mapper=engine.evaluator.mapper, drop_last=common["drop_last"],
+            model, engine.trainer.optimizer, epochs=ft_epochs, batch_size=config.batch_size,
+            mapper=engine.evaluator.mapper, drop_last=config.drop_last,
         )  # fine-tuning is always whole epochs (--ft-epochs), whatever --local-steps says
 
     def init(key: jax.Array, data) -> State:
@@ -73,8 +67,8 @@ def fedavg(model: Model, *, ft_epochs: int | None = None, **common: Any) -> base
     return base.Algorithm("fedavg", init, round_fn, evaluate, {})
 
 
-def fedavg_ft(model: Model, *, ft_epochs: int, **common: Any) -> base.Algorithm:
-    return fedavg(model, ft_epochs=ft_epochs, **common)
+def fedavg_ft(model: Model, config: base.EngineConfig, *, ft_epochs: int) -> base.Algorithm:
+    return fedavg(model, config, ft_epochs=ft_epochs)
 
 
 base.register(base.AlgorithmSpec(

@@ -63,9 +63,10 @@ def random_mask(key: jax.Array, like: Params, cr: float, kind: str) -> Params:
     return jax.tree.unflatten(treedef, out)
 
 
-def fedavg_sar(model: Model, *, cr: float, mask_fill: str, mask: str, **common: Any) -> base.Algorithm:
+def fedavg_sar(model: Model, config: base.EngineConfig, *, cr: float, mask_fill: str, mask: str
+               ) -> base.Algorithm:
     """FedAvg (s.a.r.); see the module docstring."""
-    engine = base.Engine(model, **common)
+    engine = base.Engine(model, config)
     keep = mask_fill == "keep"
 
     def send(key, value, fill):

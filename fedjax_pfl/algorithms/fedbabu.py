@@ -58,20 +58,19 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("opt_state",)  # per-client rows [N, ...]
 
 
-def fedbabu(model: Model, *, head: str, finetune_epochs: int, finetune_lr: float | None,
-            **common: Any) -> base.Algorithm:
+def fedbabu(model: Model, config: base.EngineConfig, *, head: str, finetune_epochs: int,
+            finetune_lr: float | None) -> base.Algorithm:
     """FedBABU; see the module docstring."""
     template = jax.eval_shape(model.init, jax.random.key(0))
     mask = split_lib.personal_mask(template, head)                     # fails early on a bad regex
-    sgd = lambda lr: optax.sgd(lr, momentum=common["momentum"] or None)
-    engine = base.Engine(model, optimizer=split_lib.train_only(sgd(common["lr"]),
-                                                               split_lib.complement(mask)),
-                         **common)                                     # the body only
+    sgd = lambda lr: optax.sgd(lr, momentum=config.momentum or None)
+    engine = base.Engine(model, config, optimizer=split_lib.train_only(
+        sgd(config.lr), split_lib.complement(mask)))                   # the body only
     body_size = split_lib.count(split_lib.split(template, mask)[0])
-    finetune_lr = common["lr"] / 5 if finetune_lr is None else finetune_lr
+    finetune_lr = config.lr / 5 if finetune_lr is None else finetune_lr
     fine_tuner = LocalTrainer(model, sgd(finetune_lr), epochs=finetune_epochs,
-                              batch_size=common["batch_size"], mapper=engine.evaluator.mapper,
-                              drop_last=common["drop_last"])            # the whole model
+                              batch_size=config.batch_size, mapper=engine.evaluator.mapper,
+                              drop_last=config.drop_last)               # the whole model
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)                   # the same initial model as every algorithm

@@ -48,11 +48,10 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("grad_corr", "opt_state")  # per-client rows [N, ...]
 
 
-def feddyn(model: Model, *, alpha: float, **common: Any) -> base.Algorithm:
+def feddyn(model: Model, config: base.EngineConfig, *, alpha: float) -> base.Algorithm:
     """FedDyn; see the module docstring."""
-    engine = base.Engine(model, client_transform=optax.chain(add_aux_gradient("neg_corr"),
-                                                             _prox.add_proximal_term(alpha)),
-                         **common)
+    engine = base.Engine(model, config, client_transform=optax.chain(
+        add_aux_gradient("neg_corr"), _prox.add_proximal_term(alpha)))
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)

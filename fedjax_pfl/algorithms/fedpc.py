@@ -121,6 +121,7 @@ def accumulate_gradients() -> optax.GradientTransformation:
 
 def fedpc(
     model: Model,
+    config: base.EngineConfig,
     *,
     personal: str,
     lam: float,
@@ -143,24 +144,23 @@ def fedpc(
     rho_c: float | None,
     compress_iters: int,
     solver: str,
-    **common: Any,
 ) -> base.Algorithm:
     """FedPC; see the module docstring for the round and the readings."""
-    if common["momentum_buffer"] == "persist" and common["momentum"] > 0:
+    if config.momentum_buffer == "persist" and config.momentum > 0:
         raise ValueError("fedpc sums each round's fresh minibatch gradients: --momentum-buffer "
                          "persist is not supported")
-    lr = common["lr"]
+    lr = config.lr
     eta = lr if eta is None else eta
-    engine = base.Engine(model, optimizer=optax.chain(
-        accumulate_gradients(), optax.sgd(lr, momentum=common["momentum"] or None)), **common)
+    engine = base.Engine(model, config, optimizer=optax.chain(
+        accumulate_gradients(), optax.sgd(lr, momentum=config.momentum or None)))
     template = jax.eval_shape(model.init, jax.random.key(0))
     mask = split_lib.personal_mask(template, personal)                 # fails early on a bad regex
     _, personal_template = split_lib.split(template, mask)
     d = split_lib.count(template)
     d2 = split_lib.count(personal_template)
     warmup = LocalTrainer(model, optax.sgd(lr), epochs=warmup_epochs,
-                          batch_size=common["batch_size"], mapper=engine.evaluator.mapper,
-                          drop_last=common["drop_last"])
+                          batch_size=config.batch_size, mapper=engine.evaluator.mapper,
+                          drop_last=config.drop_last)
 
     def step_sizes(t: jax.Array, num_clients: int):
         """(η_t, η_z, ρ, ρ_c) for the round after t completed rounds, as scalar arrays (float32;

@@ -18,80 +18,22 @@ from one shared model, as FedAvg's do); --fedper-head all (no shared layers) is 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import jax
-import jax.numpy as jnp
 
-from fedjax_pfl import core
 from fedjax_pfl.algorithms import base
 from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.models.model import Model
 
-Params = Any
+# body: the base layers θ_B; heads: the personalisation layers h_i, [N, ...]
+State = base.SplitModelState
 
 
-class State(NamedTuple):
-    body: Params       # base layers θ_B (None on head leaves)                    leaves [...]
-    heads: Params      # personalisation layers h_i (None on body leaves)         leaves [N, ...]
-    opt_state: Any     # per-client optimizer states [N, ...] (momentum_buffer=persist), else None
-    round: jax.Array   # rounds completed; shape=(), int32
-    CLIENT_FIELDS = ("heads", "opt_state")  # per-client rows [N, ...]
-
-
-def fedper(model: Model, *, head: str, **common: Any) -> base.Algorithm:
-    """FedPer; see the module docstring."""
+def fedper(model: Model, config: base.EngineConfig, *, head: str) -> base.Algorithm:
+    """FedPer; see the module docstring. FedAvg on the body, each client keeps its head
+    (`base.split_fedavg`)."""
     template = jax.eval_shape(model.init, jax.random.key(0))
     mask = split_lib.personal_mask(template, head)                     # fails early on a bad regex
-    return personal_part_fedavg("fedper", model, mask, **common)
-
-
-def personal_part_fedavg(name: str, model: Model, mask: Any, **common: Any) -> base.Algorithm:
-    """FedAvg on the leaves where `mask` is False; each client keeps its own copy of the leaves
-    where it is True (FedPer: the head; LG-FedAvg: the body). See the module docstring."""
-    engine = base.Engine(model, **common)
-    template = jax.eval_shape(model.init, jax.random.key(0))
-    has_head = any(jax.tree.leaves(mask))
-    body_size = split_lib.count(split_lib.split(template, mask)[0])    # d1: what is communicated
-
-    def init(key: jax.Array, data) -> State:
-        params = model.init(key)                   # the same initial model as every algorithm
-        body, head0 = split_lib.split(params, mask)
-        return State(body, core.broadcast(head0, data.num_clients),
-                     engine.init_client_opt_states(params, data.num_clients),
-                     jnp.zeros((), jnp.int32))
-
-    def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                      # S_t
-        m = idx.shape[0]
-        if has_head:
-            start = split_lib.merge(core.broadcast(state.body, m), core.gather(state.heads, idx), mask)
-            opt = engine.opt_states_for(state.opt_state, idx, base.first_row(start))
-            result = engine.train(data, idx, start, opt, train_key)                # (θ_B, h_i)
-        else:                                      # no head: one shared start, exactly FedAvg
-            opt = engine.opt_states_for(state.opt_state, idx, state.body)
-            result = engine.train(data, idx, state.body, opt, train_key, shared_start=True)
-        bodies, heads = split_lib.split(result.params, mask)
-        weights = core.gather(data.clients.train_count, idx)
-        body = core.mean_over_clients(bodies, weights)                             # θ_B average
-        new_state = State(body, core.scatter(state.heads, idx, heads),             # keep h_i
-                          engine.store_opt_states(state.opt_state, idx, result.opt_state),
-                          state.round + 1)
-        metrics = base.train_metrics(result, idx)
-        metrics.update(base.communication(up_clients=m, up_floats_per_client=body_size,
-                                          down_clients=m, down_floats_per_client=body_size))
-        return new_state, metrics
-
-    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        if not has_head:
-            return {"client": engine.evaluator.shared(data, state.body, ids)}
-        ids = base.evaluated_ids(data, ids)
-        params = split_lib.merge(core.broadcast(state.body, ids.shape[0]),
-                                 core.gather(state.heads, ids), mask)
-        return {"client": engine.evaluator.rows(data, params, ids)}
-
-    return base.Algorithm(name, init, round_fn, evaluate, {})
+    return base.split_fedavg("fedper", model, config, mask)
 
 
 base.register(base.AlgorithmSpec(

@@ -23,27 +23,28 @@ proximal term: the fine-tuning of fedavg_ft), so fedprox_ft with μ = 0 is fedav
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms import _prox, base
-from fedjax_pfl.algorithms.fedavg import State
 from fedjax_pfl.core.local import LocalTrainer
 from fedjax_pfl.models.model import Model
 
 
-def fedprox(model: Model, *, mu: float, ft_epochs: int | None = None, **common: Any) -> base.Algorithm:
-    """FedProx; with `ft_epochs` set, FedProx-FT. State is FedAvg's (`fedavg.State`)."""
-    engine = base.Engine(model, client_transform=_prox.add_proximal_term(mu), **common)
+State = base.GlobalModelState     # FedAvg's: the global model, optimizer rows, round, rng
+
+
+def fedprox(model: Model, config: base.EngineConfig, *, mu: float, ft_epochs: int | None = None
+            ) -> base.Algorithm:
+    """FedProx; with `ft_epochs` set, FedProx-FT. State is FedAvg's (`base.GlobalModelState`)."""
+    engine = base.Engine(model, config, client_transform=_prox.add_proximal_term(mu))
     fine_tuner = None
     if ft_epochs is not None:
         fine_tuner = LocalTrainer(
-            model, _prox.local_sgd(common["lr"], common["momentum"]), epochs=ft_epochs,
-            batch_size=common["batch_size"], mapper=engine.evaluator.mapper,
-            drop_last=common["drop_last"],
+            model, _prox.local_sgd(config.lr, config.momentum), epochs=ft_epochs,
+            batch_size=config.batch_size, mapper=engine.evaluator.mapper,
+            drop_last=config.drop_last,
         )
 
     def init(key: jax.Array, data) -> State:
@@ -78,8 +79,9 @@ def fedprox(model: Model, *, mu: float, ft_epochs: int | None = None, **common: 
     return base.Algorithm("fedprox", init, round_fn, evaluate, {})
 
 
-def fedprox_ft(model: Model, *, mu: float, ft_epochs: int, **common: Any) -> base.Algorithm:
-    return fedprox(model, mu=mu, ft_epochs=ft_epochs, **common)
+def fedprox_ft(model: Model, config: base.EngineConfig, *, mu: float, ft_epochs: int
+               ) -> base.Algorithm:
+    return fedprox(model, config, mu=mu, ft_epochs=ft_epochs)
 
 
 _MU = base.HParam(

@@ -59,28 +59,29 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("heads", "opt_head", "opt_body")  # per-client rows [N, ...]
 
 
-def fedrep(model: Model, *, head: str, head_epochs: int, **common: Any) -> base.Algorithm:
+def fedrep(model: Model, config: base.EngineConfig, *, head: str, head_epochs: int
+           ) -> base.Algorithm:
     """FedRep; see the module docstring."""
-    if common["local_steps"] is not None:
+    if config.local_steps is not None:
         raise ValueError("fedrep counts its head and body phases in epochs: use --local-epochs "
                          "and --fedrep-head-epochs, not --local-steps")
-    epochs = common["local_epochs"]
+    epochs = config.local_epochs
     if head_epochs >= epochs:
         raise ValueError(f"--fedrep-head-epochs must be < --local-epochs ({epochs}): the head "
                          f"epochs are part of the local epochs and the body needs at least one, "
                          f"got {head_epochs}")
-    engine = base.Engine(model, **common)
+    engine = base.Engine(model, config)
     template = jax.eval_shape(model.init, jax.random.key(0))
     mask = split_lib.personal_mask(template, head)                     # fails early on a bad regex
     body_size = split_lib.count(split_lib.split(template, mask)[0])
-    tx = optax.sgd(common["lr"], momentum=common["momentum"] or None)
+    tx = optax.sgd(config.lr, momentum=config.momentum or None)
 
     def phase(trainable, phase_epochs):
         if phase_epochs == 0:
             return None
         return LocalTrainer(model, split_lib.train_only(tx, trainable), epochs=phase_epochs,
-                            batch_size=common["batch_size"], mapper=engine.mapper,
-                            drop_last=common["drop_last"])
+                            batch_size=config.batch_size, mapper=engine.mapper,
+                            drop_last=config.drop_last)
 
     head_phase = phase(mask, head_epochs)                              # h_i trains, φ frozen
     body_phase = phase(split_lib.complement(mask), epochs - head_epochs)  # φ trains, h_i frozen

@@ -96,11 +96,11 @@ def train_label_counts(data) -> jax.Array:
     return counts[:-1].reshape(num_clients, data.num_classes)
 
 
-def fedrod(model: Model, *, head: str, **common: Any) -> base.Algorithm:
+def fedrod(model: Model, config: base.EngineConfig, *, head: str) -> base.Algorithm:
     """FedRoD; see the module docstring."""
     template = jax.eval_shape(model.init, jax.random.key(0))
     mask = split_lib.personal_mask(template, head)                     # fails early on a bad regex
-    tx = optax.sgd(common["lr"], momentum=common["momentum"] or None)
+    tx = optax.sgd(config.lr, momentum=config.momentum or None)
 
     def personal_logits(generic: Params, phi: Params, x: jax.Array) -> jax.Array:
         """g(z; ψ) + p(z; φ): the generic model's logits plus the personal head's on the same body."""
@@ -125,10 +125,10 @@ def fedrod(model: Model, *, head: str, **common: Any) -> base.Algorithm:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    engine = base.Engine(model, optimizer=tx, step_fn=step, **common)
+    engine = base.Engine(model, config, optimizer=tx, step_fn=step)
     combined = Model(init=model.init, apply=lambda pp, x: personal_logits(pp[0], pp[1], x),
                      loss=model.loss, name=f"{model.name}+personal head")
-    evaluator = Evaluator(combined, batch_size=common["eval_batch_size"],
+    evaluator = Evaluator(combined, batch_size=config.eval_batch_size,
                           mapper=engine.evaluator.mapper)
     generic_size = ops.tree_size(template)
 

@@ -2,7 +2,7 @@
 Act Globally: Federated Learning with Local and Global Representations", arXiv:2001.01523, 2020):
 local representations, a global head.
 
-FedPer's split the other way round (`fedper.personal_part_fedavg`): the parameters split by path
+FedPer's split the other way round (`base.split_fedavg`): the parameters split by path
 (`core/split.py`) into the global layers θ_G (--lg-fedavg-head, default the last dense layer,
 as the PGFed reference code's `LocalModel(base, predictor)` aggregates only `predictor`), shared
 by all, and the local layers ℓ_i of client i (everything else: the representation). Per round:
@@ -30,21 +30,19 @@ Limits: --lg-fedavg-head all (everything global, nothing local) is FedAvg bit fo
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 
 from fedjax_pfl.algorithms import base
-from fedjax_pfl.algorithms.fedper import personal_part_fedavg
 from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.models.model import Model
 
 
-def lg_fedavg(model: Model, *, head: str, **common: Any) -> base.Algorithm:
-    """LG-FedAvg; see the module docstring. `head` selects the GLOBAL layers."""
+def lg_fedavg(model: Model, config: base.EngineConfig, *, head: str) -> base.Algorithm:
+    """LG-FedAvg; see the module docstring. `head` selects the GLOBAL layers; each client keeps
+    the rest (`base.split_fedavg` with FedPer's mask complemented)."""
     template = jax.eval_shape(model.init, jax.random.key(0))
     global_mask = split_lib.personal_mask(template, head)             # fails early on a bad regex
-    return personal_part_fedavg("lg_fedavg", model, split_lib.complement(global_mask), **common)
+    return base.split_fedavg("lg_fedavg", model, config, split_lib.complement(global_mask))
 
 
 base.register(base.AlgorithmSpec(

@@ -29,8 +29,9 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("params", "opt_state")  # per-client rows [N, ...]
 
 
-def local(model: Model, **common: Any) -> base.Algorithm:
-    engine = base.Engine(model, **common)
+def local(model: Model, config: base.EngineConfig) -> base.Algorithm:
+    """Local; see the module docstring."""
+    engine = base.Engine(model, config)
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)

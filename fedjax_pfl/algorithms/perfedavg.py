@@ -36,12 +36,12 @@ import optax
 
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms import base
-from fedjax_pfl.algorithms.fedavg import State
 from fedjax_pfl.core.local import LocalTrainer, masked_mean_loss
 from fedjax_pfl.models.model import Model
 
 Params = Any
 Loss = Callable[[Params], jax.Array]
+State = base.GlobalModelState     # FedAvg's: the global model w, optimizer rows, round, rng
 
 
 def hessian_vector_product(loss: Loss, params: Params, vector: Params) -> Params:
@@ -69,10 +69,11 @@ def split_batch(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     return first, mask & ~first
 
 
-def perfedavg(model: Model, *, variant: str, alpha: float, **common: Any) -> base.Algorithm:
-    """Per-FedAvg (FO or HF); see the module docstring. `common["lr"]` is β."""
+def perfedavg(model: Model, config: base.EngineConfig, *, variant: str, alpha: float
+              ) -> base.Algorithm:
+    """Per-FedAvg (FO or HF); see the module docstring. `config.lr` is β."""
     base.require_choices(**{"--perfedavg-variant": (variant, ("fo", "hf"))})
-    outer = optax.sgd(common["lr"], momentum=common["momentum"] or None)
+    outer = optax.sgd(config.lr, momentum=config.momentum or None)
 
     def meta_step(params, opt_state, x, y, mask, extra):
         del extra
@@ -82,8 +83,8 @@ def perfedavg(model: Model, *, variant: str, alpha: float, **common: Any) -> bas
         updates, opt_state = outer.update(g, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    engine = base.Engine(model, optimizer=outer, step_fn=meta_step, **common)
-    adapter = LocalTrainer(model, optax.sgd(alpha), steps=1, batch_size=common["batch_size"],
+    engine = base.Engine(model, config, optimizer=outer, step_fn=meta_step)
+    adapter = LocalTrainer(model, optax.sgd(alpha), steps=1, batch_size=config.batch_size,
                            mapper=engine.evaluator.mapper)                      # w − α∇f(w; B)
 
     def init(key: jax.Array, data) -> State:

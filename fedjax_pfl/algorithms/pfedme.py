@@ -41,13 +41,13 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("theta", "opt_state")  # per-client rows [N, ...]
 
 
-def pfedme(model: Model, *, lam: float, personal_lr: float, personal_steps: int, beta: float,
-           **common: Any) -> base.Algorithm:
-    """pFedMe; see the module docstring. `common["lr"]` is η, the local model's learning rate."""
-    if common["local_steps"] is None:
+def pfedme(model: Model, config: base.EngineConfig, *, lam: float, personal_lr: float,
+           personal_steps: int, beta: float) -> base.Algorithm:
+    """pFedMe; see the module docstring. `config.lr` is η, the local model's learning rate."""
+    if config.local_steps is None:
         raise ValueError("pfedme runs --local-steps R local rounds of one minibatch each; set it")
-    eta, momentum = common["lr"], common["momentum"]
-    persist = common["momentum_buffer"] == "persist" and momentum > 0
+    eta, momentum = config.lr, config.momentum
+    persist = config.momentum_buffer == "persist" and momentum > 0
     inner = optax.sgd(personal_lr, momentum=momentum or None, nesterov=momentum > 0)
 
     def local_round(params, opt_state, x, y, mask, extra):
@@ -69,8 +69,8 @@ def pfedme(model: Model, *, lam: float, personal_lr: float, personal_steps: int,
         return (theta, w), opt_state, loss
 
     init_opt = lambda params: inner.init(params[0])
-    engine = base.Engine(model, optimizer=optax.GradientTransformation(init_opt, _unused),
-                         step_fn=local_round, **common)
+    engine = base.Engine(model, config, step_fn=local_round,
+                         optimizer=optax.GradientTransformation(init_opt, _unused))
 
     def init(key: jax.Array, data) -> State:
         w = model.init(key)

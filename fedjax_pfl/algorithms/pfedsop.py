@@ -36,6 +36,7 @@ Newton step cover every trainable parameter and there are no running statistics 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -67,6 +68,7 @@ class State(NamedTuple):
 
 def pfedsop(
     model: Model,
+    config: base.EngineConfig,
     *,
     eta_personal: float | None,
     eta_local: float | None,
@@ -74,15 +76,14 @@ def pfedsop(
     gompertz_lambda: float,
     keep: str,
     blend: str,
-    **common: Any,
 ) -> base.Algorithm:
     """pFedSOP; see the module docstring for the round and the options."""
-    if common["momentum"] != 0:
+    if config.momentum != 0:
         raise ValueError("pfedsop's local probe is plain SGD (Algorithm 2): --momentum must be 0, "
-                         f"got {common['momentum']}")
-    eta_personal = common["lr"] if eta_personal is None else eta_personal
-    eta_local = common["lr"] if eta_local is None else eta_local
-    engine = base.Engine(model, **{**common, "lr": eta_local})          # Algorithm 2, shared engine
+                         f"got {config.momentum}")
+    eta_personal = config.lr if eta_personal is None else eta_personal
+    eta_local = config.lr if eta_local is None else eta_local
+    engine = base.Engine(model, dataclasses.replace(config, lr=eta_local))  # Algorithm 2, shared
 
     def personalize(delta_glob: Params, x: Params, delta_i: Params):   # Algorithm 1, one client
         phi = ops.cosine_angle(delta_i, delta_glob)                                     # steps 1–2

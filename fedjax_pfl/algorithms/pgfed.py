@@ -66,13 +66,13 @@ class State(NamedTuple):
 
 def pgfed(
     model: Model,
+    config: base.EngineConfig,
     *,
     mu: float,
     alpha_lr: float,
     beta: float = 0.0,
     first_aux: str = "copy",
     constant_alpha_grad: bool = False,
-    **common: Any,
 ) -> base.Algorithm:
     """PGFed (β = 0), PGFedMo (β > 0) or PGFed-CE (constant_alpha_grad); see the module docstring."""
 
@@ -85,11 +85,11 @@ def pgfed(
         stepped = jnp.maximum(alpha_row - alpha_lr * grad, 0.0)
         return jnp.where(extra["update_alpha"], stepped, alpha_row)
 
-    engine = base.Engine(model, client_transform=add_aux_gradient(), on_step=update_alpha_row,
-                         **common)
+    engine = base.Engine(model, config, client_transform=add_aux_gradient(),
+                         on_step=update_alpha_row)
     # --eval-batch-size (0: automatic, 256 for the MLPs of docs/results/, 8 for the CNN) also
     # batches the full-data pass; G_i depends on it only by float rounding of the sums.
-    full_pass = FullPass(model, batch_size=common["eval_batch_size"], mapper=engine.mapper)
+    full_pass = FullPass(model, batch_size=config.eval_batch_size, mapper=engine.mapper)
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
@@ -170,12 +170,14 @@ def pgfed(
     return base.Algorithm("pgfed", init, round_fn, evaluate, {}, parts)
 
 
-def pgfed_plain(model: Model, *, mu: float, alpha_lr: float, **common: Any) -> base.Algorithm:
-    return pgfed(model, mu=mu, alpha_lr=alpha_lr, beta=0.0, **common)
+def pgfed_plain(model: Model, config: base.EngineConfig, *, mu: float, alpha_lr: float
+                ) -> base.Algorithm:
+    return pgfed(model, config, mu=mu, alpha_lr=alpha_lr, beta=0.0)
 
 
-def pgfed_ce(model: Model, *, mu: float, alpha_lr: float, **common: Any) -> base.Algorithm:
-    return pgfed(model, mu=mu, alpha_lr=alpha_lr, beta=0.0, constant_alpha_grad=True, **common)
+def pgfed_ce(model: Model, config: base.EngineConfig, *, mu: float, alpha_lr: float
+             ) -> base.Algorithm:
+    return pgfed(model, config, mu=mu, alpha_lr=alpha_lr, beta=0.0, constant_alpha_grad=True)
 
 
 # The reference code's defaults (docs/algorithms/pgfed.md#a8, #a9, #a16): SGD momentum 0.9 with

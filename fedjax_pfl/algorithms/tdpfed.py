@@ -99,6 +99,7 @@ def _mode_masks(factors: Params, num_modes: int) -> list[Params]:
 
 def tdpfed(
     model: Model,
+    config: base.EngineConfig,
     *,
     cr: float,
     lam: float,
@@ -111,15 +112,14 @@ def tdpfed(
     aggregate: str,
     weights: str,
     als_iters: int,
-    **common: Any,
 ) -> base.Algorithm:
-    """TDPFed; see the module docstring. `common["lr"]` is η (the local model's learning rate)."""
-    if common["local_steps"] is None:
+    """TDPFed; see the module docstring. `config.lr` is η (the local model's learning rate)."""
+    if config.local_steps is None:
         raise ValueError("tdpfed runs --local-steps τ local rounds of one minibatch each; set it")
     if cr < 1:
         raise ValueError(f"--tdpfed-cr must be >= 1 (1: no decomposition), got {cr}")
-    eta, momentum = common["lr"], common["momentum"]
-    persist = common["momentum_buffer"] == "persist"
+    eta, momentum = config.lr, config.momentum
+    persist = config.momentum_buffer == "persist"
     nag = optax.sgd(personal_lr, momentum=momentum or None, nesterov=momentum > 0)
     make_factor_opt = (lambda: optax.adam(eta)) if factor_opt == "adam" else (lambda: optax.sgd(eta))
     # Only the state shapes are needed here; the factors' structure is known at init.
@@ -168,8 +168,8 @@ def tdpfed(
                                                   (factors, factor_state))
         return (theta, factors), (nag_state, factor_state), loss
 
-    engine = base.Engine(model, optimizer=optax.GradientTransformation(init_opt, _no_update),
-                         step_fn=local_round, **common)
+    engine = base.Engine(model, config, step_fn=local_round,
+                         optimizer=optax.GradientTransformation(init_opt, _no_update))
     factor_floats = cp.num_floats(template)
     dense_floats = cp.dense_num_floats(template)
 
