@@ -140,4 +140,5 @@ base.register(base.AlgorithmSpec(
                     check=base.NON_NEGATIVE),
     ),
     traceable=("lr", "alpha_lr"),
+    test_hparams={},
 ))

@@ -19,7 +19,8 @@ per sampled client, "client_steps" () the number of local steps taken (for throu
 
 A factory is `factory(model, config: EngineConfig, *, <its own hyperparameters by name>)`;
 `get` validates the hyperparameters (`AlgorithmSpec.resolve`) and splits them between the two
-(`AlgorithmSpec.build`).
+(`AlgorithmSpec.build`). Each module registers its algorithms with an `AlgorithmSpec`, including
+the small configuration the cross-cutting tests run it with (`test_hparams`).
 """
 
 from __future__ import annotations
@@ -234,6 +235,14 @@ class AlgorithmSpec:
     # Hyperparameters the factory uses only in arithmetic: a sweep may pass them as traced
     # arrays and vmap one compiled program over their values (fedjax_pfl.sweep).
     traceable: tuple[str, ...] = ("lr",)
+    # The algorithm's test configuration: hyperparameters (common or own) on top of its
+    # defaults that keep a test run small and training on the tests' linear model {w, b}
+    # (tests/helpers.py): a few local steps where the defaults would run many, both parts
+    # non-empty in a split model, persistent momentum rows where the algorithm keeps them. The
+    # cross-cutting tests (tests/core/test_sharding.py, tests/core/test_cached_evaluation.py) run
+    # every registered algorithm with it on top of their own small common settings. None: not
+    # declared (tests/algorithms/test_base.py requires every algorithm to declare one).
+    test_hparams: Mapping[str, Any] | None = None
 
     def all_hparams(self) -> list[tuple[HParam, str]]:
         """(hparam with this algorithm's default, CLI flag) for common and own hyperparameters."""

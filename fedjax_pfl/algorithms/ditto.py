@@ -118,4 +118,5 @@ base.register(base.AlgorithmSpec(
                     "paper) or 'implicit' (exact prox; stable for any λ, v = w as λ → ∞)",
                     choices=("explicit", "implicit")),
     ),
+    test_hparams={"momentum": 0.5, "momentum_buffer": "persist"},
 ))

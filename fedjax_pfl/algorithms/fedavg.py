@@ -75,6 +75,7 @@ base.register(base.AlgorithmSpec(
     name="fedavg",
     factory=fedavg,
     summary="FedAvg: sample-weighted average of local models; the global model is evaluated",
+    test_hparams={"momentum": 0.9, "momentum_buffer": "persist"},
 ))
 
 base.register(base.AlgorithmSpec(
@@ -86,4 +87,5 @@ base.register(base.AlgorithmSpec(
                     "local epochs of fine-tuning the global model on each client before evaluation",
                     check=base.AT_LEAST_ONE, flag="--ft-epochs"),
     ),
+    test_hparams={"ft_epochs": 1},
 ))

@@ -131,4 +131,5 @@ base.register(base.AlgorithmSpec(
                     choices=("bernoulli", "fixed")),
     ),
     traceable=('lr',),
+    test_hparams={"mask_fill": "keep"},
 ))

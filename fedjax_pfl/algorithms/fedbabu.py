@@ -123,4 +123,6 @@ base.register(base.AlgorithmSpec(
                     "0.001 at lr 0.005)", check=base.POSITIVE),
     ),
     traceable=("lr",),
+    # The tests' linear model {w, b}: its bias as the head, so both parts are non-empty.
+    test_hparams={"head": "^b$", "momentum": 0.9, "momentum_buffer": "persist"},
 ))

@@ -103,4 +103,5 @@ base.register(base.AlgorithmSpec(
                     check=base.POSITIVE),
     ),
     traceable=("lr", "alpha"),
+    test_hparams={},
 ))

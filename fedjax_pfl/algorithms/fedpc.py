@@ -383,4 +383,5 @@ base.register(base.AlgorithmSpec(
     # Algorithm 5, and sends the sum of 10 local minibatch gradients (lr 0.1, B = 10); η = lr.
     defaults={"participation": 1.0, "local_steps": 10, "lr": 0.1},
     traceable=(),
+    test_hparams={"local_steps": 1},
 ))

@@ -47,4 +47,5 @@ base.register(base.AlgorithmSpec(
                     "path such as 'Dense_1/'",
                     check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
     ),
+    test_hparams={},
 ))

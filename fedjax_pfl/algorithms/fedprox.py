@@ -94,6 +94,7 @@ base.register(base.AlgorithmSpec(
     name="fedprox", factory=fedprox,
     summary="FedProx: FedAvg whose local objective adds (μ/2)‖w − w_global‖²; global model evaluated",
     hparams=(_MU,), traceable=("lr", "mu"),
+    test_hparams={"momentum": 0.9, "momentum_buffer": "persist"},
 ))
 
 base.register(base.AlgorithmSpec(
@@ -103,4 +104,5 @@ base.register(base.AlgorithmSpec(
                               "local epochs of fine-tuning the global model on each client before "
                               "evaluation", check=base.AT_LEAST_ONE, flag="--ft-epochs")),
     flag_prefix="fedprox", traceable=("lr", "mu"),
+    test_hparams={"momentum": 0.9, "momentum_buffer": "persist"},
 ))

@@ -162,4 +162,6 @@ base.register(base.AlgorithmSpec(
                     check=base.NON_NEGATIVE),
     ),
     defaults={"local_epochs": 2},
+    # The tests' linear model {w, b}: its bias as the head, so both parts are non-empty.
+    test_hparams={"head": "^b$", "momentum": 0.9, "momentum_buffer": "persist"},
 ))

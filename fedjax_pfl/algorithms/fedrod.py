@@ -180,4 +180,6 @@ base.register(base.AlgorithmSpec(
                     "each leaf path such as 'Dense_1/'",
                     check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
     ),
+    # The tests' linear model {w, b}: its bias as the head, so both parts are non-empty.
+    test_hparams={"head": "^b$"},
 ))

@@ -57,4 +57,6 @@ base.register(base.AlgorithmSpec(
                     "(= local) or a regex searched in each leaf path such as 'Dense_1/'",
                     check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
     ),
+    # The tests' linear model {w, b}: its bias as the head, so both parts are non-empty.
+    test_hparams={"head": "^b$"},
 ))

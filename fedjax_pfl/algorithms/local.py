@@ -63,4 +63,5 @@ base.register(base.AlgorithmSpec(
     summary="Local: each client trains alone on its own data; no communication",
     # No server, nothing to sample for: every client trains every round (see the docstring).
     defaults={"participation": 1.0},
+    test_hparams={},
 ))

@@ -132,4 +132,5 @@ base.register(base.AlgorithmSpec(
                     check=base.POSITIVE),
     ),
     traceable=("lr", "alpha"),
+    test_hparams={"variant": "hf", "momentum": 0.5, "momentum_buffer": "persist"},
 ))

@@ -124,4 +124,5 @@ base.register(base.AlgorithmSpec(
     # TDPFed's comparison (Section VII-D): local lr 0.05, the rest as TDPFed's MNIST setting.
     defaults={"lr": 0.05, "batch_size": 20, "local_steps": 23, "participation": 1.0},
     traceable=('lr', 'lam', 'personal_lr', 'beta'),
+    test_hparams={"local_steps": 2},
 ))

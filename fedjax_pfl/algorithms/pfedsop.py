@@ -167,4 +167,5 @@ base.register(base.AlgorithmSpec(
                     choices=("gompertz", "local", "global")),
     ),
     traceable=('lr', 'rho', 'gompertz_lambda', 'eta_personal'),
+    test_hparams={},
 ))

@@ -197,6 +197,7 @@ base.register(base.AlgorithmSpec(
     name="pgfed", factory=pgfed_plain, flag_prefix="pgfed",
     summary="PGFed: local risk plus a first-order estimate of other clients' risks (μ, α_ij)",
     hparams=(_MU, _ALPHA_LR), defaults=_REFERENCE_DEFAULTS, traceable=("lr", "mu", "alpha_lr"),
+    test_hparams={},
 ))
 base.register(base.AlgorithmSpec(
     name="pgfedmo", factory=pgfed, flag_prefix="pgfed",
@@ -209,9 +210,11 @@ base.register(base.AlgorithmSpec(
                          "first download of the auxiliary gradient: 'copy' it (the reference code) "
                          "or blend it with 'zero' ((1−β)·download)", choices=("copy", "zero"))),
     defaults=_REFERENCE_DEFAULTS, traceable=("lr", "mu", "alpha_lr", "beta"),
+    test_hparams={},
 ))
 base.register(base.AlgorithmSpec(
     name="pgfed_ce", factory=pgfed_ce, flag_prefix="pgfed",
     summary="PGFed-CE: PGFed whose α gradient uses the global model (no ḡ download)",
     hparams=(_MU, _ALPHA_LR), defaults=_REFERENCE_DEFAULTS, traceable=("lr", "mu", "alpha_lr"),
+    test_hparams={},
 ))

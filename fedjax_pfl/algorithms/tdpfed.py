@@ -285,4 +285,5 @@ base.register(base.AlgorithmSpec(
     ),
     defaults=_DEFAULTS,
     traceable=('lr', 'lam', 'personal_lr', 'beta'),
+    test_hparams={"cr": 1.2, "local_steps": 2},
 ))

@@ -1,5 +1,6 @@
 """Client state split across several XLA devices gives the same results as the one-client loop,
-for every algorithm, with N and M not divisible by the device count.
+for every registered algorithm (each with its declared `AlgorithmSpec.test_hparams`), with N and
+M not divisible by the device count.
 
 Runs in subprocesses because the device count is fixed when JAX starts.
 """
@@ -13,6 +14,7 @@ import textwrap
 import pytest
 
 import helpers
+from fedjax_pfl import algorithms
 
 SCRIPT = textwrap.dedent('''
     import json, sys, traceback
@@ -38,12 +40,13 @@ SCRIPT = textwrap.dedent('''
 
     def check(name, hp):
         """Three rounds and an evaluation of `name` sharded on 2 devices against the loop;
-        returns how many per-client leaves were split across the devices."""
+        returns how many leaves were split across the devices, and how many leaves the state's
+        declared per-client fields (CLIENT_FIELDS) hold."""
         keys = jax.random.key(3)
         results = {}
         for backend in ("loop", "chunked"):
-            algo = algorithms.get(name, model=linear_model(), backend=backend, chunk_size=2,
-                                  participation=0.6, batch_size=4, **hp)
+            algo = algorithms.get(name, model=linear_model(), **{
+                "participation": 0.6, "batch_size": 4, **hp, "backend": backend, "chunk_size": 2})
             mesh = core.client_mesh() if backend != "loop" else None
             d = core.prepare_data(data, mesh)
             program = core.Program(algo, d, mesh=mesh, jit=backend != "loop")
@@ -69,51 +72,28 @@ SCRIPT = textwrap.dedent('''
         # With two devices the round's rows are in the device-balanced order: the same clients.
         np.testing.assert_array_equal(np.sort(got_m["sampled"]), np.sort(ref_m["sampled"]))
         np.testing.assert_allclose(got_ev["client"].loss_sum[:n], ref_ev["client"].loss_sum, rtol=5e-5)
-        return sharded
+        declared = sum(len(jax.tree.leaves(getattr(got, field)))
+                       for field in getattr(type(got), "CLIENT_FIELDS", ()))
+        return sharded, declared
 
 
     report = {}
-    for name, hp in json.loads(sys.argv[1]).items():
+    for name in json.loads(sys.argv[1]):
         try:
-            report[name] = {"sharded_leaves": check(name, hp)}
+            sharded, declared = check(name, dict(algorithms.spec(name).test_hparams))
+            report[name] = {"sharded_leaves": sharded, "client_leaves": declared}
         except Exception:
             report[name] = {"error": traceback.format_exc()[-3000:]}
     print(json.dumps(report))
 ''')
 
-CASES = {
-    "fedavg": {"momentum": 0.9, "momentum_buffer": "persist"},
-    "fedavg_ft": {},
-    "local": {},
-    "pfedsop": {},
-    "pgfed": {},
-    "pgfedmo": {},
-    "pgfed_ce": {},
-    "tdpfed": {"cr": 1.2, "local_steps": 2},
-    "pfedme": {"local_steps": 2},
-    "fedavg_sar": {"mask_fill": "keep"},
-    "fedper": {},
-    "fedpc": {"local_steps": 1},
-    # The linear model {w, b}: the bias as head, so that both parts are non-empty.
-    "fedrep": {"head": "^b$", "momentum": 0.9, "momentum_buffer": "persist"},
-    "lg_fedavg": {"head": "^b$"},
-    "fedrod": {"head": "^b$"},
-    "fedbabu": {"head": "^b$", "momentum": 0.9, "momentum_buffer": "persist"},
-    "fedprox": {"momentum": 0.9, "momentum_buffer": "persist"},
-    "fedprox_ft": {"momentum": 0.9, "momentum_buffer": "persist"},
-    "feddyn": {},
-    "ditto": {"momentum": 0.5, "momentum_buffer": "persist"},
-    "apfl": {},
-    "perfedavg": {"variant": "hf", "momentum": 0.5, "momentum_buffer": "persist"},
-}
-
-
-# One subprocess per group of algorithms (JAX starts once, and the loop's eager operations,
-# shared by all, compile once). The quick suite keeps PGFed, the richest state layout (per-client
-# models, momentum rows and an N×N matrix); the full suite runs the rest in two groups that the
-# two xdist workers share.
+# Every registered algorithm, with the test configuration it declares (`test_hparams`): a new
+# algorithm is covered when it registers. One subprocess per group of algorithms (JAX starts
+# once, and the loop's eager operations, shared by all, compile once). The quick suite keeps
+# PGFed, the richest state layout (per-client models, momentum rows and an N×N matrix); the full
+# suite runs the rest in two groups that the two xdist workers share.
 QUICK = ("pgfed",)
-REST = sorted(set(CASES) - set(QUICK))
+REST = sorted(set(algorithms.names()) - set(QUICK))
 GROUPS = {"quick": QUICK, "rest_a": tuple(REST[0::2]), "rest_b": tuple(REST[1::2])}
 
 
@@ -123,7 +103,7 @@ def test_sharded_state_on_two_devices_equals_the_loop(group):
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2"}
     env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cases = {name: CASES[name] for name in GROUPS[group]}
+    cases = list(GROUPS[group])
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)],
                           capture_output=True, text=True, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -132,12 +112,10 @@ def test_sharded_state_on_two_devices_equals_the_loop(group):
     assert not failed, "\n\n".join(f"{name}:\n{err}" for name, err in failed.items())
     assert set(report) == set(cases)
     for name, r in report.items():
-        if name != "fedavg_ft":           # FedAvg-FT has no per-client state
-            assert r["sharded_leaves"] >= 1, name
+        # A state that declares per-client leaves has them split over the devices (FedAvg-FT
+        # without persistent momentum declares none: its optimizer rows are None).
+        assert (r["sharded_leaves"] >= 1) == (r["client_leaves"] >= 1), (name, r)
 
 
-def test_every_registered_algorithm_is_covered():
-    from fedjax_pfl import algorithms
-
-    assert set(CASES) == set(algorithms.names())
-    assert sorted(sum(GROUPS.values(), ())) == sorted(CASES)
+def test_every_registered_algorithm_is_in_one_group():
+    assert sorted(sum(GROUPS.values(), ())) == algorithms.names()

@@ -1,0 +1,128 @@
+"""The algorithm registry's contract with every algorithm module (algorithms/base.py): factories
+take the common settings as one `EngineConfig` and their own hyperparameters by name,
+`algorithms.get` splits the resolved hyperparameters between the two, every algorithm declares
+its test configuration, and no algorithm module imports a sibling. Registered algorithms are
+found, not listed: a new module is checked when it registers."""
+
+import ast
+import dataclasses
+import inspect
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_pfl import algorithms
+from fedjax_pfl.algorithms import base
+from helpers import linear_model, make_data
+
+ALGORITHMS_DIR = pathlib.Path(base.__file__).parent
+
+
+def test_engine_config_is_the_common_hyperparameters_with_their_defaults():
+    # Two declarations of the same settings (the dataclass for code, COMMON_HPARAMS for the
+    # command line and validation): same names, same order, same defaults.
+    fields = dataclasses.fields(base.EngineConfig)
+    assert [f.name for f in fields] == [hp.name for hp in base.COMMON_HPARAMS]
+    assert [f.default for f in fields] == [hp.default for hp in base.COMMON_HPARAMS]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.EngineConfig().lr = 0.1
+
+
+@pytest.mark.parametrize("name", algorithms.names())
+def test_every_factory_takes_the_config_and_its_own_hyperparameters_by_name(name):
+    spec = algorithms.spec(name)
+    params = list(inspect.signature(spec.factory).parameters.values())
+    assert [p.name for p in params[:2]] == ["model", "config"], name
+    assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params[:2]), name
+    own = params[2:]
+    assert all(p.kind is p.KEYWORD_ONLY for p in own), f"{name}: no *args/**kwargs, own by name"
+    # Each own hyperparameter is a keyword; any other keyword has a default (fedavg's
+    # ft_epochs=None: FedAvg-FT's factory shares it).
+    declared = {hp.name for hp in spec.hparams}
+    assert declared <= {p.name for p in own}, name
+    assert all(p.default is not p.empty for p in own if p.name not in declared), name
+
+
+def test_get_gives_the_factory_the_resolved_common_settings_and_only_its_own_keywords(monkeypatch):
+    calls = []
+
+    def probe(model, config, *, mu, ft_epochs):
+        calls.append((config, {"mu": mu, "ft_epochs": ft_epochs}))
+        return base.Algorithm("probe", None, None, None, {})
+
+    spec = dataclasses.replace(algorithms.spec("fedprox_ft"), factory=probe)
+    monkeypatch.setitem(base._REGISTRY, "fedprox_ft", spec)
+    algo = algorithms.get("fedprox_ft", model=linear_model(), lr=0.2, ft_epochs=3,
+                          batch_size=7, local_steps=4)
+    [(config, own)] = calls
+    # The given values and the defaults (participation 0.25, μ 0.01, ...), each on its side.
+    assert config == base.EngineConfig(participation=0.25, local_epochs=1, local_steps=4,
+                                       batch_size=7, lr=0.2, momentum=0.0,
+                                       momentum_buffer="reset", drop_last=False,
+                                       backend="chunked", chunk_size=0, eval_batch_size=0)
+    assert own == {"mu": 0.01, "ft_epochs": 3}
+    assert algo.name == "fedprox_ft" and algo.hparams["lr"] == 0.2 and algo.hparams["mu"] == 0.01
+
+
+def test_build_passes_traced_hyperparameters_through():
+    # A sweep calls the factory inside the trace with lr a tracer (fedjax_pfl.sweep): the
+    # configuration must hold it as given. One FedAvg round on one client with a single batch of
+    # all its n samples is θ − lr·∇L(θ), so the traced lr must scale the update linearly.
+    data = make_data([6])
+    spec = algorithms.spec("fedavg")
+    hp = spec.resolve({"participation": 1.0, "batch_size": 6, "backend": "vmap"})
+    model = linear_model()
+
+    def one_round(lr):
+        algo = spec.build(model, {**hp, "lr": lr})
+        state = algo.init(jax.random.key(0), data)
+        return jax.tree.map(lambda a, b: a - b, algo.round_fn(state, data, jax.random.key(1))[0].params,
+                            state.params)
+
+    step_1, step_3 = jax.jit(one_round)(jnp.float32(0.1)), jax.jit(one_round)(jnp.float32(0.3))
+    for a, b in zip(jax.tree.leaves(step_1), jax.tree.leaves(step_3)):
+        assert np.abs(np.asarray(a)).max() > 0
+        np.testing.assert_allclose(3 * np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", algorithms.names())
+def test_every_algorithm_declares_a_valid_test_configuration(name):
+    spec = algorithms.spec(name)
+    assert spec.test_hparams is not None, (
+        f"{name}: declare AlgorithmSpec.test_hparams (the cross-cutting tests run it)")
+    # Valid names and values, and the factory builds on the tests' linear model.
+    spec.resolve(spec.test_hparams)
+    algorithms.get(name, model=linear_model(), **spec.test_hparams)
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_no_algorithm_module_imports_a_sibling():
+    # Shared pieces live in base.py (state types, split-model FedAvg) or a private helper module
+    # (_prox.py), never in another algorithm's module.
+    algorithm_modules = {f"fedjax_pfl.algorithms.{p.stem}" for p in ALGORITHMS_DIR.glob("*.py")
+                         if p.stem != "base" and not p.stem.startswith("_")}
+    assert "fedjax_pfl.algorithms.fedavg" in algorithm_modules
+    for module in sorted(algorithm_modules):
+        path = ALGORITHMS_DIR / f"{module.rsplit('.', 1)[1]}.py"
+        siblings = (_imported_modules(path) & algorithm_modules) - {module}
+        assert not siblings, f"{path.name} imports {sorted(siblings)}"
+
+
+def test_old_state_names_are_the_shared_types():
+    from fedjax_pfl.algorithms import fedavg, fedper, fedprox, perfedavg
+
+    assert fedavg.State is fedprox.State is perfedavg.State is base.GlobalModelState
+    assert fedper.State is base.SplitModelState
