@@ -369,6 +369,10 @@ def check_algorithms(the_plan: Plan, data: dict[str, tuple]) -> None:
 
     for group in the_plan.groups:
         cfg, (fed, _) = group.cfg, data[group.dataset]
+        try:
+            runner.check_with_data(cfg, fed)
+        except ValueError as e:
+            raise SweepError(f"{group.algo} on {group.dataset}: {e}") from None
         model = models.get(runner.model_name_of(cfg), fed.input_shape, fed.num_classes,
                            cr=cfg.model_cr, conv=cfg.model_conv)
         for combo, hparams in zip(group.traced, group.resolved):
@@ -418,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="reuse runs that already have a summary")
     p.add_argument("--sequential", action="store_true",
                    help="run every run on its own (no vmapped groups): the reference")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use JAX's persistent compilation cache (as run.py)")
     return p
 
 
@@ -428,7 +434,14 @@ def main(argv: list[str] | None = None) -> int:
     import fedjax_pfl
 
     fedjax_pfl.use_cpu_cores()                    # before JAX starts (validation computes nothing)
+    if args.no_compile_cache:
+        import jax
+
+        jax.config.update("jax_enable_compilation_cache", False)
+    else:
+        fedjax_pfl.use_compile_cache()
     from fedjax_pfl import runner, sweep
+    from fedjax_pfl.interrupts import exit_status, stop_signals
 
     try:
         the_plan = plan(args)
@@ -439,17 +452,19 @@ def main(argv: list[str] | None = None) -> int:
     created = _missing_dirs(args.out)
     os.makedirs(args.out, exist_ok=True)
     try:
-        rows, curves = [], {}
-        for group in the_plan.groups:
-            runs_data, info = data[group.dataset]
-            summaries = _run_or_resume(group.cfg, group.runs, runs_data, info, group.directory,
-                                       args, runner, sweep)
-            for tc in group.traced:
-                label = " ".join(f"{k}={v}" for k, v in {**group.static, **tc}.items())
-                cell = [s for s in summaries if s["traced"] == tc]
-                rows.append(_row(group.dataset, group.algo, label, cell))
-                curves[f"{group.dataset} {group.algo} {label}".strip()] = [s["rows"] for s in cell]
-        _write(args.out, rows, curves)
+        with stop_signals():                    # SIGTERM ends the sweep as Ctrl-C does
+            rows, curves = [], {}
+            for group in the_plan.groups:
+                runs_data, info = data[group.dataset]
+                summaries = _run_or_resume(group.cfg, group.runs, runs_data, info, group.directory,
+                                           args, runner, sweep)
+                for tc in group.traced:
+                    label = " ".join(f"{k}={v}" for k, v in {**group.static, **tc}.items())
+                    cell = [s for s in summaries if s["traced"] == tc]
+                    rows.append(_row(group.dataset, group.algo, label, cell))
+                    name = f"{group.dataset} {group.algo} {label}".strip()
+                    curves[name] = [s["rows"] for s in cell]
+            _write(args.out, rows, curves)
     except BaseException as e:
         _remove_empty_dirs(args.out, created)
         if isinstance(e, runner.NonFiniteError):
@@ -457,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, KeyboardInterrupt):
             print(f"sweep.py: interrupted; the finished runs are in {args.out} (continue with "
                   "--resume)", file=sys.stderr)
-            raise SystemExit(130) from None
+            raise SystemExit(exit_status(e)) from None
         if isinstance(e, ValueError):
             _fail(str(e))
         raise

@@ -241,3 +241,18 @@ def test_failed_sweep_leaves_no_empty_folders(error, code, message, tmp_path, ca
     assert message in _fails(["--out", str(earlier), "--resume", "--grid", "lr=0.1",
                               "--common", "--rounds 1"], capsys, code=code)
     assert snapshot(earlier) == before
+
+
+def test_checks_that_need_the_data_run_for_every_run_before_the_first(tmp_path, capsys,
+                                                                      monkeypatch, earlier):
+    """--eval-clients more than the dataset's clients is only known once the data is loaded
+    (`runner.check_with_data`, shared with run.py's `prepare`): it stops the sweep before its
+    first run all the same."""
+    def forbidden(*a, **k):
+        raise AssertionError("a run started before every run was checked against its data")
+    monkeypatch.setattr(runner, "run", forbidden)
+    monkeypatch.setattr(sweep, "run_group", forbidden)
+    new = tmp_path / "new"
+    err = _fails(["--out", str(new), "--common", "--clients 6 --eval-clients 7"], capsys)
+    assert "fedavg on digits: --eval-clients 7 is more than the 6 clients" in err
+    assert not new.exists()

@@ -22,7 +22,8 @@ from fedjax_pfl.runner.config import (DEFAULT_CHECKPOINT_EVERY, DEFAULT_MODEL, M
                                       RESUMABLE_CHANGES, RunConfig, config_from_record,
                                       config_record, model_name_of, parse_eval_clients,
                                       read_config, resume_conflicts)
-from fedjax_pfl.runner.loop import Interrupted, Prepared, load_data, prepare, run
+from fedjax_pfl.runner.loop import (Interrupted, Prepared, check_with_data, load_data,
+                                    prepare, run)
 from fedjax_pfl.runner.records import (NonFiniteError, best_and_last, communication_totals,
                                        record_evaluation, round_row)
 from fedjax_pfl.runner.rundir import RUN_FILES, atomic, check_out, clear_out, write_json
@@ -32,6 +33,7 @@ __all__ = [
     "latest_checkpoint", "DEFAULT_CHECKPOINT_EVERY", "DEFAULT_MODEL", "MIN_IMAGE_SIDE",
     "RESUMABLE_CHANGES", "RunConfig", "config_from_record", "config_record", "model_name_of",
     "parse_eval_clients", "read_config", "resume_conflicts", "Interrupted", "Prepared",
+    "check_with_data",
     "load_data", "prepare", "run", "NonFiniteError", "best_and_last", "communication_totals",
     "record_evaluation", "round_row", "RUN_FILES", "atomic", "check_out", "clear_out", "write_json",
 ]

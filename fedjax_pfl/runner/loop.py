@@ -79,11 +79,10 @@ class Prepared:
     eval_ids: np.ndarray | None        # a fixed evaluation subset (--eval-clients K), or None
 
 
-def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict | None = None) -> Prepared:
-    """Phase 1: validate, load the data, build the model, the algorithm and its program."""
-    hparams = cfg.validate()
-    if data is None:
-        data, data_info = load_data(cfg)
+def check_with_data(cfg: RunConfig, data: FederatedData) -> None:
+    """The checks of `cfg` that need its dataset (ValueError naming the flag): a model that
+    collapses the dataset's images, an --eval-clients subset larger than the clients. `prepare`
+    calls it; the sweep tool calls it for every run before the first one starts."""
     model_name = model_name_of(cfg)
     side = MIN_IMAGE_SIDE.get(model_name)
     shape = tuple(data.input_shape)
@@ -91,6 +90,18 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
         raise ValueError(f"--model {model_name} needs images of at least {side}x{side} (its strided "
                          f"stages reduce {shape[0]}x{shape[1]} {cfg.dataset} images to 1x1 and it "
                          "trains at chance); use --model mlp")
+    subset = parse_eval_clients(cfg.eval_clients)
+    if isinstance(subset, int) and subset > data.num_real_clients:
+        raise ValueError(f"--eval-clients {subset} is more than the {data.num_real_clients} clients")
+
+
+def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict | None = None) -> Prepared:
+    """Phase 1: validate, load the data, build the model, the algorithm and its program."""
+    hparams = cfg.validate()
+    if data is None:
+        data, data_info = load_data(cfg)
+    check_with_data(cfg, data)
+    model_name = model_name_of(cfg)
     model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
                        conv=cfg.model_conv)
     algo = algorithms.get(cfg.algo, model=model, **hparams)
@@ -103,8 +114,6 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
     subset = parse_eval_clients(cfg.eval_clients)
     eval_ids = None
     if isinstance(subset, int):
-        if subset > data.num_real_clients:
-            raise ValueError(f"--eval-clients {subset} is more than the {data.num_real_clients} clients")
         rng = np.random.default_rng(cfg.seed + 7)
         eval_ids = np.sort(rng.choice(data.num_real_clients, subset, replace=False)).astype(np.int32)
     return Prepared(cfg, hparams, data, data_info or {}, model_name, algo, program, root,
