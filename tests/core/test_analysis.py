@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedjax_pfl import core, models
-from fedjax_pfl.core import analysis, clients, evaluate
+from fedjax_pfl.core import analysis, chunking, evaluate, execution
 
 S = jax.ShapeDtypeStruct
 KEY = S((), jax.random.key(0).dtype)
@@ -90,8 +90,8 @@ def test_the_engines_own_probes_are_bounded(ragged_data, monkeypatch):
     from fedjax_pfl import algorithms
 
     seen = []
-    original = clients.traced_chunk_size
-    monkeypatch.setattr(clients, "traced_chunk_size",
+    original = chunking.traced_chunk_size
+    monkeypatch.setattr(execution, "traced_chunk_size",
                         lambda fn, *args: seen.append((fn, args)) or original(fn, *args))
     algo = algorithms.get("pgfedmo", model=models.get("mlp", (5,), 3), batch_size=4,
                           participation=0.5, local_steps=3)
@@ -110,14 +110,14 @@ def test_the_engines_own_probes_are_bounded(ragged_data, monkeypatch):
 ], ids=["while", "sort", "cumsum"])
 def test_unknown_costs_give_no_bound(fn):
     assert analysis.traced_bounds(fn, S((64,), jnp.float32)) is None
-    assert clients.traced_chunk_size(fn, S((64,), jnp.float32)) == 0
+    assert chunking.traced_chunk_size(fn, S((64,), jnp.float32)) == 0
 
 
 def test_traced_chunk_never_exceeds_the_compiled_one():
     for name, (fn, args) in PROGRAMS.items():
         for budgets in ({}, {"temp_budget_bytes": 2**16}, {"flop_target": 2e5}):
-            assert (clients.traced_chunk_size(fn, *args, **budgets)
-                    <= clients.auto_chunk_size(fn, *args, **budgets)), (name, budgets)
+            assert (chunking.traced_chunk_size(fn, *args, **budgets)
+                    <= chunking.auto_chunk_size(fn, *args, **budgets)), (name, budgets)
 
 
 def test_automatic_chunk_compiles_only_when_the_bounds_do_not_decide(monkeypatch):
@@ -125,22 +125,21 @@ def test_automatic_chunk_compiles_only_when_the_bounds_do_not_decide(monkeypatch
     rows = {"x": jnp.zeros((6, 16, 64)), "y": jnp.zeros((6, 16), jnp.int32)}
     one_client = lambda p, r: fn(p, r["x"], r["y"])
     params = jax.tree.map(lambda s: jnp.full(s.shape, 0.01, s.dtype), MLP)
-    specs = ((clients.abstract(params),), (clients.abstract_row(rows),))
-    traced = clients.traced_chunk_size(one_client, *specs[0], *specs[1])
+    specs = ((chunking.abstract(params),), (chunking.abstract_row(rows),))
+    traced = chunking.traced_chunk_size(one_client, *specs[0], *specs[1])
     assert 6 <= traced < 10**6
 
     calls = []
-    real = clients.compiled_for_analysis
-    monkeypatch.setattr(clients, "compiled_for_analysis",
+    real = chunking.compiled_for_analysis
+    monkeypatch.setattr(chunking, "compiled_for_analysis",
                         lambda *a: calls.append(a) or real(*a))
-    monkeypatch.setattr(clients, "_AUTO_CHUNK_CACHE", {})
-    monkeypatch.setattr(clients, "_TRACED_CHUNK_CACHE", {})
+    cache = execution.MapperCache()           # a mapper's own cache, empty
     # All 6 rows fit by the bounds: the answer is 6 (one chunk), nothing compiled.
-    assert clients._cached_auto_chunk(one_client, ("k",), specs, 6) == 6 and not calls
+    assert cache.auto_chunk(one_client, ("k",), specs, 6) == 6 and not calls
     # More rows than the bounds allow: XLA's analysis decides, as auto_chunk_size.
     many = traced + 1
-    got = clients._cached_auto_chunk(one_client, ("k",), specs, many)
-    assert len(calls) == 1 and got == clients.auto_chunk_size(one_client, *specs[0], *specs[1])
+    got = cache.auto_chunk(one_client, ("k",), specs, many)
+    assert len(calls) == 1 and got == chunking.auto_chunk_size(one_client, *specs[0], *specs[1])
     # A mapper with the automatic chunk gives the vmap result either way.
     out = core.client_mapper("chunked", 0)(one_client, rows, shared=(params,))
     np.testing.assert_allclose(jax.tree.leaves(out)[0],
