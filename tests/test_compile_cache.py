@@ -13,7 +13,7 @@ import pytest
 import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAGS = ["--algo", "pgfed", "--rounds", "3", "--clients", "6", "--quiet"]
+FLAGS = ["--algo", "fedavg", "--rounds", "2", "--clients", "4", "--quiet"]
 
 
 def _run(out, cache, *extra):
