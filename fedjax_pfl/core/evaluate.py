@@ -153,15 +153,15 @@ class Evaluator:
     def _make_loop(self, batch: int, personal: bool):
         model = self.model
 
-        def init(shared, row):
+        def init(shared, row) -> EvalCarry:
             params, client = row
             zero = jnp.zeros(())  # float64 under x64, float32 otherwise
-            return params, client, zero, zero
+            return EvalCarry(params, client, zero, zero)
 
-        def step(shared, carry, b):
+        def step(shared, carry: EvalCarry, b) -> EvalCarry:
             data, common = shared
-            params, client, correct, loss_sum = carry
-            params = params if personal else common
+            client, correct, loss_sum = carry.client, carry.correct, carry.loss_sum
+            params = carry.params if personal else common
             positions = b * batch + jnp.arange(batch)
             mask = positions < client.test_count
             rows = client.test_start + jnp.where(mask, positions, 0)
@@ -171,19 +171,29 @@ class Evaluator:
             losses = model.loss(outputs, labels)
             correct = correct + jnp.sum(jnp.where(mask, hits, False)).astype(correct.dtype)
             loss_sum = loss_sum + jnp.sum(jnp.where(mask, losses, 0.0)).astype(loss_sum.dtype)
-            return (carry[0], client, correct, loss_sum)
+            return carry._replace(correct=correct, loss_sum=loss_sum)
 
-        def finish(shared, carry):
-            _, client, correct, loss_sum = carry
-            return ClientEval(correct, loss_sum, client.test_count.astype(jnp.int32))
+        def finish(shared, carry: EvalCarry) -> ClientEval:
+            return ClientEval(carry.correct, carry.loss_sum,
+                              carry.client.test_count.astype(jnp.int32))
 
         def length(row):
-            return (row[1].test_count + batch - 1) // batch
+            _, client = row
+            return (client.test_count + batch - 1) // batch
 
         def probe(data, common, row):
             return step((data, common), init((data, common), row), jnp.zeros((), jnp.int32))
 
         return ClientLoop(init, step, finish, length), probe
+
+
+class EvalCarry(NamedTuple):
+    """One client's evaluation loop carry between test batches."""
+
+    params: Params          # the client's model (None when one shared model is evaluated)
+    client: Any             # its ClientSplits row
+    correct: jax.Array      # correct predictions so far; shape=()
+    loss_sum: jax.Array     # Σ of the per-example losses so far; shape=()
 
 
 def _rows(tree: Params, ids: jax.Array) -> Params:

@@ -73,6 +73,15 @@ class TrainCarry(NamedTuple):
     extra: dict
 
 
+class PassCarry(NamedTuple):
+    """One client's carry in `FullPass` between batches."""
+
+    params: Params        # the fixed model the pass differentiates
+    client: ClientSplits
+    loss_sum: jax.Array   # Σ of the per-example losses so far; shape=()
+    grad_sum: Params      # Σ of the per-example gradients so far
+
+
 class LocalResult(NamedTuple):
     """What local training returns for each client (leading axis M when mapped)."""
 
@@ -349,26 +358,27 @@ class FullPass:
 
         grad_fn = jax.value_and_grad(summed_loss)
 
-        def init(shared, row):
+        def init(shared, row) -> PassCarry:
             params, client = row
-            return params, client, jnp.zeros(()), jax.tree.map(jnp.zeros_like, params)
+            return PassCarry(params, client, jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
 
-        def step(shared, carry, b):
+        def step(shared, carry: PassCarry, b) -> PassCarry:
             data = shared[0]
-            params, client, loss_sum, grad_sum = carry
+            params, client = carry.params, carry.client
             positions = b * batch + jnp.arange(batch)
             mask = positions < client.train_count
             rows = client.train_start + jnp.where(mask, positions, 0)
             loss, grads = grad_fn(params, data.inputs(rows), data.labels(rows), mask)
-            return params, client, loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)
+            return carry._replace(loss_sum=carry.loss_sum + loss,
+                                  grad_sum=jax.tree.map(jnp.add, carry.grad_sum, grads))
 
-        def finish(shared, carry):
-            _, client, loss_sum, grad_sum = carry
-            n = jnp.maximum(client.train_count, 1).astype(loss_sum.dtype)
-            return loss_sum / n, jax.tree.map(lambda g: g / n.astype(g.dtype), grad_sum)
+        def finish(shared, carry: PassCarry):
+            n = jnp.maximum(carry.client.train_count, 1).astype(carry.loss_sum.dtype)
+            return carry.loss_sum / n, jax.tree.map(lambda g: g / n.astype(g.dtype), carry.grad_sum)
 
         def length(row):
-            return (row[1].train_count + batch - 1) // batch
+            _, client = row
+            return (client.train_count + batch - 1) // batch
 
         def probe(data, row):  # one batch, for the memory analysis of auto chunking
             return step((data,), init((data,), row), jnp.zeros((), jnp.int32))
