@@ -34,6 +34,7 @@ from fedjax_pfl.core.placement import (cast_client_leaves, client_mask, client_s
 
 Params = Any
 STATE_DTYPES = ("float32", "bfloat16")
+DATA_PLACEMENTS = ("device",)
 
 
 class MemoryPlanError(ValueError):
@@ -121,21 +122,31 @@ class Program:
 
     Args:
       algo: an `algorithms.Algorithm`.
-      data: the federated dataset (padded to the mesh and replicated by `prepare_data`).
+      data: the federated dataset; the program places it (`data_placement`) and keeps the
+        placed copy as `self.data`.
       mesh: the device mesh, or None (one device; then nothing is sharded).
       jit: False for the loop backend (its per-client calls are jitted one by one).
       state_dtype: "float32" or "bfloat16" storage of per-client float state.
       rounds_per_call: K rounds per compiled call (lax.scan).
+      data_placement: where the clients' samples wait between rounds. "device" (the only one
+        so far): padded to a multiple of the device count and replicated on every device
+        (`prepare_data`), so any device can train any client.
     """
 
     def __init__(self, algo, data, *, mesh: Mesh | None, jit: bool = True,
-                 state_dtype: str = "float32", rounds_per_call: int = 1):
+                 state_dtype: str = "float32", rounds_per_call: int = 1,
+                 data_placement: str = "device"):
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"--state-dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
         if rounds_per_call < 1:
             raise ValueError(f"--rounds-per-call must be >= 1, got {rounds_per_call}")
         if not jit and rounds_per_call > 1:
             raise ValueError("--rounds-per-call needs a vectorised --backend (not loop)")
+        if data_placement not in DATA_PLACEMENTS:
+            raise ValueError(f"data placement must be one of {list(DATA_PLACEMENTS)}, "
+                             f"got {data_placement!r}")
+        self.data_placement = data_placement
+        data = prepare_data(data, mesh)          # idempotent: callers may have placed it already
         self.algo, self.data, self.mesh, self.jit = algo, data, mesh, jit
         self.rounds_per_call = int(rounds_per_call)
         self.storage = jnp.bfloat16 if state_dtype == "bfloat16" else None

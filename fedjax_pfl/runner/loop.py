@@ -107,9 +107,9 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
     algo = algorithms.get(cfg.algo, model=model, **hparams)
     vectorised = hparams["backend"] not in core.EAGER_BACKENDS
     mesh = core.client_mesh() if vectorised else None
-    data = core.prepare_data(data, mesh)
     program = core.Program(algo, data, mesh=mesh, jit=vectorised, state_dtype=cfg.state_dtype,
                            rounds_per_call=cfg.rounds_per_call)
+    data = program.data                           # placed by the program (padded, replicated)
     root = jax.random.key(cfg.seed)
     subset = parse_eval_clients(cfg.eval_clients)
     eval_ids = None

@@ -124,3 +124,11 @@ def test_debug_backend_trains_like_sgd_written_by_hand():
         np.testing.assert_allclose(state.params["w"][i], w0[i] - lr * x.T @ g, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(state.params["b"][i], b0[i] - lr * g.sum(0), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(metrics["train_loss"][i], loss, rtol=1e-5)
+
+
+def test_program_refuses_a_data_placement_it_does_not_have():
+    data = make_data([4, 4], num_classes=3)
+    algo = algorithms.get("fedavg", model=linear_model(), batch_size=4)
+    with pytest.raises(ValueError, match=r"data placement must be one of \['device'\], got 'host'"):
+        core.Program(algo, data, mesh=None, data_placement="host")
+    assert core.Program(algo, data, mesh=None).data_placement == "device"
