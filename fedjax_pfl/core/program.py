@@ -160,6 +160,8 @@ class Program:
             # state's shapes depend on the data): it runs eagerly, once, in `init`.
             abstract = None
         self.traceable_init = abstract is not None
+        if abstract is not None:
+            client_mask(abstract, self.num_clients)   # the declaration must match the shapes
         self.abstract_state = self._store(abstract) if abstract is not None else None
         self.shardings = None
         self._compiled: dict = {}
@@ -171,7 +173,9 @@ class Program:
 
     def _eager_init(self, key):
         """Runs an untraceable init once (on the host) and learns the state's shapes from it."""
-        state = self._store(self.algo.init(key, self.data))
+        state = self.algo.init(key, self.data)
+        client_mask(state, self.num_clients)          # the declaration must match the shapes
+        state = self._store(state)
         self.abstract_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
         self._update_shardings()
         if self.shardings is not None:
@@ -182,7 +186,6 @@ class Program:
 
     def _store(self, state):
         if self.storage is None:
-            client_mask(state, self.num_clients)     # the declaration must match the shapes
             return state
         return cast_client_leaves(state, self.storage, self.num_clients)
 

@@ -132,3 +132,16 @@ def test_program_refuses_a_data_placement_it_does_not_have():
     with pytest.raises(ValueError, match=r"data placement must be one of \['device'\], got 'host'"):
         core.Program(algo, data, mesh=None, data_placement="host")
     assert core.Program(algo, data, mesh=None).data_placement == "device"
+
+
+def test_program_refuses_a_state_whose_declaration_disagrees_with_its_shapes():
+    class Bad(NamedTuple):
+        params: Any
+        extra: Any                   # [3], declared per-client in a run of N = 2 clients
+        CLIENT_FIELDS = ("extra",)
+
+    data = make_data([4, 4], num_classes=3)
+    algo = algorithms.get("fedavg", model=linear_model(), batch_size=4)
+    algo = algo._replace(init=lambda key, d: Bad(linear_model().init(key), jnp.zeros(3)))
+    with pytest.raises(ValueError, match=r"Bad\.extra is declared per-client .* \(3,\), not \[2, \.\.\.\]"):
+        core.Program(algo, data, mesh=None)
