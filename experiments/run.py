@@ -131,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "extra: pip install \"fedjax_pfl[tensorboard]\" (or mlflow, wandb, log)")
     g.add_argument("--no-compile-cache", action="store_true",
                    help="do not use JAX's persistent compilation cache (default: on, in "
-                        "$FEDJAX_PFL_COMPILE_CACHE or ~/.cache/fedjax_pfl/jax, so a second run "
-                        "of the same configuration skips XLA compilation)")
+                        "$FEDJAX_PFL_COMPILE_CACHE, else $JAX_COMPILATION_CACHE_DIR, else "
+                        "~/.cache/fedjax_pfl/jax, so a second run of the same configuration "
+                        "skips XLA compilation)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--model", default=None,
                    help=f"one of {list(models.MODELS)}; default per dataset (mlp for digits/mnist-"
