@@ -439,8 +439,6 @@ def _report_interrupt(e: KeyboardInterrupt) -> None:
     from fedjax_pfl.interrupts import signal_name
 
     how = "terminated (SIGTERM)" if signal_name(e) == "SIGTERM" else "interrupted"
-    if isinstance(e, runner.Interrupted):
-        how = "terminated (SIGTERM)" if e.signal == "SIGTERM" else "interrupted"
     if isinstance(e, runner.Interrupted) and e.out:
         where = (f"during compilation" if e.phase == "compile" else f"after round {e.last_round}")
         ckpt = ("no checkpoint yet" if e.checkpoint_round is None

@@ -33,13 +33,16 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM arrived (raised in the main thread within `stop_signals()`)."""
 
 
-def exit_status(e: BaseException) -> int:
-    """130 for an interrupt (SIGINT), 143 for a termination (SIGTERM)."""
-    return 143 if isinstance(e, Terminated) or getattr(e, "signal", None) == "SIGTERM" else 130
-
-
 def signal_name(e: BaseException) -> str:
-    return "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+    """"SIGTERM" for a `Terminated` (or an exception recording it, `runner.Interrupted`),
+    else "SIGINT"."""
+    terminated = isinstance(e, Terminated) or getattr(e, "signal", None) == "SIGTERM"
+    return "SIGTERM" if terminated else "SIGINT"
+
+
+def exit_status(e: BaseException) -> int:
+    """130 for an interrupt (SIGINT), 143 for a termination (SIGTERM): 128 + the signal."""
+    return 143 if signal_name(e) == "SIGTERM" else 130
 
 
 def _main_thread() -> bool:
