@@ -1,0 +1,142 @@
+"""Natural-client datasets: the common shape every file reader produces.
+
+A natural-client dataset (LEAF, TensorFlow Federated, FedJAX files) already says which samples
+belong to which client and which of them are held out. The readers (`data/leaf.py`,
+`data/tff.py`, `data/fedjax_sqlite.py`) each turn their files into a stream of `ClientBlock`s in a
+fixed client order, plus one `Task` and a `SourceInfo`; `data/cache.py` writes that stream once
+into a client-sorted, memory-mappable cache and opens it again as `NaturalClients`.
+
+Array conventions (host side, NumPy; what the model sees on device):
+
+* ``inputs="image"``: x [n, H, W, C] uint8; the model sees x · input_scale + input_shift (float32).
+* ``inputs="tokens"``: x [n, L] int32 token ids, 0 = padding; the model embeds them itself.
+* ``inputs="features"``: x [n, F] float32.
+* ``kind="classify"``: y [n] int32 in [0, num_classes).
+* ``kind="sequence"``: y [n, T] int32, one target per position; label 0 (`PAD`) is padding and
+  never counts in the loss, the gradient or any metric; `Task.metric_excluded` lists further
+  labels left out of accuracy only (e.g. out-of-vocabulary, end of sentence).
+* ``kind="multilabel"``: y [n, K] int32 label ids, padded with −1 (a sample has ≤ K labels);
+  the metric is recall@`topk` over the true labels (micro-averaged, as TFF reports it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, NamedTuple, Protocol
+
+import numpy as np
+
+__all__ = ["PAD", "KINDS", "INPUTS", "Task", "ClientBlock", "SourceInfo", "NaturalReader",
+           "NaturalClients", "DataFormatError"]
+
+PAD = 0
+KINDS = ("classify", "sequence", "multilabel")
+INPUTS = ("image", "tokens", "features")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What is predicted from what; hashable (it is static metadata of the jitted programs).
+
+    kind: "classify" | "sequence" | "multilabel" (module docstring).
+    num_classes: the output width: classes, output vocabulary (specials included) or tags.
+    inputs: "image" | "tokens" | "features".
+    vocab_size: for token inputs, the input vocabulary size (specials included); else 0.
+    metric_excluded: sequence tasks: labels besides `PAD` that accuracy leaves out.
+    topk: multilabel tasks: k of recall@k.
+    default_model: the published model of this dataset (models.get name).
+    """
+
+    kind: str = "classify"
+    num_classes: int = 10
+    inputs: str = "image"
+    vocab_size: int = 0
+    metric_excluded: tuple[int, ...] = ()
+    topk: int = 5
+    default_model: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Task.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.inputs not in INPUTS:
+            raise ValueError(f"Task.inputs must be one of {INPUTS}, got {self.inputs!r}")
+        if self.num_classes < 1:
+            raise ValueError(f"Task.num_classes must be >= 1, got {self.num_classes}")
+        if self.inputs == "tokens" and self.vocab_size < 1:
+            raise ValueError("a task with token inputs needs vocab_size >= 1")
+
+
+class ClientBlock(NamedTuple):
+    """One client's samples as a reader yields them (host NumPy, in the Task's conventions)."""
+
+    client_id: str
+    train_x: np.ndarray
+    train_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceInfo:
+    """Where a dataset was read from: the files (for the cache's staleness check) and the rest of
+    what the cache records."""
+
+    name: str                       # dataset name, e.g. "femnist"
+    format: str                     # "leaf" | "tff" | "fedjax"
+    files: tuple[str, ...]          # every source file read (absolute paths)
+    input_scale: float = 1.0
+    input_shift: float = 0.0
+    vocab: tuple[str, ...] = ()     # token strings by id (tokens inputs), for statistics
+    labels: tuple[str, ...] = ()    # label strings by id (tags, characters), for statistics
+    options: tuple[tuple[str, str], ...] = ()   # reader options that change the arrays (cache key)
+
+
+class NaturalReader(Protocol):
+    """What every format reader module provides for one dataset in one directory."""
+
+    def task(self) -> Task: ...
+
+    def source(self) -> SourceInfo: ...
+
+    def clients(self) -> Iterator[ClientBlock]:
+        """Every client once, in a fixed order; raises DataFormatError on a bad file or client."""
+        ...
+
+
+class DataFormatError(ValueError):
+    """A source file is corrupt, truncated or not in the expected layout. The message is one line
+    naming the file and, where known, the client."""
+
+    def __init__(self, path: str, what: str, client: str | None = None):
+        where = f"{path}" + (f", client {client!r}" if client is not None else "")
+        super().__init__(f"{where}: {what}")
+        self.path, self.client, self.what = path, client, what
+
+
+@dataclasses.dataclass(frozen=True)
+class NaturalClients:
+    """A natural-client dataset on the host, client-sorted (arrays may be memory-mapped).
+
+    Client i's training samples are train_x[train_offsets[i]:train_offsets[i + 1]] (and
+    train_y); its held-out samples likewise in the test arrays.
+    """
+
+    task: Task
+    source: SourceInfo
+    client_ids: np.ndarray          # [N] str
+    train_x: np.ndarray
+    train_y: np.ndarray
+    train_offsets: np.ndarray       # [N + 1] int64
+    test_x: np.ndarray
+    test_y: np.ndarray
+    test_offsets: np.ndarray        # [N + 1] int64
+
+    @property
+    def num_clients(self) -> int:
+        return int(self.client_ids.shape[0])
+
+    def train_counts(self) -> np.ndarray:
+        return np.diff(self.train_offsets)
+
+    def test_counts(self) -> np.ndarray:
+        return np.diff(self.test_offsets)
