@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedjax_pfl.data import sources
+from fedjax_pfl.data import idx, sources
 from fedjax_pfl.data.sources import DATASETS, DatasetNotFoundError, RawDataset, load_raw
 
 N_TRAIN, N_TEST = 12, 5
-_REAL_DEBIAN_DIR = sources._DEBIAN_FASHION_MNIST_DIR
+_REAL_DEBIAN_DIR = idx._DEBIAN_FASHION_MNIST_DIR
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,7 @@ def _isolated(tmp_path, monkeypatch):
     """Keeps every test away from data installed here (~/tensorflow_datasets, Debian's copy)."""
     monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "no_tfds"))
     monkeypatch.setenv("FEDJAX_PFL_DATA_DIR", str(tmp_path / "no_data"))
-    monkeypatch.setattr(sources, "_DEBIAN_FASHION_MNIST_DIR", str(tmp_path / "no_debian"))
+    monkeypatch.setattr(idx, "_DEBIAN_FASHION_MNIST_DIR", str(tmp_path / "no_debian"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ def test_subdir_wins_over_root(tmp_path):
 def test_fashion_mnist_from_debian_dir_and_data_dir_priority(tmp_path, monkeypatch):
     debian = tmp_path / "usr_share"
     xtr_deb, *_ = write_mnist_like(debian, seed=6)
-    monkeypatch.setattr(sources, "_DEBIAN_FASHION_MNIST_DIR", str(debian))
+    monkeypatch.setattr(idx, "_DEBIAN_FASHION_MNIST_DIR", str(debian))
     ds = load_raw("fashion_mnist", data_dir=str(tmp_path / "empty"))
     np.testing.assert_array_equal(ds.x[:N_TRAIN, ..., 0], xtr_deb)
     assert ds.source == str(debian)
@@ -690,7 +690,7 @@ def test_missing_dataset_fails_fast_with_instructions(tmp_path, name, monkeypatc
     for expected in _EXPECTED_IN_MESSAGE[name]:
         assert expected in message, expected
     if name == "fashion_mnist":
-        assert sources._DEBIAN_FASHION_MNIST_DIR in message
+        assert idx._DEBIAN_FASHION_MNIST_DIR in message
 
 
 def test_download_with_unreachable_host_fails_fast(tmp_path, monkeypatch):
@@ -903,7 +903,7 @@ def test_real_fashion_mnist_from_debian_package(tmp_path, monkeypatch):
         pytest.skip(
             f"{_REAL_DEBIAN_DIR} is absent; `apt-get install dataset-fashion-mnist` enables this test"
         )
-    monkeypatch.setattr(sources, "_DEBIAN_FASHION_MNIST_DIR", _REAL_DEBIAN_DIR)
+    monkeypatch.setattr(idx, "_DEBIAN_FASHION_MNIST_DIR", _REAL_DEBIAN_DIR)
     ds = load_raw("fashion_mnist", data_dir=str(tmp_path), tfds_dir=str(tmp_path / "tfds"))
     assert ds.source == _REAL_DEBIAN_DIR
     assert ds.x.shape == (70_000, 28, 28, 1) and ds.x.dtype == np.uint8
