@@ -141,3 +141,76 @@ def plot_learning_curves(runs: dict[str, list[dict]], path: str, title: str = ""
     fig = learning_curve_figure(runs, title, acc_keys)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def client_sizes_figure(train_counts: np.ndarray, test_counts: np.ndarray | None = None, *,
+                        title: str = ""):
+    """A histogram of samples per client (training, and held-out when given) of a natural-client
+    dataset. Bins are logarithmic when the sizes span more than two decades (Stack Overflow's
+    heavy tail), linear otherwise. Returns the matplotlib Figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train_counts = np.asarray(train_counts)
+    series = [("train", train_counts)] + ([("test", np.asarray(test_counts))] if test_counts is not None else [])
+    positive = np.concatenate([s[s > 0] for _, s in series]) if train_counts.size else np.zeros(0)
+    hi = max(int(positive.max()) if positive.size else 1, 1)
+    lo = max(int(positive.min()) if positive.size else 1, 1)
+    log = hi / lo > 100
+    # Log bins at integer edges: a bin narrower than 1 would hold no integer and draw a gap.
+    bins = (np.unique(np.round(np.geomspace(lo, hi + 1, 40))) if log
+            else np.linspace(0, hi + 1, min(hi + 2, 41)))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, counts in series:
+        ax.hist(counts[counts > 0] if log else counts, bins=bins, alpha=0.6,
+                label=f"{name} (median {np.median(counts):g}, {int((counts == 0).sum())} clients with none)")
+    if log:
+        ax.set_xscale("log")
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("samples per client")
+    ax.set_ylabel("clients")
+    ax.legend(fontsize=8)
+    ax.set_title(title or f"client sizes ({train_counts.size} clients)")
+    fig.tight_layout()
+    return fig
+
+
+def counts_figure(counts: np.ndarray, *, xlabel: str, title: str = "",
+                  names: Sequence[str] | None = None, top: int = 60):
+    """A bar chart of counts[v] against v: a label distribution (v = class, `names` its labels;
+    more than `top` classes show only the `top` most frequent, sorted) or a length histogram
+    (v = tokens per sample). Returns the matplotlib Figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = np.asarray(counts)
+    keys = np.arange(counts.size)
+    shown = f"{counts.size}"
+    if names is not None and counts.size > top:
+        keys = np.argsort(-counts, kind="stable")[:top]
+        shown = f"the {top} most frequent of {counts.size}"
+    fig, ax = plt.subplots(figsize=(min(4 + 0.15 * keys.size, 18), 4))
+    ax.bar(np.arange(keys.size), counts[keys], width=0.9)
+    if names is not None:
+        labels = [str(names[k]) if k < len(names) else str(k) for k in keys]
+        ax.set_xticks(np.arange(keys.size), labels, rotation=90, fontsize=7)
+    else:
+        step = client_tick_step(keys.size)
+        ax.set_xticks(np.arange(0, keys.size, step), [str(int(keys[i])) for i in range(0, keys.size, step)])
+    ax.set_xlabel(f"{xlabel} ({shown})")
+    ax.set_ylabel("samples")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(fig, path: str) -> None:
+    """Writes a Figure to `path` as a PNG and closes it."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)

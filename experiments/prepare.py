@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+"""Convert a natural-client dataset into its cache and print its statistics.
+
+    python experiments/prepare.py --dataset shakespeare --data-dir DIR
+    python experiments/prepare.py --dataset femnist --data-dir DIR --max-clients 100 \\
+        --min-samples 10 --seed 0 --plots out/femnist
+
+The format is detected from the files in DIR (LEAF: `train/*.json` and `test/*.json`; TensorFlow
+Federated: `*_train.h5` / `*_test.h5`; FedJAX: `*.sqlite`; a reader module's own `detect` decides
+where it has one) or forced with --format. The first
+run converts the files into `DIR/.fedjax_pfl_cache/` (or --cache-dir); later runs open that
+cache in seconds, and a stale one is rebuilt with a message. --max-clients / --min-samples take
+LEAF's kind of subset (`data.cache.select`) before the statistics. --plots OUTDIR writes
+OUTDIR/stats.json, client_sizes.png and labels.png (classification), lengths.png (token inputs)
+or tags.png (multi-label).
+
+Exit status 2 with one line on stderr for a missing dataset, a bad file or a bad flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FORMATS = ("leaf", "tff", "fedjax")
+# format -> (reader module, its open function)
+READERS = {"leaf": ("fedjax_pfl.data.leaf", "open_leaf"),
+           "tff": ("fedjax_pfl.data.tff", "open_tff"),
+           "fedjax": ("fedjax_pfl.data.fedjax_sqlite", "open_fedjax")}
+
+
+class UsageError(ValueError):
+    """A bad flag or an unusable data directory: one line, exit 2."""
+
+
+def _glob_detect(fmt: str, data_dir: str) -> bool:
+    """The format's file signature directly in `data_dir` (used when its reader module offers no
+    `detect`, or cannot be imported: then open_reader says that the reader is missing)."""
+    has = lambda *parts: bool(glob.glob(os.path.join(data_dir, *parts)))  # noqa: E731
+    if fmt == "leaf":
+        return has("train", "*.json") and has("test", "*.json")
+    if fmt == "tff":
+        return has("*_train.h5") or has("*_test.h5")
+    return has("*.sqlite")
+
+
+def detect_format(data_dir: str, name: str | None = None) -> str:
+    """The file format in `data_dir`: "leaf" (train/*.json and test/*.json), "tff" (*_train.h5 or
+    *_test.h5) or "fedjax" (*.sqlite). A reader module's own `detect(data_dir, name)` decides for
+    its format where it has one (LEAF's accepts the nested `DIR/data/train/` layouts too). Raises
+    DatasetNotFoundError when no format is there, UsageError when several are (--format decides)."""
+    from fedjax_pfl.data.sources import DatasetNotFoundError
+
+    found = []
+    for fmt in FORMATS:
+        detect = None
+        if name is not None:
+            try:
+                detect = getattr(importlib.import_module(READERS[fmt][0]), "detect", None)
+            except ImportError:
+                detect = None
+        try:
+            hit = detect(data_dir, name) if detect is not None else _glob_detect(fmt, data_dir)
+        except Exception:                             # noqa: BLE001 (e.g. a dataset the format lacks):
+            hit = False                               # detection never fails, it only finds nothing
+        if hit:
+            found.append(fmt)
+    if not found:
+        raise DatasetNotFoundError(
+            f"no natural-client files in {data_dir}: looked for LEAF's train/*.json and test/*.json, "
+            f"TFF's *_train.h5 / *_test.h5 and FedJAX's *.sqlite")
+    if len(found) > 1:
+        raise UsageError(f"{data_dir} holds files of several formats ({', '.join(found)}): choose one with --format")
+    return found[0]
+
+
+def open_reader(name: str, data_dir: str, fmt: str | None = None, **options):
+    """The reader of dataset `name` in `data_dir`, in format `fmt` (detected when None).
+
+    Imports the format's module (`fedjax_pfl.data.leaf` / `.tff` / `.fedjax_sqlite`) only now, so
+    a missing optional dependency (h5py) matters only to the format that needs it.
+    """
+    from fedjax_pfl.data.sources import DatasetNotFoundError
+
+    if not os.path.isdir(data_dir):
+        raise DatasetNotFoundError(f"--data-dir {data_dir} is not a directory")
+    fmt = fmt or detect_format(data_dir, name)
+    if fmt not in READERS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    module_name, func = READERS[fmt]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            raise UsageError(f"the {fmt} reader ({module_name}) is not available in this installation") from None
+        raise UsageError(f"the {fmt} reader needs the package {e.name!r}: pip install {e.name}") from None
+    return getattr(module, func)(name, data_dir, **options)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A bad flag: one line on stderr (no usage block), exit 2."""
+        self.exit(2, f"prepare.py: error: {message} (see --help)\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _Parser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", required=True, help="femnist, emnist62, shakespeare, stackoverflow_nwp, "
+                   "stackoverflow_tp, sent140, cifar100_fl")
+    p.add_argument("--data-dir", required=True, help="the directory with the dataset's files")
+    p.add_argument("--format", choices=FORMATS, default=None, help="file format (default: detected)")
+    p.add_argument("--cache-dir", default=None, help="cache root (default: DATA_DIR/.fedjax_pfl_cache)")
+    p.add_argument("--max-clients", type=int, default=None, help="keep at most K clients, drawn at random")
+    p.add_argument("--min-samples", type=int, default=0, help="keep clients with >= S training samples")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --max-clients draw")
+    p.add_argument("--plots", default=None, metavar="OUTDIR", help="write stats.json and figures here")
+    return p.parse_args(argv)
+
+
+def write_plots(stats: dict, nc, outdir: str) -> list[str]:
+    """OUTDIR/stats.json and the figures; returns the paths written."""
+    from fedjax_pfl import plots
+
+    os.makedirs(outdir, exist_ok=True)
+    written = [os.path.join(outdir, "stats.json")]
+    with open(written[0], "w") as f:
+        json.dump(stats, f, indent=1)
+    name = stats["dataset"]
+    figures = [("client_sizes.png", plots.client_sizes_figure(nc.train_counts(), nc.test_counts(),
+                                                              title=f"{name}: samples per client"))]
+    train = stats["train"]
+
+    def names(n: int) -> list[str]:
+        labels = list(nc.source.labels)
+        return labels if len(labels) == n else [str(i) for i in range(n)]
+
+    if "label_counts" in train:
+        counts = np.asarray(train["label_counts"])
+        figures.append(("labels.png", plots.counts_figure(counts, xlabel="class", names=names(counts.size),
+                                                          title=f"{name}: training labels")))
+    if "length_histogram" in train:
+        figures.append(("lengths.png", plots.counts_figure(np.asarray(train["length_histogram"]),
+                                                           xlabel="real tokens per sample",
+                                                           title=f"{name}: training sequence lengths")))
+    if "tag_counts" in train:
+        counts = np.asarray(train["tag_counts"])
+        figures.append(("tags.png", plots.counts_figure(counts, xlabel="tag", names=names(counts.size),
+                                                        title=f"{name}: training tags")))
+    for filename, fig in figures:
+        path = os.path.join(outdir, filename)
+        plots.save_figure(fig, path)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command; returns its exit status (0, or 2 after a one-line error on stderr)."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:                           # --help (0) or a bad flag (2, already said)
+        return int(e.code or 0)
+    from fedjax_pfl.data import cache, stats
+    from fedjax_pfl.data.natural import DataFormatError
+    from fedjax_pfl.data.sources import DatasetNotFoundError
+
+    try:
+        if args.max_clients is not None and args.max_clients < 1:
+            raise UsageError(f"--max-clients must be >= 1, got {args.max_clients}")
+        if args.min_samples < 0:
+            raise UsageError(f"--min-samples must be >= 0, got {args.min_samples}")
+        reader = open_reader(args.dataset, args.data_dir, args.format)
+        root = args.cache_dir or cache.default_cache_root(args.data_dir)
+        nc = cache.load(reader, root)
+        idx = cache.select(nc, max_clients=args.max_clients, min_samples=args.min_samples, seed=args.seed)
+        if idx.size != nc.num_clients:
+            print(f"selected {idx.size:,} of {nc.num_clients:,} clients (--min-samples {args.min_samples}, "
+                  f"--max-clients {args.max_clients}, --seed {args.seed})")
+        nc = cache.subset(nc, idx)
+        summary = stats.describe(nc)
+        summary["selection"] = {"max_clients": args.max_clients, "min_samples": args.min_samples,
+                                "seed": args.seed, "client_indices_kept": int(idx.size)}
+        print(stats.format_table(summary))
+        if args.plots:
+            for path in write_plots(summary, nc, args.plots):
+                print(f"wrote {path}")
+    except (DatasetNotFoundError, DataFormatError, cache.StaleCacheError, UsageError, ValueError) as e:
+        print(f"prepare.py: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:                              # unreadable file, read-only cache root, ...
+        print(f"prepare.py: error: {_one_line(e)} (choose a writable cache root with --cache-dir if it "
+              f"is the cache)" if isinstance(e, PermissionError) else f"prepare.py: error: {_one_line(e)}",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
