@@ -171,3 +171,26 @@ class VGG8(nn.Module):
         x = nn.relu(Dense(256)(x))
         x = nn.relu(Dense(256)(x))
         return Dense(self.num_classes)(x)
+
+
+class FemnistCNN(nn.Module):
+    """FedJAX's EMNIST/FEMNIST CNN (`fedjax.models.emnist.create_conv_model`, the model of Reddi et
+    al. 2021, "Adaptive Federated Optimization"): Conv 3×3 (32, valid) → ReLU → Conv 3×3 (64, valid)
+    → ReLU → MaxPool 2 → Flatten → Dense 128 → ReLU → Dense num_classes.
+
+    1,206,590 parameters on 28×28×1 with 62 classes (FedJAX's emnist_test figure). FedJAX's
+    dropout (0.25 after the pool, 0.5 after Dense 128) is omitted: the engine's apply is
+    deterministic (no RNG). LEAF's FEMNIST CNN is a different, larger network (5×5 convs 32 and 64
+    with SAME padding and pools, Dense 2048; 6,603,710 parameters) and is not this one.
+    """
+
+    num_classes: int = 62
+    conv: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.relu(Conv2D(32, (3, 3), impl=self.conv)(x))
+        x = max_pool_2x2(nn.relu(Conv2D(64, (3, 3), impl=self.conv)(x)))
+        x = x.reshape(x.shape[0], -1)
+        x = nn.relu(Dense(128)(x))
+        return Dense(self.num_classes)(x)

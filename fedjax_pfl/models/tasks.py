@@ -1,0 +1,151 @@
+"""Per-task losses, unit weights and metrics for natural-client datasets (data/natural.py).
+
+Every function here follows `Model`'s contract (models/model.py), on ONE batch of one client:
+
+* ``loss(outputs, labels) -> [B]``: each example's loss SUMMED over the units it counts (its
+  non-PAD tokens for a sequence task; one unit for a classification or a tag example).
+* ``weight(labels) -> [B]``: the number of units each example counts (None: one each). The engine's
+  mean loss is Σ_b m_b·loss_b / max(Σ_b m_b·weight_b, 1) for the example mask m, so a sequence
+  task's loss is the mean over the batch's real tokens, wherever the padding sits.
+* ``metric(outputs, labels) -> (hits [B], count [B])``: each example's correct units and scored
+  units; accuracy = Σ hits / Σ count (None: argmax == label, one each).
+
+Labels follow data/natural.py: sequence labels y [B, T] with 0 = PAD; multilabel y [B, K] tag ids
+padded with −1. `for_task(task)` returns the triple for a `natural.Task`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_pfl.data.natural import PAD, Task
+
+__all__ = ["sequence_cross_entropy", "token_weight", "token_accuracy", "multi_hot",
+           "multilabel_sigmoid_loss", "recall_at_k", "for_task"]
+
+Metric = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def sequence_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-sequence SUM of token cross-entropies over the non-PAD targets.
+
+    ℓ_b = Σ_t [y_bt ≠ PAD] · (−log softmax(z_bt)[y_bt]).
+
+    FedJAX's Stack Overflow `train_loss` is this sum ("total loss per sentence"); its
+    Shakespeare `train_loss` divides the same masked sum by T (padding included). We return the
+    sum and let the engine divide by Σ `token_weight`, i.e. the batch's mean over real tokens
+    (TFF's masked `SparseCategoricalCrossentropy` mean), independent of how much padding there is.
+
+    Args:
+      logits: [B, T, V].
+      labels: [B, T] int, PAD = 0.
+    Returns:
+      [B] float32; a PAD-only example gives exactly 0 and no gradient.
+    """
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    # where, not a product: a PAD position's value (finite or not) never reaches the sum or grad.
+    return jnp.sum(jnp.where(labels != PAD, per_token, 0.0), axis=-1)
+
+
+def token_weight(labels: jax.Array) -> jax.Array:
+    """The number of non-PAD targets of each sequence: w_b = Σ_t [y_bt ≠ PAD]; [B, T] -> [B]."""
+    return jnp.sum(labels != PAD, axis=-1).astype(jnp.float32)
+
+
+def token_accuracy(excluded: tuple[int, ...] = ()) -> Metric:
+    """Token accuracy over the targets that are neither PAD nor in `excluded`.
+
+    hits_b = Σ_t [y_bt ∉ E] · [argmax_v z_btv = y_bt],  count_b = Σ_t [y_bt ∉ E],
+    E = {PAD} ∪ excluded. The prediction is the plain argmax over every output (a predicted
+    out-of-vocabulary or special token counts as wrong). FedJAX's `accuracy_no_eos`
+    (SequenceTokenAccuracy with masked_target_values=(pad, eos)) is `excluded=(eos,)`; its
+    `accuracy_in_vocab` additionally removes PAD/BOS/EOS/OOV from the argmax (not offered here).
+    `Task.metric_excluded` supplies `excluded`.
+    """
+    excluded = tuple(int(e) for e in excluded)
+
+    def metric(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+        scored = labels != PAD
+        for e in excluded:
+            scored = scored & (labels != e)
+        correct = jnp.argmax(logits, axis=-1) == labels
+        hits = jnp.sum(scored & correct, axis=-1).astype(jnp.float32)
+        return hits, jnp.sum(scored, axis=-1).astype(jnp.float32)
+
+    return metric
+
+
+def multi_hot(labels: jax.Array, num_classes: int) -> jax.Array:
+    """Tag ids [B, K] padded with −1 → multi-hot [B, C] float32 (a repeated id counts once)."""
+    # one_hot of −1 is the zero row; max (not sum) keeps a repeated id at 1, as TFF's tag set.
+    return jnp.max(jax.nn.one_hot(labels, num_classes, dtype=jnp.float32), axis=-2)
+
+
+def multilabel_sigmoid_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Sigmoid cross-entropy summed over the C tags: ℓ_b = Σ_c [softplus(z_bc) − y_bc·z_bc].
+
+    With y = multi_hot(labels) and p = σ(z), softplus(z) − y·z = −y·log p − (1 − y)·log(1 − p),
+    computed from the logits (stable for any |z|). Reduction: SUM over tags, one unit per
+    example (weight None). TFF's tag-prediction task (Dense(500, sigmoid) and
+    `BinaryCrossentropy(from_logits=False, reduction=SUM)`) uses Keras's per-example MEAN over the
+    C tags (with probabilities clipped to [1e-7, 1 − 1e-7]) and sums over the batch; so our
+    per-example loss is C × TFF's, and TFF's loss value is ours / C. In SGD the factor C
+    (500 for Stack Overflow) is a learning-rate rescaling.
+
+    Args:
+      logits: [B, C].
+      labels: [B, K] int tag ids in [0, C), padded with −1.
+    Returns:
+      [B] float32.
+    """
+    y = multi_hot(labels, logits.shape[-1])
+    return jnp.sum(jax.nn.softplus(logits) - y * logits, axis=-1)
+
+
+def recall_at_k(k: int) -> Metric:
+    """Micro recall@k: hits_b = |top_k(z_b) ∩ T_b|, count_b = |T_b| for the true tag set T_b.
+
+    Σ hits / Σ count is Keras's `tf.keras.metrics.Recall(top_k=k)` as TFF's tag-prediction task
+    reports it (`recall_at_5`): with top_k set, Keras sets the threshold to −∞, so exactly the k
+    highest scores are predicted positive, and accumulates true positives and false negatives over
+    the whole dataset (micro-average). Ties go to the lower tag index (`jax.lax.top_k`, like
+    `tf.math.top_k`). An example without tags counts nothing.
+    """
+    k = int(k)
+    if k < 1:
+        raise ValueError(f"recall_at_k needs k >= 1, got {k}")
+
+    def metric(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+        num_classes = logits.shape[-1]
+        y = multi_hot(labels, num_classes)
+        _, top = jax.lax.top_k(logits, min(k, num_classes))
+        predicted = jnp.max(jax.nn.one_hot(top, num_classes, dtype=jnp.float32), axis=-2)
+        return jnp.sum(y * predicted, axis=-1), jnp.sum(y, axis=-1)
+
+    return metric
+
+
+def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-example cross-entropy −log softmax(logits)[label]; [B, C], [B] -> [B]."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def for_task(task: Task) -> dict:
+    """The (loss, weight, metric) of a natural `Task`, as keyword arguments of `Model`.
+
+    classify:   softmax cross-entropy; weight None; metric None (argmax == label).
+    sequence:   `sequence_cross_entropy`, `token_weight`, `token_accuracy(task.metric_excluded)`.
+    multilabel: `multilabel_sigmoid_loss`, weight None, `recall_at_k(task.topk)`.
+    """
+    if task.kind == "classify":
+        return dict(loss=softmax_cross_entropy, weight=None, metric=None)
+    if task.kind == "sequence":
+        return dict(loss=sequence_cross_entropy, weight=token_weight,
+                    metric=token_accuracy(tuple(task.metric_excluded)))
+    if task.kind == "multilabel":
+        return dict(loss=multilabel_sigmoid_loss, weight=None, metric=recall_at_k(task.topk))
+    raise ValueError(f"unknown task kind {task.kind!r}")
