@@ -198,7 +198,8 @@ def build(reader: NaturalReader, cache_dir: str) -> NaturalClients:
     client id repeats. A failure is a one-line `DataFormatError` naming the client.
 
     Source files are stat'ed before the first block is read, so a file changed during the
-    conversion makes the cache stale on its next `load`.
+    conversion makes the cache stale on its next `load`. The rest of the SourceInfo (vocabulary,
+    labels) is recorded as `reader.source()` gives it after the last block.
     """
     t0 = time.perf_counter()
     task, source = reader.task(), reader.source()
@@ -247,10 +248,14 @@ def build(reader: NaturalReader, cache_dir: str) -> NaturalClients:
             n = offsets[split][-1]
             arrays[f"{split}_x"] = {"dtype": x_dtype.str, "shape": list(x_spec.shape or ()), "rows": n}
             arrays[f"{split}_y"] = {"dtype": y_dtype.str, "shape": list(y_spec.shape or ()), "rows": n}
+        # The SourceInfo again now the stream is read: a reader may complete its vocabulary while
+        # reading (LEAF's sent140 builds it from the training split); the file stats stay the
+        # ones taken before the first block.
+        source = reader.source()
         meta = {
             "format_version": FORMAT_VERSION,
             "task": _task_to_dict(task),
-            "source": {**_source_to_dict(source), "files": files},
+            "source": {**_source_to_dict(dataclasses.replace(source, files=())), "files": files},
             "num_clients": len(ids),
             "num_train": offsets["train"][-1],
             "num_test": offsets["test"][-1],

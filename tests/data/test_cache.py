@@ -255,6 +255,24 @@ def test_empty_blocks_are_accepted(tmp_path):
     np.testing.assert_array_equal(nc.test_x, blocks[1].test_x)
 
 
+def test_vocabulary_completed_while_reading_is_recorded(tmp_path):
+    """A reader may know its vocabulary only after reading (LEAF's sent140): the cache keeps the
+    SourceInfo as it is after the last block."""
+    import dataclasses
+
+    class LateVocab(FakeReader):
+        def clients(self):
+            yield from super().clients()
+            self.info = dataclasses.replace(self.info, vocab=("<pad>", "w", "<oov>"))
+
+    reader = LateVocab(str(tmp_path), make_blocks(COUNTS))
+    assert reader.source().vocab == ()
+    nc, _ = load(reader, tmp_path / "cache")
+    assert nc.source.vocab == ("<pad>", "w", "<oov>")
+    nc, msgs = load(reader, tmp_path / "cache")                   # and the cache is current
+    assert msgs == [] and nc.source.vocab == ("<pad>", "w", "<oov>")
+
+
 def test_big_endian_blocks_are_stored_little_endian(tmp_path):
     blocks = make_blocks([(3, 1), (2, 2)])
     blocks[1] = blocks[1]._replace(train_y=blocks[1].train_y.astype(">i4"))
