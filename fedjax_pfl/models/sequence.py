@@ -258,7 +258,9 @@ class CausalTransformer(nn.Module):
 
     Attention is causal (position t sees positions ≤ t) and never looks at PAD keys (a position
     always sees itself, so no softmax row is empty). Outputs [B, T, num_classes], or with
-    `last_only` the last position's [B, num_classes]. Sequences must be at most `max_len` long.
+    `last_only` the [B, num_classes] of each sequence's last non-PAD position. Sequences must be
+    at most `max_len` long; padding goes at the end (a PAD before a real token would shift the
+    learned positions of the tokens after it).
     """
 
     vocab_size: int
@@ -288,7 +290,9 @@ class CausalTransformer(nn.Module):
             h = TransformerBlock(self.heads, name=f"Block_{i}")(h, allowed)
         h = nn.LayerNorm(name="ln_final")(h)
         if self.last_only:
-            h = h[:, -1]
+            # The last real token's output (a trailing PAD query would also see the PAD itself).
+            last = jnp.max(jnp.where(x != PAD, jnp.arange(t)[None], 0), axis=1)
+            h = h[jnp.arange(b), last]
         return Dense(self.num_classes)(h)
 
 

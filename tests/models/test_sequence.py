@@ -149,6 +149,9 @@ def test_tag_logreg_and_sent_lstm_parameter_counts():
     # TFF: Dense(500) on 10,000 bag-of-words features. Ids: PAD 0, words 1..10000, OOV 10001.
     tp = Task("multilabel", 500, "tokens", 10_002)
     assert _count("tag_logreg", tp, (40,), num_words=10_000) == 10_000 * 500 + 500
+    # data/text.py's layout (PAD 0, words 1..10000, OOV words dropped): the default range.
+    tp = Task("multilabel", 500, "tokens", 10_001)
+    assert _count("tag_logreg", tp, (64,)) == 10_000 * 500 + 500
     v = 1000    # LEAF: Embed(V, 100), two LSTMs of 100, Dense 128, Dense 2
     want = v * 100 + 2 * _lstm_count(100, 100) + (100 * 128 + 128) + (128 * 2 + 2)
     assert _count("sent_lstm", Task("classify", 2, "tokens", v), (25,)) == want
@@ -188,13 +191,14 @@ def test_padding_changes_neither_loss_nor_gradient_nor_accuracy_through_a_model(
 
     @jax.jit
     def evaluate(p, x, y):
-        """(Σ loss, its gradient, Σ hits, Σ weight) of one batch."""
+        """(Σ loss, its gradient, Σ hits, Σ count, Σ weight) of one batch."""
         def total(q):
             out = model.apply({"params": q}, x)
             return tasks.sequence_cross_entropy(out, y).sum(), out
 
         (loss, out), grad = jax.value_and_grad(total, has_aux=True)(p)
-        return loss, grad, metric(out, y)[0].sum(), tasks.token_weight(y).sum()
+        hits, count = metric(out, y)
+        return loss, grad, hits.sum(), count.sum(), tasks.token_weight(y).sum()
 
     # Reference: each sequence alone, unpadded, summed.
     alone = [evaluate(params, jnp.asarray(s[None]), jnp.asarray(t[None]))
@@ -207,11 +211,11 @@ def test_padding_changes_neither_loss_nor_gradient_nor_accuracy_through_a_model(
         y = np.zeros_like(x)
         for i, (s, t) in enumerate(zip(seqs, targets)):
             x[i, : len(s)], y[i, : len(t)] = s, t
-        loss, grad, hits, weight = evaluate(params, jnp.asarray(x), jnp.asarray(y))
+        loss, grad, hits, count, weight = evaluate(params, jnp.asarray(x), jnp.asarray(y))
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                      grad, want_grad)
-        assert float(weight) == sum(map(len, seqs))
+        assert float(weight) == float(count) == sum(map(len, seqs))
         assert float(hits) == want_hits
 
 
@@ -228,7 +232,7 @@ def test_sent_lstm_ignores_padding_anywhere():
     assert want.shape == (1, 2)
 
 
-def test_transformer_is_causal():
+def test_transformer_is_causal_and_last_only_reads_the_last_real_token():
     m = sequence.CausalTransformer(11, 11, max_len=8, width=16, heads=2, layers=2)
     rng = np.random.default_rng(5)
     x = rng.integers(1, 11, size=(2, 8))
@@ -243,8 +247,12 @@ def test_transformer_is_causal():
         assert not np.allclose(out2[:, t + 1:], out[:, t + 1:])   # the future did change
     last = sequence.CausalTransformer(11, 11, max_len=8, width=16, heads=2, layers=2,
                                       last_only=True)
-    np.testing.assert_allclose(last.apply({"params": p}, jnp.asarray(x)), out[:, -1], rtol=1e-5,
-                               atol=1e-6)
+    # Trailing PAD: the last real position's output (sequence 0 has 5 real tokens of 8).
+    x_pad = x.copy()
+    x_pad[0, 5:] = 0
+    got = jax.jit(lambda q, z: last.apply({"params": q}, z))(p, jnp.asarray(x_pad))
+    want = np.stack([apply(p, jnp.asarray(x_pad[:1, :5]))[0, 4], out[1, -1]])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("features", ["frequency", "count", "binary"])
