@@ -195,6 +195,7 @@ def test_out_that_is_not_writable_fails_first(tmp_path, capsys, no_compute):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("no_figures")       # five runs; test_a_short_run_… checks the figures
 def test_resume_refuses_incompatible_flags_and_extends_rounds(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(_short(out, "--algo", "pfedsop", "--pfedsop-rho", "2")) == 0
@@ -226,6 +227,7 @@ def test_resume_refuses_incompatible_flags_and_extends_rounds(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("no_figures")
 def test_header_pluralises_clients(tmp_path, capsys):
     assert cli.main(_short(tmp_path / "run")) == 0
     assert "fedavg on digits: 4 clients (" in capsys.readouterr().out

@@ -21,6 +21,9 @@ from fedjax_pfl import checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "experiments" / "run.py")
 PAUSE_SCRIPT = str(ROOT / "tests" / "pause_run.py")    # run.py with a pause after round R
+# run.py drawing no PNGs (~1.5 s of CPU a run), for the runs whose figures no test reads: the
+# uninterrupted reference and the resumed run (the stopped runs draw theirs, checked below).
+NO_FIGURES_SCRIPT = str(ROOT / "tests" / "run_no_figures.py")
 pytestmark = pytest.mark.slow           # each case starts JAX and compiles 2–3 times
 
 COMMON = ["--clients", "8", "--participation", "0.5", "--local-steps", "2", "--rounds", "12"]
@@ -45,9 +48,9 @@ def _ctrl_c_for_children():
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def _run(argv, **env):
+def _run(argv, script=SCRIPT, **env):
     with _ctrl_c_for_children():
-        proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True,
                               env=_env(**env), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
@@ -99,7 +102,7 @@ def _assert_same_run(a, b):
 ])
 def test_stopped_run_resumes_bit_for_bit(tmp_path, algo, flags, stop, sig):
     argv = ["--algo", algo, *COMMON, *flags, "--quiet"]
-    _run(argv + ["--out", str(tmp_path / "full")])
+    _run(argv + ["--out", str(tmp_path / "full")], script=NO_FIGURES_SCRIPT)
 
     out = tmp_path / "stopped"
     proc = _start(argv + ["--out", str(out)], pause_after=stop)
@@ -123,7 +126,7 @@ def test_stopped_run_resumes_bit_for_bit(tmp_path, algo, flags, stop, sig):
     assert len(_rows(out)) == stop
     assert runner_latest(out).endswith(f"round_{stop:06d}")
 
-    resumed = _run(["--resume", str(out), "--quiet"])
+    resumed = _run(["--resume", str(out), "--quiet"], script=NO_FIGURES_SCRIPT)
     assert f"resuming from {out}/checkpoints/round_{stop:06d}" in resumed.stdout
     _assert_same_run(tmp_path / "full", out)
 

@@ -24,7 +24,9 @@ def _free_port() -> int:
 def _cli(tmp, name, extra):
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "1", "PYTHONPATH": str(ROOT)}
     env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
-    argv = [sys.executable, str(ROOT / "experiments" / "run.py"), "--algo", "pgfedmo",
+    # run.py drawing no PNGs (tests/run_no_figures.py; ~1.5 s of CPU a run): only the metrics
+    # and the summary are compared.
+    argv = [sys.executable, str(ROOT / "tests" / "run_no_figures.py"), "--algo", "pgfedmo",
             "--rounds", "3", "--clients", "7", "--participation", "0.45", "--quiet",
             "--out", str(tmp / name), *extra]
     return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
