@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedjax_pfl.algorithms.base import COMMON_HPARAMS
     from fedjax_pfl.data import partition as partition_lib
     from fedjax_pfl.data import sources
+    from fedjax_pfl.data.formats import FORMATS, NATURAL_DATASETS
     from fedjax_pfl import models
 
     p = _Parser(
@@ -138,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None,
                    help=f"one of {list(models.MODELS)}; default per dataset (mlp for digits/mnist-"
                         "like, logreg for synthetic, cnn for cifar)")
+    g.add_argument("--model-options", default=None, metavar="KEY=VALUE,...",
+                   help="sizes of the text models and femnist_cnn, e.g. hidden=64,layers=1 for "
+                        "--model char_lstm (models/sequence.py lists each model's options)")
     g.add_argument("--model-cr", type=float, default=2.0,
                    help="compression rate of --model cp_mlp / cp_vgg8: rank round(ΠI/(CR·ΣI)) per "
                         "weight tensor (TDPFed's rule; 1 = the dense model)")
@@ -148,10 +152,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "reproduces runs made before winograd existed bit for bit")
 
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="digits", help=f"one of {list(sources.DATASETS)}")
+    g.add_argument("--dataset", default="digits",
+                   help=f"one of {list(sources.DATASETS)}, or a natural-client dataset read from "
+                        f"its files in --data-dir: {list(NATURAL_DATASETS)}")
     g.add_argument("--data-dir", default=None,
                    help="directory holding the original dataset files (default $FEDJAX_PFL_DATA_DIR "
-                        "or ~/fedjax_pfl_data)")
+                        "or ~/fedjax_pfl_data); for a natural-client dataset, the folder of its "
+                        "LEAF train/ and test/ JSON, TFF .h5 or FedJAX .sqlite files (required)")
+    g.add_argument("--format", default=None, choices=FORMATS,
+                   help="natural-client datasets: the files' format (default: detected from the "
+                        "files in --data-dir)")
+    g.add_argument("--max-clients", type=int, default=None,
+                   help="natural-client datasets: K clients drawn at random (seeded by --seed) "
+                        "among those with at least --min-samples training samples (default all)")
+    g.add_argument("--min-samples", type=int, default=0,
+                   help="natural-client datasets: leave out clients with fewer training samples")
+    g.add_argument("--cache-dir", default=None,
+                   help="natural-client datasets: where the converted, client-sorted copy is kept "
+                        "(default DATA_DIR/.fedjax_pfl_cache)")
     g.add_argument("--tfds-dir", default=None,
                    help="prepared TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets)")
     g.add_argument("--download", action="store_true",
@@ -224,6 +242,7 @@ def config_from_args(args: argparse.Namespace):
     """The RunConfig the flags describe (raises ValueError naming the flag on bad input)."""
     from fedjax_pfl import algorithms
     from fedjax_pfl.data.build import PartitionConfig
+    from fedjax_pfl.data.formats import NATURAL_DATASETS
     from fedjax_pfl.runner import RunConfig
 
     if args.algo is None:
@@ -260,7 +279,18 @@ def config_from_args(args: argparse.Namespace):
             raise ValueError(f"{flag} does not apply to --algo {args.algo}")
         hparams[mine[flag].name] = value
     synthetic = args.dataset == "synthetic"
-    scheme = args.partition or ("natural" if synthetic else "dirichlet")
+    natural = args.dataset in NATURAL_DATASETS
+    if natural and args.clients is not None:
+        raise ValueError(f"--dataset {args.dataset} keeps its own clients: --clients does not "
+                         "apply (use --max-clients K)")
+    if not natural:
+        for flag, value in (("--format", args.format), ("--max-clients", args.max_clients),
+                            ("--cache-dir", args.cache_dir),
+                            ("--min-samples", args.min_samples or None)):
+            if value is not None:
+                raise ValueError(f"{flag} applies to natural-client datasets "
+                                 f"({', '.join(NATURAL_DATASETS)}), not --dataset {args.dataset}")
+    scheme = args.partition or ("natural" if synthetic or natural else "dirichlet")
     if args.clients is not None:
         clients = args.clients
     else:
@@ -271,6 +301,9 @@ def config_from_args(args: argparse.Namespace):
         shard_size=args.shard_size, clusters=args.clusters, test_fraction=args.test_fraction, seed=args.seed,
     )
     data_options = {"data_dir": args.data_dir, "tfds_dir": args.tfds_dir, "download": args.download}
+    if natural:
+        data_options = {"data_dir": args.data_dir, "fmt": args.format, "max_clients": args.max_clients,
+                        "min_samples": args.min_samples, "cache_dir": args.cache_dir}
     if args.dataset == "emnist":
         data_options["emnist_split"] = args.emnist_split
     if synthetic:
@@ -284,6 +317,7 @@ def config_from_args(args: argparse.Namespace):
     if args.checkpoint_on_signal is not None:
         parse_signal(args.checkpoint_on_signal)
     return RunConfig(algo=args.algo, dataset=args.dataset, model=args.model,
+                     model_options=parse_model_options(args.model_options),
                      model_cr=args.model_cr, model_conv=args.conv, partition=partition,
                      rounds=args.rounds, seed=args.seed, eval_every=args.eval_every,
                      eval_clients=args.eval_clients, rounds_per_call=args.rounds_per_call,
@@ -292,6 +326,31 @@ def config_from_args(args: argparse.Namespace):
                      checkpoint_every=args.checkpoint_every, resume=args.resume is not None,
                      target_acc=args.target_acc, log=log,
                      checkpoint_on_signal=args.checkpoint_on_signal)
+
+
+def parse_model_options(text: str | None) -> dict[str, Any]:
+    """'hidden=64,output_tanh=true' -> {"hidden": 64, "output_tanh": True} (ints, floats, booleans
+    and words)."""
+    out: dict[str, Any] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise ValueError(f"--model-options takes KEY=VALUE pairs separated by commas, got {item!r}")
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+            continue
+        for cast in (int, float):
+            try:
+                out[key] = cast(value)
+                break
+            except ValueError:
+                pass
+        else:
+            out[key] = value
+    return out
 
 
 def parse(argv: list[str] | None = None, base_defaults: dict | None = None) -> argparse.Namespace:
@@ -343,7 +402,14 @@ def _saved_defaults(record: dict) -> dict:
                min_size=part["min_size"], classes_per_client=part["classes_per_client"],
                shards_per_client=part["shards_per_client"], shard_size=part["shard_size"],
                clusters=part["clusters"], test_fraction=part["test_fraction"])
-    out.update({k: v for k, v in record.get("data_options", {}).items()})
+    out.update({("format" if k == "fmt" else k): v
+                for k, v in record.get("data_options", {}).items()})
+    if record.get("model_options"):
+        out["model_options"] = ",".join(f"{k}={v}" for k, v in record["model_options"].items())
+    from fedjax_pfl.data.formats import NATURAL_DATASETS
+
+    if record.get("dataset") in NATURAL_DATASETS:
+        out["clients"] = None                 # a natural dataset keeps its own clients
     if "checkpoint_every" in record:
         out["checkpoint_every"] = record["checkpoint_every"]
     if record.get("log"):

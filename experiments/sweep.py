@@ -214,10 +214,13 @@ def plan(args: argparse.Namespace) -> Plan:
             raise SweepError(f"{source('algos', '--algos')}: unknown algorithm {name!r}; expected "
                              f"one of {algorithms.names()}")
     _unique(algos, source("algos", "--algos"), "algorithm")
+    from fedjax_pfl.data.formats import NATURAL_DATASETS
+
+    known = [*sources.DATASETS, *NATURAL_DATASETS]
     for name in datasets:
-        if name not in sources.DATASETS:
+        if name not in known:
             raise SweepError(f"{source('datasets', '--datasets')}: unknown dataset {name!r}; "
-                             f"expected one of {list(sources.DATASETS)}")
+                             f"expected one of {known}")
     _unique(datasets, source("datasets", "--datasets"), "dataset")
     try:
         cli.check_seeds(seeds, source("seeds", "--seeds"))
@@ -373,8 +376,12 @@ def check_algorithms(the_plan: Plan, data: dict[str, tuple]) -> None:
             runner.check_with_data(cfg, fed)
         except ValueError as e:
             raise SweepError(f"{group.algo} on {group.dataset}: {e}") from None
-        model = models.get(runner.model_name_of(cfg), fed.input_shape, fed.num_classes,
-                           cr=cfg.model_cr, conv=cfg.model_conv)
+        try:
+            model = models.get(runner.model_name_of(cfg), fed.input_shape, fed.num_classes,
+                               cr=cfg.model_cr, conv=cfg.model_conv, task=fed.task,
+                               options=cfg.model_options)
+        except ValueError as e:
+            raise SweepError(f"{group.algo} on {group.dataset}: {e}") from None
         for combo, hparams in zip(group.traced, group.resolved):
             try:
                 algorithms.get(group.algo, model=model, **hparams)

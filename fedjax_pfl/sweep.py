@@ -158,7 +158,8 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
         raise ValueError("--target-acc stops one run; the runs of a sweep share one program")
     model_name = cfg.model or runner.DEFAULT_MODEL.get(cfg.dataset, "mlp")
     model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
-                       conv=cfg.model_conv)
+                       conv=cfg.model_conv, task=data.task,
+                       options=cfg.model_options)
     t0 = time.perf_counter()
     program = VectorProgram(cfg.algo, model, data, cfg.hparams, runs)
     state = program.init()

@@ -47,7 +47,7 @@ from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms import base
 from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.core.evaluate import Evaluator
-from fedjax_pfl.models.model import Model
+from fedjax_pfl.models.model import Model  # noqa: F401  (type hints)
 
 Params = Any
 
@@ -71,10 +71,11 @@ def log_prior(counts: jax.Array) -> jax.Array:
 
 def balanced_softmax_loss(logits: jax.Array, labels: jax.Array, log_prior_: jax.Array) -> jax.Array:
     """Per-example −log softmax(logits + log π)_y (Ren et al. 2020, FedRoD eq. 5); [B, C], [B], [C]
-    -> [B]. Classes with log π = −∞ drop out of the softmax."""
+    -> [B]. Classes with log π = −∞ drop out of the softmax. Per token for a sequence task:
+    [B, T, V], [B, T] -> [B, T] (the caller sums the real tokens)."""
     adjusted = logits + log_prior_.astype(logits.dtype)
     return jax.nn.logsumexp(adjusted, axis=-1) - jnp.take_along_axis(
-        adjusted, labels[:, None], axis=-1)[:, 0]
+        adjusted, labels[..., None], axis=-1)[..., 0]
 
 
 def train_label_counts(data) -> jax.Array:
@@ -86,12 +87,19 @@ def train_label_counts(data) -> jax.Array:
     """
     c = data.clients
     n, num_clients = data.y.shape[0], data.num_clients
+    if data.task is not None and data.task.kind == "multilabel":
+        raise ValueError("fedrod's balanced softmax needs one label per sample or per token; "
+                         f"{data.name} is a multi-label task")
     tag = jnp.arange(1, num_clients + 1, dtype=jnp.int32)
     marks = (jnp.zeros(n + 1, jnp.int32).at[c.train_start].add(tag)
              .at[c.train_start + c.train_count].add(-tag))
     owner = jnp.cumsum(marks)[:n] - 1                                   # −1: not a train row
-    segment = jnp.where(owner >= 0, owner * data.num_classes + data.y, num_clients * data.num_classes)
-    counts = jax.ops.segment_sum(jnp.ones(n, jnp.int32), segment,
+    y = data.y
+    if y.ndim > 1:    # a sequence task: every real token counts; padding (label 0) does not
+        owner = jnp.where(y != 0, owner[:, None], -1).reshape(-1)
+        y = y.reshape(-1)
+    segment = jnp.where(owner >= 0, owner * data.num_classes + y, num_clients * data.num_classes)
+    counts = jax.ops.segment_sum(jnp.ones(y.shape[0], jnp.int32), segment,
                                  num_segments=num_clients * data.num_classes + 1)
     return counts[:-1].reshape(num_clients, data.num_classes)
 
@@ -113,9 +121,10 @@ def fedrod(model: Model, config: base.EngineConfig, *, head: str) -> base.Algori
         body = jax.lax.stop_gradient(split_lib.split(generic, mask)[0])             # sg[θ]
         p = model.apply(split_lib.merge(body, phi, mask), x)                        # p(sg[z]; φ)
         bsm = balanced_softmax_loss(g, y, prior)
+        if bsm.ndim > 1:                  # per token: each example's sum over its real tokens
+            bsm = jnp.sum(jnp.where(y != 0, bsm, 0.0), axis=tuple(range(1, bsm.ndim)))
         personal = model.loss(jax.lax.stop_gradient(g) + p, y)
-        mean = lambda v: jnp.sum(jnp.where(mask_, v, 0.0)) / jnp.maximum(jnp.sum(mask_), 1)
-        return mean(bsm) + mean(personal)
+        return core.masked_mean(model, bsm, y, mask_) + core.masked_mean(model, personal, y, mask_)
 
     grad_fn = jax.value_and_grad(losses)
 
@@ -126,8 +135,8 @@ def fedrod(model: Model, config: base.EngineConfig, *, head: str) -> base.Algori
         return optax.apply_updates(params, updates), opt_state, loss
 
     engine = base.Engine(model, config, optimizer=tx, step_fn=step)
-    combined = Model(init=model.init, apply=lambda pp, x: personal_logits(pp[0], pp[1], x),
-                     loss=model.loss, name=f"{model.name}+personal head")
+    combined = model._replace(init=model.init, apply=lambda pp, x: personal_logits(pp[0], pp[1], x),
+                              name=f"{model.name}+personal head")
     evaluator = Evaluator(combined, batch_size=config.eval_batch_size,
                           mapper=engine.evaluator.mapper)
     generic_size = ops.tree_size(template)

@@ -34,6 +34,7 @@ from fedjax_pfl.core.local import (
     LocalTrainer,
     add_aux_gradient,
     epoch_permutation,
+    masked_mean,
     masked_mean_loss,
     steps_per_epoch,
 )
@@ -55,6 +56,6 @@ __all__ = [
     "balanced_order", "client_mask", "client_mesh", "replicate", "replicated_sharding",
     "single_device_clients",
     "AUTO_EVAL_BATCH", "ClientEval", "Evaluator", "FullPass", "auto_eval_batch", "LocalResult", "LocalTrainer", "add_aux_gradient",
-    "epoch_permutation", "masked_mean_loss", "steps_per_epoch", "History", "summarize",
+    "epoch_permutation", "masked_mean", "masked_mean_loss", "steps_per_epoch", "History", "summarize",
     "STATE_DTYPES", "CachedEvaluation", "MemoryPlan", "MemoryPlanError", "Program", "check_memory", "prepare_data",
 ]

@@ -26,9 +26,10 @@ Params = Any
 class ClientEval(NamedTuple):
     """Per-client test results; every field has leading axis N."""
 
-    correct: jax.Array   # number of correctly classified test samples (float32)
+    correct: jax.Array   # number of correctly classified test samples (units: `Model.metric`)
     loss_sum: jax.Array  # Σ of per-example test losses (float32)
-    count: jax.Array     # number of test samples (int32)
+    count: jax.Array     # number of test samples (int32), or of scored units (`Model.metric`)
+    loss_count: Any = None  # Σ of the loss units (`Model.weight`: tokens); None: `count`
 
     @property
     def accuracy(self) -> jax.Array:
@@ -37,8 +38,9 @@ class ClientEval(NamedTuple):
 
     @property
     def loss(self) -> jax.Array:
-        """Mean test loss per client; NaN for a client without test data."""
-        return self.loss_sum / jnp.where(self.count > 0, self.count, jnp.nan)
+        """Mean test loss per client (per token with `Model.weight`); NaN without test data."""
+        units = self.count if self.loss_count is None else self.loss_count
+        return self.loss_sum / jnp.where(units > 0, units, jnp.nan)
 
 
 AUTO_EVAL_BATCH = 0
@@ -52,20 +54,22 @@ MAX_EVAL_BATCH = 256
 
 
 def auto_eval_batch(model: Model, input_shape: tuple[int, ...],
-                    temp_budget_bytes: int = EVAL_TEMP_BUDGET_BYTES) -> int:
+                    temp_budget_bytes: int = EVAL_TEMP_BUDGET_BYTES, input_dtype=jnp.float32) -> int:
     """The evaluation batch for `model` on inputs of `input_shape`: the largest multiple of 8 in
     [8, 256] whose forward pass keeps b · (temporaries per sample) ≤ temp_budget_bytes, per sample
     from XLA's memory analysis of the forward pass at batch 8. Accelerators get 256."""
     if jax.default_backend() != "cpu":
         return MAX_EVAL_BATCH
-    return _auto_eval_batch(model, tuple(input_shape), int(temp_budget_bytes))
+    return _auto_eval_batch(model, tuple(input_shape), int(temp_budget_bytes),
+                            jnp.dtype(input_dtype))
 
 
 @functools.lru_cache(maxsize=64)
-def _auto_eval_batch(model: Model, input_shape: tuple[int, ...], temp_budget_bytes: int) -> int:
+def _auto_eval_batch(model: Model, input_shape: tuple[int, ...], temp_budget_bytes: int,
+                     input_dtype=jnp.dtype(jnp.float32)) -> int:
     probe = 8
     params = jax.eval_shape(model.init, jax.random.key(0))
-    x = jax.ShapeDtypeStruct((probe, *input_shape), jnp.float32)
+    x = jax.ShapeDtypeStruct((probe, *input_shape), input_dtype)
     # No compilation where even an upper bound of the temporaries allows the largest batch.
     bounds = traced_bounds(model.apply, params, x)
     if bounds is not None and bounds.temp_bytes / probe * MAX_EVAL_BATCH <= temp_budget_bytes:
@@ -77,6 +81,11 @@ def _auto_eval_batch(model: Model, input_shape: tuple[int, ...], temp_budget_byt
         return MAX_EVAL_BATCH
     fits = int(temp_budget_bytes // max(per_sample, 1.0)) // 8 * 8
     return int(min(MAX_EVAL_BATCH, max(8, fits)))
+
+
+def input_dtype(data: FederatedData):
+    """The dtype the model receives: int32 token ids, or float32 inputs."""
+    return jnp.int32 if data.token_inputs else jnp.float32
 
 
 class Evaluator:
@@ -105,7 +114,7 @@ class Evaluator:
         """The evaluation batch for `data`: min(batch_size, largest test split rounded up to 8)."""
         batch = self.batch_size
         if batch == AUTO_EVAL_BATCH:
-            batch = auto_eval_batch(self.model, data.input_shape)
+            batch = auto_eval_batch(self.model, data.input_shape, input_dtype=input_dtype(data))
         return max(1, min(batch, -(-max(data.max_test, 1) // 8) * 8))
 
     def _loop_for(self, batch: int, personal: bool):
@@ -156,7 +165,8 @@ class Evaluator:
         def init(shared, row) -> EvalCarry:
             params, client = row
             zero = jnp.zeros(())  # float64 under x64, float32 otherwise
-            return EvalCarry(params, client, zero, zero)
+            units = None if model.metric is None and model.weight is None else (zero, zero)
+            return EvalCarry(params, client, zero, zero, units)
 
         def step(shared, carry: EvalCarry, b) -> EvalCarry:
             data, common = shared
@@ -167,15 +177,28 @@ class Evaluator:
             rows = client.test_start + jnp.where(mask, positions, 0)
             outputs = model.apply(_as_float32(params), data.inputs(rows))
             labels = data.labels(rows)
-            hits = jnp.argmax(outputs, axis=-1) == labels
             losses = model.loss(outputs, labels)
-            correct = correct + jnp.sum(jnp.where(mask, hits, False)).astype(correct.dtype)
             loss_sum = loss_sum + jnp.sum(jnp.where(mask, losses, 0.0)).astype(loss_sum.dtype)
-            return carry._replace(correct=correct, loss_sum=loss_sum)
+            if carry.units is None:
+                hits = jnp.argmax(outputs, axis=-1) == labels
+                correct = correct + jnp.sum(jnp.where(mask, hits, False)).astype(correct.dtype)
+                return carry._replace(correct=correct, loss_sum=loss_sum)
+            scored, loss_units = carry.units
+            if model.metric is None:
+                hits, count = jnp.argmax(outputs, axis=-1) == labels, jnp.ones(mask.shape)
+            else:
+                hits, count = model.metric(outputs, labels)
+            weight = jnp.ones(mask.shape) if model.weight is None else model.weight(labels)
+            masked = lambda v, acc: acc + jnp.sum(jnp.where(mask, v, 0)).astype(acc.dtype)
+            units = (masked(count, scored), masked(weight, loss_units))
+            return carry._replace(correct=masked(hits, correct), loss_sum=loss_sum, units=units)
 
         def finish(shared, carry: EvalCarry) -> ClientEval:
-            return ClientEval(carry.correct, carry.loss_sum,
-                              carry.client.test_count.astype(jnp.int32))
+            if carry.units is None:
+                return ClientEval(carry.correct, carry.loss_sum,
+                                  carry.client.test_count.astype(jnp.int32))
+            scored, loss_units = carry.units
+            return ClientEval(carry.correct, carry.loss_sum, scored, loss_units)
 
         def length(row):
             _, client = row
@@ -194,6 +217,7 @@ class EvalCarry(NamedTuple):
     client: Any             # its ClientSplits row
     correct: jax.Array      # correct predictions so far; shape=()
     loss_sum: jax.Array     # Σ of the per-example losses so far; shape=()
+    units: Any = None       # (scored units, loss units) so far, for a model with metric/weight
 
 
 def _rows(tree: Params, ids: jax.Array) -> Params:

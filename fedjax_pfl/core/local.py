@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl.core.execution import ClientLoop, ClientMapper, jit_unless_loop
-from fedjax_pfl.core.evaluate import auto_eval_batch
+from fedjax_pfl.core.evaluate import auto_eval_batch, input_dtype
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
 from fedjax_pfl.models.model import Model
 
@@ -80,6 +80,7 @@ class PassCarry(NamedTuple):
     client: ClientSplits
     loss_sum: jax.Array   # Σ of the per-example losses so far; shape=()
     grad_sum: Params      # Σ of the per-example gradients so far
+    units: Any = None     # Σ of the examples' weights (tokens) so far; None: a model without one
 
 
 class LocalResult(NamedTuple):
@@ -150,9 +151,18 @@ def epoch_permutation(key: jax.Array, n: jax.Array, positions: jax.Array,
 
 
 def masked_mean_loss(model: Model, params: Params, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
-    """Σ_j mask_j ℓ(params; x_j, y_j) / Σ_j mask_j: the mean over the real samples of a padded batch."""
-    per_example = model.loss(model.apply(params, x), y)
-    return jnp.sum(jnp.where(mask, per_example, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+    """Σ_j mask_j ℓ(params; x_j, y_j) / Σ_j mask_j w_j: the mean over the real samples (and, for
+    a model with `weight`, their real tokens) of a padded batch."""
+    return masked_mean(model, model.loss(model.apply(params, x), y), y, mask)
+
+
+def masked_mean(model: Model, per_example: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+    """Σ_j mask_j ℓ_j / max(Σ_j mask_j w_j, 1), with w_j = `model.weight(y)_j` (1 without one)."""
+    total = jnp.sum(jnp.where(mask, per_example, 0.0))
+    if model.weight is None:
+        return total / jnp.maximum(jnp.sum(mask), 1)
+    units = jnp.sum(jnp.where(mask, model.weight(y), 0.0))
+    return total / jnp.maximum(units, 1).astype(total.dtype)
 
 
 class LocalTrainer:
@@ -319,7 +329,8 @@ def add_aux_gradient(name: str = "aux_grad") -> optax.GradientTransformationExtr
 class FullPass:
     """Mean loss and mean gradient over ALL of a client's training samples, at fixed params.
 
-    f_i(θ) = (1/n_i) Σ_j ℓ(θ; x_j, y_j) and ∇f_i(θ), accumulated over batches of `batch_size`
+    f_i(θ) = (1/n_i) Σ_j ℓ(θ; x_j, y_j) and ∇f_i(θ) (n_i: the client's samples, or its real
+    tokens Σ_j w_j for a model with `weight`), accumulated over batches of `batch_size`
     (memory bound) with a masked last batch, so the result does not depend on the batch size
     (up to float rounding of the sums). batch_size 0: the evaluation's automatic batch
     (`evaluate.auto_eval_batch`, from XLA's memory analysis of the forward pass), 256 for the
@@ -337,7 +348,8 @@ class FullPass:
         self._per_batch: dict[int, Callable] = {}
 
     def batch_for(self, data: FederatedData) -> int:
-        return self.batch_size or auto_eval_batch(self.model, data.input_shape)
+        return self.batch_size or auto_eval_batch(self.model, data.input_shape,
+                                                  input_dtype=input_dtype(data))
 
     def __call__(self, data: FederatedData, params: Params, clients: ClientSplits) -> tuple[jax.Array, Params]:
         """[M] mean losses and [M, ...] mean gradients for M clients (leading axis M on inputs)."""
@@ -360,7 +372,9 @@ class FullPass:
 
         def init(shared, row) -> PassCarry:
             params, client = row
-            return PassCarry(params, client, jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+            units = None if model.weight is None else jnp.zeros(())
+            return PassCarry(params, client, jnp.zeros(()), jax.tree.map(jnp.zeros_like, params),
+                             units)
 
         def step(shared, carry: PassCarry, b) -> PassCarry:
             data = shared[0]
@@ -368,12 +382,18 @@ class FullPass:
             positions = b * batch + jnp.arange(batch)
             mask = positions < client.train_count
             rows = client.train_start + jnp.where(mask, positions, 0)
-            loss, grads = grad_fn(params, data.inputs(rows), data.labels(rows), mask)
+            labels = data.labels(rows)
+            loss, grads = grad_fn(params, data.inputs(rows), labels, mask)
+            units = carry.units
+            if units is not None:
+                units = units + jnp.sum(jnp.where(mask, model.weight(labels), 0.0)).astype(units.dtype)
             return carry._replace(loss_sum=carry.loss_sum + loss,
-                                  grad_sum=jax.tree.map(jnp.add, carry.grad_sum, grads))
+                                  grad_sum=jax.tree.map(jnp.add, carry.grad_sum, grads), units=units)
 
         def finish(shared, carry: PassCarry):
-            n = jnp.maximum(carry.client.train_count, 1).astype(carry.loss_sum.dtype)
+            # f_i is the mean over the client's samples, or over its real tokens (model.weight).
+            n = carry.client.train_count if carry.units is None else carry.units
+            n = jnp.maximum(n, 1).astype(carry.loss_sum.dtype)
             return carry.loss_sum / n, jax.tree.map(lambda g: g / n.astype(g.dtype), carry.grad_sum)
 
         def length(row):

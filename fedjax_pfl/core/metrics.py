@@ -8,6 +8,8 @@ Definitions (clients without test data are left out of every statistic):
   acc_p10        10th percentile over clients (numpy's linear interpolation)
   acc_worst10    mean of the ⌈0.1·K⌉ lowest client accuracies (K clients with test data)
   loss           unweighted mean over clients of the mean test loss; loss_weighted: Σ/Σ n_i
+For per-token and multi-label tasks a "sample" above is a scored unit (a real token; a true tag
+for recall@k) and the loss is per real token (`models.Model.metric` / `weight`).
 """
 
 from __future__ import annotations
@@ -18,16 +20,19 @@ from typing import Mapping
 import numpy as np
 
 
-def summarize(correct, loss_sum, count, prefix: str = "") -> dict[str, float]:
-    """The statistics above for one evaluation; keys are prefixed with `prefix`."""
+def summarize(correct, loss_sum, count, prefix: str = "", loss_count=None) -> dict[str, float]:
+    """The statistics above for one evaluation; keys are prefixed with `prefix`. `count` is what
+    accuracy divides by (test samples, or scored tokens / true tags); `loss_count` what the loss
+    divides by when it differs (real tokens; None: `count`)."""
     correct = np.asarray(correct, np.float64)
     loss_sum = np.asarray(loss_sum, np.float64)
     count = np.asarray(count, np.float64)
+    units = count if loss_count is None else np.asarray(loss_count, np.float64)
     has = count > 0
     if not has.any():
         return {}
     acc = correct[has] / count[has]
-    loss = loss_sum[has] / count[has]
+    loss = loss_sum[has] / np.maximum(units[has], 1e-300)
     worst = np.sort(acc)[: max(1, math.ceil(0.1 * acc.size))]
     stats = {
         "acc_mean": acc.mean(),
@@ -37,7 +42,7 @@ def summarize(correct, loss_sum, count, prefix: str = "") -> dict[str, float]:
         "acc_p10": np.percentile(acc, 10),
         "acc_worst10": worst.mean(),
         "loss": loss.mean(),
-        "loss_weighted": loss_sum[has].sum() / count[has].sum(),
+        "loss_weighted": loss_sum[has].sum() / units[has].sum(),
     }
     return {prefix + k: float(v) for k, v in stats.items()}
 

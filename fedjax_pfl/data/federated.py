@@ -11,7 +11,7 @@ inside the jitted step by `FederatedData.inputs`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,8 @@ class FederatedData:
         (`pad_clients`); they are never sampled and have no test data.
       max_train, max_test: static; the largest client's train / test sample count (sizes of
         evaluation batches and memory plans).
+      task: static; what is predicted from what (`data.natural.Task`: token inputs, per-token or
+        multi-label targets). None: image or feature classification with y [n] labels.
     """
 
     x: jax.Array
@@ -61,6 +63,7 @@ class FederatedData:
     real_clients: int | None = dataclasses.field(metadata=dict(static=True), default=None)
     max_train: int = dataclasses.field(metadata=dict(static=True), default=0)
     max_test: int = dataclasses.field(metadata=dict(static=True), default=0)
+    task: Any = dataclasses.field(metadata=dict(static=True), default=None)
 
     @property
     def num_clients(self) -> int:
@@ -76,8 +79,16 @@ class FederatedData:
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x.shape[1:])
 
+    @property
+    def token_inputs(self) -> bool:
+        """Whether x holds int32 token ids that the model embeds itself (no normalisation)."""
+        return self.task is not None and self.task.inputs == "tokens"
+
     def inputs(self, rows: jax.Array) -> jax.Array:
-        """Normalised float inputs (float32; float64 under x64) for rows `rows` (any int shape)."""
+        """Normalised float inputs (float32; float64 under x64) for rows `rows` (any int shape);
+        token ids as they are (int32) for a dataset of token inputs."""
+        if self.token_inputs:
+            return self.x[rows]
         x = self.x[rows].astype(jax.dtypes.canonicalize_dtype(jnp.float64))
         if self.input_scale != 1.0:
             x = x * self.input_scale
@@ -110,6 +121,7 @@ class FederatedData:
         input_scale: float = 1.0,
         input_shift: float = 0.0,
         name: str = "",
+        task: Any = None,
     ) -> "FederatedData":
         """Lays the samples out client by client (train blocks, then test blocks) and moves them
         to device. `train_indices[i]` / `test_indices[i]` are client i's rows of `x`, in order."""
@@ -130,17 +142,44 @@ class FederatedData:
                 client = i % len(train_indices)
                 raise ValueError(f"client {client} has row indices outside [0, {x.shape[0]})")
         counts = np.array([b.size for b in blocks], dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        if counts.sum() >= 2**31:
-            raise ValueError(f"{counts.sum()} samples exceed the int32 row index range")
         order = np.concatenate(blocks) if counts.sum() else np.zeros(0, np.int64)
         n = len(train_indices)
+        return cls.from_blocks(x[order], y[order], counts[:n], counts[n:], num_classes=num_classes,
+                               input_scale=input_scale, input_shift=input_shift, name=name,
+                               task=task)
+
+    @classmethod
+    def from_blocks(
+        cls,
+        x: np.ndarray,
+        y: np.ndarray,
+        train_counts: np.ndarray,
+        test_counts: np.ndarray,
+        *,
+        num_classes: int,
+        input_scale: float = 1.0,
+        input_shift: float = 0.0,
+        name: str = "",
+        task: Any = None,
+    ) -> "FederatedData":
+        """Moves samples already laid out client by client to device: client 0's training
+        samples, client 1's, …, then client 0's test samples, … (`train_counts[i]` and
+        `test_counts[i]` rows each)."""
+        counts = np.concatenate([np.asarray(train_counts, np.int64), np.asarray(test_counts, np.int64)])
+        n = len(train_counts)
+        if len(test_counts) != n or n == 0:
+            raise ValueError(f"{n} train counts and {len(test_counts)} test counts (need ≥ 1 client each)")
+        if counts.sum() != x.shape[0] or x.shape[0] != y.shape[0]:
+            raise ValueError(f"the counts sum to {counts.sum()} rows, x has {x.shape[0]}, y {y.shape[0]}")
+        if counts.sum() >= 2**31:
+            raise ValueError(f"{counts.sum()} samples exceed the int32 row index range")
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         as_i32 = lambda a: jnp.asarray(a.astype(np.int32))
         splits = ClientSplits(train_start=as_i32(starts[:n]), train_count=as_i32(counts[:n]),
                               test_start=as_i32(starts[n:]), test_count=as_i32(counts[n:]))
         return cls(
-            x=jnp.asarray(x[order]),
-            y=jnp.asarray(y[order].astype(np.int32)),
+            x=jnp.asarray(x),
+            y=jnp.asarray(np.asarray(y).astype(np.int32)),
             clients=splits,
             num_classes=int(num_classes),
             input_scale=float(input_scale),
@@ -148,6 +187,7 @@ class FederatedData:
             name=name,
             max_train=int(counts[:n].max()),
             max_test=int(counts[n:].max()),
+            task=task,
         )
 
     def client_rows(self, client: int, split: str = "train") -> np.ndarray:
@@ -159,7 +199,9 @@ class FederatedData:
 
 
 def label_counts(data: FederatedData, split: str = "train") -> np.ndarray:
-    """[N, num_classes] counts of each label on each client's `split` ('train', 'test' or 'all')."""
+    """[N, num_classes] counts of each label on each client's `split` ('train', 'test' or 'all').
+    Per-token and multi-label targets count every real token / tag (padding, label 0 of a
+    sequence task and −1 of a multi-label one, is left out)."""
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
     y = np.asarray(data.y)
@@ -172,5 +214,13 @@ def label_counts(data: FederatedData, split: str = "train") -> np.ndarray:
         client_of_row = np.repeat(np.arange(data.num_clients), count)
         first = np.repeat(np.cumsum(count) - count, count)              # block start in `rows`
         rows = np.repeat(start, count) + (np.arange(count.sum()) - first)
-        np.add.at(counts, (client_of_row, y[rows]), 1)
+        labels = y[rows]
+        if labels.ndim > 1:                   # one label per token, or a sample's tags
+            width = int(np.prod(labels.shape[1:]))
+            client_of_row = np.repeat(client_of_row, width)
+            labels = labels.reshape(-1)
+            pad = 0 if data.task is not None and data.task.kind == "sequence" else -1
+            real = labels != pad
+            client_of_row, labels = client_of_row[real], labels[real]
+        np.add.at(counts, (client_of_row, labels), 1)
     return counts

@@ -30,16 +30,25 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 class Model(NamedTuple):
     """A model as pure functions.
 
-    init:  key -> params (a pytree of float arrays).
-    apply: (params, x [B, ...] float32) -> outputs [B, ...] (logits for classifiers).
-    loss:  (outputs [B, ...], labels [B]) -> per-example loss [B]. The engine masks and averages.
-    name:  for logs.
+    init:   key -> params (a pytree of float arrays).
+    apply:  (params, x [B, ...]) -> outputs [B, ...] (logits for classifiers). x is float32, or
+            int32 token ids for models that embed their inputs.
+    loss:   (outputs [B, ...], labels [B, ...]) -> [B]: each example's loss, summed over the units
+            it counts (its tokens, for a sequence model). The engine masks padded examples.
+    name:   for logs.
+    weight: labels [B, ...] -> [B], the units each example counts (its real tokens); None: one
+            each. A batch's mean loss is Σ_b m_b ℓ_b / max(Σ_b m_b w_b, 1) for the mask m.
+    metric: (outputs, labels) -> (hits [B], count [B]): each example's correct units and the units
+            scored (accuracy = Σ hits / Σ count: token accuracy, recall@k); None: argmax == label,
+            one each.
     """
 
     init: Callable[[jax.Array], Params]
     apply: Callable[[Params, jax.Array], jax.Array]
     loss: Callable[[jax.Array, jax.Array], jax.Array] = softmax_cross_entropy
     name: str = "model"
+    weight: Callable[[jax.Array], jax.Array] | None = None
+    metric: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
 
 
 def from_flax(
@@ -72,7 +81,10 @@ def from_flax(
     return Model(init=init, apply=apply, loss=loss, name=name or type(module).__name__)
 
 
-MODELS: tuple[str, ...] = ("mlp", "logreg", "cnn", "vgg8", "resnet9", "resnet18", "cp_mlp", "cp_vgg8")
+MODELS: tuple[str, ...] = ("mlp", "logreg", "cnn", "vgg8", "resnet9", "resnet18", "cp_mlp", "cp_vgg8",
+                           # natural-dataset models (models/sequence.py): text and FEMNIST
+                           "char_lstm", "word_lstm", "transformer", "tag_logreg", "sent_lstm",
+                           "femnist_cnn")
 
 
 def get(
@@ -85,6 +97,8 @@ def get(
     norm: str = "group",
     cr: float = 2.0,
     conv: str = "auto",
+    task=None,
+    options: dict | None = None,
 ) -> Model:
     """A named model for inputs of `input_shape` (without the batch axis).
 
@@ -95,12 +109,31 @@ def get(
     CP factors with ranks for compression rate `cr` (models/cp.py; cr = 1 is the dense model).
     `conv` picks how convolutions are computed (layers.CONV_IMPLS: "auto", "im2col",
     "winograd"; see layers.conv2d); the function is the same up to float rounding.
+
+    `task` (a `data.natural.Task`, e.g. `FederatedData.task`): what a natural dataset predicts;
+    None is image or feature classification. The text models (char_lstm, word_lstm, transformer,
+    tag_logreg, sent_lstm) and femnist_cnn are `models/sequence.py`'s, with the task's loss,
+    weight and metric (`models/tasks.py`); `options` sets their sizes (e.g. {"hidden": 64}).
     """
-    from fedjax_pfl.models import cp
+    from fedjax_pfl.models import cp, sequence
+    from fedjax_pfl.data.natural import Task
 
     input_shape = tuple(int(s) for s in input_shape)
     if conv not in layers.CONV_IMPLS:
         raise ValueError(f"--conv must be one of {list(layers.CONV_IMPLS)}, got {conv!r}")
+    options = dict(options or {})
+    if name in sequence.SEQUENCE_MODELS:
+        if task is None:   # an image dataset without a Task: one label per image
+            task = Task(kind="classify", num_classes=num_classes, inputs="image")
+        if name == "femnist_cnn":
+            options.setdefault("conv", conv)
+        return Model(**sequence.get(name, task, input_shape, **options))
+    if options:
+        raise ValueError(f"--model {name} takes no model options, got {sorted(options)}")
+    if task is not None and (task.inputs == "tokens" or task.kind != "classify"):
+        raise ValueError(f"--model {name} classifies images or features; this dataset is a "
+                         f"{task.kind} task of {task.inputs} inputs (use --model "
+                         f"{task.default_model or 'char_lstm'})")
     if name in ("cp_mlp", "cp_vgg8") and cr == 1:
         name = name[3:]  # CR ×1: no decomposition
     if name == "mlp":

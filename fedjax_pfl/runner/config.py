@@ -27,7 +27,12 @@ MIN_IMAGE_SIDE = {"resnet9": 16, "resnet18": 16}
 
 
 DEFAULT_MODEL = {"digits": "mlp", "synthetic": "logreg", "mnist": "mlp", "fashion_mnist": "mlp",
-                 "emnist": "mlp", "cifar10": "cnn", "cifar100": "cnn"}
+                 "emnist": "mlp", "cifar10": "cnn", "cifar100": "cnn",
+                 # natural-client datasets: the published model of each (docs/results/natural.md)
+                 "femnist": "femnist_cnn", "emnist62": "femnist_cnn", "emnist10": "femnist_cnn",
+                 "shakespeare": "char_lstm", "stackoverflow_nwp": "word_lstm",
+                 "stackoverflow_tp": "tag_logreg", "sent140": "sent_lstm", "celeba": "cnn",
+                 "cifar100_fl": "resnet18"}
 
 
 @dataclasses.dataclass
@@ -39,6 +44,7 @@ class RunConfig:
     model: str | None = None
     model_cr: float = 2.0
     model_conv: str = "auto"              # how convolutions are computed (models.CONV_IMPLS)
+    model_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # text models' sizes
     partition: PartitionConfig = dataclasses.field(default_factory=PartitionConfig)
     rounds: int = 50
     seed: int = 0
@@ -56,6 +62,13 @@ class RunConfig:
     target_acc: float | None = None       # stop after the first evaluation with acc_mean >= this
     log: tuple[str, ...] = ()             # metric sinks (fedjax_pfl.sinks): tensorboard, mlflow, wandb
     checkpoint_on_signal: str | None = None  # e.g. "USR1": checkpoint at the next round boundary
+
+    @property
+    def natural(self) -> bool:
+        """Whether `dataset` is a natural-client dataset (LEAF / TFF / FedJAX files)."""
+        from fedjax_pfl.data.formats import NATURAL_DATASETS
+
+        return self.dataset in NATURAL_DATASETS
 
     def checkpoint_interval(self) -> int:
         """Rounds between checkpoints, also written after the last round (0: none; none either
@@ -115,6 +128,8 @@ class RunConfig:
 
             sinks.parse_log_flag(",".join(self.log))
         self.partition.validate()
+        if self.natural:
+            check_natural_options(self.dataset, self.data_options, self.partition)
         hparams = spec.resolve(self.hparams)
         for hp, flag in spec.all_hparams():
             value = hparams.get(hp.name)
@@ -124,6 +139,27 @@ class RunConfig:
             raise ValueError(f"--rounds-per-call needs --backend chunked or vmap (the "
                              f"{hparams['backend']} backend runs one client at a time from Python)")
         return hparams
+
+
+def check_natural_options(dataset: str, options: dict, partition: PartitionConfig) -> None:
+    """The flags of a natural-client dataset that need no files (ValueError naming the flag)."""
+    from fedjax_pfl.data.formats import NATURAL_DATASETS
+
+    if partition.scheme != "natural":
+        raise ValueError(f"--dataset {dataset} keeps its own clients: --partition "
+                         f"{partition.scheme} does not apply (use --max-clients / --min-samples)")
+    fmt = options.get("fmt")
+    if fmt is not None and fmt not in NATURAL_DATASETS[dataset]:
+        raise ValueError(f"--format must be one of {list(NATURAL_DATASETS[dataset])} for "
+                         f"--dataset {dataset}, got {fmt!r}")
+    k, s = options.get("max_clients"), options.get("min_samples", 0)
+    if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1):
+        raise ValueError(f"--max-clients must be an integer >= 1, got {k!r}")
+    if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
+        raise ValueError(f"--min-samples must be an integer >= 0, got {s!r}")
+    if not options.get("data_dir"):
+        raise ValueError(f"--dataset {dataset} reads natural-client files: give --data-dir DIR "
+                         f"(README, 'Natural federated datasets')")
 
 
 def model_name_of(cfg: RunConfig) -> str:
@@ -150,7 +186,8 @@ def config_record(cfg: RunConfig, hparams: dict, model_name: str, data_info: dic
     record = dataclasses.asdict(cfg)
     record["hparams"] = hparams
     record["model"] = model_name
-    record["data"] = data_info
+    # Natural clients' ids (an array, up to 342,477 of them) go to client_metrics.npz instead.
+    record["data"] = {k: v for k, v in data_info.items() if k != "client_ids"}
     record["versions"] = {"python": platform.python_version(), "jax": jax.__version__,
                           "numpy": np.__version__}
     return record

@@ -53,8 +53,10 @@ class Interrupted(KeyboardInterrupt):
 
 def load_data(cfg: RunConfig) -> tuple[FederatedData, dict[str, Any]]:
     """Reads the dataset (fails fast when absent) and builds the federated split."""
-    from fedjax_pfl.data import sources
+    from fedjax_pfl.data import formats, sources
 
+    if cfg.natural:
+        return formats.load_natural(cfg.dataset, seed=cfg.seed, **cfg.data_options)
     raw = sources.load_raw(cfg.dataset, seed=cfg.seed, **cfg.data_options)
     n = int(np.asarray(raw.y).size)
     part = cfg.partition
@@ -103,7 +105,8 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
     check_with_data(cfg, data)
     model_name = model_name_of(cfg)
     model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
-                       conv=cfg.model_conv)
+                       conv=cfg.model_conv, task=data.task,
+                       options=cfg.model_options)
     algo = algorithms.get(cfg.algo, model=model, **hparams)
     vectorised = hparams["backend"] not in core.EAGER_BACKENDS
     mesh = core.client_mesh() if vectorised else None
@@ -275,10 +278,18 @@ def _close(callbacks: Sequence[Callback]) -> None:
             close()
 
 
+_MAX_LABEL_CELLS = 4_000_000
+
+
 def _draw_label_distribution(out: str, prep: Prepared) -> None:
     path = os.path.join(out, "label_distribution.png")
+    data = prep.data
+    # A clients × classes heatmap of a large natural dataset (Stack Overflow: 342,477 × 10,004)
+    # would not fit in memory nor say anything; `experiments/prepare.py --plots` draws its
+    # distributions instead.
+    if data.num_real_clients * data.num_classes > _MAX_LABEL_CELLS:
+        return
     if not os.path.exists(path):
-        data = prep.data
         plots.plot_label_distribution(label_counts(data, "all")[: data.num_real_clients], path,
                                       title=f"{prep.cfg.dataset}: {prep.cfg.partition.scheme} partition")
 

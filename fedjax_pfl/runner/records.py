@@ -107,9 +107,11 @@ def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
     if out:
         if prog.sampled_log:
             host = prog.host_arrays(n_real)
+            ids = prep.data_info.get("client_ids")
+            named = {} if ids is None else {"client_ids": np.asarray(ids, dtype=str)}
             rundir.atomic(os.path.join(out, "client_metrics.npz"), lambda f: np.savez_compressed(
                 f, sampled=host["sampled"], eval_rounds=host["eval_rounds"],
-                accuracy=host["accuracy"]))
+                accuracy=host["accuracy"], **named))
         if rows:
             plots.plot_learning_curves({cfg.algo: rows}, os.path.join(out, "learning_curve.png"),
                                  title=f"{cfg.algo} on {cfg.dataset}"
@@ -173,12 +175,14 @@ def record_evaluation(row: dict, evals: dict, ids, n_real: int, history, sampled
     acc = np.where(count > 0, correct / np.maximum(count, 1), np.nan)
     where = np.arange(n_real) if ids is None else np.asarray(ids)
     accuracy[where] = acc[: len(where)]
-    row.update(core.summarize(client.correct, client.loss_sum, client.count))
+    row.update(core.summarize(client.correct, client.loss_sum, client.count,
+                              loss_count=client.loss_count))
     row["eval_clients"] = int(np.sum(count > 0))
     row.update(history.record_participants(accuracy, sampled))
     for name, ev in evals.items():
         if name != "client":
-            row.update(core.summarize(ev.correct, ev.loss_sum, ev.count, prefix=f"{name}_"))
+            row.update(core.summarize(ev.correct, ev.loss_sum, ev.count, prefix=f"{name}_",
+                                      loss_count=ev.loss_count))
     return accuracy
 
 

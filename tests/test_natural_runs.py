@@ -1,0 +1,120 @@
+"""End to end on natural-client files written in their real layouts (tests/natural_files.py):
+each task trains with FedAvg and with a personalised algorithm (its loss falls), the clients keep
+their ids and their own held-out data, and every registered algorithm runs on a per-token and on
+a multi-label task."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import natural_files as nf
+from fedjax_pfl import algorithms, runner
+from fedjax_pfl.data.build import PartitionConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# dataset -> (writer, file format, small model options, learning rate, rounds)
+TASKS = {
+    "femnist": (nf.leaf_femnist, "leaf", {}, 0.1, 6),
+    "shakespeare_leaf": (nf.leaf_shakespeare, "leaf", {"hidden": 32, "layers": 1}, 1.0, 6),
+    "sent140": (nf.leaf_sent140, "leaf", {"embed": 16, "hidden": 16, "layers": 1, "fc": 16}, 0.5, 6),
+    "shakespeare_tff": (nf.tff_shakespeare, "tff", {"hidden": 32, "layers": 1}, 1.0, 6),
+    "stackoverflow_nwp": (nf.tff_stackoverflow, "tff", {"embed": 16, "hidden": 32}, 1.0, 6),
+    "stackoverflow_tp": (nf.tff_stackoverflow, "tff", {}, 0.5, 6),
+}
+
+
+def _files(tmp_path_factory, key):
+    writer = TASKS[key][0]
+    root = tmp_path_factory.mktemp(key)
+    ids = writer(root)
+    return root, sorted(ids)
+
+
+def _config(key, root, algo, out=None, rounds=None, **hparams):
+    _, fmt, options, lr, default_rounds = TASKS[key]
+    dataset = key.rsplit("_", 1)[0] if key.startswith("shakespeare") else key
+    return runner.RunConfig(
+        algo=algo, dataset=dataset, model_options=dict(options), rounds=rounds or default_rounds,
+        partition=PartitionConfig(scheme="natural"), out=out, progress=False,
+        hparams={"lr": lr, "batch_size": 4, "local_epochs": 1, "participation": 1.0, **hparams},
+        data_options={"data_dir": str(root), "fmt": fmt, "max_clients": None, "min_samples": 0,
+                      "cache_dir": None})
+
+
+def _losses(out):
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    train = [r["train_loss"] for r in rows]
+    evaluated = [r["loss"] for r in rows if "loss" in r]
+    return train, evaluated
+
+
+@pytest.mark.parametrize("algo", ["fedavg", pytest.param("fedper", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("key", list(TASKS))
+def test_each_task_trains_and_keeps_its_clients(tmp_path_factory, key, algo):
+    root, ids = _files(tmp_path_factory, key)
+    out = tmp_path_factory.mktemp("run")
+    summary = runner.run(_config(key, root, algo, out=str(out)), log=lambda *_: None)
+    train, evaluated = _losses(out)
+    assert np.isfinite(train).all() and np.isfinite(evaluated).all()
+    assert train[-1] < train[0] and evaluated[-1] < evaluated[0], (train, evaluated)
+    metrics = np.load(out / "client_metrics.npz")
+    assert list(metrics["client_ids"]) == ids              # natural ids, by row
+    assert metrics["accuracy"].shape == (summary["rounds"], len(ids))
+    record = json.loads((out / "config.json").read_text())
+    assert "client_ids" not in record["data"] and record["data"]["num_clients"] == len(ids)
+
+
+def test_a_subset_of_clients_with_enough_samples(tmp_path_factory):
+    """--max-clients K --min-samples S: K of the clients with ≥ S training samples (LEAF's
+    sampling); the ids recorded are those clients'."""
+    root, ids = _files(tmp_path_factory, "femnist")
+    cfg = _config("femnist", root, "fedavg", rounds=1)
+    cfg.data_options.update(max_clients=2, min_samples=1)
+    data, info = runner.load_data(cfg)
+    assert data.num_clients == 2 and set(info["client_ids"]) <= set(ids)
+    assert list(info["client_ids"]) == sorted(info["client_ids"])
+    cfg.data_options.update(max_clients=None, min_samples=10_000)
+    with pytest.raises(ValueError, match="--min-samples"):
+        runner.load_data(cfg)
+
+
+def test_the_command_line_runs_a_natural_dataset_with_its_published_model(tmp_path_factory):
+    """`--dataset sent140 --data-dir DIR` alone picks the format and the dataset's model."""
+    root, _ = _files(tmp_path_factory, "sent140")
+    out = tmp_path_factory.mktemp("cli")
+    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), "--dataset",
+                        "sent140", "--data-dir", str(root), "--rounds", "1", "--out", str(out),
+                        "--overwrite", "--quiet", "--model-options", "embed=8,hidden=8,fc=8"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "sent_lstm" and summary["clients"] == 4
+    bad = subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), "--dataset",
+                          "sent140", "--data-dir", str(out / "nothing"), "--rounds", "1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+# Every algorithm on a per-token task and a multi-label one: the cross-cutting check that no
+# algorithm assumes one label per sample.
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["shakespeare_tff", "stackoverflow_tp"])
+@pytest.mark.parametrize("algo", algorithms.names())
+def test_every_algorithm_runs_on_every_task(tmp_path_factory, key, algo):
+    root, ids = _files(tmp_path_factory, key)
+    hparams = {**algorithms.spec(algo).test_hparams}
+    hparams.pop("batch_size", None)
+    cfg = _config(key, root, algo, rounds=2, **hparams)
+    if algo == "fedrod" and key == "stackoverflow_tp":
+        with pytest.raises(ValueError, match="multi-label"):
+            runner.run(cfg, log=lambda *_: None)
+        return
+    summary = runner.run(cfg, log=lambda *_: None)
+    last = summary["last"]
+    assert np.isfinite(last["train_loss"]) and np.isfinite(last["loss"])
+    assert 0.0 <= last["acc_mean"] <= 1.0
