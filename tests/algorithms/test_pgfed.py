@@ -10,7 +10,7 @@ import helpers
 from fedjax_pfl import algorithms, core, ops
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import (assert_states_close, linear_model, make_data, states_per_backend,
+from helpers import (assert_states_close, linear_model, make_data,
                      tree_allclose, tree_equal)
 
 THETA0 = np.array([0.5, -0.2, 0.1])
@@ -18,6 +18,25 @@ THETA0 = np.array([0.5, -0.2, 0.1])
 QUADRATIC = Model(init=lambda key: {"x": jnp.asarray(THETA0)}, apply=lambda p, x: p["x"] - x,
                   loss=lambda out, y: 0.5 * jnp.sum(out**2, axis=-1))
 SIZES = [3, 5, 2, 4, 6]
+
+# A round's hyperparameters are constants of its compiled program, and jax.jit's cache is keyed
+# by the function, which a freshly built algorithm does not share: tests whose algorithm, model
+# and (resolved) hyperparameters agree take their jitted round from here and compile it once
+# per test process (the data are arguments, so any clients of the same shapes reuse it).
+MODELS = {"quadratic": QUADRATIC, "linear": linear_model()}
+_STEPS: dict = {}
+
+
+def algo_and_step(name, model="quadratic", *, product=False, **hp):
+    """(algorithm, its jitted round_fn; at XLA's defaults with product=True), shared by every
+    test of this module that asks for the same algorithm, model and hyperparameters (defaults
+    resolved, so naming a default value or leaving it out is the same program)."""
+    algo = algorithms.get(name, model=MODELS[model], **hp)
+    x64 = jnp.zeros(()).dtype == jnp.float64
+    key = (name, model, product, x64, tuple(sorted((k, repr(v)) for k, v in algo.hparams.items())))
+    if key not in _STEPS:
+        _STEPS[key] = (algo, (helpers.product_jit if product else jax.jit)(algo.round_fn))
+    return _STEPS[key]
 
 
 def quadratic_clients(seed=0):
@@ -73,11 +92,14 @@ def reference_rounds(xs, sampled_per_round, *, mu, eta1, eta2, beta, epochs, mom
     return history
 
 
+# The backend comparison's setting; T4's test (beta_zero) runs the same chunked PGFed program.
+BACKEND_HP = dict(participation=0.75, local_epochs=2, batch_size=4, chunk_size=2)
+
+
 def run(name, data, rounds=5, **hp):
     hp = dict(participation=0.6, local_epochs=2, batch_size=8, lr=0.1, mu=0.3, alpha_lr=0.05) | hp
-    algo = algorithms.get(name, model=QUADRATIC, **hp)
+    algo, step = algo_and_step(name, **hp)
     state = algo.init(jax.random.key(0), data)
-    step = algo.round_fn if hp.get("backend") == "loop" else jax.jit(algo.round_fn)
     states, sampled = [], []
     for r in range(rounds):
         state, m = step(state, data, jax.random.fold_in(jax.random.key(1), r))
@@ -112,10 +134,9 @@ def test_mu_zero_reproduces_fedavg_exactly(ragged_data):
     # T1: same sampling, batch order, optimizer and init: identical θ trajectories.
     hp = dict(participation=0.5, local_epochs=2, batch_size=4, lr=0.05, momentum=0.9,
               momentum_buffer="persist", drop_last=True)
-    pg = algorithms.get("pgfed", model=linear_model(), mu=0.0, alpha_lr=0.5, **hp)
-    fa = algorithms.get("fedavg", model=linear_model(), **hp)
+    pg, pg_round = algo_and_step("pgfed", "linear", product=True, mu=0.0, alpha_lr=0.5, **hp)
+    fa, fa_round = algo_and_step("fedavg", "linear", product=True, **hp)     # also in T7's test
     s_pg, s_fa = pg.init(jax.random.key(0), ragged_data), fa.init(jax.random.key(0), ragged_data)
-    pg_round, fa_round = helpers.product_jit(pg.round_fn), helpers.product_jit(fa.round_fn)
     for r in range(4):
         key = jax.random.key(r)
         s_pg, m_pg = pg_round(s_pg, ragged_data, key)
@@ -145,14 +166,13 @@ def test_zero_alpha_and_zero_alpha_lr_is_fedavg_training(x64):
 
 @pytest.mark.slow
 def test_beta_zero_pgfedmo_is_pgfed_bit_for_bit(ragged_data):
-    # T4
-    hp = dict(participation=0.75, local_epochs=1, batch_size=4)
-    a = algorithms.get("pgfed", model=linear_model(), **hp)
-    b = algorithms.get("pgfedmo", model=linear_model(), beta=0.0, **hp)
+    # T4 (PGFed's program is the chunked one of test_vmapped_equals_loop_backend[pgfed])
+    a, step_a = algo_and_step("pgfed", "linear", **BACKEND_HP)
+    b, step_b = algo_and_step("pgfedmo", "linear", beta=0.0, **BACKEND_HP)
     sa, sb = a.init(jax.random.key(0), ragged_data), b.init(jax.random.key(0), ragged_data)
     for r in range(3):
-        sa, _ = jax.jit(a.round_fn)(sa, ragged_data, jax.random.key(r))
-        sb, _ = jax.jit(b.round_fn)(sb, ragged_data, jax.random.key(r))
+        sa, _ = step_a(sa, ragged_data, jax.random.key(r))
+        sb, _ = step_b(sb, ragged_data, jax.random.key(r))
     tree_equal(sa, sb)
 
 
@@ -163,10 +183,9 @@ def test_round_two_download_is_gbar_and_momentum_recursion(x64):
     # (1−β)c³ + β(1−β)c² + β²c¹.
     data, xs = quadratic_clients(2)
     beta = 0.3
-    algo = algorithms.get("pgfedmo", model=QUADRATIC, participation=1.0, local_epochs=1,
-                          batch_size=8, lr=0.1, mu=0.2, alpha_lr=0.05, beta=beta)
+    algo, step = algo_and_step("pgfedmo", participation=1.0, local_epochs=1, batch_size=8, lr=0.1,
+                               mu=0.2, alpha_lr=0.05, beta=beta)     # first_aux "copy" (A6's test)
     state = algo.init(jax.random.key(0), data)
-    step = jax.jit(algo.round_fn)
     downloads = []
     for r in range(4):
         if r >= 1:   # the download this round: c = μ A[S, P] @ G from the state before the round
@@ -185,10 +204,9 @@ def test_round_two_download_is_gbar_and_momentum_recursion(x64):
 def test_alpha_is_nonnegative_and_only_previous_columns_move(ragged_data):
     # T15–T16: α ≥ 0; columns j ∉ S_{t−1} are unchanged during round t; rows of unsampled
     # clients are unchanged.
-    algo = algorithms.get("pgfed", model=linear_model(), participation=0.5, alpha_lr=5.0, mu=1.0,
-                          local_epochs=1, batch_size=4)
+    algo, step = algo_and_step("pgfed", "linear", participation=0.5, alpha_lr=5.0, mu=1.0,
+                               local_epochs=1, batch_size=4)   # also the α statistics' test's
     state = algo.init(jax.random.key(0), ragged_data)
-    step = jax.jit(algo.round_fn)
     for r in range(5):
         before = np.asarray(state.alpha)
         prev = set(np.asarray(state.prev_idx).tolist()) if r else set()
@@ -210,11 +228,11 @@ def test_gradients_of_the_auxiliary_risk(x64):
     # the download the code adds to every step (constant in θ), and the code's α step must be
     # −η₂ times jax.grad in α with the exact μ G_j·θ_i replaced by its mean over j, ḡ·θ_i.
     data, xs = quadratic_clients(3)
-    mu, eta2 = 0.4, 0.05
+    mu, eta2 = 0.3, 0.05
     # One full-batch step per round (B ≥ n_i), so round 2's only α step is taken at θ_i = θ_g.
-    algo = algorithms.get("pgfed", model=QUADRATIC, participation=0.6, local_epochs=1,
-                          batch_size=8, lr=0.1, mu=mu, alpha_lr=eta2)
-    step = jax.jit(algo.round_fn)
+    # (T3's program: test_alpha_recovers_from_zero_only_when_the_gradient_is_negative.)
+    algo, step = algo_and_step("pgfed", participation=0.6, local_epochs=1, batch_size=8, lr=0.1,
+                               mu=mu, alpha_lr=eta2)
     state, _ = step(algo.init(jax.random.key(0), data), data, jax.random.key(0))
     P = np.asarray(state.prev_idx)
     G = np.asarray(state.prev_grads["x"])
@@ -270,11 +288,11 @@ def test_first_aux_zero_weights_the_first_download(x64):
     hp = dict(participation=1.0, local_epochs=1, batch_size=8, lr=0.1, mu=0.2, alpha_lr=0.05,
               beta=0.3)
     states = {}
-    for first in ("copy", "zero"):
-        algo = algorithms.get("pgfedmo", model=QUADRATIC, first_aux=first, **hp)
+    for first in ("copy", "zero"):      # "copy": T6/T8's program (the default)
+        algo, step = algo_and_step("pgfedmo", first_aux=first, **hp)
         state = algo.init(jax.random.key(0), data)
         for r in range(2):
-            state, _ = jax.jit(algo.round_fn)(state, data, jax.random.key(r))
+            state, _ = step(state, data, jax.random.key(r))
             if r == 0:
                 before = state
         states[first] = (before, state)
@@ -289,8 +307,14 @@ def test_first_aux_zero_weights_the_first_download(x64):
 @pytest.mark.parametrize("name", ["pgfed", pytest.param("pgfedmo", marks=pytest.mark.slow),
                                   pytest.param("pgfed_ce", marks=pytest.mark.slow)])
 def test_vmapped_equals_loop_backend(ragged_data, name):
-    runs = states_per_backend(name, ragged_data, model=linear_model(), participation=0.75,
-                              local_epochs=2, batch_size=4, chunk_size=2)
+    runs = {}
+    for backend in ("loop", "vmap", "chunked"):      # as helpers.states_per_backend
+        algo, step = algo_and_step(name, "linear", backend=backend, **BACKEND_HP)
+        step = algo.round_fn if backend == "loop" else step          # the loop runs eagerly
+        state = algo.init(jax.random.key(0), ragged_data)
+        for r in range(3):
+            state, _ = step(state, ragged_data, jax.random.key(r))
+        runs[backend] = state
     for backend in ("vmap", "chunked"):       # every field: θ_i, buffers, α and its statistics, …
         assert_states_close(runs[backend], runs["loop"])
 
@@ -319,9 +343,8 @@ def test_alpha_recovers_from_zero_only_when_the_gradient_is_negative(x64):
     train = [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:])]
     data = FederatedData.from_arrays(np.concatenate(xs), np.zeros(starts[-1]), train, train,
                                      num_classes=1)
-    algo = algorithms.get("pgfed", model=QUADRATIC, participation=0.6, local_epochs=1,
-                          batch_size=8, lr=0.1, mu=0.3, alpha_lr=0.05)
-    step = jax.jit(algo.round_fn)
+    algo, step = algo_and_step("pgfed", participation=0.6, local_epochs=1, batch_size=8, lr=0.1,
+                               mu=0.3, alpha_lr=0.05)          # T9–T11's program
     state = algo.init(jax.random.key(0), data)
     state = state._replace(alpha=jnp.zeros_like(state.alpha))
     state, _ = step(state, data, jax.random.key(0))
@@ -357,14 +380,13 @@ def test_round_one_is_fedavg_for_any_mu(ragged_data):
     # T7: no auxiliary term and no α update in round 1.
     hp = dict(participation=0.5, local_epochs=2, batch_size=4, lr=0.05, momentum=0.9,
               momentum_buffer="persist", drop_last=True)
-    pg = algorithms.get("pgfed", model=linear_model(), mu=0.7, alpha_lr=0.5, **hp)
-    fa = algorithms.get("fedavg", model=linear_model(), **hp)
     # Two different programs agreeing bit for bit: at XLA's defaults (helpers.product_jit); at the
-    # suite's -O0 they differed by one ulp on an AMD EPYC (32 MiB L3) machine.
-    s_pg, _ = helpers.product_jit(pg.round_fn)(pg.init(jax.random.key(0), ragged_data), ragged_data,
-                                               jax.random.key(3))
-    s_fa, _ = helpers.product_jit(fa.round_fn)(fa.init(jax.random.key(0), ragged_data), ragged_data,
-                                               jax.random.key(3))
+    # suite's -O0 they differed by one ulp on an AMD EPYC (32 MiB L3) machine. FedAvg's program
+    # is T1's (test_mu_zero_reproduces_fedavg_exactly).
+    pg, pg_round = algo_and_step("pgfed", "linear", product=True, mu=0.7, alpha_lr=0.5, **hp)
+    fa, fa_round = algo_and_step("fedavg", "linear", product=True, **hp)
+    s_pg, _ = pg_round(pg.init(jax.random.key(0), ragged_data), ragged_data, jax.random.key(3))
+    s_fa, _ = fa_round(fa.init(jax.random.key(0), ragged_data), ragged_data, jax.random.key(3))
     tree_equal(s_pg.global_params, s_fa.params)
     np.testing.assert_array_equal(s_pg.alpha, 0.5)
 
@@ -373,13 +395,14 @@ def test_round_one_is_fedavg_for_any_mu(ragged_data):
 def test_taylor_gap_on_quadratic_clients(x64):
     # T12: for f_j = mean ½‖θ − x‖², f_j(θ_i) − [L_j + G_j·(θ_i − θ_j)] = ½‖θ_i − θ_j‖².
     data, xs = quadratic_clients(6)
-    algo = algorithms.get("pgfed", model=QUADRATIC, participation=0.6, local_epochs=2,
-                          batch_size=8, lr=0.1, mu=0.4, alpha_lr=0.05)
-    state, _ = jax.jit(algo.round_fn)(algo.init(jax.random.key(0), data), data, jax.random.key(0))
+    mu = 0.3
+    algo, step = algo_and_step("pgfed", participation=0.6, local_epochs=2, batch_size=8, lr=0.1,
+                               mu=mu, alpha_lr=0.05)          # the transcription test's program
+    state, _ = step(algo.init(jax.random.key(0), data), data, jax.random.key(0))
     P = np.asarray(state.prev_idx)
     G = np.asarray(state.prev_grads["x"])
     theta = np.asarray(state.clients.theta["x"])
-    L = np.asarray(state.prev_b) / 0.4 + np.sum(G * theta[P], axis=1)
+    L = np.asarray(state.prev_b) / mu + np.sum(G * theta[P], axis=1)
     theta_i = np.array([1.0, -0.5, 0.25])
     for k, j in enumerate(P):
         exact = np.mean(0.5 * np.sum((theta_i - xs[j]) ** 2, axis=1))
@@ -423,10 +446,9 @@ def test_identical_clients_give_identical_models(x64):
 def test_alpha_statistics_without_an_n_by_n_temporary(ragged_data):
     """The α metrics kept in O(M·N) per round equal the direct N×N computations, zeros included
     (a large η₂ projects many α_ij to 0)."""
-    algo = algorithms.get("pgfed", model=linear_model(), participation=0.5, alpha_lr=5.0,
-                          batch_size=4, local_epochs=1)
+    algo, step = algo_and_step("pgfed", "linear", participation=0.5, alpha_lr=5.0, mu=1.0,
+                               local_epochs=1, batch_size=4)   # T15–T16's program
     state = algo.init(jax.random.key(0), ragged_data)
-    step = jax.jit(algo.round_fn)
     zero_seen = False
     for r in range(5):
         state, m = step(state, ragged_data, jax.random.key(r))
