@@ -20,8 +20,6 @@ Exit status 2 with one line on stderr for a missing dataset, a bad file or a bad
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib
 import json
 import os
 import sys
@@ -30,79 +28,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FORMATS = ("leaf", "tff", "fedjax")
-# format -> (reader module, its open function)
-READERS = {"leaf": ("fedjax_pfl.data.leaf", "open_leaf"),
-           "tff": ("fedjax_pfl.data.tff", "open_tff"),
-           "fedjax": ("fedjax_pfl.data.fedjax_sqlite", "open_fedjax")}
-
-
-class UsageError(ValueError):
-    """A bad flag or an unusable data directory: one line, exit 2."""
-
-
-def _glob_detect(fmt: str, data_dir: str) -> bool:
-    """The format's file signature directly in `data_dir` (used when its reader module offers no
-    `detect`, or cannot be imported: then open_reader says that the reader is missing)."""
-    has = lambda *parts: bool(glob.glob(os.path.join(data_dir, *parts)))  # noqa: E731
-    if fmt == "leaf":
-        return has("train", "*.json") and has("test", "*.json")
-    if fmt == "tff":
-        return has("*_train.h5") or has("*_test.h5")
-    return has("*.sqlite")
-
-
-def detect_format(data_dir: str, name: str | None = None) -> str:
-    """The file format in `data_dir`: "leaf" (train/*.json and test/*.json), "tff" (*_train.h5 or
-    *_test.h5) or "fedjax" (*.sqlite). A reader module's own `detect(data_dir, name)` decides for
-    its format where it has one (LEAF's accepts the nested `DIR/data/train/` layouts too). Raises
-    DatasetNotFoundError when no format is there, UsageError when several are (--format decides)."""
-    from fedjax_pfl.data.sources import DatasetNotFoundError
-
-    found = []
-    for fmt in FORMATS:
-        detect = None
-        if name is not None:
-            try:
-                detect = getattr(importlib.import_module(READERS[fmt][0]), "detect", None)
-            except ImportError:
-                detect = None
-        try:
-            hit = detect(data_dir, name) if detect is not None else _glob_detect(fmt, data_dir)
-        except Exception:                             # noqa: BLE001 (e.g. a dataset the format lacks):
-            hit = False                               # detection never fails, it only finds nothing
-        if hit:
-            found.append(fmt)
-    if not found:
-        raise DatasetNotFoundError(
-            f"no natural-client files in {data_dir}: looked for LEAF's train/*.json and test/*.json, "
-            f"TFF's *_train.h5 / *_test.h5 and FedJAX's *.sqlite")
-    if len(found) > 1:
-        raise UsageError(f"{data_dir} holds files of several formats ({', '.join(found)}): choose one with --format")
-    return found[0]
-
-
-def open_reader(name: str, data_dir: str, fmt: str | None = None, **options):
-    """The reader of dataset `name` in `data_dir`, in format `fmt` (detected when None).
-
-    Imports the format's module (`fedjax_pfl.data.leaf` / `.tff` / `.fedjax_sqlite`) only now, so
-    a missing optional dependency (h5py) matters only to the format that needs it.
-    """
-    from fedjax_pfl.data.sources import DatasetNotFoundError
-
-    if not os.path.isdir(data_dir):
-        raise DatasetNotFoundError(f"--data-dir {data_dir} is not a directory")
-    fmt = fmt or detect_format(data_dir, name)
-    if fmt not in READERS:
-        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    module_name, func = READERS[fmt]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name == module_name:
-            raise UsageError(f"the {fmt} reader ({module_name}) is not available in this installation") from None
-        raise UsageError(f"the {fmt} reader needs the package {e.name!r}: pip install {e.name}") from None
-    return getattr(module, func)(name, data_dir, **options)
+from fedjax_pfl.data.formats import (FORMATS, READERS, UsageError,  # noqa: E402,F401
+                                    detect_format, open_reader)
 
 
 class _Parser(argparse.ArgumentParser):

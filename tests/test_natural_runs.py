@@ -98,23 +98,3 @@ def test_the_command_line_runs_a_natural_dataset_with_its_published_model(tmp_pa
                           "sent140", "--data-dir", str(out / "nothing"), "--rounds", "1"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
-
-
-# Every algorithm on a per-token task and a multi-label one: the cross-cutting check that no
-# algorithm assumes one label per sample.
-@pytest.mark.slow
-@pytest.mark.parametrize("key", ["shakespeare_tff", "stackoverflow_tp"])
-@pytest.mark.parametrize("algo", algorithms.names())
-def test_every_algorithm_runs_on_every_task(tmp_path_factory, key, algo):
-    root, ids = _files(tmp_path_factory, key)
-    hparams = {**algorithms.spec(algo).test_hparams}
-    hparams.pop("batch_size", None)
-    cfg = _config(key, root, algo, rounds=2, **hparams)
-    if algo == "fedrod" and key == "stackoverflow_tp":
-        with pytest.raises(ValueError, match="multi-label"):
-            runner.run(cfg, log=lambda *_: None)
-        return
-    summary = runner.run(cfg, log=lambda *_: None)
-    last = summary["last"]
-    assert np.isfinite(last["train_loss"]) and np.isfinite(last["loss"])
-    assert 0.0 <= last["acc_mean"] <= 1.0

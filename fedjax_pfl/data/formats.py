@@ -11,6 +11,7 @@ client-sorted cache under the data directory (`data/cache.py`); later runs open 
 
 from __future__ import annotations
 
+import glob
 import importlib
 import os
 from typing import Any
@@ -20,8 +21,8 @@ import numpy as np
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.data.natural import NaturalClients
 
-__all__ = ["NATURAL_DATASETS", "FORMATS", "detect_format", "open_reader", "load_natural",
-           "to_federated"]
+__all__ = ["NATURAL_DATASETS", "FORMATS", "READERS", "UsageError", "detect_format", "open_reader",
+           "load_natural", "to_federated"]
 
 # dataset -> the formats that hold it, in the order detection tries them.
 NATURAL_DATASETS: dict[str, tuple[str, ...]] = {
@@ -36,51 +37,92 @@ NATURAL_DATASETS: dict[str, tuple[str, ...]] = {
     "cifar100_fl": ("tff", "fedjax"),
 }
 FORMATS = ("leaf", "tff", "fedjax")
-_MODULES = {"leaf": ("fedjax_pfl.data.leaf", "open_leaf"),
-            "tff": ("fedjax_pfl.data.tff", "open_tff"),
-            "fedjax": ("fedjax_pfl.data.fedjax_sqlite", "open_fedjax")}
+# format -> (reader module, its open function)
+READERS = {"leaf": ("fedjax_pfl.data.leaf", "open_leaf"),
+           "tff": ("fedjax_pfl.data.tff", "open_tff"),
+           "fedjax": ("fedjax_pfl.data.fedjax_sqlite", "open_fedjax")}
 
 
-def _module(fmt: str):
-    name, _ = _MODULES[fmt]
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:  # h5py absent, or a reader not built
-        raise ValueError(f"--format {fmt} needs {name} ({e}); pip install 'fedjax_pfl' "
-                         "installs h5py") from None
+class UsageError(ValueError):
+    """A format that cannot be chosen or used (several present, a reader or its package missing):
+    one line."""
 
 
-def detect_format(name: str, data_dir: str) -> str | None:
-    """The first format of `name` whose files are in `data_dir`, or None."""
-    for fmt in NATURAL_DATASETS[name]:
-        try:
-            module = _module(fmt)
-        except ValueError:
+def _glob_detect(fmt: str, data_dir: str) -> bool:
+    """The format's file signature directly in `data_dir` (used when its reader module offers no
+    `detect`)."""
+    has = lambda *parts: bool(glob.glob(os.path.join(data_dir, *parts)))  # noqa: E731
+    if fmt == "leaf":
+        return has("train", "*.json") and has("test", "*.json")
+    if fmt == "tff":
+        return has("*_train.h5") or has("*_test.h5")
+    return has("*.sqlite")
+
+
+def detect_format(data_dir: str, name: str | None = None) -> str:
+    """The file format in `data_dir`: "leaf" (train/*.json and test/*.json), "tff" (*_train.h5 or
+    *_test.h5) or "fedjax" (*.sqlite). A reader module's own `detect(data_dir, name)` decides for
+    its format where it has one (LEAF's accepts the nested `DIR/data/train/` layouts too). Raises
+    DatasetNotFoundError when no format is there, UsageError when several are (--format decides)."""
+    from fedjax_pfl.data.sources import DatasetNotFoundError
+
+    found = []
+    for fmt in FORMATS:
+        if name in NATURAL_DATASETS and fmt not in NATURAL_DATASETS[name]:
             continue
-        detect = getattr(module, "detect", None)
-        if detect is None:
-            continue
+        detect = None
+        if name is not None:
+            try:
+                detect = getattr(importlib.import_module(READERS[fmt][0]), "detect", None)
+            except ImportError:
+                detect = None
         try:
-            found = detect(data_dir, name)
-        except TypeError:
-            found = detect(data_dir)
-        if found:
-            return fmt
-    return None
+            hit = detect(data_dir, name) if detect is not None else _glob_detect(fmt, data_dir)
+        except Exception:                             # noqa: BLE001 (e.g. a dataset the format lacks):
+            hit = False                               # detection never fails, it only finds nothing
+        if hit:
+            found.append(fmt)
+    if not found:
+        raise DatasetNotFoundError(
+            f"no natural-client files in {data_dir}: looked for LEAF's train/*.json and test/*.json, "
+            f"TFF's *_train.h5 / *_test.h5 and FedJAX's *.sqlite")
+    if len(found) > 1:
+        raise UsageError(f"{data_dir} holds files of several formats ({', '.join(found)}): "
+                         "choose one with --format")
+    return found[0]
 
 
 def open_reader(name: str, data_dir: str, fmt: str | None = None, **options: Any):
-    """The reader (`natural.NaturalReader`) of dataset `name` in `data_dir`; `fmt` None: detected.
-    A missing directory or files raise `sources.DatasetNotFoundError` (one line)."""
-    if name not in NATURAL_DATASETS:
-        raise ValueError(f"unknown natural dataset {name!r}; expected one of {list(NATURAL_DATASETS)}")
-    if fmt is not None and fmt not in NATURAL_DATASETS[name]:
-        raise ValueError(f"--format {fmt}: {name} is read from {list(NATURAL_DATASETS[name])} files")
+    """The reader (`natural.NaturalReader`) of dataset `name` in `data_dir`, in format `fmt`
+    (detected when None). Absent files raise `sources.DatasetNotFoundError` in one line naming
+    the files looked for and the script that makes them (the dataset's first format's reader says
+    it when no format is detected); the reader module is imported only now, so a missing optional
+    package (h5py) matters only to the format that needs it."""
+    from fedjax_pfl.data.sources import DatasetNotFoundError
+
+    if fmt is not None and fmt not in READERS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt is not None and name in NATURAL_DATASETS and fmt not in NATURAL_DATASETS[name]:
+        raise UsageError(f"--format {fmt}: {name} is read from {list(NATURAL_DATASETS[name])} files")
     data_dir = os.path.abspath(os.path.expanduser(data_dir))
+    if not os.path.isdir(data_dir):
+        raise DatasetNotFoundError(f"--data-dir {data_dir} is not a directory")
     if fmt is None:
-        fmt = detect_format(name, data_dir) or NATURAL_DATASETS[name][0]
-    module = _module(fmt)
-    return getattr(module, _MODULES[fmt][1])(name, data_dir, **options)
+        try:
+            fmt = detect_format(data_dir, name)
+        except DatasetNotFoundError:
+            if name not in NATURAL_DATASETS:
+                raise
+            fmt = NATURAL_DATASETS[name][0]           # its reader names the files and the script
+    module_name, func = READERS[fmt]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            raise UsageError(f"the {fmt} reader ({module_name}) is not available in this "
+                             "installation") from None
+        raise UsageError(f"the {fmt} reader needs the package {e.name!r}: pip install {e.name}") from None
+    return getattr(module, func)(name, data_dir, **options)
 
 
 def to_federated(nc: NaturalClients, selected: np.ndarray | None = None) -> FederatedData:
