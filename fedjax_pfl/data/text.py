@@ -227,15 +227,17 @@ def stackoverflow_tp_examples(tokens: Sequence[bytes | str], titles: Sequence[by
     """Tag prediction examples: the words of a post (as ids, the model builds the bag) → its tags.
 
     TFF's ``tag_prediction_preprocessing.build_to_ids_fn`` joins ``tokens + " " + title``, splits on
-    whitespace, and feeds the model the normalised bag of words over the V in-vocabulary words
-    (out-of-vocabulary words fall into a bucket that the one-hot drops, so they count nowhere),
-    and a multi-hot vector of the post's in-vocabulary tags (``tags`` split on "|").
+    whitespace, and feeds the model the normalised bag of words: the mean of the one-hot rows over
+    V + 1 ids (the V words and one out-of-vocabulary bucket), then the OOV column is dropped — so
+    an out-of-vocabulary word has no feature but counts in the mean's denominator — and a
+    multi-hot vector of the post's in-vocabulary tags (``tags`` split on "|").
 
-    Here x[i] holds the in-vocabulary words of (tokens, then title) in order, as ids k + 1 for the
-    k-th most frequent word (1 … V; vocabulary V + 1 with PAD = 0), truncated to the first
-    `max_tokens` = L in-vocabulary words and PAD-padded: the bag the model builds,
-    count(id)/#non-PAD, is TFF's input exactly when the post has ≤ L in-vocabulary words; words
-    past L are dropped. y[i] holds the post's tags among the `tag_vocab` (ids = rank 0 … T−1,
+    Here x[i] holds the words of (tokens, then title) in order, as ids k + 1 for the k-th most
+    frequent word (1 … V) and V + 1 for any other word, truncated to the first `max_tokens` = L
+    words and PAD-padded (PAD = 0). The task's input vocabulary is V + 1 ids (PAD and the words):
+    the OOV id V + 1 lies outside it, so `models.sequence.TagLogReg`'s bag count(id)/#non-PAD gives
+    it no feature while it counts in the denominator — TFF's input exactly when the post has ≤ L
+    words; words past L are dropped. y[i] holds the post's tags among the `tag_vocab` (ids = rank 0 … T−1,
     duplicates removed, in the post's order), at most `max_tags` = K of them, padded with −1.
     A post whose tags are all outside the T (e.g. an answer, whose ``tags`` is empty) keeps its
     row with y = [−1 …]: it adds nothing to recall@k's true labels, as TFF's all-zero tag vector
@@ -250,11 +252,10 @@ def stackoverflow_tp_examples(tokens: Sequence[bytes | str], titles: Sequence[by
     tag_ids = {t.encode("utf-8"): k for k, t in enumerate(tag_vocab)}
     x = np.zeros((len(tokens), max_tokens), np.int32)
     y = np.full((len(tokens), max_tags), -1, np.int32)
-    oov = vocab.oov
     for i, (body, title, post_tags) in enumerate(zip(tokens, titles, tags)):
         words = _as_bytes(body).split() + _as_bytes(title).split()
         # WordVocab ids are k + 3; here the bag's ids are k + 1 (no BOS/EOS in a bag).
-        ids = [w - 2 for w in vocab.lookup(words) if w != oov][:max_tokens]
+        ids = [w - 2 for w in vocab.lookup(words)][:max_tokens]       # OOV: V + 3 → V + 1
         x[i, :len(ids)] = ids
         seen: list[int] = []
         for t in _as_bytes(post_tags).split(b"|"):
@@ -281,7 +282,8 @@ def stackoverflow_nwp_task(vocab_size: int = SO_VOCAB_SIZE) -> Task:
 
 def stackoverflow_tp_task(vocab_size: int = SO_VOCAB_SIZE,
                           num_tags: int = SO_TAG_VOCAB_SIZE) -> Task:
-    """Tag prediction: V + 1 input ids (PAD and the words) → `num_tags` tags, recall@5 (TFF's
+    """Tag prediction: V + 1 input ids (PAD and the words; the OOV id V + 1 lies outside, see
+    `stackoverflow_tp_examples`) → `num_tags` tags, recall@5 (TFF's
     ``tf.keras.metrics.Recall(top_k=5)`` in ``tag_prediction_tasks.py``)."""
     return Task(kind="multilabel", num_classes=num_tags, inputs="tokens",
                 vocab_size=vocab_size + 1, topk=5, default_model="tag_logreg")

@@ -275,7 +275,7 @@ def dataset_spec(name: str, data_dir: str, options: Mapping[str, Any]) -> Datase
     return DatasetSpec(name, text.stackoverflow_tp_task(len(vocab.words), len(tags)),
                        ("tokens", "title", "tags"), convert,
                        (np.zeros((0, L), np.int32), np.zeros((0, K), np.int32)),
-                       vocab=("<pad>", *vocab.words), labels=tuple(tags),
+                       vocab=("<pad>", *vocab.words, "<oov>"), labels=tuple(tags),
                        extra_files=(word_path, tag_path), options=opt_items)
 
 

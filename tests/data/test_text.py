@@ -146,7 +146,7 @@ def test_tp_bag_ids_tags_and_padding():
         titles=[b"to python", "", b"how", b"i"],
         tags=[b"java|java|rust|python", b"", b"rust|go", b"c|java|python"],
         vocab=vocab, tag_vocab=tags, max_tokens=4, max_tags=2)
-    np.testing.assert_array_equal(x, [[4, 3, 1, 3],      # tokens then title; OOV dropped
+    np.testing.assert_array_equal(x, [[4, 3, 5, 1],      # tokens then title; OOV → V + 1 = 5
                                       [2, 2, 0, 0],
                                       [4, 0, 0, 0],
                                       [1, 1, 1, 1]])     # 5 words, truncated to L = 4

@@ -153,10 +153,11 @@ def test_stackoverflow_tp(so_dir):
     reader = tff.open_tff("stackoverflow_tp", str(so_dir), vocab_size=4, num_tags=2, max_tokens=3)
     blocks = {b.client_id: b for b in reader.clients()}
     # Bag ids: the 1, i 2, to 3, how 4; tags by count: python 0, java 1 (go is the 3rd).
-    np.testing.assert_array_equal(blocks["00012"].train_x, [[4, 3, 1], [2, 0, 0]])
+    # Out-of-vocabulary words ("rare", "zebra") → V + 1 = 5: no feature, but in the bag's mean.
+    np.testing.assert_array_equal(blocks["00012"].train_x, [[4, 3, 1], [2, 5, 0]])
     np.testing.assert_array_equal(blocks["00012"].train_y,
                                   [[0, 1, -1, -1, -1], [-1, -1, -1, -1, -1]])
-    np.testing.assert_array_equal(blocks["00004"].train_x, [[1, 3, 0]])
+    np.testing.assert_array_equal(blocks["00004"].train_x, [[5, 1, 3]])
     np.testing.assert_array_equal(blocks["00004"].train_y, [[1, -1, -1, -1, -1]])
     np.testing.assert_array_equal(blocks["00012"].test_x, [[3, 1, 0]])
     t = reader.task()

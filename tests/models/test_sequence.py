@@ -149,7 +149,8 @@ def test_tag_logreg_and_sent_lstm_parameter_counts():
     # TFF: Dense(500) on 10,000 bag-of-words features. Ids: PAD 0, words 1..10000, OOV 10001.
     tp = Task("multilabel", 500, "tokens", 10_002)
     assert _count("tag_logreg", tp, (40,), num_words=10_000) == 10_000 * 500 + 500
-    # data/text.py's layout (PAD 0, words 1..10000, OOV words dropped): the default range.
+    # data/text.py's layout (PAD 0, words 1..10000, OOV 10001 outside the 10,001 input ids):
+    # the default range.
     tp = Task("multilabel", 500, "tokens", 10_001)
     assert _count("tag_logreg", tp, (64,)) == 10_000 * 500 + 500
     v = 1000    # LEAF: Embed(V, 100), two LSTMs of 100, Dense 128, Dense 2
