@@ -222,7 +222,7 @@ def dataset_spec(name: str, data_dir: str, options: Mapping[str, Any]) -> Datase
             return img.astype(np.uint8), _labels(f[feature], num_classes, feature, path, client)
 
         task = Task(kind="classify", num_classes=num_classes, inputs="image",
-                    default_model="resnet9")
+                    default_model="resnet18")  # TFF/FedJAX: ResNet-18 with GroupNorm
         return DatasetSpec(name, task, ("image", feature), convert,
                            (np.zeros((0, 32, 32, 3), np.uint8), np.zeros(0, np.int32)),
                            input_scale=2 / 255, input_shift=-1.0, options=opt_items)

@@ -188,7 +188,7 @@ def test_cifar100_separate_and_paired_test_clients(tmp_path):
     assert [(b.client_id, len(b.train_y), len(b.test_y)) for b in paired] == [("0", 3, 2), ("1", 2, 0)]
     np.testing.assert_array_equal(paired[0].test_y, test["0"]["coarse_label"])
     reader = tff.open_tff("cifar100_fl", str(tmp_path), coarse=True)
-    assert reader.task().num_classes == 20 and reader.task().default_model == "resnet9"
+    assert reader.task().num_classes == 20 and reader.task().default_model == "resnet18"
     assert (reader.source().input_scale, reader.source().input_shift) == pytest.approx((2 / 255, -1))
 
 
