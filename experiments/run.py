@@ -167,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "among those with at least --min-samples training samples (default all)")
     g.add_argument("--min-samples", type=int, default=0,
                    help="natural-client datasets: leave out clients with fewer training samples")
+    g.add_argument("--token-accuracy", default=None, choices=("default", "all", "no_oov"),
+                   help="per-token tasks: which real targets accuracy scores: default (the "
+                        "reader's: all but end of sentence, as FedJAX), all, or no_oov (neither "
+                        "end of sentence nor out-of-vocabulary, as TFF's accuracy_without_out_"
+                        "of_vocab_or_end_of_sentence); padding never counts")
     g.add_argument("--cache-dir", default=None,
                    help="natural-client datasets: where the converted, client-sorted copy is kept "
                         "(default DATA_DIR/.fedjax_pfl_cache)")
@@ -286,6 +291,7 @@ def config_from_args(args: argparse.Namespace):
     if not natural:
         for flag, value in (("--format", args.format), ("--max-clients", args.max_clients),
                             ("--cache-dir", args.cache_dir),
+                            ("--token-accuracy", args.token_accuracy),
                             ("--min-samples", args.min_samples or None)):
             if value is not None:
                 raise ValueError(f"{flag} applies to natural-client datasets "
@@ -303,7 +309,8 @@ def config_from_args(args: argparse.Namespace):
     data_options = {"data_dir": args.data_dir, "tfds_dir": args.tfds_dir, "download": args.download}
     if natural:
         data_options = {"data_dir": args.data_dir, "fmt": args.format, "max_clients": args.max_clients,
-                        "min_samples": args.min_samples, "cache_dir": args.cache_dir}
+                        "min_samples": args.min_samples, "cache_dir": args.cache_dir,
+                        "token_accuracy": args.token_accuracy or "default"}
     if args.dataset == "emnist":
         data_options["emnist_split"] = args.emnist_split
     if synthetic:

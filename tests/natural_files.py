@@ -108,7 +108,8 @@ def tff_shakespeare(root: Path, clients: int = 3, snippets: int = 6, seed: int =
     ids = [f"ROLE_{i}" for i in range(clients)]
     for split, count in (("train", snippets), ("test", 2)):
         _write_h5(root / f"shakespeare_{split}.h5",
-                  {u: {"snippets": [_text(rng, int(rng.integers(40, 120))) for _ in range(count)]}
+                  {u: {"snippets": [_text(rng, int(rng.integers(40, 120))) + " café"  # é: OOV
+                                    for _ in range(count)]}
                    for u in ids})
     return ids
 

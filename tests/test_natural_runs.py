@@ -98,3 +98,30 @@ def test_the_command_line_runs_a_natural_dataset_with_its_published_model(tmp_pa
                           "sent140", "--data-dir", str(out / "nothing"), "--rounds", "1"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_token_accuracy_rule_chooses_the_scored_targets(tmp_path_factory):
+    """--token-accuracy: the evaluated count of every client is its real targets minus the
+    excluded specials, counted here from the cache's arrays with the vocabulary's names."""
+    from fedjax_pfl.data import cache, formats
+
+    root, _ = _files(tmp_path_factory, "shakespeare_tff")
+    cfg = _config("shakespeare_tff", root, "fedavg", rounds=1)
+    nc = cache.load(formats.open_reader("shakespeare", str(root), "tff"),
+                    str(root / ".fedjax_pfl_cache"), log=lambda *_: None)
+    eos, oov = nc.source.vocab.index("<eos>"), nc.source.vocab.index("<oov>")
+    y = np.asarray(nc.test_y)
+    assert (y == oov).any() and (y == eos).any()           # the fixture has both kinds
+    for rule, excluded in (("default", {eos}), ("all", set()), ("no_oov", {eos, oov})):
+        cfg.data_options["token_accuracy"] = rule
+        data, info = runner.load_data(cfg)
+        assert set(data.task.metric_excluded) == excluded
+        prep = runner.prepare(cfg, data, info)
+        state = prep.program.init(prep.root)
+        count = np.asarray(prep.program.evaluate(state)["client"].count)
+        want = [int(((b != 0) & ~np.isin(b, list(excluded))).sum())
+                for b in np.split(y, nc.test_offsets[1:-1])]
+        np.testing.assert_array_equal(count, want)
+    cfg.data_options["token_accuracy"] = "sometimes"
+    with pytest.raises(ValueError, match="--token-accuracy"):
+        runner.load_data(cfg)

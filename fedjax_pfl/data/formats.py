@@ -11,6 +11,7 @@ client-sorted cache under the data directory (`data/cache.py`); later runs open 
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib
 import os
@@ -147,9 +148,31 @@ def to_federated(nc: NaturalClients, selected: np.ndarray | None = None) -> Fede
                                      name=src.name, task=task)
 
 
+TOKEN_ACCURACY = ("default", "all", "no_oov")
+
+
+def with_token_accuracy(nc: NaturalClients, rule: str) -> NaturalClients:
+    """`nc` with the targets that per-token accuracy leaves out chosen by `rule` (padding never
+    counts): "default" keeps the reader's (FedJAX's: end of sentence too), "all" scores every
+    real target, "no_oov" leaves out end of sentence and out-of-vocabulary targets too (TFF's
+    `accuracy_without_out_of_vocab_or_end_of_sentence`). Special ids are found by name in the
+    source vocabulary ("<eos>", "<oov>")."""
+    if rule not in TOKEN_ACCURACY:
+        raise ValueError(f"--token-accuracy must be one of {list(TOKEN_ACCURACY)}, got {rule!r}")
+    if rule == "default":
+        return nc
+    if nc.task.kind != "sequence":
+        raise ValueError(f"--token-accuracy applies to per-token tasks; {nc.source.name} is a "
+                         f"{nc.task.kind} task")
+    vocab = list(nc.source.vocab)
+    names = () if rule == "all" else ("<eos>", "<oov>")
+    excluded = tuple(vocab.index(n) for n in names if n in vocab)
+    return dataclasses.replace(nc, task=dataclasses.replace(nc.task, metric_excluded=excluded))
+
+
 def load_natural(name: str, *, data_dir: str | None, fmt: str | None = None,
                  max_clients: int | None = None, min_samples: int = 0, seed: int = 0,
-                 cache_dir: str | None = None, log=print,
+                 cache_dir: str | None = None, token_accuracy: str = "default", log=print,
                  **options: Any) -> tuple[FederatedData, dict[str, Any]]:
     """Reads (or opens the cache of) dataset `name`, takes the LEAF-style client subset
     (`cache.select`: clients with ≥ `min_samples` training samples, then `max_clients` of them at
@@ -162,7 +185,7 @@ def load_natural(name: str, *, data_dir: str | None, fmt: str | None = None,
                          f"(the folder holding the {'/'.join(NATURAL_DATASETS.get(name, ()))} files)")
     reader = open_reader(name, data_dir, fmt, **options)
     root = cache_dir or os.path.join(os.path.abspath(os.path.expanduser(data_dir)), ".fedjax_pfl_cache")
-    nc = cache.load(reader, root, log=log)
+    nc = with_token_accuracy(cache.load(reader, root, log=log), token_accuracy)
     selected = cache.select(nc, max_clients=max_clients, min_samples=min_samples, seed=seed)
     selected = np.asarray(selected, np.int64)
     data = to_federated(nc, selected)
@@ -172,7 +195,8 @@ def load_natural(name: str, *, data_dir: str | None, fmt: str | None = None,
         "dataset": name,
         "format": nc.source.format,
         "source": os.path.dirname(nc.source.files[0]) if nc.source.files else data_dir,
-        "task": {"kind": nc.task.kind, "inputs": nc.task.inputs, "num_classes": nc.task.num_classes},
+        "task": {"kind": nc.task.kind, "inputs": nc.task.inputs, "num_classes": nc.task.num_classes,
+                 "metric_excluded": list(nc.task.metric_excluded)},
         "num_clients": int(selected.size),
         "clients_in_files": nc.num_clients,
         "train_size": {"min": int(train.min()), "mean": float(train.mean()),
