@@ -130,6 +130,8 @@ def to_federated(nc: NaturalClients, selected: np.ndarray | None = None) -> Fede
     """Client blocks of `nc` (all, or the client indices `selected`, in that order) on device,
     each client keeping its own train/test split."""
     task, src = nc.task, nc.source
+    if selected is not None and np.array_equal(selected, np.arange(nc.num_clients)):
+        selected = None                   # every client in order: whole arrays, no per-client slices
     if selected is None:
         x = np.concatenate([np.asarray(nc.train_x), np.asarray(nc.test_x)])
         y = np.concatenate([np.asarray(nc.train_y), np.asarray(nc.test_y)])
