@@ -1,0 +1,139 @@
+"""SCAFFOLD (Karimireddy, Kale, Mohri, Reddi, Stich & Suresh, "SCAFFOLD: Stochastic Controlled
+Averaging for Federated Learning", ICML 2020, arXiv:1910.06378), Algorithm 1
+(line numbers of arXiv v2); docs/algorithms/scaffold.md (readings A1–A10 cited below).
+
+State: the server model x, the server control variate c and, per client i, its control variate
+c_i (all zero at the start, A5). Per round with sampled clients S (|S| = M of N real clients),
+local learning rate η_l (`--lr`) and global step size η_g (`--scaffold-server-lr`):
+
+  each i ∈ S, from y_i ← x:                                            (line 6)
+    K_i local minibatch steps on the corrected gradient
+        y_i ← y_i − η_l (g_i(y_i) − c_i + c)                            (lines 7–10)
+    c_i⁺ ← c_i − c + (x − y_i) / (K_i η_l)      option II (default)     (line 11, A1)
+    c_i⁺ ← ∇f_i(x), all of i's training data    option I                (line 11, A4)
+    Δy_i = y_i − x,  Δc_i = c_i⁺ − c_i;  c_i ← c_i⁺                    (lines 12–13)
+  x ← x + η_g Σ_{i∈S} w_i Δy_i    w_i = 1/M (the paper), or n_i/Σ_S n  (lines 15–16, A2)
+  c ← c + (|S|/N) (1/M) Σ_{i∈S} Δc_i = c + (1/N) Σ_{i∈S} Δc_i          (lines 15–16, A2)
+
+Readings (docs/algorithms/scaffold.md):
+  * K_i is the number of steps client i actually took this round: E·⌈n_i/B⌉ under
+    `--local-epochs` (so it differs between clients), K under `--local-steps` (A1).
+  * The correction c − c_i is added to every minibatch gradient (`core.add_aux_gradient`) before
+    sgd(lr, momentum); with momentum, option II still divides by K_i η_l (A3).
+  * A client without training data takes no step and keeps its c_i (A7).
+  * Unsampled clients keep c_i and their optimizer state (A8). Δc_i is taken from the c_i⁺ as
+    stored (`--state-dtype`), so c stays the mean of the stored c_i (A9).
+Evaluated: the server model x on every client's test split, as FedAvg (A6).
+Communication per sampled client: x and c down, Δy_i and Δc_i up (2d floats each way, A10).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_pfl import core, ops
+from fedjax_pfl.algorithms import base
+from fedjax_pfl.core.local import FullPass, add_aux_gradient
+from fedjax_pfl.models.model import Model
+
+Params = Any
+
+
+class State(NamedTuple):
+    params: Params          # server model x                                    leaves [...]
+    control: Params         # server control variate c = (1/N) Σ_i c_i          leaves [...]
+    client_control: Params  # client control variates c_i                      leaves [N, ...]
+    opt_state: Any          # per-client optimizer states (momentum_buffer=persist) [N, ...], else None
+    round: jax.Array        # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("client_control", "opt_state")  # per-client rows [N, ...]
+
+
+def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
+             variant: str = "ii", weights: str = "uniform") -> base.Algorithm:
+    """SCAFFOLD; see the module docstring. `variant` 'ii' or 'i' picks the control-variate
+    update (Algorithm 1 line 11), `weights` 'uniform' or 'data_size' the mean of Δy_i."""
+    base.require_choices(variant=(variant, ("ii", "i")), weights=(weights, ("uniform", "data_size")))
+    engine = base.Engine(model, config, client_transform=add_aux_gradient("correction"))
+    full_pass = (FullPass(model, batch_size=config.eval_batch_size, mapper=engine.mapper)
+                 if variant == "i" else None)
+
+    def init(key: jax.Array, data) -> State:
+        params = model.init(key)          # the same initial model as every algorithm from this key
+        zeros = ops.tree_zeros_like(params)
+        return State(params, zeros, core.broadcast(zeros, data.num_clients),       # c = c_i = 0
+                     engine.init_client_opt_states(params, data.num_clients),
+                     jnp.zeros((), jnp.int32))
+
+    def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
+        sample_key, train_key = jax.random.split(key)
+        idx = engine.sample(sample_key, data)                                       # S
+        m = idx.shape[0]
+        x, c = state.params, state.control
+        c_i = core.gather(state.client_control, idx)
+        correction = jax.tree.map(lambda ci, cs: cs - ci, c_i, core.broadcast(c, m))  # c − c_i
+        opt = engine.opt_states_for(state.opt_state, idx, x)
+        result = engine.train(data, idx, x, opt, train_key, extra={"correction": correction},
+                              shared_start=True)                                   # lines 6–10
+        delta_y = jax.tree.map(lambda y, xs: y - xs, result.params, core.broadcast(x, m))  # Δy_i
+        took_steps = result.num_steps > 0
+        if variant == "ii":                                                         # line 11, II
+            steps = jnp.maximum(result.num_steps, 1)             # K_i (A1; 0 steps: A7 below)
+
+            def option_ii(ci, cs, dy):                           # c_i − c + (x − y_i)/(K_i η_l)
+                k = steps.astype(dy.dtype).reshape((-1,) + (1,) * (dy.ndim - 1))
+                return ci - cs - dy / (k * config.lr)
+
+            c_plus = jax.tree.map(option_ii, c_i, core.broadcast(c, m), delta_y)
+        else:                                                                       # line 11, I
+            _, c_plus = full_pass(data, core.broadcast(x, m), core.gather(data.clients, idx))
+        c_plus = core.where_clients(took_steps, c_plus, c_i)                        # A7
+        c_plus = jax.tree.map(lambda new, old: new.astype(old.dtype), c_plus, c_i)  # as stored, A9
+        wide = lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32))        # bfloat16 rows
+        delta_c = jax.tree.map(lambda new, old: wide(new) - wide(old), c_plus, c_i)  # Δc_i
+        w = core.gather(data.clients.train_count, idx) if weights == "data_size" else None
+        params = jax.tree.map(lambda xs, dy: xs + server_lr * dy,                   # l. 15–16
+                              x, core.mean_over_clients(delta_y, w))
+        control = jax.tree.map(lambda cs, dc: cs + dc / data.num_real_clients,      # l. 15–16
+                               c, core.sum_over_clients(delta_c))
+        new_state = State(params, control, core.scatter(state.client_control, idx, c_plus),
+                          engine.store_opt_states(state.opt_state, idx, result.opt_state),
+                          state.round + 1)
+        metrics = base.train_metrics(result, idx)
+        d = ops.tree_size(params)
+        metrics.update(base.communication(up_clients=m, up_floats_per_client=2 * d,
+                                          down_clients=m, down_floats_per_client=2 * d))
+        metrics.update(control_norm=ops.tree_norm(control),
+                       client_control_norm_mean=jnp.mean(jax.vmap(ops.tree_norm)(c_plus)),
+                       correction_norm_mean=jnp.mean(jax.vmap(ops.tree_norm)(correction)))
+        return new_state, metrics
+
+    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        return {"client": engine.evaluator.shared(data, state.params, ids)}            # A6
+
+    return base.Algorithm("scaffold", init, round_fn, evaluate, {})
+
+
+base.register(base.AlgorithmSpec(
+    name="scaffold", factory=scaffold,
+    summary="SCAFFOLD: local steps corrected by control variates (c − c_i); server model evaluated",
+    hparams=(
+        base.HParam("server_lr", float, 1.0,
+                    "η_g, the global step size: x ← x + η_g · mean_i (y_i − x). Default 1: the "
+                    "paper's experiments (η_g = 1 is FedAvg's averaging of the models)",
+                    check=base.POSITIVE),
+        base.HParam("variant", str, "ii",
+                    "client control-variate update (Algorithm 1 line 11): 'ii' c_i ← c_i − c + "
+                    "(x − y_i)/(K_i·lr), K_i the steps client i took (the paper's choice, no extra "
+                    "cost); 'i' c_i ← the gradient of the client's loss at x over all its training "
+                    "data (one more pass)", choices=("ii", "i")),
+        base.HParam("weights", str, "uniform",
+                    "mean of the clients' model updates: 'uniform' over the sampled clients (the "
+                    "paper's Algorithm 1) or 'data_size' (n_i/Σn, FedAvg's); the control variate "
+                    "c is always updated with (1/N) Σ Δc_i", choices=("uniform", "data_size")),
+    ),
+    traceable=("lr", "server_lr"),
+    test_hparams={"momentum": 0.9, "momentum_buffer": "persist"},
+))
