@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--coordinator", default=None,
                    help="multi-process run: HOST:PORT of process 0 (start every process with the "
                         "same flags and its own --process-id; jax.distributed, gloo on CPU)")
+    g.add_argument("--distributed", default=None, choices=("auto",),
+                   help="multi-process run started by a launcher: 'auto' lets jax.distributed "
+                        "read the process layout from SLURM (srun), Open MPI (mpirun), a TPU pod "
+                        "or Kubernetes, as for any JAX program (instead of --coordinator)")
     g.add_argument("--num-processes", type=int, default=1, help="multi-process run: process count")
     g.add_argument("--process-id", type=int, default=0, help="multi-process run: this process")
     g.add_argument("--out", default=None,
@@ -477,6 +481,9 @@ def check_processes(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-processes must be >= 1, got {n}")
     if not 0 <= i < n:
         raise ValueError(f"--process-id must be in [0, --num-processes {n}), got {i}")
+    if getattr(args, "distributed", None) and (args.coordinator is not None or n != 1 or i != 0):
+        raise ValueError("--distributed auto takes the process layout from the launcher: give "
+                         "neither --coordinator nor --num-processes / --process-id")
     if args.coordinator is None and n != 1:
         raise ValueError(f"--num-processes {n} needs --coordinator HOST:PORT (process 0's address); "
                          "without it the run is a single process")
@@ -562,8 +569,16 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
             check_processes(args)                # before jax.distributed starts
         except ValueError as e:
             _fail(str(e))
-        if args.coordinator:
-            fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
+        if args.coordinator or args.distributed:
+            if args.distributed:
+                fedjax_pfl.init_distributed()
+            else:
+                fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
+            import jax
+
+            if jax.process_index() != 0:     # one voice: only process 0 prints (errors still do)
+                sys.stdout.flush()               # fd 1 too: gloo's own lines come from C++
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         else:
             fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (not on GPU)
         if args.no_compile_cache:
@@ -598,7 +613,10 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
               f"({info['train_size']['total']} train / {info['test_size']['total']} test samples), "
               f"output in {cfg.out}", flush=True)
         if args.seeds and len(args.seeds) > 1:
-            runner.clear_out(cfg.out)
+            import jax
+
+            if jax.process_index() == 0:
+                runner.clear_out(cfg.out)
             return _run_seeds(cfg, args.seeds, data, info)
         try:
             summary = runner.run(cfg, prepared=prepared, log=lambda s: print(s, flush=True),
@@ -647,7 +665,10 @@ def _run_seeds(cfg, seeds, data, info) -> int:
             if values:
                 aggregate[f"{kind}_{key}"] = {"mean": float(np.mean(values)),
                                               "std": float(np.std(values)), "values": values}
-    runner.write_json(os.path.join(cfg.out, "summary.json"), aggregate)
+    import jax
+
+    if jax.process_index() == 0:                  # a multi-process run: process 0 writes
+        runner.write_json(os.path.join(cfg.out, "summary.json"), aggregate)
     print(f"{len(seeds)} seeds in one program, {summaries[0]['group_wall_time_s']:.1f}s")
     for key in keys:
         if f"last_{key}" in aggregate:

@@ -69,11 +69,15 @@ def use_compile_cache(directory: str | None = None) -> str:
     return directory
 
 
-def init_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
+def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None) -> None:
     """Joins a multi-process run (one process per host, or several on one host): afterwards
     `jax.devices()` lists the devices of every process, and the engine's mesh, sharded client
     state and rounds span them all. Call it before any JAX computation, in every process, with the
-    same coordinator address (host:port of process 0) and process count.
+    same coordinator address (host:port of process 0) and process count — or with no arguments
+    under a launcher that JAX recognises (SLURM's srun, Open MPI's mpirun, TPU pods, Kubernetes),
+    which then supplies them. Run one process per GPU host (or per GPU). A launcher must end the
+    whole group when one worker dies: a worker whose peer died waits in its next collective.
 
     On CPU the processes exchange data through gloo (set here); on GPUs through NCCL. Only
     process 0 writes the run's files.

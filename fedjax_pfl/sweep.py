@@ -134,11 +134,11 @@ class VectorProgram:
         """Round r of every run; returns the state and each run's metrics (host numpy)."""
         rounds = jnp.full(self.padded, r, jnp.int32)
         state, metrics = self._jit_round(state, self.seeds, self.hp, rounds, self.data)
-        metrics = jax.device_get(metrics)
+        metrics = core.to_host(metrics)
         return state, [jax.tree.map(lambda a: a[v], metrics) for v in range(self.num_runs)]
 
     def evaluate(self, state: Params) -> list[dict]:
-        evals = jax.device_get(self._jit_evaluate(state, self.hp, self.data))
+        evals = core.to_host(self._jit_evaluate(state, self.hp, self.data))
         return [jax.tree.map(lambda a: a[v], evals) for v in range(self.num_runs)]
 
 
@@ -200,7 +200,7 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
         comm = runner.communication_totals(history.rounds)
         if comm:
             summary["communication"] = comm
-        if out:
+        if out and jax.process_index() == 0:      # a multi-process run: process 0 writes
             run_dir = os.path.join(out, slug(spec.label))
             os.makedirs(run_dir, exist_ok=True)
             with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:

@@ -24,6 +24,7 @@ from fedjax_pfl.core.placement import (
     client_mask,
     client_mesh,
     replicate,
+    to_host,
     replicated_sharding,
     single_device_clients,
 )
@@ -53,7 +54,7 @@ __all__ = [
     "broadcast", "gather", "map_clients", "mean_over_clients", "num_sampled_clients",
     "sample_clients", "scatter", "sum_over_clients", "where_clients",
     "BACKENDS", "EAGER_BACKENDS", "ClientError", "ClientLoop", "ClientMapper", "client_mapper",
-    "balanced_order", "client_mask", "client_mesh", "replicate", "replicated_sharding",
+    "balanced_order", "client_mask", "client_mesh", "replicate", "to_host", "replicated_sharding",
     "single_device_clients",
     "AUTO_EVAL_BATCH", "ClientEval", "Evaluator", "FullPass", "auto_eval_batch", "LocalResult", "LocalTrainer", "add_aux_gradient",
     "epoch_permutation", "masked_mean", "masked_mean_loss", "steps_per_epoch", "History", "summarize",

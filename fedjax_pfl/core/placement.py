@@ -65,6 +65,22 @@ def replicate(tree: Params, mesh: Mesh | None) -> Params:
     return jax.device_put(tree, replicated_sharding(mesh))
 
 
+def to_host(tree: Params) -> Params:
+    """`tree` as host NumPy arrays in every process. `jax.device_get` reads only arrays whose
+    shards this process holds; in a multi-process run an array sharded over the clients (or a
+    sweep's runs) spans other processes' devices, so it is all-gathered first."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def one(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable and not a.is_fully_replicated:
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return np.asarray(a)
+
+    return jax.tree.map(one, tree)
+
+
 def _is_state_class(node: Any) -> bool:
     return isinstance(node, tuple) and hasattr(type(node), "_fields")
 

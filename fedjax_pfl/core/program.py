@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from fedjax_pfl.core.clients import num_sampled_clients
 from fedjax_pfl.core.execution import ClientError
-from fedjax_pfl.core.placement import (cast_client_leaves, client_mask, client_shardings,
+from fedjax_pfl.core.placement import (cast_client_leaves, client_mask, client_shardings, to_host,
                                        client_state_bytes, replicate)
 
 Params = Any
@@ -54,7 +54,8 @@ class MemoryPlan:
     data: int                      # the dataset (replicated on every device)
     working_set: int               # XLA temporaries of one compiled round (per device)
     eval_working_set: int          # XLA temporaries of one evaluation (per device)
-    available: int                 # bytes the run may use (all devices together on CPU)
+    available: int                 # bytes the run may use (this host's devices together on CPU)
+    local_devices: int = 0         # devices of this process (0: all of `devices`)
 
     @property
     def per_device(self) -> int:
@@ -62,9 +63,18 @@ class MemoryPlan:
                 + max(self.working_set, self.eval_working_set))
 
     @property
+    def _sharing(self) -> int:
+        """Devices that draw on the memory `available` measures: this process's CPU devices
+        share its host's memory (another process's devices are another host's); an accelerator
+        has its own."""
+        if self.platform != "cpu":
+            return 1
+        return self.local_devices or self.devices
+
+    @property
     def total(self) -> int:
         """What the run needs from the memory `available` measures."""
-        return self.per_device * (self.devices if self.platform == "cpu" else 1)
+        return self.per_device * self._sharing
 
     def fits(self) -> bool:
         return self.available <= 0 or self.total <= self.available
@@ -74,7 +84,7 @@ class MemoryPlan:
         if self.available <= 0 or self.state_per_client == 0:
             return None
         fixed = self.per_device - self.client_state_per_device
-        per_device_budget = (self.available / (self.devices if self.platform == "cpu" else 1)) - fixed
+        per_device_budget = self.available / self._sharing - fixed
         return max(0, int(per_device_budget * self.devices / self.state_per_client))
 
     def describe(self) -> str:
@@ -94,7 +104,8 @@ class MemoryPlan:
 
 
 def available_memory(platform: str) -> int:
-    """Bytes available: the host's MemAvailable on CPU, the first device's limit otherwise."""
+    """Bytes available: the host's MemAvailable on CPU, otherwise the limit of this process's
+    first device (`jax.devices()[0]` may be another process's, with no statistics here)."""
     if platform == "cpu":
         try:
             with open("/proc/meminfo") as f:
@@ -104,7 +115,7 @@ def available_memory(platform: str) -> int:
         except OSError:
             return 0
         return 0
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return int(stats.get("bytes_limit", 0))
 
 
@@ -256,7 +267,7 @@ class Program:
     def evaluate(self, state: Params, ids: np.ndarray | None = None) -> dict:
         """The algorithm's evaluation (every client, or the clients `ids`), on the host."""
         if ids is None and getattr(self, "_eval_compiled", None) is not None:
-            return jax.device_get(self._eval_compiled(state, self.data))
+            return to_host(self._eval_compiled(state, self.data))
         return self._evaluate_with("evaluate", self.algo.evaluate, state, ids)
 
     def evaluate_part(self, part: str, state: Params, ids: np.ndarray | None = None) -> dict:
@@ -266,9 +277,9 @@ class Program:
 
     def _evaluate_with(self, name: str, fn: Callable, state: Params, ids: np.ndarray | None) -> dict:
         if ids is None:
-            return jax.device_get(self._jitted(name, lambda s, d: fn(s, d))(state, self.data))
+            return to_host(self._jitted(name, lambda s, d: fn(s, d))(state, self.data))
         run = self._jitted(f"{name}_ids", lambda s, d, i: fn(s, d, i))
-        return jax.device_get(run(state, self.data, jnp.asarray(ids, jnp.int32)))
+        return to_host(run(state, self.data, jnp.asarray(ids, jnp.int32)))
 
     def compile(self, round_keys: jax.Array) -> float:
         """Compiles the round (and evaluation) ahead of time from abstract shapes; returns the
@@ -315,13 +326,16 @@ class Program:
                     working = int(analysis.temp_size_in_bytes)
                 else:
                     evaluating = int(analysis.temp_size_in_bytes)
-        platform = jax.devices()[0].platform
+        platform = jax.local_devices()[0].platform
+        local = devices if self.mesh is None else sum(
+            d.process_index == jax.process_index() for d in self.mesh.devices.flat)
         return MemoryPlan(
             devices=devices, platform=platform, num_clients=self.num_clients,
             state_per_client=int(per_client),
             client_state_per_device=int(per_client) * self.num_clients // devices,
             replicated_state=int(replicated), data=_nbytes(self.data), working_set=working,
-            eval_working_set=evaluating, available=available_memory(platform))
+            eval_working_set=evaluating, available=available_memory(platform),
+            local_devices=int(local))
 
 
 class CachedEvaluation:

@@ -1,0 +1,74 @@
+"""Multi-process runs as a user starts them (two processes on the loopback address, one CPU device
+each): `--seeds 0 1` (the vmapped sweep path, whose results are sharded over both processes'
+devices) gives the one-process results; only process 0 prints; the memory plan counts this
+host's devices against this host's memory."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import helpers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli(tmp, name, extra, devices="1"):
+    env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": devices, "PYTHONPATH": str(ROOT)}
+    env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
+    argv = [sys.executable, str(ROOT / "tests" / "run_no_figures.py"), "--algo", "fedavg",
+            "--rounds", "2", "--clients", "6", "--participation", "0.5", "--quiet",
+            "--out", str(tmp / name), *extra]
+    return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_seeds_over_two_processes_equal_one_process_and_only_process_0_prints(tmp_path):
+    port = _free_port()
+    flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--seeds", "0", "1"]
+    procs = [_cli(tmp_path, "two", flags + ["--process-id", str(i)]) for i in (0, 1)]
+    single = _cli(tmp_path, "one", ["--seeds", "0", "1"], devices="2")
+    outputs = []
+    for p in procs + [single]:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        outputs.append(out)
+    assert outputs[0].strip() and outputs[1] == ""          # process 1 says nothing
+    for seed in ("seed=0", "seed=1"):
+        two, one = _rows(tmp_path / "two" / seed / "metrics.jsonl"), _rows(tmp_path / "one" / seed / "metrics.jsonl")
+        assert len(two) == len(one) == 2
+        for a, b in zip(two, one):
+            for key in ("train_loss", "acc_mean", "loss"):
+                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (seed, key, a[key], b[key])
+
+
+def test_memory_plan_counts_this_hosts_devices():
+    """Two hosts of 2 CPU devices each: each host needs 2 × per-device bytes of its own memory,
+    not 4 ×; N that fits grows with the global device count."""
+    from fedjax_pfl import core
+
+    plan = core.MemoryPlan(devices=4, platform="cpu", num_clients=100, state_per_client=1000,
+                           client_state_per_device=25_000, replicated_state=500, data=1500,
+                           working_set=3000, eval_working_set=1000, available=100_000,
+                           local_devices=2)
+    per_device = 25_000 + 500 + 1500 + 3000
+    assert plan.per_device == per_device and plan.total == 2 * per_device
+    # budget per device 50,000 − fixed 5,000 = 45,000 bytes of state: 45 clients a device, 4 devices.
+    assert plan.max_clients() == 180
+    one_host = core.MemoryPlan(**{**plan.__dict__, "local_devices": 0})
+    assert one_host.total == 4 * per_device                  # all four on this host
