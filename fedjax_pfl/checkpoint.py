@@ -75,9 +75,15 @@ def save(path: str, state: Any, *, metadata: dict | None = None,
 
     path = os.path.abspath(path)
     parent, name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
-    _remove_stale_temporaries(parent, name)
-    tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    # A multi-process run: every process writes its own shards of the arrays into ONE temporary
+    # directory (so its name cannot come from a pid), and process 0 alone writes the rest and
+    # commits, after a barrier; the path must be on a file system all processes share.
+    multi, primary = jax.process_count() > 1, jax.process_index() == 0
+    if primary:
+        os.makedirs(parent, exist_ok=True)
+        _remove_stale_temporaries(parent, name)
+    tmp = os.path.join(parent, f".{name}.tmp-" + ("multi" if multi else
+                                                  f"{os.getpid()}-{uuid.uuid4().hex[:8]}"))
     try:
         leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(state)
         arrays, described = {}, []
@@ -92,9 +98,15 @@ def save(path: str, state: Any, *, metadata: dict | None = None,
                               str(np.asarray(leaf).dtype), "prng_key": is_key,
                               "stored_shape": list(np.shape(value)),
                               "stored_dtype": str(value.dtype)})
-        os.makedirs(tmp)
+        if primary:
+            os.makedirs(tmp)
+        _barrier(multi, f"checkpoint {name}: directory")
         checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
         checkpointer.save(os.path.join(tmp, _ARRAYS), args=ocp.args.StandardSave(arrays))
+        _barrier(multi, f"checkpoint {name}: arrays")
+        if not primary:
+            _barrier(multi, f"checkpoint {name}: committed")
+            return path
         if host:
             with open(os.path.join(tmp, _HOST), "wb") as f:
                 np.savez(f, **host)
@@ -113,10 +125,20 @@ def save(path: str, state: Any, *, metadata: dict | None = None,
         else:
             os.rename(tmp, path)                       # the commit
         _fsync_dir(parent)
+        _barrier(multi, f"checkpoint {name}: committed")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if primary:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _barrier(multi: bool, name: str) -> None:
+    """Waits for every process of a multi-process run (no-op in a single process)."""
+    if multi:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def is_complete(path: str) -> bool:

@@ -28,7 +28,7 @@ def _cli(tmp, name, extra, devices="1"):
     env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
     argv = [sys.executable, str(ROOT / "tests" / "run_no_figures.py"), "--algo", "fedavg",
             "--rounds", "2", "--clients", "6", "--participation", "0.5", "--quiet",
-            "--out", str(tmp / name), *extra]
+            "--out", str(tmp / name), *extra]         # later flags (--algo, --rounds) win
     return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -72,3 +72,30 @@ def test_memory_plan_counts_this_hosts_devices():
     assert plan.max_clients() == 180
     one_host = core.MemoryPlan(**{**plan.__dict__, "local_devices": 0})
     assert one_host.total == 4 * per_device                  # all four on this host
+
+
+def _two(tmp, name, extra):
+    port = _free_port()
+    flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", *extra]
+    procs = [_cli(tmp, name, flags + ["--process-id", str(i)]) for i in (0, 1)]
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+
+
+@pytest.mark.slow
+def test_two_processes_checkpoint_and_resume_exactly(tmp_path):
+    """Both processes write their shards of the sharded client state into one checkpoint that
+    process 0 commits; a run stopped after round 2 and resumed to round 3 reports the metrics of
+    an uninterrupted 3-round run (pgfedmo: per-client state rows on both processes)."""
+    algo = ["--algo", "pgfedmo", "--checkpoint-every", "1"]
+    _two(tmp_path, "whole", algo + ["--rounds", "3"])
+    _two(tmp_path, "parts", algo + ["--rounds", "2"])
+    ckpts = sorted(os.listdir(tmp_path / "parts" / "checkpoints"))
+    assert ckpts == ["round_000001", "round_000002"]
+    _two(tmp_path, "parts", algo + ["--rounds", "3", "--resume"])
+    whole, parts = _rows(tmp_path / "whole" / "metrics.jsonl"), _rows(tmp_path / "parts" / "metrics.jsonl")
+    assert [r["round"] for r in parts] == [1, 2, 3]
+    for a, b in zip(parts, whole):
+        for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
+            assert a[key] == b[key], (a["round"], key, a[key], b[key])

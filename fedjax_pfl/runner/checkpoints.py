@@ -91,8 +91,9 @@ def save(cfg, out: str, state, prog: Progress, prep, wall: float) -> str:
         compute(checkpoint.save, path, state, metadata=metadata,
                 host=prog.host_arrays(prep.data.num_real_clients))
         prog.checkpoint_round = prog.round
-        for old in completed(out)[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
+        if jax.process_index() == 0:
+            for old in completed(out)[:-KEEP]:
+                shutil.rmtree(old, ignore_errors=True)
     return path
 
 

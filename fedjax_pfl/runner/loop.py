@@ -176,7 +176,8 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
                     _write_config(cfg, prep, out)
             elif state is None:
                 state = compute(program.init, jax.random.fold_in(prep.root, 0))
-            own, theirs = _callbacks(cfg, prep, prog, out, t_start, warning, log, callbacks)
+            own, theirs = _callbacks(cfg, prep, prog, out, t_start, warning, log, callbacks,
+                                     checkpoint_dir=cfg.out)
             start = RunStart(out, config_record(cfg, prep.hparams, prep.model_name, prep.data_info),
                              prog.round, cfg.rounds)
             for cb in own + theirs:
@@ -246,7 +247,7 @@ def _compile(cfg: RunConfig, prep: Prepared, log):
     return state, compile_time, plan
 
 
-def _callbacks(cfg, prep, prog, out, t_start, warning, log, extra):
+def _callbacks(cfg, prep, prog, out, t_start, warning, log, extra, checkpoint_dir=None):
     """(the run's own writers, run inside the signal-deferred record of each call; the metric
     sinks and the caller's callbacks, run after it)."""
     own: list[Callback] = []
@@ -254,10 +255,12 @@ def _callbacks(cfg, prep, prog, out, t_start, warning, log, extra):
         own.append(MetricsWriter(out, prog.history.rounds))
     if cfg.progress and jax.process_index() == 0:
         own.append(ProgressBar())
-    # Multi-process runs: orbax would need every process to write its shards; not done yet.
-    every = cfg.checkpoint_interval() if out and jax.process_count() == 1 else 0
-    if out and (every or cfg.checkpoint_on_signal):
-        own.append(checkpoints.Checkpointer(cfg, out, prog, prep, t_start, every, warning, log))
+    # Every process of a multi-process run checkpoints (each writes its own shards of the state;
+    # process 0 writes the rest and commits: checkpoint.save), into the run's directory.
+    ckpt = checkpoint_dir or out
+    every = cfg.checkpoint_interval() if ckpt else 0
+    if ckpt and (every or cfg.checkpoint_on_signal):
+        own.append(checkpoints.Checkpointer(cfg, ckpt, prog, prep, t_start, every, warning, log))
     theirs: list[Callback] = []
     if cfg.log and jax.process_index() == 0:
         from fedjax_pfl import sinks
