@@ -9,8 +9,10 @@ Per round t, with global model w_t:
         K times:  θ_k ← θ_k − η_p [∇f(θ_k; B) + λ(θ_k − w_k)]     inner problem (eq. 7), GD as
                                                                    the authors' pFedMeOptimizer
         w_k ← w_k − η λ (w_k − θ_k)                                local update (Algorithm 1 l. 8)
-  S clients sampled (after training); w_{t+1} = (1 − β) w_t + β Σ_{k∈S} p_k w_k,
-  p_k = n_k / Σ_{j∈S} n_j                                          (Algorithm 1 l. 12)
+  S clients sampled (after training); w_{t+1} = (1 − β) w_t + β Σ_{k∈S} p_k w_k    (Algorithm 1
+  l. 12) with p_k = n_k / Σ_{j∈S} n_j (`weights="data_size"`, the default: the authors' code
+  weights the local models by their training-sample counts) or p_k = 1/S (`weights="uniform"`:
+  the paper's Algorithm 1 writes the plain mean over the sampled clients); TDPFed offers both
 
 θ_k carries over between local rounds within a round and restarts at w_t every round. The
 personalised θ_k after training is evaluated ("client"); the global w as "global". `--momentum`
@@ -42,7 +44,7 @@ class State(NamedTuple):
 
 
 def pfedme(model: Model, config: base.EngineConfig, *, lam: float, personal_lr: float,
-           personal_steps: int, beta: float) -> base.Algorithm:
+           personal_steps: int, beta: float, weights: str = "data_size") -> base.Algorithm:
     """pFedMe; see the module docstring. `config.lr` is η, the local model's learning rate."""
     if config.local_steps is None:
         raise ValueError("pfedme runs --local-steps R local rounds of one minibatch each; set it")
@@ -87,7 +89,7 @@ def pfedme(model: Model, config: base.EngineConfig, *, lam: float, personal_lr: 
                               shared_start=True)                             # θ_k, w_k ← w_t
         theta, local = result.params
         idx = engine.sample(sample_key, data)                                # S clients
-        p = core.gather(data.clients.train_count, idx)
+        p = core.gather(data.clients.train_count, idx) if weights == "data_size" else None
         mean = core.mean_over_clients(core.gather(local, idx), p)
         params = ops.tree_lerp(state.params, mean, beta)                     # β-mixing
         d = ops.tree_size(state.params)
@@ -120,6 +122,9 @@ base.register(base.AlgorithmSpec(
                     check=base.AT_LEAST_ONE),
         base.HParam("beta", float, 1.0, "β, server mixing w ← (1−β)w + β·mean",
                     check=base.NON_NEGATIVE),
+        base.HParam("weights", str, "data_size",
+                    "weights p_k of the server mean: 'data_size' (n_k/Σn_j, the authors' code) or "
+                    "'uniform' (1/S, the paper's Algorithm 1)", choices=("data_size", "uniform")),
     ),
     # TDPFed's comparison (Section VII-D): local lr 0.05, the rest as TDPFed's MNIST setting.
     defaults={"lr": 0.05, "batch_size": 20, "local_steps": 23, "participation": 1.0},
