@@ -1,0 +1,177 @@
+"""FedFomo (Zhang, Sapra, Fidler, Yeung & Alvarez, "Personalized Federated Learning with First
+Order Model Optimization", ICLR 2021, arXiv:2012.08565, Section 3 and Algorithm 1);
+docs/algorithms/fedfomo.md (readings F1–F9 cited below).
+
+Each client i keeps a personalised model θ_i and holds out its last v_i = ⌈f·n_i⌉ training
+samples as a validation split D_i^val (F1). Per round, with S the sampled clients (|S| = M) and
+P = S_{t−1} the clients whose models were uploaded last round (F2):
+
+  each i ∈ S downloads C = min(--fedfomo-candidates, M) models θ_j, j ∈ P \\ {i}: the highest
+      affinity P_ij, each slot exploring a random one instead with probability ε_t   (F3)
+  L_i(θ) = mean loss of θ on D_i^val: own model and candidates, all M·(C+1) pairs in one
+      batched evaluation                                                             (F4)
+  w_ij = max(0, (L_i(θ_i) − L_i(θ_j)) / ‖θ_j − θ_i‖), normalised to sum 1 where any is
+      positive, else all 0                                                  (eqs. 5–6, F5)
+  θ_i ← θ_i + Σ_j w_ij (θ_j − θ_i)              one [M, M+M] matmul per leaf           (F6)
+  P_ij ← P_ij + w_ij                                                                   (F3)
+  θ_i ← E epochs of the engine's local SGD from there on i's first n_i − v_i samples (F7)
+  unsampled clients keep θ_i (and their optimizer rows)
+
+Round 1 has no uploads yet: local training only. Evaluated: each client's θ_i ("client").
+Communication per sampled client: C models down, θ_i up (F8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_pfl import core, ops
+from fedjax_pfl.algorithms import base
+from fedjax_pfl.data.federated import ClientSplits
+from fedjax_pfl.models.model import Model
+from fedjax_pfl.ops import fomo
+
+Params = Any
+
+
+class State(NamedTuple):
+    params: Params        # personalised models θ_i                                  leaves [N, ...]
+    opt_state: Any        # per-client optimizer states (momentum_buffer=persist) [N, ...], else None
+    affinity: jax.Array   # P, client-to-client affinities (Σ of past weights w_ij)      [N, N]
+    uploaded: jax.Array   # S_{t−1} sorted: whose models the server holds as uploads     [M] int32
+    has_prev: jax.Array   # False in round 1 (nothing uploaded yet); shape=(), bool
+    round: jax.Array      # rounds completed; shape=(), int32
+    CLIENT_FIELDS = ("params", "opt_state", "affinity")  # per-client rows [N, ...]
+
+
+def validation_data(data, idx: jax.Array, counts: jax.Array, val_fraction: float):
+    """`data` whose clients are evaluation pairs: row r = (k, c) of the [M, C+1] `counts` tests
+    on the validation block of client idx[k] (the last v_i of its training samples), counts[k, c]
+    samples of it (0: nothing evaluated). The Evaluator then computes every pair's loss at once."""
+    c = data.clients
+    n = c.train_count[idx]
+    start = c.train_start[idx] + n - fomo.validation_counts(n, val_fraction)
+    width = counts.shape[1]
+    starts = jnp.repeat(start, width)
+    clients = ClientSplits(train_start=starts, train_count=jnp.zeros_like(starts),
+                           test_start=starts, test_count=counts.reshape(-1).astype(jnp.int32))
+    max_val = max(1, math.ceil(val_fraction * data.max_train))     # only sizes the eval batch
+    return dataclasses.replace(data, clients=clients, max_test=max_val, real_clients=None)
+
+
+def training_data(data, val_fraction: float):
+    """`data` with each client's training split cut to its first n_i − v_i samples (F1, F7)."""
+    c = data.clients
+    count = c.train_count - fomo.validation_counts(c.train_count, val_fraction)
+    return dataclasses.replace(data, clients=dataclasses.replace(c, train_count=count))
+
+
+def weight_statistics(w: jax.Array, slot_valid: jax.Array, dist: jax.Array
+                      ) -> dict[str, jax.Array]:
+    """The round's weights W [M, C] summarised as PGFed summarises its α: the self weight
+    1 − Σ_j w_ij (1 for a client that keeps its own model, 0 for one that moves), the weights of
+    the downloaded candidates (mean, max, fraction positive), the candidates per client and
+    their mean distance ‖θ_j − θ_i‖."""
+    n = jnp.sum(slot_valid)
+    per = jnp.maximum(n, 1).astype(jnp.float32)
+    return {
+        "w_self_mean": jnp.mean(1.0 - jnp.sum(w, axis=1)),
+        "w_other_mean": jnp.sum(w) / per,
+        "w_other_max": jnp.max(w),
+        "w_positive_fraction": jnp.sum(w > 0) / per,
+        "candidates_mean": n / w.shape[0],
+        "dist_mean": jnp.sum(jnp.where(slot_valid, dist, 0.0)) / per,
+    }
+
+
+def fedfomo(model: Model, config: base.EngineConfig, *, candidates: int, val_fraction: float,
+            epsilon: float, epsilon_decay: float) -> base.Algorithm:
+    """FedFomo; see the module docstring."""
+    engine = base.Engine(model, config)
+
+    def init(key: jax.Array, data) -> State:
+        params = model.init(key)
+        n, m = data.num_clients, engine.num_sampled(data)
+        return State(core.broadcast(params, n), engine.init_client_opt_states(params, n),
+                     jnp.zeros((n, n)), jnp.arange(m, dtype=jnp.int32),
+                     jnp.zeros((), bool), jnp.zeros((), jnp.int32))
+
+    def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
+        sample_key, select_key, train_key = jax.random.split(key, 3)
+        idx = engine.sample(sample_key, data)                                        # S
+        m = idx.shape[0]
+        num = min(candidates, m)                                                     # C (F3)
+        own = core.gather(state.params, idx)                                         # θ_i, i ∈ S
+        pool = core.gather(state.params, state.uploaded)                             # θ_j, j ∈ P
+        # F3: ε-greedy download sets from the affinity rows, never the client itself.
+        affinity = state.affinity[idx][:, state.uploaded]
+        allowed = (idx[:, None] != state.uploaded[None, :]) & state.has_prev
+        eps = jnp.maximum(epsilon - epsilon_decay * (state.round - 1), 0.0)
+        slots, slot_valid = fomo.select_candidates(base.client_keys(select_key, idx), affinity,
+                                                   allowed, num, eps)
+        # F4: L_i of the own model (column 0) and of each candidate, on i's validation block.
+        v = fomo.validation_counts(data.clients.train_count[idx], val_fraction)
+        evaluated = jnp.concatenate([jnp.any(slot_valid, axis=1, keepdims=True), slot_valid], 1)
+        pairs = jax.tree.map(lambda a, b: jnp.concatenate([a[:, None], b[slots]], axis=1)
+                             .reshape(m * (num + 1), *a.shape[1:]), own, pool)
+        val = validation_data(data, idx, jnp.where(evaluated, v[:, None], 0), val_fraction)
+        loss = engine.evaluator.personal(val, pairs).loss.reshape(m, num + 1)
+        dist = fomo.candidate_distances(own, pool, slots)                            # ‖θ_j − θ_i‖
+        w = fomo.fomo_weights(loss[:, 0], loss[:, 1:], dist, slot_valid)            # F5
+        start = fomo.fomo_update(w, slots, own, pool)                                # F6
+        opt = engine.opt_states_for(state.opt_state, idx, base.first_row(own))
+        result = engine.train(training_data(data, val_fraction), idx, start, opt, train_key)  # F7
+        block = (idx[:, None], state.uploaded[slots])
+        new_affinity = state.affinity.at[block].add(w.astype(state.affinity.dtype))  # P += W
+        new_state = State(core.scatter(state.params, idx, result.params),
+                          engine.store_opt_states(state.opt_state, idx, result.opt_state),
+                          new_affinity, jnp.sort(idx), jnp.ones((), bool), state.round + 1)
+        metrics = base.train_metrics(result, idx)
+        metrics.update(weight_statistics(w, slot_valid, dist))
+        metrics["epsilon"] = jnp.where(state.has_prev, eps, 0.0)
+        d = ops.tree_size(base.first_row(own))
+        metrics.update(base.communication(up_clients=m, up_floats_per_client=d,
+                                          down_clients=jnp.sum(slot_valid),
+                                          down_floats_per_client=d))
+        return new_state, metrics
+
+    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
+        return {"client": engine.evaluator.personal(data, state.params, ids)}
+
+    evaluate, parts = base.split_evaluate(evaluate_personal)
+    return base.Algorithm("fedfomo", init, round_fn, evaluate, {}, parts)
+
+
+base.register(base.AlgorithmSpec(
+    name="fedfomo", factory=fedfomo,
+    summary="FedFomo: each client mixes downloaded models weighted by validation-loss "
+            "improvement per unit distance, max(0, ΔL)/‖θ_j − θ_i‖ normalised, then trains "
+            "locally; personalised models evaluated",
+    hparams=(
+        base.HParam("candidates", int, 8,
+                    "M, models each sampled client downloads from the previous round's uploads "
+                    "(other clients only), capped at the clients per round (PGFed's reference "
+                    "default 8; the authors' code also 8)",
+                    check=base.AT_LEAST_ONE),
+        base.HParam("val_fraction", float, 0.2,
+                    "f, fraction of each client's training samples held out as its validation "
+                    "split (the last ⌈f·n_i⌉, at most n_i − 1; fixed): the weights are computed "
+                    "on it and local training never sees it (PGFed's reference 0.2; 0: no "
+                    "validation, every client keeps its own model, i.e. local training)",
+                    check=base.UNIT_CLOSED_OPEN),
+        base.HParam("epsilon", float, 0.3,
+                    "ε, probability that a download slot explores a uniformly random model "
+                    "instead of the next highest affinity (the authors' code: 0.3; PGFed's: 0)",
+                    check=base.UNIT_CLOSED),
+        base.HParam("epsilon_decay", float, 0.05,
+                    "ε decreases by this much per round after the first: ε_t = max(0, ε − "
+                    "δ·(t − 2)) in round t ≥ 2 (the authors' code: 0.05)",
+                    check=base.NON_NEGATIVE),
+    ),
+    test_hparams={"momentum": 0.5, "momentum_buffer": "persist"},
+))

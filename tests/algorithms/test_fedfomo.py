@@ -1,0 +1,221 @@
+"""FedFomo (fedjax_pfl/algorithms/fedfomo.py; docs/algorithms/fedfomo.md#tests) against a naive
+float64 transcription of its round, one client and one pair of clients at a time, on softmax
+regression clients whose validation losses and full-batch gradient steps are written out in
+NumPy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+from fedjax_pfl import algorithms
+from fedjax_pfl.algorithms import base, fedfomo
+from fedjax_pfl.data.federated import FederatedData
+from helpers import assert_states_close, linear_model, tree_equal
+
+SIZES = [10, 12, 9, 11, 8]
+# v_i = min(⌈0.2 n_i⌉, n_i − 1): the last v_i training samples are client i's validation block.
+VAL = [2, 3, 2, 3, 2]
+F, K = 5, 3                     # features, classes of the linear model {w: [F, K], b: [K]}
+LR = 0.3
+
+
+def raw_clients(identical=False, seed=0):
+    """(x, y, train index lists, test index lists): client k's rows are contiguous, its
+    training rows first, so its validation rows are train[k][-VAL[k]:]."""
+    x, y, train, test, _, _ = helpers.make_raw(SIZES, num_classes=K, feature_dim=F, seed=seed)
+    if identical:                 # every client holds client 0's samples
+        train = [train[0]] * len(SIZES)
+        test = [test[0]] * len(SIZES)
+    return x, y, train, test
+
+
+def to_data(x, y, train, test):
+    return FederatedData.from_arrays(x, y, train, test, num_classes=K)
+
+
+def ce(p, x, y):
+    """Mean softmax cross-entropy of {w, b} on rows (x, y), float64."""
+    logits = x @ p["w"] + p["b"]
+    z = logits - logits.max(1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    return float(-logp[np.arange(len(y)), y].mean())
+
+
+def ce_grad(p, x, y):
+    """∇ of the mean cross-entropy: Xᵀ(softmax − onehot)/n and the mean of (softmax − onehot)."""
+    logits = x @ p["w"] + p["b"]
+    e = np.exp(logits - logits.max(1, keepdims=True))
+    g = e / e.sum(1, keepdims=True)
+    g[np.arange(len(y)), y] -= 1.0
+    return {"w": x.T @ g / len(y), "b": g.mean(0)}
+
+
+def vec(p):
+    return np.concatenate([np.ravel(p["w"]), np.ravel(p["b"])])
+
+
+def naive_round(models, x, y, train):
+    """The round for every client (all sampled, all others' models downloaded), one pair at a
+    time in float64: (weights [5, 5], mixed models, trained models, train losses)."""
+    n = len(models)
+    weights = np.zeros((n, n))
+    mixed, trained, losses = [], [], []
+    for i in range(n):
+        val, tr = train[i][-VAL[i]:], train[i][:-VAL[i]]
+        own = ce(models[i], x[val], y[val])
+        raw = {}
+        for j in range(n):
+            if j != i:
+                dist = np.sqrt(np.sum((vec(models[j]) - vec(models[i])) ** 2))
+                raw[j] = (own - ce(models[j], x[val], y[val])) / dist
+        pos = {j: max(0.0, r) for j, r in raw.items()}
+        total = sum(pos.values())
+        for j in pos:
+            weights[i, j] = pos[j] / total if total > 0 else 0.0
+        m = {k: models[i][k] + sum(weights[i, j] * (models[j][k] - models[i][k]) for j in pos)
+             for k in ("w", "b")}
+        g = ce_grad(m, x[tr], y[tr])
+        mixed.append(m)
+        trained.append({k: m[k] - LR * g[k] for k in m})
+        losses.append(ce(m, x[tr], y[tr]))
+    return weights, mixed, trained, losses
+
+
+def one_step_algo(**hp):
+    """All 5 clients sampled, one full-batch step (B ≥ n_i) of lr LR, every other model
+    downloaded (C = 5 > 4 others), no exploration."""
+    kw = dict(participation=1.0, local_steps=1, batch_size=16, lr=LR, candidates=8,
+              val_fraction=0.2, epsilon=0.0, epsilon_decay=0.0) | hp
+    return algorithms.get("fedfomo", model=linear_model(F, K), **kw)
+
+
+def with_models(state, models, **changes):
+    params = {k: jnp.asarray(np.stack([m[k] for m in models])) for k in ("w", "b")}
+    return state._replace(params=params, uploaded=jnp.arange(len(models), dtype=jnp.int32),
+                          has_prev=jnp.ones((), bool), round=jnp.ones((), jnp.int32), **changes)
+
+
+def distinct_models(seed=1):
+    rng = np.random.default_rng(seed)
+    return [{"w": rng.normal(size=(F, K)) * 0.6, "b": rng.normal(size=K) * 0.3}
+            for _ in SIZES]
+
+
+def test_round_matches_the_naive_double_loop(x64):
+    # T1, T2: weights, the personalised update and local training on the first n_i − v_i rows.
+    x, y, train, test = raw_clients()
+    models = distinct_models()
+    # Client 4's validation labels are its own model's (confident) predictions, so no other
+    # model beats it there: it keeps its own model (an all-zero row).
+    models[4] = {k: 4.0 * v for k, v in models[4].items()}
+    val4 = train[4][-VAL[4]:]
+    y = y.copy()
+    y[val4] = np.argmax(x[val4] @ models[4]["w"] + models[4]["b"], axis=1)
+    data = to_data(x, y, train, test)
+    algo = one_step_algo()
+    state = with_models(algo.init(jax.random.key(0), data), models)
+    new, metrics = jax.jit(algo.round_fn)(state, data, jax.random.key(3))
+    weights, _, trained, losses = naive_round(models, x.astype(np.float64), y, train)
+    # The case is not trivial: some row mixes several models, some pair loses, client 4 keeps.
+    assert np.any((weights > 0).sum(1) >= 2) and np.all(weights[4] == 0)
+    np.testing.assert_allclose(new.affinity, weights, rtol=1e-10, atol=1e-12)       # P += W
+    for k in ("w", "b"):
+        np.testing.assert_allclose(new.params[k], np.stack([t[k] for t in trained]),
+                                   rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(metrics["train_loss"], losses, rtol=1e-10)
+    # T2: non-negative, each row sums to 1 where anything is positive, else 0.
+    assert np.all(np.asarray(new.affinity) >= 0)
+    sums = np.asarray(new.affinity).sum(1)
+    np.testing.assert_allclose(sums, [1.0 if s > 0 else 0.0 for s in weights.sum(1)], atol=1e-12)
+    off = ~np.eye(5, dtype=bool)
+    np.testing.assert_allclose(metrics["w_self_mean"], np.mean(1 - weights.sum(1)), atol=1e-12)
+    np.testing.assert_allclose(metrics["w_other_max"], weights[off].max(), rtol=1e-12)
+    np.testing.assert_allclose(metrics["w_other_mean"], weights[off].mean(), rtol=1e-12)
+    np.testing.assert_allclose(metrics["w_positive_fraction"], (weights[off] > 0).mean())
+    np.testing.assert_allclose(metrics["candidates_mean"], 4.0)
+
+
+def test_identical_clients_keep_their_model_and_train_locally(x64):
+    # T3: identical clients with one model: no candidate improves anything (ΔL = 0 = distance),
+    # so every client keeps θ and the round is one full-batch step on its training part.
+    x, y, train, test = raw_clients(identical=True)
+    data = to_data(x, y, train, test)
+    algo = one_step_algo()
+    theta = distinct_models()[0]
+    state = with_models(algo.init(jax.random.key(0), data), [theta] * 5)
+    new, metrics = jax.jit(algo.round_fn)(state, data, jax.random.key(0))
+    tr = train[0][:-VAL[0]]
+    g = ce_grad(theta, x[tr].astype(np.float64), y[tr])
+    for k in ("w", "b"):
+        np.testing.assert_allclose(new.params[k], np.tile(theta[k] - LR * g[k], (5,) + (1,) * theta[k].ndim),
+                                   rtol=1e-10, atol=1e-12)
+    assert float(metrics["w_self_mean"]) == 1.0 and float(metrics["w_other_max"]) == 0.0
+    np.testing.assert_array_equal(new.affinity, 0.0)
+
+
+def test_validation_block_is_never_trained_on(x64):
+    # T4: in round 1 (local training only: nothing uploaded yet) flipping client 1's validation
+    # labels leaves every trained model bit for bit unchanged, while flipping one of its
+    # training labels changes its model. Two epochs of batches of 4 visit all n_i − v_i rows.
+    x, y, train, test = raw_clients()
+    algo = one_step_algo(local_steps=None, local_epochs=2, batch_size=4)
+    step = jax.jit(algo.round_fn)
+
+    def first_round(labels):
+        data = to_data(x, labels, train, test)
+        return step(algo.init(jax.random.key(0), data), data, jax.random.key(1))[0]
+
+    flipped_val, flipped_train = y.copy(), y.copy()
+    val1, tr1 = train[1][-VAL[1]:], train[1][:-VAL[1]]
+    flipped_val[val1] = (y[val1] + 1) % K
+    flipped_train[tr1[0]] = (y[tr1[0]] + 1) % K
+    base_state = first_round(y)
+    tree_equal(first_round(flipped_val).params, base_state.params)
+    changed = first_round(flipped_train).params
+    assert not np.allclose(changed["w"][1], base_state.params["w"][1])
+
+
+def test_unsampled_clients_are_unchanged():
+    # T5: params, optimizer rows and affinity rows of clients not sampled stay bit for bit.
+    data = helpers.make_data([7, 23, 12, 1, 9], num_classes=K, feature_dim=F)
+    algo = algorithms.get("fedfomo", model=linear_model(F, K), participation=0.6, momentum=0.5,
+                          momentum_buffer="persist", batch_size=4, epsilon=0.5)
+    step = jax.jit(algo.round_fn)
+    state = algo.init(jax.random.key(0), data)
+    moved = 0.0
+    for r in range(4):
+        new, m = step(state, data, jax.random.key(r))
+        sampled = set(np.asarray(m["sampled"]).tolist())
+        assert len(sampled) == 3
+        for i in set(range(5)) - sampled:
+            row = lambda t: jax.tree.map(lambda a: a[i], t)
+            tree_equal(row(new.params), row(state.params))
+            tree_equal(row(new.opt_state), row(state.opt_state))
+            tree_equal(row(new.affinity), row(state.affinity))
+        moved += float(np.sum(np.asarray(new.affinity)))
+        state = new
+    assert moved > 0                                        # some weights were positive
+
+
+def test_loop_backend_equals_chunked(ragged_data):
+    # T6: ragged clients (7, 23, 12, 1 samples), exploration on, persistent momentum rows.
+    states = helpers.states_per_backend(
+        "fedfomo", ragged_data, backends=("loop", "chunked"), model=linear_model(),
+        participation=0.75, local_epochs=2, batch_size=4, chunk_size=2, momentum=0.5,
+        momentum_buffer="persist", candidates=2, epsilon=0.5)
+    assert_states_close(states["chunked"], states["loop"])
+
+
+def test_flags_are_validated():
+    with pytest.raises(ValueError, match="--fedfomo-val-fraction must be in"):
+        algorithms.get("fedfomo", model=linear_model(), val_fraction=1.0)
+    with pytest.raises(ValueError, match="--fedfomo-candidates must be >= 1"):
+        algorithms.get("fedfomo", model=linear_model(), candidates=0)
+    with pytest.raises(ValueError, match="--fedfomo-epsilon must be in"):
+        algorithms.get("fedfomo", model=linear_model(), epsilon=1.5)
+    hp = algorithms.get("fedfomo", model=linear_model()).hparams
+    assert (hp["candidates"], hp["val_fraction"], hp["epsilon"], hp["epsilon_decay"]) == (
+        8, 0.2, 0.3, 0.05)
+    assert base.spec("fedfomo").test_hparams is not None and fedfomo.State._fields[0] == "params"
