@@ -24,7 +24,7 @@ def no_compute(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--algo", "nope"], "--algo must be one of ['apfl', 'ditto', 'fedavg', "),
+    (["--algo", "nope"], "--algo must be one of ['apfl', 'ditto', "),
     (["--alpha", "0"], "--alpha must be > 0, got 0.0"),
     (["--alpha", "0", "--partition", "iid"], "--alpha must be > 0, got 0.0"),
     (["--alpha", "-1"], "--alpha must be > 0"),
