@@ -17,7 +17,10 @@ P = S_{t−1} the clients whose models were uploaded last round (F2):
   θ_i ← E epochs of the engine's local SGD from there on i's first n_i − v_i samples (F7)
   unsampled clients keep θ_i (and their optimizer rows)
 
-Round 1 has no uploads yet: local training only. Evaluated: each client's θ_i ("client").
+Round 1 has no uploads yet: local training only. --fedfomo-baseline start compares with and
+moves from s_i, the model i's last local training started from, with the trained θ_i one more
+candidate, kept when no weight is positive (the reference codes' reading, F5).
+Evaluated: each client's θ_i ("client").
 Communication per sampled client: C models down, θ_i up (F8).
 """
 
@@ -46,7 +49,8 @@ class State(NamedTuple):
     uploaded: jax.Array   # S_{t−1} sorted: whose models the server holds as uploads     [M] int32
     has_prev: jax.Array   # False in round 1 (nothing uploaded yet); shape=(), bool
     round: jax.Array      # rounds completed; shape=(), int32
-    CLIENT_FIELDS = ("params", "opt_state", "affinity")  # per-client rows [N, ...]
+    start: Params = None  # --fedfomo-baseline start: s_i, where i's last training began [N, ...]
+    CLIENT_FIELDS = ("params", "opt_state", "affinity", "start")  # per-client rows [N, ...]
 
 
 def validation_data(data, idx: jax.Array, counts: jax.Array, val_fraction: float):
@@ -90,8 +94,9 @@ def weight_statistics(w: jax.Array, slot_valid: jax.Array, dist: jax.Array
 
 
 def fedfomo(model: Model, config: base.EngineConfig, *, candidates: int, val_fraction: float,
-            epsilon: float, epsilon_decay: float) -> base.Algorithm:
+            epsilon: float, epsilon_decay: float, baseline: str = "current") -> base.Algorithm:
     """FedFomo; see the module docstring."""
+    base.require_choices(**{"--fedfomo-baseline": (baseline, ("current", "start"))})
     engine = base.Engine(model, config)
 
     def init(key: jax.Array, data) -> State:
@@ -99,7 +104,8 @@ def fedfomo(model: Model, config: base.EngineConfig, *, candidates: int, val_fra
         n, m = data.num_clients, engine.num_sampled(data)
         return State(core.broadcast(params, n), engine.init_client_opt_states(params, n),
                      jnp.zeros((n, n)), jnp.arange(m, dtype=jnp.int32),
-                     jnp.zeros((), bool), jnp.zeros((), jnp.int32))
+                     jnp.zeros((), bool), jnp.zeros((), jnp.int32),
+                     core.broadcast(params, n) if baseline == "start" else None)
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
         sample_key, select_key, train_key = jax.random.split(key, 3)
@@ -114,25 +120,38 @@ def fedfomo(model: Model, config: base.EngineConfig, *, candidates: int, val_fra
         eps = jnp.maximum(epsilon - epsilon_decay * (state.round - 1), 0.0)
         slots, slot_valid = fomo.select_candidates(base.client_keys(select_key, idx), affinity,
                                                    allowed, num, eps)
-        # F4: L_i of the own model (column 0) and of each candidate, on i's validation block.
+        if baseline == "current":          # F5: θ_i is the baseline, the C downloads the candidates
+            ref, cands, cand_slots, cand_valid = own, pool, slots, slot_valid
+        else:                              # F5 'start': the start model s_i is the baseline, the
+            ref = core.gather(state.start, idx)       # trained θ_i one more candidate (slot 0)
+            cands = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), own, pool)
+            cand_slots = jnp.concatenate([jnp.arange(m, dtype=jnp.int32)[:, None], m + slots], 1)
+            cand_valid = jnp.concatenate([jnp.broadcast_to(state.has_prev, (m, 1)), slot_valid], 1)
+        width = cand_slots.shape[1]
+        # F4: L_i of the baseline (column 0) and of each candidate, on i's validation block.
         v = fomo.validation_counts(data.clients.train_count[idx], val_fraction)
-        evaluated = jnp.concatenate([jnp.any(slot_valid, axis=1, keepdims=True), slot_valid], 1)
-        pairs = jax.tree.map(lambda a, b: jnp.concatenate([a[:, None], b[slots]], axis=1)
-                             .reshape(m * (num + 1), *a.shape[1:]), own, pool)
+        evaluated = jnp.concatenate([jnp.any(cand_valid, axis=1, keepdims=True), cand_valid], 1)
+        pairs = jax.tree.map(lambda a, b: jnp.concatenate([a[:, None], b[cand_slots]], axis=1)
+                             .reshape(m * (width + 1), *a.shape[1:]), ref, cands)
         val = validation_data(data, idx, jnp.where(evaluated, v[:, None], 0), val_fraction)
-        loss = engine.evaluator.personal(val, pairs).loss.reshape(m, num + 1)
-        dist = fomo.candidate_distances(own, pool, slots)                            # ‖θ_j − θ_i‖
-        w = fomo.fomo_weights(loss[:, 0], loss[:, 1:], dist, slot_valid)            # F5
-        start = fomo.fomo_update(w, slots, own, pool)                                # F6
+        loss = engine.evaluator.personal(val, pairs).loss.reshape(m, width + 1)
+        dist = fomo.candidate_distances(ref, cands, cand_slots)                      # ‖θ_j − θ_i‖
+        w = fomo.fomo_weights(loss[:, 0], loss[:, 1:], dist, cand_valid)            # F5
+        if baseline == "start":            # nothing improves on s_i: keep the trained θ_i (PGFed)
+            w = w.at[:, 0].set(jnp.where(jnp.sum(w, axis=1) > 0, w[:, 0], 1.0))
+        start = fomo.fomo_update(w, cand_slots, ref, cands)                          # F6
+        w_pool = w[:, width - num:]                    # the downloaded models' weights
         opt = engine.opt_states_for(state.opt_state, idx, base.first_row(own))
         result = engine.train(training_data(data, val_fraction), idx, start, opt, train_key)  # F7
         block = (idx[:, None], state.uploaded[slots])
-        new_affinity = state.affinity.at[block].add(w.astype(state.affinity.dtype))  # P += W
+        new_affinity = state.affinity.at[block].add(w_pool.astype(state.affinity.dtype))  # P += W
         new_state = State(core.scatter(state.params, idx, result.params),
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
-                          new_affinity, jnp.sort(idx), jnp.ones((), bool), state.round + 1)
+                          new_affinity, jnp.sort(idx), jnp.ones((), bool), state.round + 1,
+                          None if state.start is None else core.scatter(state.start, idx, start))
         metrics = base.train_metrics(result, idx)
-        metrics.update(weight_statistics(w, slot_valid, dist))
+        metrics.update(weight_statistics(w_pool, slot_valid, dist[:, width - num:]))
+        metrics["w_self_mean"] = jnp.mean(1.0 - jnp.sum(w_pool, axis=1))
         metrics["epsilon"] = jnp.where(state.has_prev, eps, 0.0)
         d = ops.tree_size(base.first_row(own))
         metrics.update(base.communication(up_clients=m, up_floats_per_client=d,
@@ -172,6 +191,12 @@ base.register(base.AlgorithmSpec(
                     "ε decreases by this much per round after the first: ε_t = max(0, ε − "
                     "δ·(t − 2)) in round t ≥ 2 (the authors' code: 0.05)",
                     check=base.NON_NEGATIVE),
+        base.HParam("baseline", str, "current",
+                    "what the candidates are compared with and moved from: 'current', the "
+                    "client's latest model θ_i (the paper's equation); 'start', the model its "
+                    "last local training started from, with its trained θ_i one more candidate "
+                    "and kept when nothing improves (the PGFed and authors' codes)",
+                    choices=("current", "start")),
     ),
     test_hparams={"momentum": 0.5, "momentum_buffer": "persist"},
 ))

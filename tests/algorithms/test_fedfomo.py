@@ -56,31 +56,39 @@ def vec(p):
     return np.concatenate([np.ravel(p["w"]), np.ravel(p["b"])])
 
 
-def naive_round(models, x, y, train):
+def naive_round(models, x, y, train, starts=None):
     """The round for every client (all sampled, all others' models downloaded), one pair at a
-    time in float64: (weights [5, 5], mixed models, trained models, train losses)."""
+    time in float64: (weights [5, 5] on the other clients, updated models, trained models, train
+    losses).
+    `starts` given (--fedfomo-baseline start): client i compares with and moves from starts[i],
+    its own trained models[i] is one more candidate, and it keeps models[i] if nothing helps."""
     n = len(models)
     weights = np.zeros((n, n))
-    mixed, trained, losses = [], [], []
+    starts_new, trained, losses = [], [], []
     for i in range(n):
         val, tr = train[i][-VAL[i]:], train[i][:-VAL[i]]
-        own = ce(models[i], x[val], y[val])
-        raw = {}
-        for j in range(n):
-            if j != i:
-                dist = np.sqrt(np.sum((vec(models[j]) - vec(models[i])) ** 2))
-                raw[j] = (own - ce(models[j], x[val], y[val])) / dist
-        pos = {j: max(0.0, r) for j, r in raw.items()}
+        ref = models[i] if starts is None else starts[i]
+        base_loss = ce(ref, x[val], y[val])
+        cands = [j for j in range(n) if j != i] + ([] if starts is None else [i])
+        pos = {}
+        for j in cands:
+            dist = np.sqrt(np.sum((vec(models[j]) - vec(ref)) ** 2))
+            pos[j] = max(0.0, (base_loss - ce(models[j], x[val], y[val])) / dist)
         total = sum(pos.values())
-        for j in pos:
-            weights[i, j] = pos[j] / total if total > 0 else 0.0
-        m = {k: models[i][k] + sum(weights[i, j] * (models[j][k] - models[i][k]) for j in pos)
-             for k in ("w", "b")}
-        g = ce_grad(m, x[tr], y[tr])
-        mixed.append(m)
-        trained.append({k: m[k] - LR * g[k] for k in m})
-        losses.append(ce(m, x[tr], y[tr]))
-    return weights, mixed, trained, losses
+        w = {j: (pos[j] / total if total > 0 else 0.0) for j in cands}
+        if total == 0 and starts is not None:
+            mixed = {k: models[i][k].copy() for k in ("w", "b")}
+        else:
+            mixed = {k: ref[k] + sum(w[j] * (models[j][k] - ref[k]) for j in cands)
+                     for k in ("w", "b")}
+        for j in cands:
+            if j != i:
+                weights[i, j] = w[j]
+        g = ce_grad(mixed, x[tr], y[tr])
+        starts_new.append(mixed)
+        trained.append({k: mixed[k] - LR * g[k] for k in mixed})
+        losses.append(ce(mixed, x[tr], y[tr]))
+    return weights, starts_new, trained, losses
 
 
 def one_step_algo(**hp):
@@ -103,36 +111,56 @@ def distinct_models(seed=1):
             for _ in SIZES]
 
 
-def test_round_matches_the_naive_double_loop(x64):
+@pytest.mark.parametrize("baseline", ["current", "start"])
+def test_round_matches_the_naive_double_loop(x64, baseline):
     # T1, T2: weights, the personalised update and local training on the first n_i − v_i rows.
     x, y, train, test = raw_clients()
     models = distinct_models()
-    # Client 4's validation labels are its own model's (confident) predictions, so no other
-    # model beats it there: it keeps its own model (an all-zero row).
-    models[4] = {k: 4.0 * v for k, v in models[4].items()}
+    starts = distinct_models(seed=2) if baseline == "start" else None
+    # Client 4's validation labels are the (confident) predictions of a model that no candidate
+    # beats there: its own model (current), or its start model (start), with its own trained
+    # model worse: it keeps its model (an all-zero row), θ_4 in both readings.
+    best = {k: 4.0 * v for k, v in models[4].items()}
+    if starts is None:
+        models[4] = best
+    else:
+        starts[4] = best
     val4 = train[4][-VAL[4]:]
     y = y.copy()
-    y[val4] = np.argmax(x[val4] @ models[4]["w"] + models[4]["b"], axis=1)
+    y[val4] = np.argmax(x[val4] @ best["w"] + best["b"], axis=1)
     data = to_data(x, y, train, test)
-    algo = one_step_algo()
-    state = with_models(algo.init(jax.random.key(0), data), models)
+    algo = one_step_algo(baseline=baseline)
+    state = algo.init(jax.random.key(0), data)
+    if starts is not None:
+        state = state._replace(start={k: jnp.asarray(np.stack([m[k] for m in starts]))
+                                      for k in ("w", "b")})
+    state = with_models(state, models)
     new, metrics = jax.jit(algo.round_fn)(state, data, jax.random.key(3))
-    weights, _, trained, losses = naive_round(models, x.astype(np.float64), y, train)
+    weights, mixed, trained, losses = naive_round(models, x.astype(np.float64), y, train, starts)
     # The case is not trivial: some row mixes several models, some pair loses, client 4 keeps.
     assert np.any((weights > 0).sum(1) >= 2) and np.all(weights[4] == 0)
+    if starts is not None:        # and some client's own trained model shares its new model
+        assert np.any((weights.sum(1) > 0.01) & (weights.sum(1) < 0.99))
     np.testing.assert_allclose(new.affinity, weights, rtol=1e-10, atol=1e-12)       # P += W
     for k in ("w", "b"):
         np.testing.assert_allclose(new.params[k], np.stack([t[k] for t in trained]),
                                    rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(metrics["train_loss"], losses, rtol=1e-10)
+    if starts is not None:        # where each client's training began: the next round's baseline
+        for k in ("w", "b"):
+            np.testing.assert_allclose(new.start[k], np.stack([t[k] for t in mixed]), rtol=1e-10,
+                                       atol=1e-12)
     # T2: non-negative, each row sums to 1 where anything is positive, else 0.
     assert np.all(np.asarray(new.affinity) >= 0)
     sums = np.asarray(new.affinity).sum(1)
-    np.testing.assert_allclose(sums, [1.0 if s > 0 else 0.0 for s in weights.sum(1)], atol=1e-12)
+    if starts is None:
+        np.testing.assert_allclose(sums, [1.0 if s > 0 else 0.0 for s in weights.sum(1)],
+                                   atol=1e-12)
+    assert np.all(sums <= 1 + 1e-12)
     off = ~np.eye(5, dtype=bool)
     np.testing.assert_allclose(metrics["w_self_mean"], np.mean(1 - weights.sum(1)), atol=1e-12)
     np.testing.assert_allclose(metrics["w_other_max"], weights[off].max(), rtol=1e-12)
-    np.testing.assert_allclose(metrics["w_other_mean"], weights[off].mean(), rtol=1e-12)
+    np.testing.assert_allclose(metrics["w_other_mean"], weights[off].sum() / 20, rtol=1e-12)
     np.testing.assert_allclose(metrics["w_positive_fraction"], (weights[off] > 0).mean())
     np.testing.assert_allclose(metrics["candidates_mean"], 4.0)
 
@@ -178,10 +206,11 @@ def test_validation_block_is_never_trained_on(x64):
 
 
 def test_unsampled_clients_are_unchanged():
-    # T5: params, optimizer rows and affinity rows of clients not sampled stay bit for bit.
+    # T5: params, optimizer rows, affinity rows and start models of clients not sampled stay bit
+    # for bit.
     data = helpers.make_data([7, 23, 12, 1, 9], num_classes=K, feature_dim=F)
     algo = algorithms.get("fedfomo", model=linear_model(F, K), participation=0.6, momentum=0.5,
-                          momentum_buffer="persist", batch_size=4, epsilon=0.5)
+                          momentum_buffer="persist", batch_size=4, epsilon=0.5, baseline="start")
     step = jax.jit(algo.round_fn)
     state = algo.init(jax.random.key(0), data)
     moved = 0.0
@@ -194,17 +223,19 @@ def test_unsampled_clients_are_unchanged():
             tree_equal(row(new.params), row(state.params))
             tree_equal(row(new.opt_state), row(state.opt_state))
             tree_equal(row(new.affinity), row(state.affinity))
+            tree_equal(row(new.start), row(state.start))
         moved += float(np.sum(np.asarray(new.affinity)))
         state = new
     assert moved > 0                                        # some weights were positive
 
 
 def test_loop_backend_equals_chunked(ragged_data):
-    # T6: ragged clients (7, 23, 12, 1 samples), exploration on, persistent momentum rows.
+    # T6: ragged clients (7, 23, 12, 1 samples), exploration on, persistent momentum rows, the
+    # 'start' baseline (the default's path is a part of it; the cross-cutting tests run it).
     states = helpers.states_per_backend(
         "fedfomo", ragged_data, backends=("loop", "chunked"), model=linear_model(),
         participation=0.75, local_epochs=2, batch_size=4, chunk_size=2, momentum=0.5,
-        momentum_buffer="persist", candidates=2, epsilon=0.5)
+        momentum_buffer="persist", candidates=2, epsilon=0.5, baseline="start")
     assert_states_close(states["chunked"], states["loop"])
 
 
@@ -215,7 +246,9 @@ def test_flags_are_validated():
         algorithms.get("fedfomo", model=linear_model(), candidates=0)
     with pytest.raises(ValueError, match="--fedfomo-epsilon must be in"):
         algorithms.get("fedfomo", model=linear_model(), epsilon=1.5)
+    with pytest.raises(ValueError, match="--fedfomo-baseline must be one of"):
+        algorithms.get("fedfomo", model=linear_model(), baseline="first")
     hp = algorithms.get("fedfomo", model=linear_model()).hparams
-    assert (hp["candidates"], hp["val_fraction"], hp["epsilon"], hp["epsilon_decay"]) == (
-        8, 0.2, 0.3, 0.05)
+    assert (hp["candidates"], hp["val_fraction"], hp["epsilon"], hp["epsilon_decay"],
+            hp["baseline"]) == (8, 0.2, 0.3, 0.05, "current")
     assert base.spec("fedfomo").test_hparams is not None and fedfomo.State._fields[0] == "params"
