@@ -45,7 +45,9 @@ def make_raw(sizes, *, num_classes=3, feature_dim=5, test_sizes=None, seed=0, im
 
 
 def linear_model(feature_dim=5, num_classes=3) -> Model:
-    """Softmax regression with parameters {'w': [F, C], 'b': [C]}."""
+    """Softmax regression with parameters {'w': [F, C], 'b': [C]}. Its representation
+    (`features`, MOON's z) is x·w, the input of the bias b, the head in the algorithms'
+    test_hparams ('^b$'), so that a contrastive loss on it has a gradient."""
 
     def init(key):
         kw, kb = jax.random.split(key)
@@ -55,7 +57,8 @@ def linear_model(feature_dim=5, num_classes=3) -> Model:
     def apply(params, x):
         return x.reshape(x.shape[0], -1) @ params["w"] + params["b"]
 
-    return Model(init=init, apply=apply, name="linear")
+    return Model(init=init, apply=apply, name="linear",
+                 features=lambda params, x: x.reshape(x.shape[0], -1) @ params["w"])
 
 
 def tree_allclose(a, b, **kw):

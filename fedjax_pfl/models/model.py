@@ -10,6 +10,7 @@ functions works, so a notebook user can bring their own model:
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
@@ -41,6 +42,10 @@ class Model(NamedTuple):
     metric: (outputs, labels) -> (hits [B], count [B]): each example's correct units and the units
             scored (accuracy = Σ hits / Σ count: token accuracy, recall@k); None: argmax == label,
             one each.
+    features: (params, x [B, ...]) -> z: the representation, the input of the head (the last
+            Dense layer, `core.split.head_pattern`), e.g. [B, 100] for the MLP, [B, T, H] for a
+            per-token model; `from_flax` and the sequence models fill it (`head_input`); None: a
+            hand-written model without one (MOON needs it).
     """
 
     init: Callable[[jax.Array], Params]
@@ -49,6 +54,52 @@ class Model(NamedTuple):
     name: str = "model"
     weight: Callable[[jax.Array], jax.Array] | None = None
     metric: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
+    features: Callable[[Params, jax.Array], jax.Array] | None = None
+
+
+def head_input(module: nn.Module, params_template: Params
+               ) -> Callable[[Params, jax.Array], jax.Array]:
+    """features(params, x) = z, the input of `module`'s head: the first positional argument of the
+    first call of the submodule that `core.split.head_pattern(params_template)` selects (the last
+    Dense layer), recorded with `flax.linen.intercept_methods` while the module runs on x. Generic:
+    no per-model code. The head's own computation is dead code that XLA removes under jit;
+    `features.with_outputs(params, x)` gives (apply(params, x), z) from one forward pass.
+
+    A model whose head is the whole module (logistic regression; head_pattern's `^[^/]*$` for
+    top-level parameters) gets its input x. Raises ValueError at trace time if the head is never
+    called (e.g. its parameters are used through another method than `__call__`).
+    """
+    from fedjax_pfl.core import split as split_lib   # lazily: fedjax_pfl.core imports this module
+
+    pattern = re.compile(split_lib.head_pattern(params_template))
+
+    def is_head(module_path: tuple[str, ...]) -> bool:
+        # "Dense_1/" for the submodule Dense_1 (the pattern is "^Dense_1/"); "" for the root.
+        return pattern.search("/".join(module_path) + "/" if module_path else "") is not None
+
+    def outputs_and_features(params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        captured = []
+
+        def record(next_fun, args, kwargs, context):
+            if (not captured and context.method_name == "__call__" and args
+                    and is_head(tuple(context.module.path))):
+                captured.append(args[0])
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(record):
+            outputs = module.apply({"params": params}, x)
+        if not captured:
+            raise ValueError(f"{type(module).__name__}: its head (parameters matching "
+                             f"{pattern.pattern!r}) was never called, so it has no representation")
+        return outputs, captured[0]
+
+    def features(params: Params, x: jax.Array) -> jax.Array:
+        return outputs_and_features(params, x)[1]
+
+    # (apply(params, x), features(params, x)) from ONE forward pass, for a loss on both (MOON):
+    # XLA does not merge two traced copies of the body, so calling both costs the body twice.
+    features.with_outputs = outputs_and_features
+    return features
 
 
 def from_flax(
@@ -78,7 +129,8 @@ def from_flax(
     def apply(params: Params, x: jax.Array) -> jax.Array:
         return module.apply({"params": params}, x)
 
-    return Model(init=init, apply=apply, loss=loss, name=name or type(module).__name__)
+    return Model(init=init, apply=apply, loss=loss, name=name or type(module).__name__,
+                 features=head_input(module, variables["params"]))
 
 
 MODELS: tuple[str, ...] = ("mlp", "logreg", "cnn", "vgg8", "resnet9", "resnet18", "cp_mlp", "cp_vgg8",

@@ -27,7 +27,7 @@ Sizes (tests/models/test_sequence.py checks each count):
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
@@ -36,9 +36,10 @@ import jax.numpy as jnp
 from fedjax_pfl.data.natural import PAD, Task
 from fedjax_pfl.models import nets
 from fedjax_pfl.models.layers import Dense, matmul_small_batch_grad
+from fedjax_pfl.models.model import head_input
 
 __all__ = ["lstm_cell", "LSTMCell", "LSTM", "CharLSTM", "WordLSTM", "CausalTransformer",
-           "TagLogReg", "SentLSTM", "SEQUENCE_MODELS", "from_flax_tokens", "get"]
+           "TagLogReg", "SentLSTM", "SEQUENCE_MODELS", "FlaxFunctions", "from_flax_tokens", "get"]
 
 Params = Any
 
@@ -394,11 +395,20 @@ class SentLSTM(nn.Module):
         return Dense(self.num_classes)(h)
 
 
+class FlaxFunctions(NamedTuple):
+    """A flax module as the pure functions of `models.Model` (keyword arguments of it)."""
+
+    init: Callable[[jax.Array], Params]
+    apply: Callable[[Params, jax.Array], jax.Array]
+    features: Callable[[Params, jax.Array], jax.Array]   # the head's input (`model.head_input`)
+
+
 def from_flax_tokens(
     module: nn.Module, input_shape: Sequence[int], dtype: Any = jnp.int32
-) -> tuple[Callable[[jax.Array], Params], Callable[[Params, jax.Array], jax.Array]]:
-    """(init, apply) of a stateless flax module whose inputs are `dtype` (int32 token ids):
-    init traces the module on zeros [1, *input_shape] of that dtype (all PAD)."""
+) -> FlaxFunctions:
+    """(init, apply, features) of a stateless flax module whose inputs are `dtype` (int32 token
+    ids): init traces the module on zeros [1, *input_shape] of that dtype (all PAD); features is
+    the input of the head (`model.head_input`: [B, T, H] for a per-token model)."""
     input_shape = tuple(int(s) for s in input_shape)
     dummy = jnp.zeros((1, *input_shape), dtype)
     variables = jax.eval_shape(module.init, jax.random.key(0), dummy)
@@ -413,7 +423,7 @@ def from_flax_tokens(
     def apply(params: Params, x: jax.Array) -> jax.Array:
         return module.apply({"params": params}, x)
 
-    return init, apply
+    return FlaxFunctions(init, apply, head_input(module, variables["params"]))
 
 
 SEQUENCE_MODELS: tuple[str, ...] = ("char_lstm", "word_lstm", "transformer", "tag_logreg",
@@ -432,7 +442,7 @@ _OPTIONS = {
 
 def get(name: str, task: Task, input_shape: Sequence[int], **options) -> dict:
     """The model `name` for a natural `Task`, as keyword arguments of `models.Model`:
-    dict(init=, apply=, loss=, weight=, metric=, name=), loss/weight/metric from
+    dict(init=, apply=, features=, loss=, weight=, metric=, name=), loss/weight/metric from
     `tasks.for_task(task)`.
 
     input_shape: one example's input without the batch axis ((L,) for tokens, (H, W, C) images).
@@ -478,5 +488,5 @@ def get(name: str, task: Task, input_shape: Sequence[int], **options) -> dict:
         else:
             module = SentLSTM(v, c, **options)
         dtype = jnp.int32
-    init, apply = from_flax_tokens(module, input_shape, dtype)
-    return dict(init=init, apply=apply, name=name, **tasks.for_task(task))
+    init, apply, features = from_flax_tokens(module, input_shape, dtype)
+    return dict(init=init, apply=apply, features=features, name=name, **tasks.for_task(task))

@@ -53,8 +53,9 @@ class Bigram(nn.Module):
 
 def _model(task):
     if task.kind == "sequence":
-        init, apply = sequence.from_flax_tokens(Bigram(), (T,))
-        return models.Model(init=init, apply=apply, name="bigram", **tasks.for_task(task))
+        init, apply, features = sequence.from_flax_tokens(Bigram(), (T,))
+        return models.Model(init=init, apply=apply, features=features, name="bigram",
+                            **tasks.for_task(task))
     return models.get("tag_logreg", (T,), TAGS, task=task)
 
 

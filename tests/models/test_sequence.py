@@ -318,7 +318,7 @@ def test_get_runs_and_gives_the_tasks_output_shape(name):
     out = jax.jit(pieces["apply"])(params, x)
     assert out.shape == ((2, shape[0], task.num_classes) if task.kind == "sequence"
                          else (2, task.num_classes))
-    assert set(pieces) == {"init", "apply", "name", "loss", "weight", "metric"}
+    assert set(pieces) == {"init", "apply", "features", "name", "loss", "weight", "metric"}
 
 
 def test_get_last_position_for_a_classify_task_on_tokens():
