@@ -198,6 +198,7 @@ def test_round_starts_from_the_aggregate_and_leaves_unsampled_clients_alone():
     np.testing.assert_allclose(new.global_params["b"], theta_g["b"], rtol=1e-5)
 
 
+@pytest.mark.slow      # the loop backend runs rounds eagerly (a consistency check)
 def test_loop_backend_equals_chunked(ragged_data):
     # T5: the vectorised round (chunked lanes of unequal ALA and training lengths) equals the
     # loop backend, over rounds with first participations, start phases and single passes.

@@ -154,6 +154,7 @@ def test_identical_clients_mix_uniformly_and_train_as_prox_sgd(x64):
         np.testing.assert_allclose(state.params["x"], np.tile(w, (5, 1)), rtol=1e-12)
 
 
+@pytest.mark.slow      # the loop backend runs rounds eagerly (a consistency check)
 def test_loop_backend_equals_chunked(ragged_data):
     # T7: ragged clients (7, 23, 12, 1 samples), persistent momentum rows, chunks of 2.
     states = helpers.states_per_backend(

@@ -229,6 +229,7 @@ def test_unsampled_clients_are_unchanged():
     assert moved > 0                                        # some weights were positive
 
 
+@pytest.mark.slow      # the loop backend runs rounds eagerly (a consistency check)
 def test_loop_backend_equals_chunked(ragged_data):
     # T6: ragged clients (7, 23, 12, 1 samples), exploration on, persistent momentum rows, the
     # 'start' baseline (the default's path is a part of it; the cross-cutting tests run it).

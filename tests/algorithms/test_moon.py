@@ -225,6 +225,7 @@ def test_first_round_previous_models_are_the_initial_model():
     np.testing.assert_allclose(float(metrics["contrastive_loss"]), np.log(2.0), rtol=1e-6)
 
 
+@pytest.mark.slow      # the loop backend runs rounds eagerly (a consistency check)
 def test_chunked_backend_equals_loop():
     data, *_ = round_data()
     states = states_per_backend("moon", data, rounds=2, backends=("loop", "chunked"), model=MLP,

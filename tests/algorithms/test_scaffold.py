@@ -185,6 +185,7 @@ def _rounds(backend, data):
     return state, algo.evaluate(state, data)
 
 
+@pytest.mark.slow      # the loop backend runs rounds eagerly (a consistency check)
 def test_chunked_backend_equals_loop_backend(ragged_data):
     # A consistency check of the vectorised path (ragged clients of 7, 23, 12 and 1 samples, so
     # K_i differs, persistent momentum rows); the values are pinned by the tests above.
