@@ -29,8 +29,9 @@ SCRIPT = textwrap.dedent('''
 
 
     def canonical(state):
-        """PGFed keeps last round's uploads in the round's row order: sort them by client id."""
-        if not hasattr(state, "prev_idx"):
+        """PGFed keeps last round's uploads in the round's row order: sort them by client id.
+        (Recognised by all three of its fields, not by `prev_idx` alone.)"""
+        if not all(hasattr(state, f) for f in ("prev_idx", "prev_grads", "prev_b")):
             return state
         order = np.argsort(np.asarray(state.prev_idx))
         take = lambda t: jax.tree.map(lambda a: np.asarray(a)[order], t)
