@@ -29,7 +29,7 @@ __all__ = ["NATURAL_DATASETS", "FORMATS", "READERS", "UsageError", "detect_forma
 NATURAL_DATASETS: dict[str, tuple[str, ...]] = {
     "femnist": ("leaf",),
     "emnist62": ("tff", "fedjax"),
-    "emnist10": ("tff",),
+    "emnist10": ("tff", "fedjax"),
     "shakespeare": ("leaf", "tff", "fedjax"),
     "stackoverflow_nwp": ("tff", "fedjax"),
     "stackoverflow_tp": ("tff", "fedjax"),
