@@ -35,11 +35,12 @@ import jax.numpy as jnp
 
 from fedjax_pfl.data.natural import PAD, Task
 from fedjax_pfl.models import nets
-from fedjax_pfl.models.layers import Dense, matmul_small_batch_grad
+from fedjax_pfl.models.layers import Dense
 from fedjax_pfl.models.model import head_input
 
-__all__ = ["lstm_cell", "LSTMCell", "LSTM", "CharLSTM", "WordLSTM", "CausalTransformer",
-           "TagLogReg", "SentLSTM", "SEQUENCE_MODELS", "FlaxFunctions", "from_flax_tokens", "get"]
+__all__ = ["lstm_cell", "lstm_recurrence", "LSTMCell", "LSTM", "CharLSTM", "WordLSTM",
+           "CausalTransformer", "TagLogReg", "SentLSTM", "SEQUENCE_MODELS", "FlaxFunctions",
+           "from_flax_tokens", "get"]
 
 Params = Any
 
@@ -115,12 +116,115 @@ class LSTMCell(nn.Module):
         return carry, carry[1]
 
 
+def _lstm_scan(x_proj, kernel_rec, mask, keep: bool):
+    """The LSTM recurrence as one `lax.scan` over time (x_proj [T, B, 4H], mask [T, B] or None).
+
+    keep=False: h_t [T, B, H]. keep=True: also, per step, everything the derivative needs
+    (h_{t-1}, c_{t-1}, σ(i), σ(f), tanh(g), σ(o), tanh(c'_t)), each [T, B, ·].
+    """
+    zeros = jnp.zeros((x_proj.shape[1], kernel_rec.shape[0]), x_proj.dtype)
+
+    def step(carry, inputs):
+        c, h = carry
+        xp, m = inputs
+        i, f, g, o = jnp.split(xp + h @ kernel_rec, 4, axis=-1)
+        si, sf, tg, so = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+        c_new = sf * c + si * tg
+        tc = jnp.tanh(c_new)
+        h_new = so * tc
+        if m is None:
+            c_t, h_t = c_new, h_new
+        else:
+            # A masked step carries the state unchanged (see `LSTM`).
+            c_t, h_t = jnp.where(m[:, None], c_new, c), jnp.where(m[:, None], h_new, h)
+        return (c_t, h_t), ((h_t, h, c, si, sf, tg, so, tc) if keep else h_t)
+
+    return jax.lax.scan(step, (zeros, zeros), (x_proj, mask))[1]
+
+
+@jax.custom_jvp
+def lstm_recurrence(x_proj: jax.Array, kernel_rec: jax.Array,
+                    mask: jax.Array | None = None) -> jax.Array:
+    """h_t [T, B, H] of the LSTM (`lstm_cell`) from the input projections x_proj [T, B, 4H]
+    (z_t = x_proj_t + h_{t-1} U), zero initial state; at mask_t = False ([T, B] bool, optional)
+    the state is carried unchanged.
+
+    Its derivative is written by hand (`jax.custom_jvp`) so that reverse mode computes the
+    recurrent kernel's gradient as ONE matmul over all T·B rows instead of T small ones inside the
+    backward scan. Tangent (forward mode), with a_t = ẋ_t + h_{t-1} U̇ the part of ż_t that does
+    not depend on the earlier tangents, computed for all steps at once OUTSIDE the scan as one
+    [T·B, H] × [H, 4H] matmul:
+
+        ż_t = a_t + ḣ_{t-1} U
+        ċ_t = σ(f)(1−σ(f)) c_{t-1} ż_f + tanh(g) σ(i)(1−σ(i)) ż_i + σ(i)(1−tanh²(g)) ż_g
+              + σ(f) ċ_{t-1}
+        ḣ_t = tanh(c_t) σ(o)(1−σ(o)) ż_o + σ(o)(1−tanh²(c_t)) ċ_t
+
+    (masked steps: ċ_t = ċ_{t-1}, ḣ_t = ḣ_{t-1}); the gate values come from the primal scan, so
+    the tangent scan carries only (ċ, ḣ) and does one [B, H] × [H, 4H] matmul per step. This is
+    plain differentiable JAX, linear in the tangents, so:
+      * reverse mode is JAX's transpose of it: the transposed tangent scan carries the cotangents
+        of (c, h) only, and the transpose of a_t's matmul gives ∂L/∂U = Σ_t h_{t-1}ᵀ ∂L/∂z_t as
+        ONE [H, T·B] × [T·B, 4H] matmul after the scan. Autodiff through the scan instead adds
+        h_{t-1}ᵀ ∂L/∂z_t into a [H, 4H] carry at every step (reading and writing 1 MiB per step
+        for H = 256) - the slowest matmul of the client step (benchmarks/RESULTS.md §17);
+      * forward mode (jax.jvp) and forward-over-reverse (jax.jvp of jax.grad: Per-FedAvg HF's
+        Hessian-vector products) differentiate the rule itself, exactly;
+    which a `jax.custom_vjp` (the earlier prototype in benchmarks/lstm_torch.py) would not allow.
+    Values equal autodiff through the scan up to float rounding (tests/models/test_sequence.py
+    checks loss, gradient, jvp and jvp-of-grad against a NumPy float64 LSTM).
+    """
+    return _lstm_scan(x_proj, kernel_rec, mask, keep=False)
+
+
+def _lstm_recurrence_jvp(primals, tangents):
+    x_proj, kernel_rec, mask = primals
+    dx, du, _ = tangents                                  # the mask's tangent (float0) is unused
+    hs, h_prev, c_prev, si, sf, tg, so, tc = _lstm_scan(x_proj, kernel_rec, mask, keep=True)
+    t, b, hdim = hs.shape
+    # a_t = ẋ_t + h_{t-1} U̇. A symbolically zero tangent (symbolic_zeros=True: an argument that
+    # is not differentiated, e.g. the kernel when only the input is) costs nothing. JAX calls the
+    # rule only when x_proj or kernel_rec carries a tangent (the mask never does), so at most
+    # one of the two is zero.
+    zero = jax.custom_derivatives.SymbolicZero
+    if isinstance(du, zero):
+        a = dx
+    else:
+        rec = (h_prev.reshape(t * b, hdim) @ du).reshape(t, b, 4 * hdim)   # all steps, one matmul
+        a = rec if isinstance(dx, zero) else dx + rec
+    # Per-step coefficients of ż (in the [i | f | g | o] layout) and of ċ_t in ḣ_t, elementwise
+    # over all steps at once, so the tangent scan's body is one matmul and a few fused multiplies.
+    coef = jnp.concatenate([tg * si * (1 - si), c_prev * sf * (1 - sf), si * (1 - tg * tg),
+                            tc * so * (1 - so)], axis=-1)
+    c_in_h = so * (1 - tc * tc)
+    zeros = jnp.zeros((b, hdim), hs.dtype)
+
+    def step(carry, inputs):
+        dc, dh = carry
+        a_t, coef_t, sf_t, c_in_h_t, m = inputs
+        qi, qf, qg, qo = jnp.split(coef_t * (a_t + dh @ kernel_rec), 4, axis=-1)
+        dc_new = qi + qf + qg + sf_t * dc
+        dh_new = qo + c_in_h_t * dc_new
+        if m is not None:
+            dc_new, dh_new = jnp.where(m[:, None], dc_new, dc), jnp.where(m[:, None], dh_new, dh)
+        return (dc_new, dh_new), dh_new
+
+    _, dhs = jax.lax.scan(step, (zeros, zeros), (a, coef, sf, c_in_h, mask))
+    return hs, dhs
+
+
+lstm_recurrence.defjvp(_lstm_recurrence_jvp, symbolic_zeros=True)
+
+
 class LSTM(nn.Module):
     """An LSTM layer over a sequence: x [B, T, D] -> h [B, T, H], zero initial state.
 
     The input projection W x_t + b of all T steps is one matmul outside the recurrence; only
     h U is inside `jax.lax.scan` over time, so the scan body is one [B, H] × [H, 4H] matmul and the
-    layer has no Python loop (it vmaps over clients). Parameters and cell: `lstm_cell`, `LSTMCell`.
+    layer has no Python loop (it vmaps over clients). Parameters and cell: `lstm_cell`, `LSTMCell`;
+    the recurrence and its hand-written derivative (the recurrent kernel's gradient as one matmul
+    after the backward scan; forward mode supported): `lstm_recurrence`. The input projection is
+    a plain matmul, so the whole layer supports jax.jvp as well as jax.grad.
 
     mask [B, T] (optional, True on real tokens): at a masked step the state (c, h) is carried
     unchanged and the output is the carried h, so padding anywhere leaves every real position's
@@ -134,27 +238,10 @@ class LSTM(nn.Module):
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         kernel_in, kernel_rec, bias = _lstm_params(self, self.features, x.shape[-1],
                                                    self.forget_bias)
-        b = x.shape[0]
-        x_proj = matmul_small_batch_grad(x, kernel_in) + bias          # [B, T, 4H]
-        x_proj = jnp.swapaxes(x_proj, 0, 1)                            # [T, B, 4H]
-        zeros = jnp.zeros((b, self.features), x_proj.dtype)
-
-        if mask is None:
-            def step(carry, xp):
-                carry = lstm_cell(carry, xp, kernel_rec)
-                return carry, carry[1]
-
-            _, hs = jax.lax.scan(step, (zeros, zeros), x_proj)
-        else:
-            def step(carry, inputs):
-                xp, m = inputs
-                c_new, h_new = lstm_cell(carry, xp, kernel_rec)
-                m = m[:, None]
-                carry = (jnp.where(m, c_new, carry[0]), jnp.where(m, h_new, carry[1]))
-                return carry, carry[1]
-
-            _, hs = jax.lax.scan(step, (zeros, zeros), (x_proj, jnp.swapaxes(mask, 0, 1)))
-        return jnp.swapaxes(hs, 0, 1)                                  # [B, T, H]
+        x_proj = jnp.swapaxes(x @ kernel_in + bias, 0, 1)             # [T, B, 4H]
+        if mask is not None:
+            mask = jnp.swapaxes(mask.astype(bool), 0, 1)               # [T, B]
+        return jnp.swapaxes(lstm_recurrence(x_proj, kernel_rec, mask), 0, 1)   # [B, T, H]
 
 
 def _embed(vocab_size: int, features: int, stddev: float = 1.0) -> nn.Embed:

@@ -98,6 +98,178 @@ def test_lstm_layer_gradient_equals_central_differences(x64):
                                        rtol=1e-6, atol=1e-8)
 
 
+def _lstm_problem(seed, masked, d=2, h=3, b=2, t=5):
+    """Random float64 LSTM parameters, inputs x [B, T, D], output weights w [B, T, H], a mask
+    (a leading, an inner and a trailing masked step when `masked`) and the objective
+    f(params, x) = Σ w ⊙ tanh(LSTM(x)) evaluated by the NumPy reference (tanh so that the
+    second derivative has terms from outside the layer too)."""
+    rng = np.random.default_rng(seed)
+    p = _random_lstm_params(rng, d, h)
+    x = rng.normal(size=(b, t, d))
+    w = rng.normal(size=(b, t, h))
+    mask = None
+    if masked:
+        mask = np.ones((b, t), bool)
+        mask[0, 0] = mask[0, 2] = mask[1, t - 1] = mask[1, t - 2] = False
+    np_f = lambda q, z: float(np.sum(w * np.tanh(_np_lstm(q, z, mask))))
+
+    def jax_f(q, z):
+        out = sequence.LSTM(h).apply({"params": q}, z, None if mask is None else jnp.asarray(mask))
+        return jnp.sum(w * jnp.tanh(out))
+
+    return rng, p, x, np_f, jax_f
+
+
+def _direction(rng, p, x):
+    return ({k: rng.normal(size=v.shape) for k, v in p.items()}, rng.normal(size=x.shape))
+
+
+def _moved(p, x, dirs, steps):
+    """(p, x) + Σ s·(dp, dx) over (s, (dp, dx)) in zip(steps, dirs)."""
+    q = {k: v + sum(s * d[0][k] for s, d in zip(steps, dirs)) for k, v in p.items()}
+    return q, x + sum(s * d[1] for s, d in zip(steps, dirs))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_lstm_layer_gradient_of_every_parameter_equals_central_differences(x64, masked):
+    """Reverse mode (the transpose of `lstm_recurrence`'s hand-written tangent, the recurrent
+    kernel's gradient as one matmul after the scan) against central differences of the NumPy
+    float64 LSTM, for every entry of every parameter and of the input, padding included."""
+    _, p, x, np_f, jax_f = _lstm_problem(10, masked)
+    gp, gx = jax.grad(jax_f, (0, 1))(jax.tree.map(jnp.asarray, p), jnp.asarray(x))
+    eps = 1e-6
+    for name in ("kernel_in", "kernel_rec", "bias"):
+        want = np.zeros_like(p[name])
+        for idx in np.ndindex(p[name].shape):
+            up = {k: v.copy() for k, v in p.items()}
+            dn = {k: v.copy() for k, v in p.items()}
+            up[name][idx] += eps
+            dn[name][idx] -= eps
+            want[idx] = (np_f(up, x) - np_f(dn, x)) / (2 * eps)
+        np.testing.assert_allclose(gp[name], want, rtol=1e-6, atol=1e-8, err_msg=name)
+    want_x = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        up, dn = x.copy(), x.copy()
+        up[idx] += eps
+        dn[idx] -= eps
+        want_x[idx] = (np_f(p, up) - np_f(p, dn)) / (2 * eps)
+    np.testing.assert_allclose(gx, want_x, rtol=1e-6, atol=1e-8)
+    if masked:      # a masked input step has no influence at all
+        assert not np.any(np.asarray(gx)[0, 0]) and not np.any(np.asarray(gx)[1, -1])
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_lstm_layer_forward_mode_jvp_equals_directional_difference(x64, masked):
+    """jax.jvp through the layer (the custom_jvp rule itself) along a random direction of every
+    parameter and the input against the NumPy float64 central difference along it."""
+    rng, p, x, np_f, jax_f = _lstm_problem(11, masked)
+    for _ in range(2):
+        d = _direction(rng, p, x)
+        _, got = jax.jvp(jax_f, (jax.tree.map(jnp.asarray, p), jnp.asarray(x)),
+                         (jax.tree.map(jnp.asarray, d[0]), jnp.asarray(d[1])))
+        eps = 1e-6
+        want = (np_f(*_moved(p, x, [d], [eps])) - np_f(*_moved(p, x, [d], [-eps]))) / (2 * eps)
+        np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_lstm_layer_hessian_vector_product_equals_second_differences(x64, masked):
+    """jax.jvp of jax.grad (Per-FedAvg HF's Hessian-vector product, algorithms/perfedavg.py):
+    for random directions u, v of (params, x), uᵀ ∇²f v against the NumPy float64 mixed second
+    difference [f(+u+v) − f(+u−v) − f(−u+v) + f(−u−v)] / (4ε²)."""
+    rng, p, x, np_f, jax_f = _lstm_problem(12, masked)
+    v = _direction(rng, p, x)
+    _, (hv_p, hv_x) = jax.jvp(jax.grad(jax_f, (0, 1)),
+                              (jax.tree.map(jnp.asarray, p), jnp.asarray(x)),
+                              (jax.tree.map(jnp.asarray, v[0]), jnp.asarray(v[1])))
+    eps = 1e-4
+    for _ in range(3):
+        u = _direction(rng, p, x)
+        got = sum(float(np.sum(u[0][k] * hv_p[k])) for k in p) + float(np.sum(u[1] * hv_x))
+        want = sum(s * t * np_f(*_moved(p, x, [u, v], [s * eps, t * eps]))
+                   for s in (1, -1) for t in (1, -1)) / (4 * eps * eps)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # ... and only through the recurrent kernel, the path the hand-written derivative changes.
+    only_u = {k: np.zeros_like(a) for k, a in p.items()}
+    only_u["kernel_rec"] = v[0]["kernel_rec"]
+    _, (hv_p, _) = jax.jvp(jax.grad(jax_f, (0, 1)),
+                           (jax.tree.map(jnp.asarray, p), jnp.asarray(x)),
+                           (jax.tree.map(jnp.asarray, only_u), jnp.zeros_like(x)))
+    u = {k: np.zeros_like(a) for k, a in p.items()}
+    u["kernel_rec"] = rng.normal(size=p["kernel_rec"].shape)
+    zero_x = np.zeros_like(x)
+    got = float(np.sum(u["kernel_rec"] * hv_p["kernel_rec"]))
+    want = sum(s * t * np_f(*_moved(p, x, [(u, zero_x), (only_u, zero_x)], [s * eps, t * eps]))
+               for s in (1, -1) for t in (1, -1)) / (4 * eps * eps)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_char_lstm_loss_gradient_and_hessian_vector_product_equal_numpy_float64(x64):
+    """The CharLSTM's masked next-character loss (tasks.sequence_cross_entropy, mean over real
+    tokens, trailing PAD) through both LSTM layers: loss, the recurrent kernels' gradients and
+    a Hessian-vector product against a NumPy float64 model written here (embedding → two
+    `_np_lstm` layers → dense → cross-entropy) and its central / mixed second differences."""
+    v = 6
+    m = sequence.CharLSTM(v, v, embed=3, hidden=4)
+    x = np.array([[1, 2, 3, 5, 4, 0], [4, 4, 1, 2, 0, 0]])
+    y = np.array([[2, 3, 5, 4, 1, 0], [4, 1, 2, 3, 0, 0]])
+    p = jax.jit(m.init)(jax.random.key(5), jnp.asarray(x))["params"]
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+
+    def np_loss(q):
+        h = q["Embed_0"]["embedding"][x]
+        for layer in ("LSTM_0", "LSTM_1"):
+            h = _np_lstm(q[layer], h, x != 0)
+        z = h @ q["Dense_0"]["kernel"] + q["Dense_0"]["bias"]
+        z = z - z.max(-1, keepdims=True)
+        nll = np.log(np.exp(z).sum(-1)) - np.take_along_axis(z, y[..., None], -1)[..., 0]
+        return float(np.sum(nll * (y != 0)) / np.sum(y != 0))
+
+    def jax_loss(q):
+        out = m.apply({"params": q}, jnp.asarray(x))
+        return (tasks.sequence_cross_entropy(out, jnp.asarray(y)).sum()
+                / tasks.token_weight(jnp.asarray(y)).sum())
+
+    jp = jax.tree.map(jnp.asarray, p)
+    np.testing.assert_allclose(jax_loss(jp), np_loss(p), rtol=1e-12)
+    grad = jax.grad(jax_loss)(jp)
+    rng = np.random.default_rng(6)
+    vec = jax.tree.map(lambda a: rng.normal(size=a.shape), p)
+    _, hv = jax.jvp(jax.grad(jax_loss), (jp,), (jax.tree.map(jnp.asarray, vec),))
+    shift = lambda q, d, s: jax.tree.map(lambda a, b: a + s * b, q, d)
+    eps = 1e-6
+    for layer in ("LSTM_0", "LSTM_1"):
+        for idx in [(0, 0), (3, 15), (1, 6)]:
+            one = jax.tree.map(np.zeros_like, p)
+            one[layer]["kernel_rec"][idx] = 1.0
+            want = (np_loss(shift(p, one, eps)) - np_loss(shift(p, one, -eps))) / (2 * eps)
+            np.testing.assert_allclose(grad[layer]["kernel_rec"][idx], want, rtol=1e-6,
+                                       atol=1e-9)
+    eps = 1e-4
+    u = jax.tree.map(lambda a: rng.normal(size=a.shape), p)
+    got = sum(float(np.sum(a * b)) for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(hv)))
+    want = sum(s * t * np_loss(shift(shift(p, u, s * eps), vec, t * eps))
+               for s in (1, -1) for t in (1, -1)) / (4 * eps * eps)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_lstm_layer_gradient_with_respect_to_the_input_only(x64):
+    """The hand-written derivative when the recurrent kernel's tangent is symbolically zero (the
+    parameters are constants, only the input is differentiated) against NumPy central
+    differences."""
+    _, p, x, np_f, jax_f = _lstm_problem(13, True)
+    jp = jax.tree.map(jnp.asarray, p)
+    gx = jax.grad(lambda z: jax_f(jp, z))(jnp.asarray(x))
+    eps = 1e-6
+    want = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        up, dn = x.copy(), x.copy()
+        up[idx] += eps
+        dn[idx] -= eps
+        want[idx] = (np_f(p, up) - np_f(p, dn)) / (2 * eps)
+    np.testing.assert_allclose(gx, want, rtol=1e-6, atol=1e-8)
+
+
 def test_lstm_layer_vmapped_over_clients_equals_each_clients_numpy_lstm(x64):
     rng = np.random.default_rng(3)
     ps = [_random_lstm_params(rng, 2, 3) for _ in range(3)]
