@@ -1,0 +1,274 @@
+"""fedjax_pfl beside pfl-research and Flower on the same federated job, step for step (issue 36).
+
+    python benchmarks/peers/harness.py --smoke                      # do the three still run?
+    python benchmarks/peers/harness.py --jobs cifar10 --rounds 5 --repeats 3
+    python benchmarks/peers/harness.py --jobs pgfed --rounds 3 --repeats 2 --variants quiet contended
+
+What it does (README.md beside this file has the details):
+1. Makes one virtual environment per peer under --venv-dir (default benchmarks/peers/.venvs):
+   `pfl` gets torch + pfl, `flower` gets torch + flwr[simulation]. torch is the CPU build: the
+   wheel --torch-wheel (or $PEERS_TORCH_WHEEL) names, else PyTorch's CPU index, else PyPI's
+   default torch (on Linux that one carries CUDA libraries); the run says which it used.
+   fedjax_pfl runs in the interpreter running this script (the repository's environment).
+2. Writes each job once (`prepare.py`): data, client split, per-round client lists and the
+   initial weights, in one .npz every runner reads.
+3. Runs every side in a fresh process, sides interleaved and their order rotated each repeat,
+   each repeat once on the quiet machine and once beside a fixed neighbour (--burners processes
+   spinning on a core each), with OMP_WAIT_POLICY=PASSIVE and the peers' telemetry off; for
+   fedjax_pfl the contended variant also runs with one XLA device (--contended-devices).
+4. Refuses the comparison (exit 3) if any side's local steps per round differ from the others'.
+5. Prints medians with ranges: start-up (process start to round 1), round 1, steady seconds
+   per round (median of rounds 2..R), accuracy after R rounds, and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import common  # noqa: E402
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+PEERS = {"pfl": ["pfl"], "flower": ["flwr[simulation]"]}
+RUNNERS = {"fedjax_pfl": "run_fedjax.py", "pfl-research": "run_pfl.py", "flower": "run_flower.py"}
+VENV_OF = {"pfl-research": "pfl", "flower": "flower"}
+
+
+def log(msg: str) -> None:
+    print(f"[harness {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def pip(python: str, *args: str) -> bool:
+    cmd = [python, "-m", "pip", "install", "-q", *args]
+    log(" ".join(cmd[2:]))
+    return subprocess.run(cmd).returncode == 0
+
+
+def ensure_venv(name: str, venv_dir: str, torch_wheel: str | None) -> str:
+    """The venv's python, creating and installing it first if needed; says where torch came from."""
+    root = os.path.join(venv_dir, name)
+    python = os.path.join(root, "bin", "python")
+    marker = os.path.join(root, "peers-install.json")
+    if os.path.exists(marker):
+        info = json.load(open(marker))
+        log(f"venv {name}: {root} (torch from {info['torch_from']})")
+        return python
+    subprocess.run([sys.executable, "-m", "venv", root], check=True)
+    if torch_wheel:
+        ok, source = pip(python, torch_wheel), f"the wheel {torch_wheel}"
+    else:
+        ok, source = pip(python, "torch", "--index-url", CPU_INDEX), f"PyTorch's CPU index {CPU_INDEX}"
+        if not ok:
+            log("the CPU index failed; falling back to PyPI's torch (on Linux: the CUDA build)")
+            ok, source = pip(python, "torch"), "PyPI's default torch"
+    if not ok or not pip(python, *PEERS[name]):
+        raise SystemExit(f"harness: could not install {name}'s environment in {root}")
+    versions = subprocess.run([python, "-m", "pip", "freeze"], capture_output=True, text=True).stdout
+    torch_line = next((l for l in versions.splitlines() if l.lower().startswith("torch")), "?")
+    source = f"{source}: {torch_line}"       # what is installed (pip keeps a torch already there)
+    json.dump({"torch_from": source, "freeze": versions.splitlines()}, open(marker, "w"), indent=1)
+    log(f"venv {name}: installed; torch from {source}")
+    return python
+
+
+def prepare(job: str, rounds: int, seed: int, smoke: bool, work: str) -> str:
+    path = os.path.join(work, f"{'smoke_' if smoke else ''}{job}_r{rounds}_s{seed}.npz")
+    if not os.path.exists(path):
+        cmd = [sys.executable, os.path.join(HERE, "prepare.py"), job, "--rounds", str(rounds),
+               "--seed", str(seed), "--out", path] + (["--smoke"] if smoke else [])
+        subprocess.run(cmd, check=True)
+    return path
+
+
+def side_list(args, variant: str) -> list[tuple[str, str, dict]]:
+    """(label, framework, options) of every side run in `variant`."""
+    sides = [("fedjax_pfl fedavg", "fedjax_pfl", {"algo": "fedavg"})]
+    if "pgfedmo" in args.algos:
+        sides.append(("fedjax_pfl pgfedmo", "fedjax_pfl", {"algo": "pgfedmo"}))
+    if variant == "contended":
+        for d in args.contended_devices:
+            sides.append((f"fedjax_pfl fedavg, {d} XLA device{'s' * (d > 1)}", "fedjax_pfl",
+                          {"algo": "fedavg", "devices": d}))
+    sides += [("pfl-research fedavg", "pfl-research", {}), ("flower fedavg", "flower", {})]
+    return [s for s in sides if s[1] in args.frameworks]
+
+
+def run_side(framework: str, opts: dict, job_path: str, rounds: int, pythons: dict, args) -> dict:
+    cmd = [pythons[framework], os.path.join(HERE, RUNNERS[framework]), job_path, "--rounds", str(rounds)]
+    if framework == "fedjax_pfl":
+        cmd += ["--algo", opts["algo"]]
+        if opts.get("devices"):
+            cmd += ["--devices", str(opts["devices"])]
+    elif framework == "pfl-research":
+        cmd += ["--threads", str(args.threads)]
+    else:
+        cmd += ["--client-cpus", str(args.flower_client_cpus)]
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", FLWR_TELEMETRY_ENABLED="0",
+               RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", PEERS_LAUNCH_T=repr(time.time()))
+    env.pop("XLA_FLAGS", None)                 # the engine's device count comes from --devices
+    env.pop("FEDJAX_PFL_CPU_DEVICES", None)
+    load = common.loadavg()
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.time() - t0
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(common.RESULT_TAG)]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise SystemExit(f"harness: {framework} failed (exit {proc.returncode}):\n{tail}")
+    result = json.loads(lines[-1][len(common.RESULT_TAG):])
+    result.update(wall_s=wall, load_before=load)
+    return result
+
+
+def steady(result: dict) -> float:
+    rounds = result["round_s"][1:] or result["round_s"]
+    return statistics.median(rounds)
+
+
+def spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    med = statistics.median(values)
+    if len(values) == 1:
+        return fmt.format(med)
+    return f"{fmt.format(med)} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+
+def check_steps(results: list[dict]) -> None:
+    """Every side of a job must take the same local steps in every round."""
+    by_job: dict = {}
+    for r in results:
+        by_job.setdefault(r["job"], []).append(r)
+    for job, rs in by_job.items():
+        ref = rs[0]["steps"]
+        for r in rs:
+            expected = r.get("expected_steps")
+            if r["steps"] != ref or (expected is not None and expected != r["steps"]):
+                raise SystemExit(
+                    f"harness: REFUSED — on {job}, {r['label']} took {r['steps']} local steps per "
+                    f"round, {rs[0]['label']} {ref}: the sides did not do the same work")
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| job | variant | side | start-up s | round 1 s | steady s/round | vs fedjax_pfl fedavg | "
+            "accuracy | steps/round | load (1-min) |", "|" + "---|" * 10]
+    keys = []
+    for r in results:
+        k = (r["job"], r["variant"], r["label"])
+        if k not in keys:
+            keys.append(k)
+    for job, variant, label in keys:
+        rs = [r for r in results if (r["job"], r["variant"], r["label"]) == (job, variant, label)]
+        base = [r for r in results if (r["job"], r["variant"], r["label"]) == (job, variant, "fedjax_pfl fedavg")]
+        ratio = "–"
+        if base and label != "fedjax_pfl fedavg":
+            ratio = f"{statistics.median(steady(r) for r in rs) / statistics.median(steady(b) for b in base):.2f}×"
+        loads = [r["load_before"][0] for r in rs] + [r["load_end"][0] for r in rs]
+        rows.append(
+            f"| {job} | {variant} | {label} | {spread([r['startup_s'] for r in rs], '{:.1f}')} | "
+            f"{spread([r['round_s'][0] for r in rs])} | {spread([steady(r) for r in rs])} | {ratio} | "
+            f"{spread([100 * r['accuracy'] for r in rs])} % | {rs[0]['steps'][-1]} | "
+            f"{min(loads):.2f}–{max(loads):.2f} |")
+    return "\n".join(rows)
+
+
+def machine() -> str:
+    model = platform.processor() or "?"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", nargs="+", default=["pgfed", "cifar10"], choices=("pgfed", "cifar10"))
+    parser.add_argument("--frameworks", nargs="+", default=list(RUNNERS), choices=list(RUNNERS))
+    parser.add_argument("--algos", nargs="+", default=["fedavg", "pgfedmo"],
+                        help="fedjax_pfl's algorithms (the peers run FedAvg)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per run (default 5; pfl's benchmark: 1,500)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
+    parser.add_argument("--variants", nargs="+", default=["quiet", "contended"], choices=("quiet", "contended"))
+    parser.add_argument("--burners", type=int, default=1, help="CPU-burning neighbours in 'contended' (default 1)")
+    parser.add_argument("--contended-devices", type=int, nargs="*", default=[1],
+                        help="extra fedjax_pfl FedAvg runs with this many XLA devices when contended (default 1)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="pfl-research's torch threads (default: cores)")
+    parser.add_argument("--flower-client-cpus", type=float, default=2.0, help="Ray num_cpus per Flower client (default 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="one round on tiny data, quiet only: do all three still run?")
+    parser.add_argument("--venv-dir", default=os.path.join(HERE, ".venvs"))
+    parser.add_argument("--work-dir", default=os.path.join(HERE, "work"))
+    parser.add_argument("--torch-wheel", default=os.environ.get("PEERS_TORCH_WHEEL"),
+                        help="a torch wheel for the peers' venvs (default $PEERS_TORCH_WHEEL, else the CPU index)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run (default 3600)")
+    parser.add_argument("--json", help="append every run's raw result here (default WORK/results.jsonl)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.repeats, args.variants = 1, 1, ["quiet"]
+    os.makedirs(args.work_dir, exist_ok=True)
+    out_json = args.json or os.path.join(args.work_dir, "results.jsonl")
+
+    pythons = {"fedjax_pfl": sys.executable}
+    for fw in args.frameworks:
+        if fw in VENV_OF:
+            pythons[fw] = ensure_venv(VENV_OF[fw], args.venv_dir, args.torch_wheel)
+    jobs = {j: prepare(j, args.rounds, args.seed, args.smoke, args.work_dir) for j in args.jobs}
+    for j, path in jobs.items():
+        log(f"job {j}: {path}; data {common.Job(path).meta['data_source']}")
+    log(f"machine: {machine()}; load {common.loadavg()}")
+
+    results = []
+    for rep in range(args.repeats):
+        for variant in args.variants:
+            burners = []
+            if variant == "contended":
+                burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                           for _ in range(args.burners)]
+                time.sleep(2)
+            try:
+                for job, path in jobs.items():
+                    sides = side_list(args, variant)
+                    k = rep % len(sides)
+                    for label, fw, opts in sides[k:] + sides[:k]:       # rotated each repeat
+                        r = run_side(fw, opts, path, args.rounds, pythons, args)
+                        r.update(label=label, variant=variant, repeat=rep, smoke=args.smoke)
+                        results.append(r)
+                        with open(out_json, "a") as f:
+                            f.write(json.dumps(r) + "\n")
+                        log(f"{job} {variant} rep {rep + 1}: {label}: start-up {r['startup_s']:.1f} s, "
+                            f"rounds {[round(t, 2) for t in r['round_s']]}, steps {r['steps']}, "
+                            f"accuracy {100 * r['accuracy']:.2f} %, load {r['load_before'][0]}")
+            finally:
+                for b in burners:
+                    b.send_signal(signal.SIGTERM)
+                    b.wait()
+    check_steps(results)
+    print(f"\nmachine: {machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; rounds "
+          f"{args.rounds}, repeats {args.repeats}; burners {args.burners} (contended)")
+    for j, path in jobs.items():
+        print(f"{j}: data {common.Job(path).meta['data_source']}")
+    settings = {}
+    for r in results:
+        settings.setdefault(r["label"], r["settings"])
+    for label, s in settings.items():
+        print(f"{label}: {json.dumps(s)}")
+    print()
+    print(table(results))
+    print(f"\nlocal steps per round equal on every side ({'smoke: ' if args.smoke else ''}checked); raw results in {out_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
