@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="storage of per-client float state (bfloat16 halves its memory; "
                         "arithmetic stays float32)")
+    g.add_argument("--data-placement", default="auto", choices=("device", "host", "auto"),
+                   help="where the clients' samples wait between rounds: 'device' (on every "
+                        "device), 'host' (in host memory; each round's participants moved to the "
+                        "devices, the next round's in the background: the same results bit for "
+                        "bit), 'auto' (device when the data and client state fit in 80%% of the "
+                        "memory, else host)")
     g.add_argument("--no-memory-check", action="store_true",
                    help="run even when the memory plan printed at start says it will not fit")
     g.add_argument("--coordinator", default=None,
@@ -332,7 +338,8 @@ def config_from_args(args: argparse.Namespace):
                      model_cr=args.model_cr, model_conv=args.conv, partition=partition,
                      rounds=args.rounds, seed=args.seed, eval_every=args.eval_every,
                      eval_clients=args.eval_clients, rounds_per_call=args.rounds_per_call,
-                     state_dtype=args.state_dtype, memory_check=not args.no_memory_check, out=out,
+                     state_dtype=args.state_dtype, data_placement=args.data_placement,
+                     memory_check=not args.no_memory_check, out=out,
                      hparams=hparams, data_options=data_options, progress=not args.quiet,
                      checkpoint_every=args.checkpoint_every, resume=args.resume is not None,
                      target_acc=args.target_acc, log=log,

@@ -87,7 +87,8 @@ class VectorProgram:
         self.seeds = jnp.asarray([runs[i].seed for i in order], jnp.uint32)
         self.hp = {k: jnp.asarray([dict(runs[i].traced)[k] for i in order], jnp.float32)
                    for k in traced_names}
-        self.data = core.replicate(data, self.mesh)
+        # (a dataset loaded for host placement arrives as NumPy: on device once, not every call)
+        self.data = core.replicate(data, self.mesh) if self.mesh is not None else jax.device_put(data)
         self._round = self._per_device(self._round_all)
         self._init = self._per_device(self._init_all)
         self._evaluate = self._per_device(self._evaluate_all)

@@ -25,6 +25,7 @@ the small configuration the cross-cutting tests run it with (`test_hparams`).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -69,6 +70,42 @@ class Algorithm(NamedTuple):
     evaluate: Callable[[Any, FederatedData], dict[str, ClientEval]]
     hparams: Mapping[str, Any]
     evaluate_parts: EvaluateParts | None = None
+
+    def participants(self, state: Any, data: FederatedData, key: jax.Array) -> jax.Array:
+        """The ids of the clients whose samples `round_fn(state, data, key)` reads (jit-able):
+        the clients of the round's first `Engine.sample` or `Engine.train`, whichever comes first
+        (the sampled clients; every client for pFedMe and TDPFed, which train all of them before
+        sampling the uploads). Computed by running `round_fn` only up to that call, so it is the
+        round's own sampling code, not a copy of it. Host data placement (`core.Program`) moves
+        these clients' samples to the devices before the round."""
+        return round_participants(self.round_fn, state, data, key)
+
+
+class _Participants(Exception):
+    """Raised by `Engine.sample` / `Engine.train` while `round_participants` probes a round."""
+
+    def __init__(self, idx: jax.Array):
+        super().__init__("round participants")
+        self.idx = idx
+
+
+_PROBING = contextvars.ContextVar("fedjax_pfl_probing_participants", default=False)
+
+
+def round_participants(round_fn: Callable, state: Any, data: FederatedData,
+                       key: jax.Array) -> jax.Array:
+    """`Algorithm.participants`: runs `round_fn` until its first `Engine.sample` or
+    `Engine.train` and returns that call's client ids (the rest of the round is never traced)."""
+    token = _PROBING.set(True)
+    try:
+        round_fn(state, data, key)
+    except _Participants as found:
+        return found.idx
+    finally:
+        _PROBING.reset(token)
+    raise ValueError("this algorithm's round_fn neither samples (Engine.sample) nor trains "
+                     "(Engine.train) clients: the clients whose data it reads are unknown, so its "
+                     "data cannot be streamed from the host (use --data-placement device)")
 
 
 def split_evaluate(rows: Callable[..., dict[str, ClientEval]],
@@ -351,6 +388,8 @@ class Engine:
         if devices > 1:
             steps = self.trainer.num_steps(core.gather(data.clients.train_count, idx))
             idx = idx[core.balanced_order(steps, devices)]
+        if _PROBING.get():
+            raise _Participants(idx)
         return idx
 
     def init_client_opt_states(self, params: Params, num_clients: int) -> Any:
@@ -382,6 +421,8 @@ class Engine:
     ) -> LocalResult:
         """Local training of the clients `idx`, starting from `params` ([M, ...]; or one model
         for all of them with `shared_start`)."""
+        if _PROBING.get():
+            raise _Participants(idx)
         keys = client_keys(key, idx)
         return self.trainer(data, params, opt_state, core.gather(data.clients, idx), keys,
                             extra=extra, hook_state=hook_state, shared_start=shared_start, ids=idx)

@@ -6,7 +6,9 @@
     of a field the algorithm's state declares per-client (`CLIENT_FIELDS`, `core.placement`) is
     split across devices, the rest (global models, scalars) is replicated. So memory per device is about N × (state per client) / devices + the working set.
     N is padded to a multiple of the device count with empty clients (`FederatedData.pad_clients`).
-    The dataset is replicated (every device can train any client).
+    With device placement the dataset is replicated (every device can train any client); with
+    host placement (`core.streaming`) it stays in host memory and each round's participants'
+    samples are moved to the devices, the next round's in the background.
   * the algorithm's `round_fn` is jitted with the state donated and its shardings kept; with
     `rounds_per_call` = K, K rounds run in one `lax.scan` (sampling and metrics on device), which
     removes the per-round dispatch that dominates small models.
@@ -31,10 +33,10 @@ from fedjax_pfl.core.clients import num_sampled_clients
 from fedjax_pfl.core.execution import ClientError
 from fedjax_pfl.core.placement import (cast_client_leaves, client_mask, client_shardings, to_host,
                                        client_state_bytes, replicate)
+from fedjax_pfl.core.streaming import DATA_PLACEMENTS, Stream
 
 Params = Any
 STATE_DTYPES = ("float32", "bfloat16")
-DATA_PLACEMENTS = ("device",)
 
 
 class MemoryPlanError(ValueError):
@@ -51,11 +53,13 @@ class MemoryPlan:
     state_per_client: int          # bytes of one client's state rows (storage dtype)
     client_state_per_device: int   # N / devices × state_per_client
     replicated_state: int          # global models, server state, … (on every device)
-    data: int                      # the dataset (replicated on every device)
+    data: int                      # the dataset on each device (replicated), or the streamed buffers
     working_set: int               # XLA temporaries of one compiled round (per device)
     eval_working_set: int          # XLA temporaries of one evaluation (per device)
     available: int                 # bytes the run may use (this host's devices together on CPU)
     local_devices: int = 0         # devices of this process (0: all of `devices`)
+    data_placement: str = "device"
+    data_whole: int = 0            # the whole dataset's bytes (on each device, or on the host)
 
     @property
     def per_device(self) -> int:
@@ -96,6 +100,13 @@ class MemoryPlan:
             f"+ replicated state {mb(self.replicated_state)} + data {mb(self.data)} + working set "
             f"{mb(max(self.working_set, self.eval_working_set))}",
         ]
+        if self.data_placement == "host":
+            lines.append(f"  data on the host ({mb(self.data_whole)}); on each device only the "
+                         f"streamed buffers ({mb(self.data)}: this round's and the next round's "
+                         "participants, or one evaluation group)")
+        elif self.data_whole:
+            lines.append(f"  data on every device ({mb(self.data_whole)}); --data-placement host "
+                         "would keep it on the host and move each round's participants")
         if self.available > 0:
             limit = self.max_clients()
             lines.append(f"  needs {mb(self.total)} of {mb(self.available)} available"
@@ -139,9 +150,12 @@ class Program:
       jit: False for the loop backend (its per-client calls are jitted one by one).
       state_dtype: "float32" or "bfloat16" storage of per-client float state.
       rounds_per_call: K rounds per compiled call (lax.scan).
-      data_placement: where the clients' samples wait between rounds. "device" (the only one
-        so far): padded to a multiple of the device count and replicated on every device
-        (`prepare_data`), so any device can train any client.
+      data_placement: where the clients' samples wait between rounds. "device": replicated on
+        every device (`prepare_data`), so any device can train any client. "host": in host
+        memory (`data.x` / `data.y` may be NumPy or memory-mapped arrays), each round's
+        participants' samples moved to the devices, the next call's gathered and transferred
+        in the background (`core.streaming`); bit for bit the rounds of "device". "auto": device
+        when the dataset and the client state fit in 80 % of the available memory, else host.
     """
 
     def __init__(self, algo, data, *, mesh: Mesh | None, jit: bool = True,
@@ -154,10 +168,23 @@ class Program:
         if not jit and rounds_per_call > 1:
             raise ValueError("--rounds-per-call needs a vectorised --backend (not loop)")
         if data_placement not in DATA_PLACEMENTS:
-            raise ValueError(f"data placement must be one of {list(DATA_PLACEMENTS)}, "
+            raise ValueError(f"--data-placement must be one of {list(DATA_PLACEMENTS)}, "
                              f"got {data_placement!r}")
+        if data_placement == "host" and not jit:
+            raise ValueError("--data-placement host needs a vectorised --backend (not loop)")
+        self.data_whole_bytes = _nbytes((data.x, data.y))
+        if data_placement == "auto":
+            data_placement = "host" if jit and not self._device_data_fits(algo, data, mesh) else "device"
         self.data_placement = data_placement
-        data = prepare_data(data, mesh)          # idempotent: callers may have placed it already
+        self.stream: Stream | None = None
+        if data_placement == "host":
+            data = data.pad_clients(mesh.size) if mesh is not None else data
+            data = dataclasses.replace(data, x=_on_host(data.x), y=_on_host(data.y),
+                                       clients=replicate(data.clients, mesh))
+        else:
+            data = prepare_data(data, mesh)      # idempotent: callers may have placed it already
+            if mesh is None and isinstance(data.x, np.ndarray):
+                data = jax.device_put(data)
         self.algo, self.data, self.mesh, self.jit = algo, data, mesh, jit
         self.rounds_per_call = int(rounds_per_call)
         self.storage = jnp.bfloat16 if state_dtype == "bfloat16" else None
@@ -177,6 +204,42 @@ class Program:
         self.shardings = None
         self._compiled: dict = {}
         self._update_shardings()
+        if data_placement == "host":
+            m = num_sampled_clients(data.num_real_clients, algo.hparams.get("participation", 1.0))
+            self.stream = Stream(data, self._jitted_probe(), mesh,
+                                 eval_group=1 << (m - 1).bit_length())
+
+    @staticmethod
+    def _device_data_fits(algo, data, mesh) -> bool:
+        """"auto" placement: the dataset on every device of this host plus the client state
+        within 80 % of the available memory (before anything is compiled)."""
+        devices = 1 if mesh is None else mesh.size
+        platform = jax.local_devices()[0].platform
+        available = available_memory(platform)
+        if available <= 0:
+            return True
+        sharing = min(devices, jax.local_device_count()) if platform == "cpu" else 1
+        try:
+            abstract = jax.eval_shape(algo.init, jax.eval_shape(lambda: jax.random.key(0)), data)
+            state = _nbytes(abstract)
+        except Exception:       # an untraceable init (FedPC): judge by the data alone
+            state = 0
+        return (_nbytes((data.x, data.y)) * sharing + state) <= 0.8 * available
+
+    def _jitted_probe(self) -> Callable:
+        """(clients, round_keys, first, count) -> [count, M] the rounds' participants
+        (`Algorithm.participants`), from the keys and the clients' counts alone: the state is a
+        stand-in of zeros (no algorithm samples from its state), the data a one-row stand-in."""
+        stub = dataclasses.replace(self.data, x=np.zeros((1,) + self.data.x.shape[1:], self.data.x.dtype),
+                                   y=np.zeros((1,) + self.data.y.shape[1:], self.data.y.dtype))
+
+        def probe(clients, round_keys, first, count):
+            state = _zeros_like(self.abstract_state)
+            data = dataclasses.replace(stub, clients=clients)
+            return jnp.stack([self.algo.participants(state, data, jax.random.fold_in(round_keys, first + i))
+                              for i in range(count)])
+
+        return jax.jit(probe, static_argnums=3)
 
     def _update_shardings(self):
         if self.mesh is not None and self.abstract_state is not None:
@@ -205,6 +268,13 @@ class Program:
         return self._store(state), metrics
 
     def _rounds(self, state, data, round_keys, first, count: int):
+        if self.stream is not None:       # each round its own staged data (leading axis K)
+            def body(state, xs):
+                i, round_data = xs
+                return self._round(state, round_data, round_keys, first + i)
+
+            return jax.lax.scan(body, state, (jnp.arange(count, dtype=jnp.int32), data))
+
         def body(state, i):
             return self._round(state, data, round_keys, first + i)
 
@@ -248,11 +318,30 @@ class Program:
                                   round=e.round) from e.cause
             return state, [jax.device_get(m)]
         fn = self._round_function(count)
+        if self.stream is not None:
+            return self._run_streamed(fn, state, round_keys, first, count)
         state, m = fn(state, self.data, round_keys, jnp.asarray(first, jnp.int32))
         m = jax.device_get(m)
         if count == 1:
             return state, [m]
         return state, [jax.tree.map(lambda a: a[i], m) for i in range(count)]
+
+    def _run_streamed(self, fn, state, round_keys, first: int, count: int):
+        staged = self.stream.take(round_keys, first, count)
+        state, m = fn(state, staged.data, round_keys, jnp.asarray(first, jnp.int32))
+        # Stage the next call's rounds while these train (the last call's prefetch goes unused).
+        self.stream.prefetch(round_keys, first + count, count)
+        m = jax.device_get(m)
+        per_round = [m] if count == 1 else [jax.tree.map(lambda a: a[i], m) for i in range(count)]
+        for i, row in enumerate(per_round):
+            sampled = np.asarray(row["sampled"]).ravel()
+            if not np.isin(sampled, staged.ids[i]).all():
+                raise RuntimeError(
+                    f"round {first + i + 1} trained clients {np.setdiff1d(sampled, staged.ids[i])[:8]} "
+                    f"that were not among the participants moved to the devices: "
+                    f"{self.algo.name}'s sampling depends on more than its key and the clients' "
+                    "counts; run it with --data-placement device")
+        return state, per_round
 
     def _round_function(self, count: int) -> Callable:
         if count == self.rounds_per_call and getattr(self, "_round_compiled", None) is not None:
@@ -266,7 +355,7 @@ class Program:
 
     def evaluate(self, state: Params, ids: np.ndarray | None = None) -> dict:
         """The algorithm's evaluation (every client, or the clients `ids`), on the host."""
-        if ids is None and getattr(self, "_eval_compiled", None) is not None:
+        if ids is None and self.stream is None and getattr(self, "_eval_compiled", None) is not None:
             return to_host(self._eval_compiled(state, self.data))
         return self._evaluate_with("evaluate", self.algo.evaluate, state, ids)
 
@@ -276,6 +365,11 @@ class Program:
                                    state, ids)
 
     def _evaluate_with(self, name: str, fn: Callable, state: Params, ids: np.ndarray | None) -> dict:
+        if self.stream is not None:       # groups of clients, their samples moved group by group
+            run = self._jitted(f"{name}_ids", lambda s, d, i: fn(s, d, i))
+            if name == "evaluate" and getattr(self, "_eval_compiled_group", None) is not None:
+                run = self._eval_compiled_group
+            return self.stream.evaluate(lambda d, i: run(state, d, i), ids)
         if ids is None:
             return to_host(self._jitted(name, lambda s, d: fn(s, d))(state, self.data))
         run = self._jitted(f"{name}_ids", lambda s, d, i: fn(s, d, i))
@@ -294,6 +388,15 @@ class Program:
                                "(Program.traceable_init is False)")
         abstract = self.abstract_sharded_state()
         fn = self._round_function(self.rounds_per_call)
+        if self.stream is not None:
+            self.stream.participants(round_keys, 0, 1)           # learns M, hence the buffer size
+            group = jax.ShapeDtypeStruct((self.stream.eval_group,), jnp.int32)
+            self._round_compiled = fn.lower(abstract, self.stream.abstract(self.rounds_per_call),
+                                            round_keys, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+            ev = self._jitted("evaluate_ids", lambda s, d, i: self.algo.evaluate(s, d, i))
+            self._eval_compiled_group = ev.lower(abstract, self.stream.abstract_evaluation(),
+                                                 group).compile()
+            return time.perf_counter() - t0
         self._round_compiled = fn.lower(abstract, self.data, round_keys,
                                         jax.ShapeDtypeStruct((), jnp.int32)).compile()
         ev = self._jitted("evaluate", lambda s, d: self.algo.evaluate(s, d))
@@ -318,14 +421,14 @@ class Program:
         devices = 1 if self.mesh is None else self.mesh.size
         per_client, replicated = client_state_bytes(self.abstract_state, _itemsize)
         working = evaluating = 0
-        for attr in ("_round_compiled", "_eval_compiled"):
+        for attr in ("_round_compiled", "_eval_compiled", "_eval_compiled_group"):
             compiled = getattr(self, attr, None)
             analysis = compiled.memory_analysis() if compiled is not None else None
             if analysis is not None:
                 if attr == "_round_compiled":
                     working = int(analysis.temp_size_in_bytes)
                 else:
-                    evaluating = int(analysis.temp_size_in_bytes)
+                    evaluating = max(evaluating, int(analysis.temp_size_in_bytes))
         platform = jax.local_devices()[0].platform
         local = devices if self.mesh is None else sum(
             d.process_index == jax.process_index() for d in self.mesh.devices.flat)
@@ -333,9 +436,11 @@ class Program:
             devices=devices, platform=platform, num_clients=self.num_clients,
             state_per_client=int(per_client),
             client_state_per_device=int(per_client) * self.num_clients // devices,
-            replicated_state=int(replicated), data=_nbytes(self.data), working_set=working,
-            eval_working_set=evaluating, available=available_memory(platform),
-            local_devices=int(local))
+            replicated_state=int(replicated),
+            data=self.stream.bytes_on_device() if self.stream is not None else _nbytes(self.data),
+            working_set=working, eval_working_set=evaluating, available=available_memory(platform),
+            local_devices=int(local), data_placement=self.data_placement,
+            data_whole=self.data_whole_bytes)
 
 
 class CachedEvaluation:
@@ -395,6 +500,21 @@ class CachedEvaluation:
         kept = {name: jax.tree.map(lambda a: a[want], entry) for name, entry in self.cache.items()}
         return {**kept, **self.program.evaluate_part("rest", state, ids)}
 
+
+
+def _on_host(a) -> np.ndarray:
+    """`a` as a host array: NumPy (and memory-mapped) arrays as they are, device arrays fetched."""
+    return a if isinstance(a, np.ndarray) else np.asarray(jax.device_get(a))
+
+
+def _zeros_like(abstract):
+    """Zeros of an abstract state's shapes (PRNG keys: key 0), built inside a jitted function."""
+    def zeros(a):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            return jnp.broadcast_to(jax.random.key(0), a.shape)
+        return jnp.zeros(a.shape, a.dtype)
+
+    return jax.tree.map(zeros, abstract)
 
 
 def prepare_data(data, mesh: Mesh | None):

@@ -76,7 +76,8 @@ def partition_indices(raw: Any, cfg: PartitionConfig) -> list[np.ndarray]:
                                 shards_per_client=cfg.shards_per_client, shard_size=cfg.shard_size)
 
 
-def build_federated(raw: Any, cfg: PartitionConfig) -> tuple[FederatedData, dict[str, Any]]:
+def build_federated(raw: Any, cfg: PartitionConfig, *, device: bool = True
+                    ) -> tuple[FederatedData, dict[str, Any]]:
     """Partitions `raw`, splits each client into train/test and moves everything to device.
 
     Returns the data and a JSON-ready description (sizes, unassigned samples, label counts).
@@ -86,7 +87,7 @@ def build_federated(raw: Any, cfg: PartitionConfig) -> tuple[FederatedData, dict
                                                  seed=cfg.seed + 1)
     data = FederatedData.from_arrays(
         raw.x, raw.y, train, test, num_classes=raw.num_classes,
-        input_scale=raw.input_scale, input_shift=raw.input_shift, name=raw.name,
+        input_scale=raw.input_scale, input_shift=raw.input_shift, name=raw.name, device=device,
     )
     train_sizes = np.array([t.size for t in train])
     test_sizes = np.array([t.size for t in test])

@@ -122,9 +122,11 @@ class FederatedData:
         input_shift: float = 0.0,
         name: str = "",
         task: Any = None,
+        device: bool = True,
     ) -> "FederatedData":
         """Lays the samples out client by client (train blocks, then test blocks) and moves them
-        to device. `train_indices[i]` / `test_indices[i]` are client i's rows of `x`, in order."""
+        to device. `train_indices[i]` / `test_indices[i]` are client i's rows of `x`, in order.
+        `device=False` keeps x and y as host NumPy arrays (for `--data-placement host`)."""
         if len(train_indices) != len(test_indices):
             raise ValueError(
                 f"{len(train_indices)} train index lists but {len(test_indices)} test index lists"
@@ -146,7 +148,7 @@ class FederatedData:
         n = len(train_indices)
         return cls.from_blocks(x[order], y[order], counts[:n], counts[n:], num_classes=num_classes,
                                input_scale=input_scale, input_shift=input_shift, name=name,
-                               task=task)
+                               task=task, device=device)
 
     @classmethod
     def from_blocks(
@@ -161,10 +163,12 @@ class FederatedData:
         input_shift: float = 0.0,
         name: str = "",
         task: Any = None,
+        device: bool = True,
     ) -> "FederatedData":
         """Moves samples already laid out client by client to device: client 0's training
         samples, client 1's, …, then client 0's test samples, … (`train_counts[i]` and
-        `test_counts[i]` rows each)."""
+        `test_counts[i]` rows each). `device=False` keeps x and y on the host as they are (NumPy
+        or memory-mapped arrays: `core.Program` places them)."""
         counts = np.concatenate([np.asarray(train_counts, np.int64), np.asarray(test_counts, np.int64)])
         n = len(train_counts)
         if len(test_counts) != n or n == 0:
@@ -177,9 +181,11 @@ class FederatedData:
         as_i32 = lambda a: jnp.asarray(a.astype(np.int32))
         splits = ClientSplits(train_start=as_i32(starts[:n]), train_count=as_i32(counts[:n]),
                               test_start=as_i32(starts[n:]), test_count=as_i32(counts[n:]))
+        y = np.asarray(y)
+        y = y if y.dtype == np.int32 else y.astype(np.int32)
         return cls(
-            x=jnp.asarray(x),
-            y=jnp.asarray(np.asarray(y).astype(np.int32)),
+            x=jnp.asarray(x) if device else x,
+            y=jnp.asarray(y) if device else y,
             clients=splits,
             num_classes=int(num_classes),
             input_scale=float(input_scale),

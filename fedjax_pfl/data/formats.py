@@ -126,9 +126,10 @@ def open_reader(name: str, data_dir: str, fmt: str | None = None, **options: Any
     return getattr(module, func)(name, data_dir, **options)
 
 
-def to_federated(nc: NaturalClients, selected: np.ndarray | None = None) -> FederatedData:
-    """Client blocks of `nc` (all, or the client indices `selected`, in that order) on device,
-    each client keeping its own train/test split."""
+def to_federated(nc: NaturalClients, selected: np.ndarray | None = None, *,
+                 device: bool = True) -> FederatedData:
+    """Client blocks of `nc` (all, or the client indices `selected`, in that order) on device
+    (or, `device=False`, in host memory), each client keeping its own train/test split."""
     task, src = nc.task, nc.source
     if selected is not None and np.array_equal(selected, np.arange(nc.num_clients)):
         selected = None                   # every client in order: whole arrays, no per-client slices
@@ -147,7 +148,7 @@ def to_federated(nc: NaturalClients, selected: np.ndarray | None = None) -> Fede
         x = x.astype(np.int32)
     return FederatedData.from_blocks(x, y, train_counts, test_counts, num_classes=task.num_classes,
                                      input_scale=src.input_scale, input_shift=src.input_shift,
-                                     name=src.name, task=task)
+                                     name=src.name, task=task, device=device)
 
 
 TOKEN_ACCURACY = ("default", "all", "no_oov")
@@ -175,7 +176,7 @@ def with_token_accuracy(nc: NaturalClients, rule: str) -> NaturalClients:
 def load_natural(name: str, *, data_dir: str | None, fmt: str | None = None,
                  max_clients: int | None = None, min_samples: int = 0, seed: int = 0,
                  cache_dir: str | None = None, token_accuracy: str = "default", log=print,
-                 **options: Any) -> tuple[FederatedData, dict[str, Any]]:
+                 device: bool = True, **options: Any) -> tuple[FederatedData, dict[str, Any]]:
     """Reads (or opens the cache of) dataset `name`, takes the LEAF-style client subset
     (`cache.select`: clients with ≥ `min_samples` training samples, then `max_clients` of them at
     random with `seed`) and returns it on device with a JSON-ready description. The description's
@@ -190,7 +191,7 @@ def load_natural(name: str, *, data_dir: str | None, fmt: str | None = None,
     nc = with_token_accuracy(cache.load(reader, root, log=log), token_accuracy)
     selected = cache.select(nc, max_clients=max_clients, min_samples=min_samples, seed=seed)
     selected = np.asarray(selected, np.int64)
-    data = to_federated(nc, selected)
+    data = to_federated(nc, selected, device=device)
     train = nc.train_counts()[selected]
     test = nc.test_counts()[selected]
     info = {

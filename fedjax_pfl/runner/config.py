@@ -52,6 +52,7 @@ class RunConfig:
     eval_clients: str = "all"
     rounds_per_call: int = 1
     state_dtype: str = "float32"
+    data_placement: str = "auto"          # where client samples wait between rounds (core.streaming)
     memory_check: bool = True
     out: str | None = None
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -103,6 +104,9 @@ class RunConfig:
                              f"got {self.state_dtype!r}")
         if self.rounds_per_call < 1:
             raise ValueError(f"--rounds-per-call must be >= 1, got {self.rounds_per_call}")
+        if self.data_placement not in core.DATA_PLACEMENTS:
+            raise ValueError(f"--data-placement must be one of {list(core.DATA_PLACEMENTS)}, "
+                             f"got {self.data_placement!r}")
         if self.eval_every % self.rounds_per_call:
             raise ValueError(f"--eval-every {self.eval_every} must be a multiple of "
                              f"--rounds-per-call {self.rounds_per_call} (evaluation runs between calls)")

@@ -55,14 +55,15 @@ def load_data(cfg: RunConfig) -> tuple[FederatedData, dict[str, Any]]:
     """Reads the dataset (fails fast when absent) and builds the federated split."""
     from fedjax_pfl.data import formats, sources
 
+    device = cfg.data_placement == "device"       # otherwise the program places it
     if cfg.natural:
-        return formats.load_natural(cfg.dataset, seed=cfg.seed, **cfg.data_options)
+        return formats.load_natural(cfg.dataset, seed=cfg.seed, device=device, **cfg.data_options)
     raw = sources.load_raw(cfg.dataset, seed=cfg.seed, **cfg.data_options)
     n = int(np.asarray(raw.y).size)
     part = cfg.partition
     if part.scheme != "natural" and part.num_clients > n:
         raise ValueError(f"--clients {part.num_clients} is more than the {n} samples of {cfg.dataset}")
-    return build_federated(raw, part)
+    return build_federated(raw, part, device=device)
 
 
 @dataclasses.dataclass
@@ -110,8 +111,9 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
     algo = algorithms.get(cfg.algo, model=model, **hparams)
     vectorised = hparams["backend"] not in core.EAGER_BACKENDS
     mesh = core.client_mesh() if vectorised else None
+    placement = cfg.data_placement if vectorised else "device"   # the loop backend: on device
     program = core.Program(algo, data, mesh=mesh, jit=vectorised, state_dtype=cfg.state_dtype,
-                           rounds_per_call=cfg.rounds_per_call)
+                           rounds_per_call=cfg.rounds_per_call, data_placement=placement)
     data = program.data                           # placed by the program (padded, replicated)
     root = jax.random.key(cfg.seed)
     subset = parse_eval_clients(cfg.eval_clients)

@@ -1,0 +1,257 @@
+"""Client data on the host, streamed to the devices round by round (`--data-placement host`).
+
+With device placement every sample of every client waits on every device (`prepare_data`). With
+host placement the client-sorted samples stay in host memory (NumPy arrays, or memory-mapped
+ones) and a round sees only its participants':
+
+  1. the round's participants come from its key, by the algorithm's own sampling code
+     (`Algorithm.participants`: `round_fn` run up to its first `Engine.sample` / `Engine.train`);
+  2. their training blocks are copied into one host buffer of a FIXED number of rows — the M
+     largest clients' samples together, so every round has the same shapes and compiles once —
+     zero-padded at the end, and moved to the devices;
+  3. the round runs on a `FederatedData` whose x / y are that buffer and whose participants'
+     `train_start` point into it (every client keeps its counts: weights and sampling read them).
+
+The buffer of the next call's rounds is gathered and transferred by a background thread while the
+current call trains (`Stream.prefetch`); it is used only if that call has the same round keys and
+rounds, otherwise it is rebuilt. A round reads a client's rows start … start + count − 1 (and,
+masked out, positions past the end, which hold other clients' or padding samples in either
+placement), so the round computes bit for bit what it computes with device placement; after each
+call the round's "sampled" metric is checked to lie among the staged participants.
+
+Evaluation runs in groups of G clients (their training and test blocks, as evaluation may
+fine-tune first), G the power of two at or above M: one compiled evaluation.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pfl.core.placement import replicated_sharding
+
+Params = Any
+DATA_PLACEMENTS = ("device", "host", "auto")
+
+
+def top_sum(counts: np.ndarray, m: int) -> int:
+    """Σ of the m largest entries of `counts`: the rows any m clients can hold together."""
+    m = max(0, min(int(m), counts.size))
+    if m == 0:
+        return 0
+    return int(np.sort(np.asarray(counts, np.int64))[::-1][:m].sum())
+
+
+def _key_bytes(keys: jax.Array) -> bytes:
+    return np.asarray(jax.random.key_data(keys)).tobytes()
+
+
+class Staged(NamedTuple):
+    """One call's rounds on the devices: their participants [K, M] and their data (leaves with a
+    leading K axis when K > 1)."""
+
+    tag: tuple
+    ids: np.ndarray
+    data: Any
+
+
+class Stream:
+    """The host-side dataset and what moves its participants' rows to the devices.
+
+    Args:
+      data: the whole `FederatedData`, x / y host arrays (NumPy or memory-mapped), clients
+        padded to the device count.
+      participants: (clients, round_keys, first, count) -> [count, M] ids, jitted (the program's
+        probe of `Algorithm.participants`).
+      mesh: the device mesh (buffers are replicated over it), or None.
+      eval_group: clients per evaluation group.
+    """
+
+    def __init__(self, data, participants: Callable, mesh, eval_group: int):
+        self.data = data
+        self.mesh = mesh
+        self._participants = participants
+        c = jax.device_get(data.clients)
+        self.train_start = np.asarray(c.train_start, np.int64)
+        self.train_count = np.asarray(c.train_count, np.int64)
+        self.test_start = np.asarray(c.test_start, np.int64)
+        self.test_count = np.asarray(c.test_count, np.int64)
+        self.x, self.y = data.x, data.y
+        self.num_clients = data.num_clients
+        self.eval_group = max(1, min(int(eval_group), self.num_clients))
+        self.eval_rows = max(1, top_sum(self.train_count + self.test_count, self.eval_group))
+        self.round_rows: int | None = None      # set by the first probe (M is static)
+        self.per_round: int | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                           thread_name_prefix="fedjax_pfl_prefetch")
+        self._pending: concurrent.futures.Future | None = None
+        self.hits = self.misses = 0
+
+    # -- participants and buffers --------------------------------------------------------------
+
+    def participants(self, round_keys: jax.Array, first: int, count: int) -> np.ndarray:
+        ids = np.asarray(jax.device_get(self._participants(
+            self.data.clients, round_keys, jnp.asarray(first, jnp.int32), count)), np.int64)
+        if self.per_round is None:
+            self.per_round = ids.shape[-1]
+            self.round_rows = max(1, top_sum(self.train_count, self.per_round))
+        return ids
+
+    def _gather(self, blocks: list[tuple[int, int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The samples of `blocks` ((start, count) each) one after another, zero-padded to `rows`."""
+        x = np.zeros((rows,) + self.x.shape[1:], self.x.dtype)
+        y = np.zeros((rows,) + self.y.shape[1:], self.y.dtype)
+        at = 0
+        for start, n in blocks:
+            x[at:at + n] = self.x[start:start + n]
+            y[at:at + n] = self.y[start:start + n]
+            at += n
+        return x, y
+
+    def _local(self, ids: np.ndarray, with_test: bool, rows: int):
+        """(x, y, train_start, test_start) of a buffer holding clients `ids`' training blocks
+        (and, `with_test`, their test blocks after them); other clients' starts are 0."""
+        ids = np.asarray(ids, np.int64)
+        unique = np.unique(ids)
+        train_start = np.zeros(self.num_clients, np.int32)
+        test_start = np.zeros(self.num_clients, np.int32)
+        blocks, at = [], 0
+        for i in unique:
+            blocks.append((self.train_start[i], self.train_count[i]))
+            train_start[i] = at
+            at += int(self.train_count[i])
+        if with_test:
+            for i in unique:
+                blocks.append((self.test_start[i], self.test_count[i]))
+                test_start[i] = at
+                at += int(self.test_count[i])
+        if at > rows:
+            raise RuntimeError(f"clients {unique.tolist()[:8]}… hold {at} samples, more than the "
+                               f"{rows} rows of the streaming buffer")
+        x, y = self._gather(blocks, rows)
+        return x, y, train_start, test_start
+
+    def _sharding(self):
+        return None if self.mesh is None else replicated_sharding(self.mesh)
+
+    def _put(self, tree):
+        if self.mesh is None:
+            return jax.device_put(tree)
+        sharding = replicated_sharding(self.mesh)
+        if jax.process_count() == 1:
+            return jax.device_put(tree, sharding)
+        # Several processes: each builds the same host buffer and provides its devices' copies.
+        return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding,
+                                                                   lambda index: a[index]), tree)
+
+    def _as_data(self, x, y, train_start, test_start):
+        clients = dataclasses.replace(self.data.clients, train_start=train_start,
+                                      test_start=test_start)
+        return dataclasses.replace(self.data, x=x, y=y, clients=clients)
+
+    def stage(self, round_keys: jax.Array, first: int, count: int) -> Staged:
+        """The participants of rounds first … first + count − 1 and their data on the devices."""
+        ids = self.participants(round_keys, first, count)
+        parts = [self._local(ids[k], False, self.round_rows) for k in range(count)]
+        host = tuple(np.stack(p) if count > 1 else p[0] for p in zip(*parts))
+        x, y, train_start, test_start = self._put(host)
+        counts = self.data.clients
+        if count > 1:    # every leaf of the scanned data carries the round axis
+            counts = jax.tree.map(lambda a: jnp.broadcast_to(a, (count,) + a.shape), counts)
+            counts = self._put(jax.device_get(counts))
+        data = dataclasses.replace(
+            self.data, x=x, y=y,
+            clients=dataclasses.replace(counts, train_start=train_start, test_start=test_start))
+        return Staged((_key_bytes(round_keys), first, count), ids, data)
+
+    def abstract(self, count: int):
+        """Shapes of a staged call's data (for ahead-of-time compilation), before any probe."""
+        if self.round_rows is None:
+            raise RuntimeError("probe the participants first (Stream.participants)")
+        lead = (count,) if count > 1 else ()
+        spec = lambda shape, dtype: jax.ShapeDtypeStruct(lead + tuple(shape), dtype,
+                                                         sharding=self._sharding())
+        n = self.num_clients
+        clients = jax.tree.map(lambda a: spec(a.shape, a.dtype), self.data.clients)
+        return dataclasses.replace(
+            self.data, x=spec((self.round_rows,) + self.x.shape[1:], self.x.dtype),
+            y=spec((self.round_rows,) + self.y.shape[1:], self.y.dtype),
+            clients=dataclasses.replace(clients, train_start=spec((n,), np.int32),
+                                        test_start=spec((n,), np.int32)))
+
+    # -- prefetch ------------------------------------------------------------------------------
+
+    def prefetch(self, round_keys: jax.Array, first: int, count: int) -> None:
+        """Starts staging rounds first … first + count − 1 in the background."""
+        self.cancel()
+        self._pending = self._pool.submit(self.stage, round_keys, first, count)
+
+    def take(self, round_keys: jax.Array, first: int, count: int) -> Staged:
+        """The staged call for these rounds: the prefetched one when it is for exactly these
+        round keys and rounds, otherwise staged now."""
+        tag = (_key_bytes(round_keys), first, count)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            staged = pending.result()
+            if staged.tag == tag:
+                self.hits += 1
+                return staged
+        self.misses += 1
+        return self.stage(round_keys, first, count)
+
+    def cancel(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            try:
+                self._pending.result()
+            except (concurrent.futures.CancelledError, Exception):
+                pass
+            self._pending = None
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    def evaluation_data(self, ids: np.ndarray):
+        """One evaluation group's clients (training and test blocks) on the devices."""
+        x, y, train_start, test_start = self._put(self._local(ids, True, self.eval_rows))
+        return self._as_data(x, y, train_start, test_start)
+
+    def abstract_evaluation(self):
+        n = self.num_clients
+        spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding())
+        clients = jax.tree.map(lambda a: spec(a.shape, a.dtype), self.data.clients)
+        return dataclasses.replace(
+            self.data, x=spec((self.eval_rows,) + self.x.shape[1:], self.x.dtype),
+            y=spec((self.eval_rows,) + self.y.shape[1:], self.y.dtype),
+            clients=dataclasses.replace(clients, train_start=spec((n,), np.int32),
+                                        test_start=spec((n,), np.int32)))
+
+    def evaluate(self, run: Callable, ids: np.ndarray | None) -> dict:
+        """`run(data, ids)` over groups of `eval_group` clients (the last padded with its first
+        id), the per-client results concatenated on the host in the order of `ids`."""
+        from fedjax_pfl.core.placement import to_host
+
+        want = np.arange(self.num_clients) if ids is None else np.asarray(ids, np.int64)
+        g = self.eval_group
+        parts = []
+        for at in range(0, want.size, g):
+            group = want[at:at + g]
+            padded = np.concatenate([group, np.full(g - group.size, group[0])])
+            out = to_host(run(self.evaluation_data(padded), jnp.asarray(padded, jnp.int32)))
+            parts.append(jax.tree.map(lambda a, k=group.size: np.asarray(a)[:k], out))
+        return jax.tree.map(lambda *a: np.concatenate(a), *parts)
+
+    def bytes_on_device(self) -> int:
+        """The streamed buffers' bytes per device: the round being trained and the next one, or
+        an evaluation group, whichever is more."""
+        row = int(np.prod(self.x.shape[1:])) * self.x.dtype.itemsize + \
+            int(np.prod(self.y.shape[1:])) * self.y.dtype.itemsize
+        return row * max(2 * (self.round_rows or 0), self.eval_rows) + 16 * self.num_clients
+
+    def close(self) -> None:
+        self.cancel()
+        self._pool.shutdown(wait=False)

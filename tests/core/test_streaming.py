@@ -1,0 +1,207 @@
+"""Client data on the host, streamed round by round (`--data-placement host`, `core.streaming`).
+
+- what a round's buffer holds, checked against the raw arrays by hand: exactly its participants'
+  training samples, one client after another, zero padding after them, the participants'
+  starts pointing into it; its size the M largest clients' samples together;
+- the participants are the clients the round samples, recomputed here from the documented key
+  schedule (`fold_in(round_keys, r)`, its first split, `core.sample_clients`);
+- host placement gives the rounds and evaluations of device placement bit for bit (state,
+  metrics, evaluation) for fedavg, pgfedmo, ditto, fedpc and fedrep (a split model); on two
+  devices and with two rounds per call (`--rounds-per-call 2`) in a subprocess;
+- the prefetched buffer is used only for the keys and rounds it was made for: a changed key
+  schedule or another first round discards it, and a round that trains clients outside its
+  buffer stops with an error.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+from fedjax_pfl import algorithms, core
+from helpers import linear_model, make_data, make_raw
+
+SIZES = [12, 30, 7, 19, 25, 3, 40, 11, 9, 22]
+
+
+def _algo(name, **extra):
+    hp = {"participation": 0.3, "batch_size": 4, "lr": 0.05,
+          **algorithms.spec(name).test_hparams, **extra}
+    return algorithms.get(name, model=linear_model(), **hp)
+
+
+def _leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) and la
+    for x, y in zip(la, lb):
+        if jax.dtypes.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x, y)
+
+
+def _run(algo, data, placement, *, rounds=4, per_call=1, keys=None):
+    program = core.Program(algo, data, mesh=None, data_placement=placement,
+                           rounds_per_call=per_call)
+    state = program.init(jax.random.key(0))
+    keys = jax.random.key(1) if keys is None else keys
+    program.compile(keys)
+    metrics = []
+    for r in range(0, rounds, per_call):
+        state, m = program.run_rounds(state, keys, r, per_call)
+        metrics += m
+    return program, jax.device_get(state), metrics, program.evaluate(state)
+
+
+def test_the_round_buffer_holds_exactly_the_participants_training_samples():
+    x, y, train, test, _, _ = make_raw(SIZES)
+    program = core.Program(_algo("fedavg"), make_data(SIZES), mesh=None, data_placement="host")
+    data = program.data
+    keys = jax.random.key(5)
+    staged = program.stream.stage(keys, 2, 1)
+    ids = staged.ids[0]
+    # The participants: the round's own sampling, by the documented key schedule.
+    sample_key, _ = jax.random.split(jax.random.fold_in(keys, 2))
+    want_ids = np.asarray(core.sample_clients(sample_key, len(SIZES), 3))
+    np.testing.assert_array_equal(ids, want_ids)
+    # M = 3 clients: the buffer fits the 3 largest (40 + 30 + 25 samples), whichever are drawn.
+    assert staged.data.x.shape[0] == 95 and program.stream.round_rows == 95
+    bx, by = np.asarray(staged.data.x), np.asarray(staged.data.y)
+    starts = np.asarray(staged.data.clients.train_start)
+    at = 0
+    for i in sorted(ids):
+        assert starts[i] == at
+        np.testing.assert_array_equal(bx[at:at + SIZES[i]], x[train[i]])
+        np.testing.assert_array_equal(by[at:at + SIZES[i]], y[train[i]])
+        at += SIZES[i]
+    assert not bx[at:].any() and not by[at:].any()                       # zero padding after
+    np.testing.assert_array_equal(np.asarray(staged.data.clients.train_count), SIZES)
+    # The whole dataset stays on the host.
+    assert isinstance(data.x, np.ndarray) and data.x.shape[0] == x.shape[0]
+
+
+@pytest.mark.parametrize("name", ["fedavg", "pgfedmo", "ditto", "fedpc", "fedrep"])
+def test_host_placement_equals_device_placement_bit_for_bit(name):
+    data = make_data(SIZES)
+    algo = _algo(name)
+    _, ref_state, ref_m, ref_ev = _run(algo, data, "device")
+    program, state, m, ev = _run(algo, data, "host")
+    assert program.data_placement == "host" and program.stream.hits == 3   # 3 of 4 prefetched
+    _leaves_equal(state, ref_state)
+    _leaves_equal(m, ref_m)
+    _leaves_equal(ev, ref_ev)
+
+
+def test_a_prefetch_for_other_keys_or_rounds_is_never_used():
+    """The runner's key schedule changes between calls (another seed's keys, a jump to another
+    round): the buffer prefetched for the old schedule is discarded and the rounds equal device
+    placement's on the new schedule."""
+    data = make_data(SIZES)
+    algo = _algo("pgfedmo")
+    schedule = [(jax.random.key(1), 0), (jax.random.key(2), 1), (jax.random.key(2), 3),
+                (jax.random.key(2), 4)]
+
+    def run(placement):
+        program = core.Program(algo, data, mesh=None, data_placement=placement)
+        state = program.init(jax.random.key(0))
+        out = []
+        for keys, r in schedule:
+            state, m = program.run_rounds(state, keys, r, 1)
+            out.append(m[0])
+        return program, jax.device_get(state), out
+
+    _, ref_state, ref_m = run("device")
+    program, state, m = run("host")
+    # Prefetched after each call: (key 1, round 1), (key 2, round 2), (key 2, round 4), (…, 5):
+    # only the last call's rounds matched.
+    assert (program.stream.hits, program.stream.misses) == (1, 3)
+    _leaves_equal(state, ref_state)
+    _leaves_equal(m, ref_m)
+
+
+def test_a_round_training_clients_outside_its_buffer_stops_with_an_error(monkeypatch):
+    algo = _algo("fedavg")
+    program = core.Program(algo, make_data(SIZES), mesh=None, data_placement="host")
+    state = program.init(jax.random.key(0))
+    real = program.stream._participants
+    # The probe answers the next clients over: the buffer holds clients the round does not train.
+    monkeypatch.setattr(program.stream, "_participants",
+                        lambda *a: (real(*a) + 1) % len(SIZES))
+    with pytest.raises(RuntimeError, match="not among the participants"):
+        program.run_rounds(state, jax.random.key(1), 0, 1)
+
+
+def test_auto_placement_and_the_memory_plan():
+    data = make_data(SIZES)
+    algo = _algo("fedavg")
+    auto = core.Program(algo, data, mesh=None, data_placement="auto")
+    assert auto.data_placement == "device"                  # a tiny dataset fits on the device
+    host = core.Program(algo, data, mesh=None, data_placement="host")
+    host.compile(jax.random.key(1))
+    plan = host.memory_plan()
+    x, y, *_ = make_raw(SIZES)
+    row = x[0].nbytes + 4                                   # float32 features + an int32 label
+    assert plan.data_placement == "host" and plan.data_whole == x.nbytes + y.size * 4
+    # Two round buffers of 95 rows, or one evaluation group (4 clients: 40+30+25+22 train and
+    # 13+10+8+7 test samples), plus the [N] start arrays.
+    assert plan.data == row * max(2 * 95, 117 + 38) + 16 * len(SIZES)
+    assert "data on the host" in plan.describe()
+    with pytest.raises(ValueError, match="--data-placement"):
+        core.Program(algo, data, mesh=None, data_placement="disk")
+    with pytest.raises(ValueError, match="vectorised"):
+        core.Program(algorithms.get("fedavg", model=linear_model(), backend="loop"), data,
+                     mesh=None, jit=False, data_placement="host")
+
+
+SCRIPT = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, "tests")
+    import fedjax_pfl
+    assert fedjax_pfl.use_cpu_cores(2) == 2
+    import jax, numpy as np
+    from fedjax_pfl import algorithms, core
+    from helpers import linear_model, make_data
+    data = make_data([12, 30, 7, 19, 25, 3, 40, 11, 9])         # N = 9, padded to 10
+    for name, per_call in (("pgfedmo", 1), ("fedrep", 1), ("fedavg", 2), ("pgfedmo", 2)):
+        hp = {"participation": 0.4, "batch_size": 4, **algorithms.spec(name).test_hparams}
+        algo = algorithms.get(name, model=linear_model(), **hp)
+        out = {}
+        for placement in ("device", "host"):
+            program = core.Program(algo, data, mesh=core.client_mesh(), data_placement=placement,
+                                   rounds_per_call=per_call)
+            state = program.init(jax.random.key(0))
+            ms = []
+            for r in range(0, 4, per_call):
+                state, m = program.run_rounds(state, jax.random.key(1), r, per_call)
+                ms += m
+            out[placement] = jax.tree.leaves((jax.device_get(state), ms, program.evaluate(state)))
+        for a, b in zip(out["device"], out["host"], strict=True):
+            if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+                a, b = jax.random.key_data(a), jax.random.key_data(b)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    print("OK")
+''')
+
+
+@pytest.mark.slow
+def test_host_placement_on_two_devices_equals_device_placement():
+    """Two devices: the round's participants in the device-balanced order, buffers replicated;
+    and two rounds per call (a scan over the staged rounds' data against a scan over the whole
+    dataset). At XLA's default settings, as users run: at the suite's -O0 (tests/conftest.py)
+    the two scans differ by an ulp, one-round calls do not."""
+    env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2"}
+    flags = helpers.without_device_count(env.get("XLA_FLAGS", "")).split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith(
+        ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
