@@ -99,3 +99,20 @@ def test_two_processes_checkpoint_and_resume_exactly(tmp_path):
     for a, b in zip(parts, whole):
         for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
             assert a[key] == b[key], (a["round"], key, a[key], b[key])
+
+
+@pytest.mark.slow
+def test_two_processes_with_host_data_placement_equal_one_process(tmp_path):
+    """--data-placement host over two processes: each stages the round's participants from its
+    host copy and provides its own device's replica of the buffer; the metrics are those of one
+    process with the dataset on both of its devices (pgfedmo: per-client rows on both devices)."""
+    algo = ["--algo", "pgfedmo", "--rounds", "3"]
+    _two(tmp_path, "host", algo + ["--data-placement", "host"])
+    single = _cli(tmp_path, "one", algo + ["--data-placement", "device"], devices="2")
+    _, err = single.communicate(timeout=600)
+    assert single.returncode == 0, err[-3000:]
+    host, one = _rows(tmp_path / "host" / "metrics.jsonl"), _rows(tmp_path / "one" / "metrics.jsonl")
+    assert [r["round"] for r in host] == [1, 2, 3]
+    for a, b in zip(host, one, strict=True):
+        for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
+            assert a[key] == b[key], (a["round"], key, a[key], b[key])

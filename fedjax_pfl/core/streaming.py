@@ -70,9 +70,12 @@ class Stream:
         probe of `Algorithm.participants`).
       mesh: the device mesh (buffers are replicated over it), or None.
       eval_group: clients per evaluation group.
+      prefetch: stage the next call's rounds in the background (False: each call stages its own
+        before it starts; for measuring what the prefetch hides).
     """
 
-    def __init__(self, data, participants: Callable, mesh, eval_group: int):
+    def __init__(self, data, participants: Callable, mesh, eval_group: int, prefetch: bool = True):
+        self.prefetch_enabled = prefetch
         self.data = data
         self.mesh = mesh
         self._participants = participants
@@ -189,6 +192,8 @@ class Stream:
     def prefetch(self, round_keys: jax.Array, first: int, count: int) -> None:
         """Starts staging rounds first … first + count − 1 in the background."""
         self.cancel()
+        if not self.prefetch_enabled:
+            return
         self._pending = self._pool.submit(self.stage, round_keys, first, count)
 
     def take(self, round_keys: jax.Array, first: int, count: int) -> Staged:

@@ -6,14 +6,15 @@ A reader (`data/leaf.py`, `data/tff.py`, `data/fedjax_sqlite.py`) turns its file
     meta.json          format version, Task, SourceInfo (each source file with its size and
                        mtime_ns), counts, array dtypes and per-sample shapes, conversion time
     client_ids.json    [N] client ids, in the reader's order
-    train_x.bin        every client's training inputs, concatenated in client order (raw C order)
-    train_y.bin        … their labels
-    test_x.bin         every client's held-out inputs
-    test_y.bin         … their labels
+    x.bin              every client's training inputs, concatenated in client order (raw C order),
+                       then every client's held-out inputs likewise
+    y.bin              … their labels, in the same order
     train_offsets.bin  [N + 1] int64 little-endian: client i's training samples are rows
     test_offsets.bin   [N + 1]   offsets[i]:offsets[i + 1] of the train (test) arrays
 
-`open` maps the four arrays read-only (`np.memmap`), so a later run on hundreds of thousands of
+`open` maps the arrays read-only (`np.memmap`; train_x and test_x are the two parts of x.bin),
+and x.bin / y.bin whole are already `FederatedData`'s layout (train blocks, then test blocks),
+so `--data-placement host` streams from the mapped file without a copy in memory. So a later run on hundreds of thousands of
 clients starts in seconds and pages in only the clients it touches. `load` is what a run calls:
 it keys the cache by dataset, format, reader options and source directory, opens it when it is
 current, and otherwise says in one line why it is converting again (never reading a stale or
@@ -45,10 +46,11 @@ __all__ = ["FORMAT_VERSION", "CACHE_DIRNAME", "StaleCacheError", "default_cache_
            "build", "open", "check", "load", "select", "subset"]
 
 # Bump when the layout or the meaning of a cached array changes: every older cache is rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # 2: x.bin / y.bin hold both splits (1: four files, one per split)
 # The default cache root is this folder inside the data directory.
 CACHE_DIRNAME = ".fedjax_pfl_cache"
 ARRAYS = ("train_x", "train_y", "test_x", "test_y")
+FILES = {"x": ("train_x", "test_x"), "y": ("train_y", "test_y")}   # file -> its parts, in order
 OFFSETS = ("train_offsets", "test_offsets")
 _OFFSET_DTYPE = np.dtype("<i8")
 _TMP_MARK = ".tmp-"
@@ -187,8 +189,9 @@ def _remove_dead_temporaries(cache_dir: str) -> None:
 def build(reader: NaturalReader, cache_dir: str) -> NaturalClients:
     """Converts a reader's client stream into the cache at `cache_dir` and opens it.
 
-    Each client's block is appended to the four `.bin` files as it arrives, so no more than one
-    client's arrays are in memory at once. Everything is written into a temporary sibling
+    Each client's block is appended as it arrives (training samples to x.bin / y.bin, held-out
+    ones to side files appended to them at the end), so no more than one client's arrays are in
+    memory at once. Everything is written into a temporary sibling
     directory that is renamed to `cache_dir` only when complete; any exception (a
     `DataFormatError` from the reader or from the checks below, an interrupt) removes it, so no
     partial cache is ever left at `cache_dir`. An existing cache at `cache_dir` is replaced.
@@ -215,7 +218,9 @@ def build(reader: NaturalReader, cache_dir: str) -> NaturalClients:
         ids: list[str] = []
         seen: set[str] = set()
         offsets = {"train": [0], "test": [0]}
-        handles = {name: io.open(os.path.join(tmp, f"{name}.bin"), "wb") for name in ARRAYS}
+        paths = {"train_x": "x.bin", "train_y": "y.bin", "test_x": "test_x.part",
+                 "test_y": "test_y.part"}
+        handles = {name: io.open(os.path.join(tmp, paths[name]), "wb") for name in ARRAYS}
         try:
             for block in reader.clients():
                 block = ClientBlock(*block)
@@ -237,6 +242,11 @@ def build(reader: NaturalReader, cache_dir: str) -> NaturalClients:
         finally:
             for f in handles.values():
                 f.close()
+        for file, (_, test_part) in FILES.items():       # the held-out rows after the training rows
+            with io.open(os.path.join(tmp, f"{file}.bin"), "ab") as dst, \
+                    io.open(os.path.join(tmp, paths[test_part]), "rb") as src:
+                shutil.copyfileobj(src, dst, 16 << 20)
+            os.remove(os.path.join(tmp, paths[test_part]))
         for split in ("train", "test"):
             np.asarray(offsets[split], _OFFSET_DTYPE).tofile(os.path.join(tmp, f"{split}_offsets.bin"))
         with io.open(os.path.join(tmp, "client_ids.json"), "w") as f:
@@ -310,12 +320,15 @@ def _read_meta(cache_dir: str) -> dict:
     return meta
 
 
+def _row_bytes(spec: dict) -> int:
+    return np.dtype(spec["dtype"]).itemsize * int(np.prod(spec["shape"], dtype=np.int64))
+
+
 def _expected_sizes(meta: dict) -> dict[str, int]:
     sizes = {}
-    for name in ARRAYS:
-        spec = meta["arrays"][name]
-        per_row = np.dtype(spec["dtype"]).itemsize * int(np.prod(spec["shape"], dtype=np.int64))
-        sizes[f"{name}.bin"] = int(spec["rows"]) * per_row
+    for file, parts in FILES.items():
+        sizes[f"{file}.bin"] = sum(int(meta["arrays"][name]["rows"]) * _row_bytes(meta["arrays"][name])
+                                   for name in parts)
     for name in OFFSETS:
         sizes[f"{name}.bin"] = (int(meta["num_clients"]) + 1) * _OFFSET_DTYPE.itemsize
     return sizes
@@ -339,11 +352,14 @@ def _check_files(cache_dir: str, meta: dict) -> None:
         raise StaleCacheError("client_ids.json is missing")
 
 
-def _mapped(path: str, spec: dict) -> np.ndarray:
-    dtype, shape = np.dtype(spec["dtype"]), (int(spec["rows"]), *map(int, spec["shape"]))
+def _mapped(path: str, spec: dict, rows: int | None = None, offset: int = 0) -> np.ndarray:
+    """`rows` rows (default: the spec's) of the array described by `spec`, starting `offset`
+    bytes into the file at `path`, mapped read-only."""
+    rows = int(spec["rows"]) if rows is None else rows
+    dtype, shape = np.dtype(spec["dtype"]), (rows, *map(int, spec["shape"]))
     if shape[0] == 0 or dtype.itemsize * int(np.prod(shape)) == 0:
         return np.zeros(shape, dtype)                 # np.memmap cannot map an empty file
-    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+    return np.memmap(path, dtype=dtype, mode="r", shape=shape, offset=offset)
 
 
 def open(cache_dir: str) -> NaturalClients:  # noqa: A001 (cache.open, as the issue names it)
@@ -367,11 +383,17 @@ def open(cache_dir: str) -> NaturalClients:  # noqa: A001 (cache.open, as the is
         rows = meta["arrays"][f"{split}_x"]["rows"]
         if off[0] != 0 or off[-1] != rows or np.any(np.diff(off) < 0):
             raise StaleCacheError(f"{split}_offsets.bin does not partition the {rows} {split} samples")
-    arrays = {name: _mapped(os.path.join(cache_dir, f"{name}.bin"), meta["arrays"][name]) for name in ARRAYS}
+    arrays, whole = {}, {}
+    for file, (train, test) in FILES.items():
+        path, spec = os.path.join(cache_dir, f"{file}.bin"), meta["arrays"][train]
+        n_train, n_test = int(spec["rows"]), int(meta["arrays"][test]["rows"])
+        arrays[train] = _mapped(path, spec)
+        arrays[test] = _mapped(path, meta["arrays"][test], offset=n_train * _row_bytes(spec))
+        whole[f"all_{file}"] = _mapped(path, spec, rows=n_train + n_test)
     return NaturalClients(
         task=_task_from_dict(meta["task"]), source=_source_from_dict(meta["source"]),
         client_ids=np.asarray(ids, dtype=str), train_offsets=offsets["train_offsets"],
-        test_offsets=offsets["test_offsets"], **arrays)
+        test_offsets=offsets["test_offsets"], **arrays, **whole)
 
 
 def check(cache_dir: str, task: Task, source: SourceInfo) -> None:
@@ -528,4 +550,5 @@ def subset(nc: NaturalClients, indices: np.ndarray) -> NaturalClients:
     test_x, test_off = _gather(nc.test_x, nc.test_offsets, idx)
     test_y, _ = _gather(nc.test_y, nc.test_offsets, idx)
     return dataclasses.replace(nc, client_ids=nc.client_ids[idx], train_x=train_x, train_y=train_y,
-                               train_offsets=train_off, test_x=test_x, test_y=test_y, test_offsets=test_off)
+                               train_offsets=train_off, test_x=test_x, test_y=test_y, test_offsets=test_off,
+                               all_x=None, all_y=None)        # (the whole file is no longer these clients)

@@ -133,7 +133,10 @@ def to_federated(nc: NaturalClients, selected: np.ndarray | None = None, *,
     task, src = nc.task, nc.source
     if selected is not None and np.array_equal(selected, np.arange(nc.num_clients)):
         selected = None                   # every client in order: whole arrays, no per-client slices
-    if selected is None:
+    if selected is None and nc.all_x is not None:      # a cache's mapped file: no copy
+        x, y = nc.all_x, nc.all_y
+        train_counts, test_counts = nc.train_counts(), nc.test_counts()
+    elif selected is None:
         x = np.concatenate([np.asarray(nc.train_x), np.asarray(nc.test_x)])
         y = np.concatenate([np.asarray(nc.train_y), np.asarray(nc.test_y)])
         train_counts, test_counts = nc.train_counts(), nc.test_counts()
@@ -145,7 +148,7 @@ def to_federated(nc: NaturalClients, selected: np.ndarray | None = None, *,
         y = np.concatenate(blocks(nc.train_y, to) + blocks(nc.test_y, eo))
         train_counts, test_counts = to[selected + 1] - to[selected], eo[selected + 1] - eo[selected]
     if task.inputs == "tokens":
-        x = x.astype(np.int32)
+        x = x.astype(np.int32, copy=False)
     return FederatedData.from_blocks(x, y, train_counts, test_counts, num_classes=task.num_classes,
                                      input_scale=src.input_scale, input_shift=src.input_shift,
                                      name=src.name, task=task, device=device)

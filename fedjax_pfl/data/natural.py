@@ -118,7 +118,8 @@ class NaturalClients:
     """A natural-client dataset on the host, client-sorted (arrays may be memory-mapped).
 
     Client i's training samples are train_x[train_offsets[i]:train_offsets[i + 1]] (and
-    train_y); its held-out samples likewise in the test arrays.
+    train_y); its held-out samples likewise in the test arrays. `all_x` / `all_y`, where set (an
+    opened cache), are train_x followed by test_x in one (mapped) array, `FederatedData`'s layout.
     """
 
     task: Task
@@ -130,6 +131,8 @@ class NaturalClients:
     test_x: np.ndarray
     test_y: np.ndarray
     test_offsets: np.ndarray        # [N + 1] int64
+    all_x: np.ndarray | None = None
+    all_y: np.ndarray | None = None
 
     @property
     def num_clients(self) -> int:

@@ -109,7 +109,20 @@ def test_round_trip_memmapped_and_meta(tmp_path):
         st = os.stat(path)
         assert entry == {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     assert meta["arrays"]["train_x"] == {"dtype": "|u1", "shape": [3, 2, 1], "rows": 19}
-    assert os.path.getsize(cache_dir / "train_x.bin") == 19 * 6
+    # One file per array, training rows then held-out rows: FederatedData's layout, mapped whole.
+    assert os.path.getsize(cache_dir / "x.bin") == (19 + 7) * 6
+    assert sorted(f for f in os.listdir(cache_dir) if f.endswith(".bin")) == [
+        "test_offsets.bin", "train_offsets.bin", "x.bin", "y.bin"]
+    want_x = np.concatenate([b.train_x for b in blocks] + [b.test_x for b in blocks])
+    want_y = np.concatenate([b.train_y for b in blocks] + [b.test_y for b in blocks])
+    for whole, want in ((nc.all_x, want_x), (nc.all_y, want_y)):
+        assert isinstance(whole, np.memmap) and not whole.flags.writeable
+        np.testing.assert_array_equal(whole, want)
+    # Host placement takes the mapped file as the dataset: no copy in memory.
+    from fedjax_pfl.data import formats
+    data = formats.to_federated(nc, device=False)
+    assert isinstance(data.x, np.memmap) and np.shares_memory(data.x, nc.all_x)
+    np.testing.assert_array_equal(data.x, want_x)
     # Second load: opens the cache, reads no source and says nothing.
     nc2, msgs = load(reader, tmp_path / "cache")
     assert reader.calls == 1 and msgs == []
@@ -141,8 +154,8 @@ def _touch(path):
     ("touch", "b.json was modified"),
     ("grow", "b.json changed size"),
     ("version", "format version 0"),
-    ("delete_bin", "test_y.bin is missing"),
-    ("truncate_bin", "train_x.bin has 100 bytes, expected 114"),
+    ("delete_bin", "y.bin is missing"),
+    ("truncate_bin", "x.bin has 100 bytes, expected 156"),
     ("delete_offsets", "train_offsets.bin is missing"),
     ("delete_meta", "meta.json is missing"),
     ("add_file", "c.json was added"),
@@ -166,9 +179,9 @@ def test_stale_cache_is_rebuilt_with_one_message(tmp_path, change, expect):
         meta["format_version"] = 0
         (d / "meta.json").write_text(json.dumps(meta))
     elif change == "delete_bin":
-        os.remove(d / "test_y.bin")
+        os.remove(d / "y.bin")
     elif change == "truncate_bin":
-        os.truncate(d / "train_x.bin", 100)
+        os.truncate(d / "x.bin", 100)
     elif change == "delete_offsets":
         os.remove(d / "train_offsets.bin")
     elif change == "delete_meta":
@@ -194,9 +207,9 @@ def test_open_refuses_a_truncated_cache(tmp_path):
     reader = FakeReader(str(tmp_path), make_blocks(COUNTS))
     load(reader, tmp_path / "cache")
     d = _cache_dir(tmp_path, reader)
-    with open(d / "test_x.bin", "ab") as f:
+    with open(d / "x.bin", "ab") as f:
         f.write(b"\0")
-    with pytest.raises(cache.StaleCacheError, match="test_x.bin has 43 bytes, expected 42"):
+    with pytest.raises(cache.StaleCacheError, match="x.bin has 157 bytes, expected 156"):
         cache.open(str(d))
 
 
@@ -352,6 +365,7 @@ def test_subset_holds_the_selected_clients(tmp_path):
     idx = np.array([1, 2, 4, 6])
     sub = cache.subset(nc, idx)
     assert_matches(sub, [blocks[i] for i in idx], reader)
+    assert sub.all_x is None and sub.all_y is None     # the whole file is not these clients'
     assert cache.subset(nc, np.arange(nc.num_clients)) is nc       # all clients: still the memory map
     with pytest.raises(ValueError):
         cache.subset(nc, np.array([0, 7]))

@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Host against device data placement on a FEMNIST-shaped set (issue 33, item 8).
+
+    python benchmarks/host_data.py                                   # M = 10 and 50, 3 repeats
+    python benchmarks/host_data.py --clients-per-round 10 --repeats 5 --rounds 4
+
+3,400 synthetic FEMNIST-like clients (`benchmarks/natural.py`'s SyntheticReader: lognormal sizes
+of mean ≈ 226, 28×28 uint8, 62 classes), converted once into a cache, `femnist_cnn`, FedAvg with
+batch 10 and one local epoch on 2 XLA:CPU devices, participation M / N. Three programs are
+compiled in one process: device placement (the dataset replicated on both devices), host
+placement with the prefetch (the next round's participants gathered and transferred in the
+background) and host placement without it (each round stages its own participants first).
+They then run interleaved: each repeat runs `--rounds` rounds of each program, in turn, and the
+median round time of each is taken; ratios are per repeat, then the median (range) over repeats.
+
+Also reported: the time to stage one round alone (participants probe, host gather, transfer), and
+what the prefetch hides: 1 − (host − device) / (host without prefetch − device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=3400)
+    p.add_argument("--clients-per-round", nargs="+", type=int, default=[10, 50], dest="ms")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each program per repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cache-root", default=os.path.join(os.environ.get("TMPDIR", "/tmp"),
+                                                        "fedjax_pfl_bench_natural"))
+    p.add_argument("--json", default=None, help="append one JSON line per M here")
+    args = p.parse_args()
+
+    import fedjax_pfl
+
+    fedjax_pfl.use_cpu_cores()
+    import jax
+    import numpy as np
+
+    from fedjax_pfl import algorithms, core, models
+    from fedjax_pfl.data import cache, formats
+    from natural import SyntheticReader
+
+    cache_dir = os.path.join(args.cache_root, f"femnist_{args.clients}_1")
+    if not os.path.exists(os.path.join(cache_dir, "meta.json")):
+        cache.build(SyntheticReader("femnist", args.clients), cache_dir)
+    nc = cache.open(cache_dir)
+    host_data = formats.to_federated(nc, device=False)
+    print(f"{args.clients} clients, {host_data.x.shape[0]:,} samples ({host_data.x.nbytes / 2**20:.0f} MB "
+          f"of images), {len(jax.devices())} devices, load {os.getloadavg()[0]:.1f}", flush=True)
+    model = models.get("femnist_cnn", host_data.input_shape, host_data.num_classes, task=host_data.task)
+    keys = jax.random.key(1)
+
+    for m in args.ms:
+        algo = algorithms.get("fedavg", model=model, participation=m / args.clients, batch_size=10,
+                              local_epochs=1)
+        programs = {}
+        for name, placement in (("device", "device"), ("host", "host"), ("host_no_prefetch", "host")):
+            prog = core.Program(algo, host_data, mesh=core.client_mesh(), data_placement=placement)
+            if name == "host_no_prefetch":
+                prog.stream.prefetch_enabled = False
+            t0 = time.perf_counter()
+            prog.compile(keys)
+            state = prog.init(jax.random.key(0))
+            state, _ = prog.run_rounds(state, keys, 0, 1)          # warm: first call
+            programs[name] = [prog, state, 1, time.perf_counter() - t0]
+        stage_s = []
+        host = programs["host"][0]
+        for r in range(5):
+            t0 = time.perf_counter()
+            staged = host.stream.stage(keys, 100 + r, 1)
+            jax.block_until_ready(staged.data.x)
+            stage_s.append(time.perf_counter() - t0)
+        times = {name: [] for name in programs}
+        loads = []
+        for rep in range(args.repeats):
+            loads.append(os.getloadavg()[0])
+            for name, entry in programs.items():
+                prog, state, r, _ = entry
+                per = []
+                for _ in range(args.rounds):
+                    t0 = time.perf_counter()
+                    state, _ = prog.run_rounds(state, keys, r, 1)
+                    per.append(time.perf_counter() - t0)
+                    r += 1
+                entry[1], entry[2] = state, r
+                times[name].append(statistics.median(per))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratio = [h / d for h, d in zip(times["host"], times["device"])]
+        ratio_np = [h / d for h, d in zip(times["host_no_prefetch"], times["device"])]
+        exposed = med["host_no_prefetch"] - med["device"]
+        hidden = 1 - (med["host"] - med["device"]) / exposed if exposed > 0 else float("nan")
+        row = {"m": m, "clients": args.clients, "round_s": med,
+               "round_s_range": {k: (min(v), max(v)) for k, v in times.items()},
+               "host_over_device": statistics.median(ratio), "host_over_device_range": (min(ratio), max(ratio)),
+               "no_prefetch_over_device": statistics.median(ratio_np),
+               "stage_s": statistics.median(stage_s), "hidden_fraction": hidden,
+               "buffer_rows": host.stream.round_rows,
+               "load": (min(loads), max(loads)), "repeats": args.repeats, "rounds": args.rounds}
+        print(f"M = {m}: round s device {med['device']:.3f}, host {med['host']:.3f}, host without "
+              f"prefetch {med['host_no_prefetch']:.3f}; host/device {row['host_over_device']:.3f} "
+              f"({min(ratio):.3f}–{max(ratio):.3f}), without prefetch "
+              f"{row['no_prefetch_over_device']:.3f}; staging one round {row['stage_s'] * 1e3:.1f} ms "
+              f"({host.stream.round_rows} rows); prefetch hides {hidden:.0%}; load "
+              f"{min(loads):.1f}–{max(loads):.1f}", flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        for prog, *_ in programs.values():
+            if prog.stream is not None:
+                prog.stream.close()
+
+
+if __name__ == "__main__":
+    main()
