@@ -16,7 +16,7 @@ What it does (README.md beside this file has the details):
    each repeat once on the quiet machine and once beside a fixed neighbour (--burners processes
    spinning on a core each), with OMP_WAIT_POLICY=PASSIVE and the peers' telemetry off; for
    fedjax_pfl the contended variant also runs with one XLA device (--contended-devices).
-4. Refuses the comparison (exit 3) if any side's local steps per round differ from the others'.
+4. Refuses the comparison (exit status 1, "REFUSED") if any side's local steps per round differ from the others'.
 5. Prints medians with ranges: start-up (process start to round 1), round 1, steady seconds
    per round (median of rounds 2..R), accuracy after R rounds, and the load average.
 """
@@ -128,6 +128,8 @@ def run_side(framework: str, opts: dict, job_path: str, rounds: int, pythons: di
         raise SystemExit(f"harness: {framework} failed (exit {proc.returncode}):\n{tail}")
     result = json.loads(lines[-1][len(common.RESULT_TAG):])
     result.update(wall_s=wall, load_before=load)
+    if "skipped" in result:
+        log(f"{framework} {opts}: skipped: {result['skipped']}")
     return result
 
 
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"job {j}: {path}; data {common.Job(path).meta['data_source']}")
     log(f"machine: {machine()}; load {common.loadavg()}")
 
-    results = []
+    results, skipped = [], {}
     for rep in range(args.repeats):
         for variant in args.variants:
             burners = []
@@ -244,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                     for label, fw, opts in sides[k:] + sides[:k]:       # rotated each repeat
                         r = run_side(fw, opts, path, args.rounds, pythons, args)
                         r.update(label=label, variant=variant, repeat=rep, smoke=args.smoke)
+                        if "skipped" in r:
+                            skipped.setdefault(f"{job}: {label}", r["skipped"])
+                            continue
                         results.append(r)
                         with open(out_json, "a") as f:
                             f.write(json.dumps(r) + "\n")
@@ -266,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label}: {json.dumps(s)}")
     print()
     print(table(results))
+    for what, why in skipped.items():
+        print(f"not run, does not fit in this machine's memory: {what}: {why}")
     print(f"\nlocal steps per round equal on every side ({'smoke: ' if args.smoke else ''}checked); raw results in {out_json}")
     return 0
 

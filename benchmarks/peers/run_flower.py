@@ -32,30 +32,18 @@ sys.path.insert(0, HERE)
 
 import common  # noqa: E402
 
-_CACHE: dict = {}
-
-
-def _client_data(path: str, peers_dir: str):
-    """The job and its normalised tensors, loaded once per Ray worker process."""
-    if path not in _CACHE:
-        if peers_dir not in sys.path:
-            sys.path.insert(0, peers_dir)
-        import torch
-
-        import common as c
-        job = c.Job(path)
-        _CACHE[path] = (job, torch.from_numpy(job.normalised_nchw()), torch.from_numpy(job.y))
-    return _CACHE[path]
-
-
 def client_train(msg, context):
     """The ClientApp's train function: E local epochs on the partition the config names."""
     import torch
     from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
     config = msg.content["config"]
-    job, x, y = _client_data(str(config["job"]), str(config["peers_dir"]))
+    if str(config["peers_dir"]) not in sys.path:
+        sys.path.insert(0, str(config["peers_dir"]))
+    import common as c           # by name: its cache lives as long as the Ray worker
     import torch_models
+
+    job, x, y = c.cached_tensors(str(config["job"]))
 
     threads = int(config["threads"])
     if threads > 0:
@@ -79,7 +67,7 @@ def client_train(msg, context):
             loss_fn(net(xs[idx]), ys[idx]).backward()
             opt.step()
             steps += 1
-    metrics = MetricRecord({"num-examples": len(ys), "local-steps": steps,
+    metrics = MetricRecord({"num-examples": len(ys), "local-steps": steps, "data-loads": len(c._TENSORS),
                             "torch-threads": torch.get_num_threads(), "niceness": os.nice(0),
                             "pid": os.getpid()})
     return Message(RecordDict({"arrays": ArrayRecord(net.state_dict()), "metrics": metrics}),
