@@ -52,8 +52,10 @@ CONFIG_FIELDS = ("algos", "datasets", "seeds", "grid", "common")
 # run.py flags a sweep sets itself (per run) or cannot honour: refused in --common.
 SWEEP_OWNED = {"algo": "--algos", "dataset": "--datasets", "seeds": "--seeds", "out": "--out",
                "resume": "--resume", "overwrite": "a new --out",
-               "coordinator": "a single process", "num_processes": "a single process",
-               "process_id": "a single process"}
+               "coordinator": "sweep.py's own --coordinator",
+               "num_processes": "sweep.py's own --num-processes",
+               "process_id": "sweep.py's own --process-id",
+               "distributed": "sweep.py's own --distributed"}
 
 
 class SweepError(ValueError):
@@ -251,8 +253,8 @@ def plan(args: argparse.Namespace) -> Plan:
             flag = "--" + dest.replace("_", "-")
             raise SweepError(f"{where_common}: {flag} is set by the sweep itself (use {instead})"
                              if instead.startswith("-") else
-                             f"{where_common}: {flag} cannot be used in a sweep (it runs {instead})"
-                             if instead == "a single process" else
+                             f"{where_common}: {flag} is not a per-run flag (use {instead})"
+                             if instead.startswith("sweep.py") else
                              f"{where_common}: {flag} is not a sweep setting (use {instead})")
 
     specs = {a: algorithms.spec(a) for a in algos}
@@ -431,6 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every run on its own (no vmapped groups): the reference")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not use JAX's persistent compilation cache (as run.py)")
+    g = p.add_argument_group("several processes (as run.py: every process runs the whole sweep "
+                             "with the same flags; process 0 alone writes and prints)")
+    g.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
+    g.add_argument("--num-processes", type=int, default=1)
+    g.add_argument("--process-id", type=int, default=0)
+    g.add_argument("--distributed", default=None, choices=("auto",),
+                   help="'auto': the process layout from the launcher (SLURM, Open MPI, …)")
     return p
 
 
@@ -440,7 +449,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import fedjax_pfl
 
-    fedjax_pfl.use_cpu_cores()                    # before JAX starts (validation computes nothing)
+    try:
+        cli.check_processes(args)                 # before jax.distributed starts
+    except ValueError as e:
+        _fail(str(e))
+    multi = bool(args.coordinator or args.distributed)
+    if multi:
+        if args.distributed:
+            fedjax_pfl.init_distributed()
+        else:
+            fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
+        import jax
+
+        if jax.process_index() != 0:              # one voice: only process 0 prints
+            sys.stdout.flush()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    else:
+        fedjax_pfl.use_cpu_cores()                # before JAX starts (validation computes nothing)
     if args.no_compile_cache:
         import jax
 
@@ -456,6 +481,13 @@ def main(argv: list[str] | None = None) -> int:
         check_algorithms(the_plan, data)
     except SweepError as e:
         _fail(str(e))
+    import jax
+
+    primary = jax.process_index() == 0
+    if multi:      # every process has checked --out before any of them writes into it
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("fedjax_pfl sweep: plan checked")
     created = _missing_dirs(args.out)
     os.makedirs(args.out, exist_ok=True)
     try:
@@ -471,9 +503,11 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(_row(group.dataset, group.algo, label, cell))
                     name = f"{group.dataset} {group.algo} {label}".strip()
                     curves[name] = [s["rows"] for s in cell]
-            _write(args.out, rows, curves)
+            if primary:
+                _write(args.out, rows, curves)
     except BaseException as e:
-        _remove_empty_dirs(args.out, created)
+        if primary:
+            _remove_empty_dirs(args.out, created)
         if isinstance(e, runner.NonFiniteError):
             _fail(str(e), code=1)
         if isinstance(e, KeyboardInterrupt):

@@ -116,3 +116,33 @@ def test_two_processes_with_host_data_placement_equal_one_process(tmp_path):
     for a, b in zip(host, one, strict=True):
         for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
             assert a[key] == b[key], (a["round"], key, a[key], b[key])
+
+
+@pytest.mark.slow
+def test_a_sweep_over_two_processes_equals_one_process(tmp_path):
+    """experiments/sweep.py with --coordinator: both processes run the sweep (one vmapped group of
+    two seeds and a second algorithm), process 0 alone prints and writes results.md / .json;
+    the results equal a one-process sweep on two devices."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
+    sweep = [sys.executable, str(ROOT / "experiments" / "sweep.py"), "--algos", "fedavg", "pgfedmo",
+             "--seeds", "0", "1", "--common", "--rounds 2 --clients 6 --participation 0.5"]
+    port = _free_port()
+    procs = [subprocess.Popen(sweep + ["--out", str(tmp_path / "two"), "--coordinator",
+                                       f"127.0.0.1:{port}", "--num-processes", "2",
+                                       "--process-id", str(i)],
+                              env={**env, "FEDJAX_PFL_CPU_DEVICES": "1"}, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in (0, 1)]
+    single = subprocess.Popen(sweep + ["--out", str(tmp_path / "one")],
+                              env={**env, "FEDJAX_PFL_CPU_DEVICES": "2"}, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outputs = []
+    for p in procs + [single]:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+        outputs.append(out)
+    assert "wrote" in outputs[0] and outputs[1] == ""                 # process 1 says nothing
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    assert [r["algo"] for r in two] == ["fedavg", "pgfedmo"] and two == one
