@@ -138,6 +138,12 @@ def steady(result: dict) -> float:
     return statistics.median(rounds)
 
 
+def ms_per_step(result: dict) -> float:
+    pairs = list(zip(result["round_s"], result["steps"]))
+    pairs = pairs[1:] or pairs
+    return statistics.median(1e3 * t / max(n, 1) for t, n in pairs)
+
+
 def spread(values: list[float], fmt: str = "{:.2f}") -> str:
     med = statistics.median(values)
     if len(values) == 1:
@@ -161,8 +167,8 @@ def check_steps(results: list[dict]) -> None:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| job | variant | side | start-up s | round 1 s | steady s/round | vs fedjax_pfl fedavg | "
-            "accuracy | steps/round | load (1-min) |", "|" + "---|" * 10]
+    rows = ["| job | variant | side | start-up s | round 1 s | steady s/round | ms/step | "
+            "time ÷ our FedAvg's | accuracy | steps/round | load (1-min) |", "|" + "---|" * 11]
     keys = []
     for r in results:
         k = (r["job"], r["variant"], r["label"])
@@ -177,8 +183,9 @@ def table(results: list[dict]) -> str:
         loads = [r["load_before"][0] for r in rs] + [r["load_end"][0] for r in rs]
         rows.append(
             f"| {job} | {variant} | {label} | {spread([r['startup_s'] for r in rs], '{:.1f}')} | "
-            f"{spread([r['round_s'][0] for r in rs])} | {spread([steady(r) for r in rs])} | {ratio} | "
-            f"{spread([100 * r['accuracy'] for r in rs])} % | {rs[0]['steps'][-1]} | "
+            f"{spread([r['round_s'][0] for r in rs])} | {spread([steady(r) for r in rs])} | "
+            f"{spread([ms_per_step(r) for r in rs])} | {ratio} | "
+            f"{spread([100 * r['accuracy'] for r in rs])} % | {'/'.join(str(n) for n in rs[0]['steps'])} | "
             f"{min(loads):.2f}–{max(loads):.2f} |")
     return "\n".join(rows)
 
@@ -215,8 +222,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-wheel", default=os.environ.get("PEERS_TORCH_WHEEL"),
                         help="a torch wheel for the peers' venvs (default $PEERS_TORCH_WHEEL, else the CPU index)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run (default 3600)")
+    parser.add_argument("--report", metavar="JSONL",
+                        help="only print the table (and the step check) of the runs recorded in JSONL")
     parser.add_argument("--json", help="append every run's raw result here (default WORK/results.jsonl)")
     args = parser.parse_args(argv)
+    if args.report:
+        results = [json.loads(l) for l in open(args.report) if l.strip()]
+        skipped = {f"{r['job']}: {r['label']}": r["skipped"] for r in results if "skipped" in r}
+        results = [r for r in results if "skipped" not in r]
+        check_steps(results)
+        print(table(results))
+        for what, why in skipped.items():
+            print(f"not run: {what}: {why}")
+        print(f"\nlocal steps per round equal on every side (checked); {len(results)} runs from {args.report}")
+        return 0
     if args.smoke:
         args.rounds, args.repeats, args.variants = 1, 1, ["quiet"]
     os.makedirs(args.work_dir, exist_ok=True)
@@ -248,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                         r.update(label=label, variant=variant, repeat=rep, smoke=args.smoke)
                         if "skipped" in r:
                             skipped.setdefault(f"{job}: {label}", r["skipped"])
+                            with open(out_json, "a") as f:
+                                f.write(json.dumps(r) + "\n")
                             continue
                         results.append(r)
                         with open(out_json, "a") as f:
