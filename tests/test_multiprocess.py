@@ -1,7 +1,8 @@
 """Multi-process runs as a user starts them (two processes on the loopback address, one CPU device
 each): `--seeds 0 1` (the vmapped sweep path, whose results are sharded over both processes'
 devices) gives the one-process results; only process 0 prints; the memory plan counts this
-host's devices against this host's memory."""
+host's devices against this host's memory; host data placement and experiments/sweep.py over two
+processes equal one process; a run whose process 1 is interrupted resumes exactly."""
 
 import json
 import os
@@ -84,24 +85,6 @@ def _two(tmp, name, extra):
 
 
 @pytest.mark.slow
-def test_two_processes_checkpoint_and_resume_exactly(tmp_path):
-    """Both processes write their shards of the sharded client state into one checkpoint that
-    process 0 commits; a run stopped after round 2 and resumed to round 3 reports the metrics of
-    an uninterrupted 3-round run (pgfedmo: per-client state rows on both processes)."""
-    algo = ["--algo", "pgfedmo", "--checkpoint-every", "1"]
-    _two(tmp_path, "whole", algo + ["--rounds", "3"])
-    _two(tmp_path, "parts", algo + ["--rounds", "2"])
-    ckpts = sorted(os.listdir(tmp_path / "parts" / "checkpoints"))
-    assert ckpts == ["round_000001", "round_000002"]
-    _two(tmp_path, "parts", algo + ["--rounds", "3", "--resume"])
-    whole, parts = _rows(tmp_path / "whole" / "metrics.jsonl"), _rows(tmp_path / "parts" / "metrics.jsonl")
-    assert [r["round"] for r in parts] == [1, 2, 3]
-    for a, b in zip(parts, whole):
-        for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
-            assert a[key] == b[key], (a["round"], key, a[key], b[key])
-
-
-@pytest.mark.slow
 def test_two_processes_with_host_data_placement_equal_one_process(tmp_path):
     """--data-placement host over two processes: each stages the round's participants from its
     host copy and provides its own device's replica of the buffer; the metrics are those of one
@@ -146,3 +129,42 @@ def test_a_sweep_over_two_processes_equals_one_process(tmp_path):
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     one = json.loads((tmp_path / "one" / "results.json").read_text())
     assert [r["algo"] for r in two] == ["fedavg", "pgfedmo"] and two == one
+
+
+@pytest.mark.slow
+def test_an_interrupted_process_leaves_a_resumable_run(tmp_path):
+    """Two processes, checkpoints every round (pgfedmo: per-client state rows on both processes):
+    Ctrl-C to process 1 after round 2's checkpoint
+    (process 0, its peer gone, is then ended as a launcher ends the group); `--resume` with two
+    processes continues from round 2 and reports an uninterrupted run's metrics."""
+    import signal
+
+    algo = ["--algo", "pgfedmo", "--checkpoint-every", "1"]
+    _two(tmp_path, "whole", algo + ["--rounds", "4"])
+    env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "1", "PYTHONPATH": str(ROOT)}
+    env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "pause_run.py"), "2", "--rounds", "4",
+         "--clients", "6", "--participation", "0.5", "--quiet", "--out", str(tmp_path / "parts"),
+         *algo, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in (0, 1)]
+    seen = []                                           # process 0: round 2 and its checkpoint
+    while not any("paused after round 2" in s for s in seen):
+        line = procs[0].stdout.readline()
+        assert line, (seen, procs[0].stderr.read()[-2000:])
+        seen.append(line)
+    procs[1].send_signal(signal.SIGINT)
+    assert procs[1].wait(timeout=120) == 130
+    procs[0].kill()                                     # the launcher ends the group
+    procs[0].wait(timeout=60)
+    # Both processes wrote their shards of the client state into each checkpoint that process 0
+    # committed (the round-3 one, if started, never was).
+    assert {"round_000001", "round_000002"} <= set(os.listdir(tmp_path / "parts" / "checkpoints"))
+    _two(tmp_path, "parts", algo + ["--rounds", "4", "--resume"])
+    whole, parts = _rows(tmp_path / "whole" / "metrics.jsonl"), _rows(tmp_path / "parts" / "metrics.jsonl")
+    assert [r["round"] for r in parts] == [1, 2, 3, 4]
+    for a, b in zip(parts, whole, strict=True):
+        for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
+            assert a[key] == b[key], (a["round"], key, a[key], b[key])
