@@ -20,8 +20,10 @@ from fedjax_pfl.data.build import PartitionConfig
 DEFAULT_CHECKPOINT_EVERY = 10
 # Configuration that may change when a run is resumed (everything else must match).
 # model_conv changes float rounding only (the same convolution, computed another way).
+# (--data-placement moves the same samples: the rounds are the same bit for bit either way.)
 RESUMABLE_CHANGES = ("rounds", "out", "progress", "memory_check", "checkpoint_every", "resume",
-                     "overwrite", "target_acc", "model_conv", "log", "checkpoint_on_signal")
+                     "overwrite", "target_acc", "model_conv", "log", "checkpoint_on_signal",
+                     "data_placement")
 # Models whose strided stages collapse small images (8×8 digits) to 1×1: they train at chance.
 MIN_IMAGE_SIDE = {"resnet9": 16, "resnet18": 16}
 
@@ -216,12 +218,14 @@ def resume_conflicts(cfg: RunConfig, hparams: dict, model_name: str, saved: dict
                     flag = flags.get((key, sub), f"--{sub.replace('_', '-')}")
                     return (f"--resume: the run in {cfg.out} was made with {flag} {b.get(sub)!r}, "
                             f"not {a.get(sub)!r} (only --rounds, --checkpoint-every, --target-acc, "
-                            "--conv, --log, --checkpoint-on-signal, --quiet and --no-memory-check may change)")
+                            "--conv, --log, --checkpoint-on-signal, --data-placement, --quiet and --no-memory-check "
+                            "may change)")
         elif a != b and not _same_number(a, b):
             flag = flags.get((key, None), f"--{key.replace('_', '-')}")
             return (f"--resume: the run in {cfg.out} was made with {flag} {b!r}, not {a!r} "
                     "(only --rounds, --checkpoint-every, --target-acc, --conv, --log, "
-                    "--checkpoint-on-signal, --quiet and --no-memory-check may change)")
+                    "--checkpoint-on-signal, --data-placement, --quiet and --no-memory-check may "
+                    "change)")
     return None
 
 

@@ -206,3 +206,18 @@ def test_host_placement_on_two_devices_equals_device_placement():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
                           cwd=root, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
+
+
+def test_a_run_may_resume_with_another_data_placement():
+    """The placement moves the same samples (the rounds are bit for bit the same), so --resume
+    accepts a change of --data-placement; a change of another setting is still refused."""
+    from fedjax_pfl.runner.config import RunConfig, config_record, resume_conflicts
+
+    saved = RunConfig(algo="fedavg", data_placement="host", out="/tmp/x")
+    hp = saved.validate()
+    record = config_record(saved, hp, "mlp", {})
+    for placement in ("device", "auto"):
+        cfg = RunConfig(algo="fedavg", data_placement=placement, out="/tmp/x")
+        assert resume_conflicts(cfg, hp, "mlp", record) is None
+    other = RunConfig(algo="fedavg", data_placement="device", seed=3, out="/tmp/x")
+    assert "--seed" in resume_conflicts(other, hp, "mlp", record)
