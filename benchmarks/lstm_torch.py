@@ -26,6 +26,9 @@ interleaved: every repeat times each side once at each M, in a rotated order):
            `--local-steps` = `--steps`, batch B (the runner's program: 2 XLA:CPU devices via
            `use_cpu_cores`, chunked backend, automatic chunk). Its time includes sampling, the
            data gather, aggregation.
+           Since 2026-11-25 the library's LSTM (`models/sequence.py:lstm_recurrence`) has a
+           hand-written `custom_jvp` whose transpose computes the recurrent kernel's gradient
+           as one matmul after the backward scan (the `hoist` idea, forward mode kept).
   vmap     the library's CharLSTM (`models.get("char_lstm")`) and the engine's per-step loss
            (`core.local.masked_mean_loss`), one jitted `vmap` over M clients of `--steps` SGD
            steps (`lax.scan` over steps); one device. The pure client step.
@@ -39,8 +42,9 @@ interleaved: every repeat times each side once at each M, in a rotated order):
            accumulation into a [H, 4H] carry (a read and write of 1 MiB per client per time
            step); `--check` compares its gradient with autodiff's. `hoist_u4`: with unroll=4.
   engine_hoist  `engine` with the prototype as its model (`models.Model` of our LSTM with the
-           hoisted backward and the task's loss/weight/metric): what the change to
-           models/sequence.py would give the engine.
+           hoisted backward and the task's loss/weight/metric).
+  engine_plain  `engine` with `plain` as its model: autodiff through the scan, i.e. the
+           library's LSTM before the custom_jvp (the baseline of `engine`, interleaved).
 
 Reported per (side, M): client-steps/s = M · steps / seconds of one call, the median of
 `--calls` calls in each repeat; the table gives the median over repeats and the range
@@ -58,7 +62,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB, EMBED, HIDDEN, SEQ = 90, 8, 256, 80
-JAX_VARIANTS = ("engine", "engine_hoist", "vmap", "plain", "plain_u4", "hoist", "hoist_u4")
+JAX_VARIANTS = ("engine", "engine_hoist", "engine_plain", "vmap", "plain", "plain_u4", "hoist",
+                "hoist_u4")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,10 +313,12 @@ def _jax_worker(batch: int, steps: int, lr: float, variants: list[str]) -> None:
     # the prototype as an engine model: our LSTM with the hoisted backward, the task's own
     # per-token loss, weight and metric (models/tasks.py)
     from fedjax_pfl.models import tasks
+    task_fns = {k: v for k, v in tasks.for_task(task).items() if k in ("loss", "weight", "metric")}
     hoisted_model = models.Model(init=_plain_lstm_params,
                                  apply=_plain_apply(_make_rec_hoisted(1), None),
-                                 name="char_lstm_hoisted", **{k: v for k, v in
-                                 tasks.for_task(task).items() if k in ("loss", "weight", "metric")})
+                                 name="char_lstm_hoisted", **task_fns)
+    plain_model = models.Model(init=_plain_lstm_params, apply=_plain_apply(_rec_autodiff, 1),
+                               name="char_lstm_autodiff", **task_fns)
 
     def build(variant, m):
         if variant.startswith("engine"):
@@ -324,9 +331,9 @@ def _jax_worker(batch: int, steps: int, lr: float, variants: list[str]) -> None:
                                 np.array([f"c{i}" for i in range(m)]), x[: m * n_per],
                                 y[: m * n_per], train_off, x[m * n_per:], y[m * n_per:], test_off)
             fd = formats.to_federated(nc)
-            algo = algorithms.get("fedavg", model=hoisted_model if variant == "engine_hoist"
-                                  else model, participation=1.0, local_steps=steps,
-                                  batch_size=batch, lr=lr)
+            algo = algorithms.get("fedavg", model={"engine_hoist": hoisted_model,
+                                                   "engine_plain": plain_model}.get(variant, model),
+                                  participation=1.0, local_steps=steps, batch_size=batch, lr=lr)
             mesh = core.client_mesh()
             program = core.Program(algo, fd, mesh=mesh)
             keys = jax.random.key(1)
