@@ -89,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
 
     order = iter(job.schedule[:args.rounds].reshape(-1).tolist())
 
+    trained: list[int] = []       # users pfl asked for, in order (checked against the schedule)
+
     def make_user(uid: int) -> Dataset:
+        trained.append(int(uid))
         rows = job.train_rows(uid)
         return Dataset(raw_data=[x[rows], y[rows]], user_id=str(uid))
 
@@ -112,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
             self.t_prev = now
             self.steps.append(steps[0])
             steps[0] = 0
+            users = sorted(trained)
+            trained.clear()
+            expected = sorted(int(i) for i in job.schedule[central_iteration])
+            if users != expected:
+                raise RuntimeError(f"iteration {central_iteration}: pfl trained users {users}, "
+                                   f"the schedule says {expected}")
             return False, Metrics()
 
     timer = Timer()
