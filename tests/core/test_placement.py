@@ -129,8 +129,9 @@ def test_debug_backend_trains_like_sgd_written_by_hand():
 def test_program_refuses_a_data_placement_it_does_not_have():
     data = make_data([4, 4], num_classes=3)
     algo = algorithms.get("fedavg", model=linear_model(), batch_size=4)
-    with pytest.raises(ValueError, match=r"data placement must be one of \['device'\], got 'host'"):
-        core.Program(algo, data, mesh=None, data_placement="host")
+    with pytest.raises(ValueError, match=r"--data-placement must be one of \['device', 'host', "
+                                         r"'auto'\], got 'disk'"):
+        core.Program(algo, data, mesh=None, data_placement="disk")
     assert core.Program(algo, data, mesh=None).data_placement == "device"
 
 
