@@ -172,20 +172,25 @@ class Stream:
             clients=dataclasses.replace(counts, train_start=train_start, test_start=test_start))
         return Staged((_key_bytes(round_keys), first, count), ids, data)
 
-    def abstract(self, count: int):
-        """Shapes of a staged call's data (for ahead-of-time compilation), before any probe."""
-        if self.round_rows is None:
-            raise RuntimeError("probe the participants first (Stream.participants)")
+    def _abstract(self, rows: int, count: int = 1):
+        """Shapes of staged data of `rows` buffer rows (a leading axis of `count` rounds when
+        count > 1), for ahead-of-time compilation."""
         lead = (count,) if count > 1 else ()
         spec = lambda shape, dtype: jax.ShapeDtypeStruct(lead + tuple(shape), dtype,
                                                          sharding=self._sharding())
         n = self.num_clients
         clients = jax.tree.map(lambda a: spec(a.shape, a.dtype), self.data.clients)
         return dataclasses.replace(
-            self.data, x=spec((self.round_rows,) + self.x.shape[1:], self.x.dtype),
-            y=spec((self.round_rows,) + self.y.shape[1:], self.y.dtype),
+            self.data, x=spec((rows,) + self.x.shape[1:], self.x.dtype),
+            y=spec((rows,) + self.y.shape[1:], self.y.dtype),
             clients=dataclasses.replace(clients, train_start=spec((n,), np.int32),
                                         test_start=spec((n,), np.int32)))
+
+    def abstract(self, count: int):
+        """Shapes of a staged call's data (after the first probe has fixed the buffer size)."""
+        if self.round_rows is None:
+            raise RuntimeError("probe the participants first (Stream.participants)")
+        return self._abstract(self.round_rows, count)
 
     # -- prefetch ------------------------------------------------------------------------------
 
@@ -226,14 +231,7 @@ class Stream:
         return self._as_data(x, y, train_start, test_start)
 
     def abstract_evaluation(self):
-        n = self.num_clients
-        spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding())
-        clients = jax.tree.map(lambda a: spec(a.shape, a.dtype), self.data.clients)
-        return dataclasses.replace(
-            self.data, x=spec((self.eval_rows,) + self.x.shape[1:], self.x.dtype),
-            y=spec((self.eval_rows,) + self.y.shape[1:], self.y.dtype),
-            clients=dataclasses.replace(clients, train_start=spec((n,), np.int32),
-                                        test_start=spec((n,), np.int32)))
+        return self._abstract(self.eval_rows)
 
     def evaluate(self, run: Callable, ids: np.ndarray | None) -> dict:
         """`run(data, ids)` over groups of `eval_group` clients (the last padded with its first

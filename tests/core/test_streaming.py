@@ -171,7 +171,8 @@ SCRIPT = textwrap.dedent('''
     from fedjax_pfl import algorithms, core
     from helpers import linear_model, make_data
     data = make_data([12, 30, 7, 19, 25, 3, 40, 11, 9])         # N = 9, padded to 10
-    for name, per_call in (("pgfedmo", 1), ("fedrep", 1), ("fedavg", 2), ("pgfedmo", 2)):
+    # (pgfedmo on two devices one round a call: tests/test_multiprocess.py, two processes)
+    for name, per_call in (("fedrep", 1), ("pgfedmo", 2)):
         hp = {"participation": 0.4, "batch_size": 4, **algorithms.spec(name).test_hparams}
         algo = algorithms.get(name, model=linear_model(), **hp)
         out = {}
