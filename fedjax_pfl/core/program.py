@@ -60,6 +60,7 @@ class MemoryPlan:
     local_devices: int = 0         # devices of this process (0: all of `devices`)
     data_placement: str = "device"
     data_whole: int = 0            # the whole dataset's bytes (on each device, or on the host)
+    compiled: bool = True          # False: the working sets are not known yet (0 here)
 
     @property
     def per_device(self) -> int:
@@ -100,6 +101,9 @@ class MemoryPlan:
             f"+ replicated state {mb(self.replicated_state)} + data {mb(self.data)} + working set "
             f"{mb(max(self.working_set, self.eval_working_set))}",
         ]
+        if not self.compiled:
+            lines.append("  working set not known yet: Program.compile first (a round's "
+                         "temporaries can be as large as the client state)")
         if self.data_placement == "host":
             lines.append(f"  data on the host ({mb(self.data_whole)}); on each device only the "
                          f"streamed buffers ({mb(self.data)}: this round's and the next round's "
@@ -440,7 +444,7 @@ class Program:
             data=self.stream.bytes_on_device() if self.stream is not None else _nbytes(self.data),
             working_set=working, eval_working_set=evaluating, available=available_memory(platform),
             local_devices=int(local), data_placement=self.data_placement,
-            data_whole=self.data_whole_bytes)
+            data_whole=self.data_whole_bytes, compiled=self.is_compiled or not self.jit)
 
 
 class CachedEvaluation:

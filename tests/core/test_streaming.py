@@ -146,8 +146,12 @@ def test_auto_placement_and_the_memory_plan():
     auto = core.Program(algo, data, mesh=None, data_placement="auto")
     assert auto.data_placement == "device"                  # a tiny dataset fits on the device
     host = core.Program(algo, data, mesh=None, data_placement="host")
+    early = host.memory_plan()                      # before compile: no working set yet, said so
+    assert not early.compiled and early.working_set == 0
+    assert "working set not known yet" in early.describe()
     host.compile(jax.random.key(1))
     plan = host.memory_plan()
+    assert plan.compiled and "not known" not in plan.describe()
     x, y, *_ = make_raw(SIZES)
     row = x[0].nbytes + 4                                   # float32 features + an int32 label
     assert plan.data_placement == "host" and plan.data_whole == x.nbytes + y.size * 4
