@@ -177,12 +177,21 @@ class Program:
         if data_placement == "host" and not jit:
             raise ValueError("--data-placement host needs a vectorised --backend (not loop)")
         self.data_whole_bytes = _nbytes((data.x, data.y))
+        data = data.pad_clients(mesh.size) if mesh is not None else data
+        key_spec = jax.eval_shape(lambda: jax.random.key(0))
+        try:                      # (the state's shapes do not depend on where the data waits)
+            abstract = jax.eval_shape(algo.init, key_spec, data)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError):
+            # An init that needs concrete data (FedPC builds its kNN graph on the host, so its
+            # state's shapes depend on the data): it runs eagerly, once, in `init`.
+            abstract = None
         if data_placement == "auto":
-            data_placement = "host" if jit and not self._device_data_fits(algo, data, mesh) else "device"
+            fits = _device_data_fits(data, 0 if abstract is None else _nbytes(abstract), mesh)
+            data_placement = "host" if jit and not fits else "device"
         self.data_placement = data_placement
         self.stream: Stream | None = None
         if data_placement == "host":
-            data = data.pad_clients(mesh.size) if mesh is not None else data
             data = dataclasses.replace(data, x=_on_host(data.x), y=_on_host(data.y),
                                        clients=replicate(data.clients, mesh))
         else:
@@ -193,14 +202,6 @@ class Program:
         self.rounds_per_call = int(rounds_per_call)
         self.storage = jnp.bfloat16 if state_dtype == "bfloat16" else None
         self.num_clients = data.num_clients
-        key_spec = jax.eval_shape(lambda: jax.random.key(0))
-        try:
-            abstract = jax.eval_shape(algo.init, key_spec, data)
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
-                jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError):
-            # An init that needs concrete data (FedPC builds its kNN graph on the host, so its
-            # state's shapes depend on the data): it runs eagerly, once, in `init`.
-            abstract = None
         self.traceable_init = abstract is not None
         if abstract is not None:
             client_mask(abstract, self.num_clients)   # the declaration must match the shapes
@@ -209,26 +210,8 @@ class Program:
         self._compiled: dict = {}
         self._update_shardings()
         if data_placement == "host":
-            m = num_sampled_clients(data.num_real_clients, algo.hparams.get("participation", 1.0))
             self.stream = Stream(data, self._jitted_probe(), mesh,
-                                 eval_group=1 << (m - 1).bit_length())
-
-    @staticmethod
-    def _device_data_fits(algo, data, mesh) -> bool:
-        """"auto" placement: the dataset on every device of this host plus the client state
-        within 80 % of the available memory (before anything is compiled)."""
-        devices = 1 if mesh is None else mesh.size
-        platform = jax.local_devices()[0].platform
-        available = available_memory(platform)
-        if available <= 0:
-            return True
-        sharing = min(devices, jax.local_device_count()) if platform == "cpu" else 1
-        try:
-            abstract = jax.eval_shape(algo.init, jax.eval_shape(lambda: jax.random.key(0)), data)
-            state = _nbytes(abstract)
-        except Exception:       # an untraceable init (FedPC): judge by the data alone
-            state = 0
-        return (_nbytes((data.x, data.y)) * sharing + state) <= 0.8 * available
+                                 eval_group=default_eval_group(algo, data))
 
     def _jitted_probe(self) -> Callable:
         """(clients, round_keys, first, count) -> [count, M] the rounds' participants
@@ -325,18 +308,14 @@ class Program:
         if self.stream is not None:
             return self._run_streamed(fn, state, round_keys, first, count)
         state, m = fn(state, self.data, round_keys, jnp.asarray(first, jnp.int32))
-        m = jax.device_get(m)
-        if count == 1:
-            return state, [m]
-        return state, [jax.tree.map(lambda a: a[i], m) for i in range(count)]
+        return state, _per_round(jax.device_get(m), count)
 
     def _run_streamed(self, fn, state, round_keys, first: int, count: int):
         staged = self.stream.take(round_keys, first, count)
         state, m = fn(state, staged.data, round_keys, jnp.asarray(first, jnp.int32))
         # Stage the next call's rounds while these train (the last call's prefetch goes unused).
         self.stream.prefetch(round_keys, first + count, count)
-        m = jax.device_get(m)
-        per_round = [m] if count == 1 else [jax.tree.map(lambda a: a[i], m) for i in range(count)]
+        per_round = _per_round(jax.device_get(m), count)
         for i, row in enumerate(per_round):
             sampled = np.asarray(row["sampled"]).ravel()
             if not np.isin(sampled, staged.ids[i]).all():
@@ -473,9 +452,7 @@ class CachedEvaluation:
         self.parts = program.algo.evaluate_parts
         n = program.num_clients
         if group is None:
-            m = num_sampled_clients(program.data.num_real_clients,
-                                    program.algo.hparams.get("participation", 1.0))
-            group = 1 << (m - 1).bit_length()
+            group = default_eval_group(program.algo, program.data)
         if group < 1:
             raise ValueError(f"group must be >= 1, got {group}")
         self.group = min(group, n)
@@ -506,9 +483,36 @@ class CachedEvaluation:
 
 
 
+def default_eval_group(algo, data) -> int:
+    """Clients evaluated together by one compiled program: the power of two at or above the M
+    clients a round samples."""
+    m = num_sampled_clients(data.num_real_clients, algo.hparams.get("participation", 1.0))
+    return 1 << (m - 1).bit_length()
+
+
+def _device_data_fits(data, state_bytes: int, mesh: Mesh | None) -> bool:
+    """"auto" placement: the dataset on every device of this host plus the client state
+    (`state_bytes`; 0 for an untraceable init, judged by the data alone) within 80 % of the
+    available memory, before anything is compiled."""
+    devices = 1 if mesh is None else mesh.size
+    platform = jax.local_devices()[0].platform
+    available = available_memory(platform)
+    if available <= 0:
+        return True
+    sharing = min(devices, jax.local_device_count()) if platform == "cpu" else 1
+    return (_nbytes((data.x, data.y)) * sharing + state_bytes) <= 0.8 * available
+
+
 def _on_host(a) -> np.ndarray:
     """`a` as a host array: NumPy (and memory-mapped) arrays as they are, device arrays fetched."""
     return a if isinstance(a, np.ndarray) else np.asarray(jax.device_get(a))
+
+
+def _per_round(metrics: dict, count: int) -> list[dict]:
+    """One call's host metrics as one dict per round (a K-round call's leaves lead with K)."""
+    if count == 1:
+        return [metrics]
+    return [jax.tree.map(lambda a: a[i], metrics) for i in range(count)]
 
 
 def _zeros_like(abstract):
