@@ -94,6 +94,7 @@ class Stream:
                                                            thread_name_prefix="fedjax_pfl_prefetch")
         self._pending: concurrent.futures.Future | None = None
         self.hits = self.misses = 0
+        self._stacked_clients: dict[int, Any] = {}
 
     # -- participants and buffers --------------------------------------------------------------
 
@@ -152,24 +153,30 @@ class Stream:
         return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding,
                                                                    lambda index: a[index]), tree)
 
-    def _as_data(self, x, y, train_start, test_start):
-        clients = dataclasses.replace(self.data.clients, train_start=train_start,
-                                      test_start=test_start)
+    def _as_data(self, x, y, train_start, test_start, clients=None):
+        """The dataset with buffer x / y and these starts (counts from `clients`, default the
+        dataset's own)."""
+        clients = dataclasses.replace(self.data.clients if clients is None else clients,
+                                      train_start=train_start, test_start=test_start)
         return dataclasses.replace(self.data, x=x, y=y, clients=clients)
+
+    def _clients_for(self, count: int):
+        """The clients' splits with a leading axis of `count` rounds (count > 1: every leaf of
+        a scanned call's data carries the round axis), put on the devices once per count."""
+        if count == 1:
+            return self.data.clients
+        if count not in self._stacked_clients:
+            stacked = jax.tree.map(lambda a: np.broadcast_to(a, (count,) + a.shape),
+                                   jax.device_get(self.data.clients))
+            self._stacked_clients[count] = self._put(stacked)
+        return self._stacked_clients[count]
 
     def stage(self, round_keys: jax.Array, first: int, count: int) -> Staged:
         """The participants of rounds first … first + count − 1 and their data on the devices."""
         ids = self.participants(round_keys, first, count)
         parts = [self._local(ids[k], False, self.round_rows) for k in range(count)]
         host = tuple(np.stack(p) if count > 1 else p[0] for p in zip(*parts))
-        x, y, train_start, test_start = self._put(host)
-        counts = self.data.clients
-        if count > 1:    # every leaf of the scanned data carries the round axis
-            counts = jax.tree.map(lambda a: jnp.broadcast_to(a, (count,) + a.shape), counts)
-            counts = self._put(jax.device_get(counts))
-        data = dataclasses.replace(
-            self.data, x=x, y=y,
-            clients=dataclasses.replace(counts, train_start=train_start, test_start=test_start))
+        data = self._as_data(*self._put(host), clients=self._clients_for(count))
         return Staged((_key_bytes(round_keys), first, count), ids, data)
 
     def _abstract(self, rows: int, count: int = 1):
@@ -227,8 +234,7 @@ class Stream:
 
     def evaluation_data(self, ids: np.ndarray):
         """One evaluation group's clients (training and test blocks) on the devices."""
-        x, y, train_start, test_start = self._put(self._local(ids, True, self.eval_rows))
-        return self._as_data(x, y, train_start, test_start)
+        return self._as_data(*self._put(self._local(ids, True, self.eval_rows)))
 
     def abstract_evaluation(self):
         return self._abstract(self.eval_rows)
