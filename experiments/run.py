@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "devices, the next round's in the background: the same results bit for "
                         "bit), 'auto' (device when the data and client state fit in 80%% of the "
                         "memory, else host)")
+    g.add_argument("--state-placement", default="auto", choices=("device", "host", "auto"),
+                   help="where the clients' state rows wait between rounds: 'device' (sharded "
+                        "over the devices), 'host' (a copy-on-write host store: each call's "
+                        "participants' rows moved to the devices and back; clients never "
+                        "sampled cost nothing; the same results bit for bit; for algorithms "
+                        "that touch only their participants' rows), 'auto' (host when the client "
+                        "state would take more than 80%% of the memory and the algorithm allows "
+                        "it, else device)")
     g.add_argument("--no-memory-check", action="store_true",
                    help="run even when the memory plan printed at start says it will not fit")
     g.add_argument("--coordinator", default=None,
@@ -339,6 +347,7 @@ def config_from_args(args: argparse.Namespace):
                      rounds=args.rounds, seed=args.seed, eval_every=args.eval_every,
                      eval_clients=args.eval_clients, rounds_per_call=args.rounds_per_call,
                      state_dtype=args.state_dtype, data_placement=args.data_placement,
+                     state_placement=args.state_placement,
                      memory_check=not args.no_memory_check, out=out,
                      hparams=hparams, data_options=data_options, progress=not args.quiet,
                      checkpoint_every=args.checkpoint_every, resume=args.resume is not None,

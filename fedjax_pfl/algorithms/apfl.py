@@ -50,6 +50,8 @@ class State(NamedTuple):
     opt_state: Any     # per-client optimizer states of (w_k, v_k) (persist), else None
     round: jax.Array   # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("local", "alpha", "opt_state")  # per-client rows [N, ...]
+    # On the devices under --state-placement host: the α statistics read every client's α.
+    DEVICE_CLIENT_FIELDS = ("alpha",)
 
 
 def mixed_gradients(loss_fn, w: Params, v: Params, alpha: jax.Array):
@@ -119,7 +121,7 @@ def apfl(model: Model, config: base.EngineConfig, *, alpha: float, alpha_lr: flo
         return {"client": engine.evaluator.rows(data, mixed, ids),
                 "global": engine.evaluator.shared(data, state.params, ids)}
 
-    return base.Algorithm("apfl", init, round_fn, evaluate, {})
+    return base.Algorithm("apfl", init, round_fn, evaluate, {}, host_state=True)
 
 
 def _unused(updates, state, params=None):

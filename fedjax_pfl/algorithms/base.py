@@ -62,7 +62,14 @@ class EvaluateParts(NamedTuple):
 class Algorithm(NamedTuple):
     """init(key, data) -> state; round_fn(state, data, key) -> (state, metrics); evaluate(state, data).
 
-    `evaluate_parts`, where set, splits `evaluate` by what a round can change (`EvaluateParts`)."""
+    `evaluate_parts`, where set, splits `evaluate` by what a round can change (`EvaluateParts`).
+
+    `host_state` True declares that the round and the evaluation read and write per-client state
+    only through `core.gather` / `core.scatter` at the clients of the round's first
+    `Engine.sample` (or at the evaluated ids), and that every client starts from the same rows:
+    then `--state-placement host` can keep the rows off the devices (`core.hoststate`). Each
+    algorithm that declares it is checked bit for bit against device placement
+    (tests/core/test_hoststate.py)."""
 
     name: str
     init: Callable[[jax.Array, FederatedData], Any]
@@ -70,6 +77,7 @@ class Algorithm(NamedTuple):
     evaluate: Callable[[Any, FederatedData], dict[str, ClientEval]]
     hparams: Mapping[str, Any]
     evaluate_parts: EvaluateParts | None = None
+    host_state: bool = False
 
     def participants(self, state: Any, data: FederatedData, key: jax.Array) -> jax.Array:
         """The ids of the clients whose samples `round_fn(state, data, key)` reads (jit-able):
@@ -565,4 +573,4 @@ def split_fedavg(name: str, model: Model, config: EngineConfig, mask: Any) -> Al
                                  core.gather(state.heads, ids), mask)
         return {"client": engine.evaluator.rows(data, params, ids)}
 
-    return Algorithm(name, init, round_fn, evaluate, {})
+    return Algorithm(name, init, round_fn, evaluate, {}, host_state=True)

@@ -99,7 +99,7 @@ def ditto(model: Model, config: base.EngineConfig, *, lam: float, prox_step: str
         return {"global": engine.evaluator.shared(data, state.params, ids)}
 
     evaluate, parts = base.split_evaluate(evaluate_personal, evaluate_global)
-    return base.Algorithm("ditto", init, round_fn, evaluate, {}, parts)
+    return base.Algorithm("ditto", init, round_fn, evaluate, {}, parts, host_state=True)
 
 
 base.register(base.AlgorithmSpec(

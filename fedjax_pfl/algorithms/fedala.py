@@ -319,7 +319,7 @@ def fedala(model: Model, config: base.EngineConfig, *, layers: int, rand_percent
         return {"global": engine.evaluator.shared(data, state.global_params, ids)}
 
     evaluate, parts = base.split_evaluate(evaluate_personal, evaluate_global)
-    return base.Algorithm("fedala", init, round_fn, evaluate, {}, parts)
+    return base.Algorithm("fedala", init, round_fn, evaluate, {}, parts, host_state=True)
 
 
 base.register(base.AlgorithmSpec(

@@ -64,7 +64,7 @@ def fedavg(model: Model, config: base.EngineConfig, *, ft_epochs: int | None = N
         personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
         return {"client": personal, "global": global_eval}
 
-    return base.Algorithm("fedavg", init, round_fn, evaluate, {})
+    return base.Algorithm("fedavg", init, round_fn, evaluate, {}, host_state=True)
 
 
 def fedavg_ft(model: Model, config: base.EngineConfig, *, ft_epochs: int) -> base.Algorithm:

@@ -111,7 +111,7 @@ def fedavg_sar(model: Model, config: base.EngineConfig, *, cr: float, mask_fill:
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.shared(data, state.params, ids)}
 
-    return base.Algorithm("fedavg_sar", init, round_fn, evaluate, {})
+    return base.Algorithm("fedavg_sar", init, round_fn, evaluate, {}, host_state=True)
 
 
 base.register(base.AlgorithmSpec(

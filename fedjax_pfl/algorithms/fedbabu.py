@@ -100,7 +100,7 @@ def fedbabu(model: Model, config: base.EngineConfig, *, head: str, finetune_epoc
         personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
         return {"client": personal, "global": global_eval}
 
-    return base.Algorithm("fedbabu", init, round_fn, evaluate, {})
+    return base.Algorithm("fedbabu", init, round_fn, evaluate, {}, host_state=True)
 
 
 base.register(base.AlgorithmSpec(

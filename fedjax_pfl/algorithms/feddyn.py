@@ -88,7 +88,7 @@ def feddyn(model: Model, config: base.EngineConfig, *, alpha: float) -> base.Alg
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.shared(data, state.params, ids)}
 
-    return base.Algorithm("feddyn", init, round_fn, evaluate, {})
+    return base.Algorithm("feddyn", init, round_fn, evaluate, {}, host_state=True)
 
 
 base.register(base.AlgorithmSpec(

@@ -76,7 +76,7 @@ def fedprox(model: Model, config: base.EngineConfig, *, mu: float, ft_epochs: in
         personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
         return {"client": personal, "global": global_eval}
 
-    return base.Algorithm("fedprox", init, round_fn, evaluate, {})
+    return base.Algorithm("fedprox", init, round_fn, evaluate, {}, host_state=True)
 
 
 def fedprox_ft(model: Model, config: base.EngineConfig, *, mu: float, ft_epochs: int

@@ -142,7 +142,7 @@ def fedrep(model: Model, config: base.EngineConfig, *, head: str, head_epochs: i
                                  core.gather(state.heads, ids), mask)
         return {"client": engine.evaluator.rows(data, params, ids)}
 
-    return base.Algorithm("fedrep", init, round_fn, evaluate, {})
+    return base.Algorithm("fedrep", init, round_fn, evaluate, {}, host_state=True)
 
 
 base.register(base.AlgorithmSpec(

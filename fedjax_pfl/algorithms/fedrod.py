@@ -59,6 +59,9 @@ class State(NamedTuple):
     opt_state: Any        # per-client optimizer states [N, ...] (momentum_buffer=persist), else None
     round: jax.Array      # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("heads", "class_counts", "opt_state")  # per-client rows [N, ...]
+    # On the devices under --state-placement host: each client's counts differ from the start
+    # (the host store shares one initial row), and they are small (N × C int32).
+    DEVICE_CLIENT_FIELDS = ("class_counts",)
 
 
 def log_prior(counts: jax.Array) -> jax.Array:
@@ -174,7 +177,7 @@ def fedrod(model: Model, config: base.EngineConfig, *, head: str) -> base.Algori
         rows = (core.broadcast(state.params, ids.shape[0]), core.gather(state.heads, ids))
         return {"client": evaluator.rows(data, rows, ids), "global": global_eval}
 
-    return base.Algorithm("fedrod", init, round_fn, evaluate, {})
+    return base.Algorithm("fedrod", init, round_fn, evaluate, {}, host_state=True)
 
 
 base.register(base.AlgorithmSpec(

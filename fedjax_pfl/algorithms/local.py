@@ -54,7 +54,7 @@ def local(model: Model, config: base.EngineConfig) -> base.Algorithm:
         return {"client": engine.evaluator.personal(data, state.params, ids)}
 
     evaluate, parts = base.split_evaluate(evaluate_personal)
-    return base.Algorithm("local", init, round_fn, evaluate, {}, parts)
+    return base.Algorithm("local", init, round_fn, evaluate, {}, parts, host_state=True)
 
 
 base.register(base.AlgorithmSpec(

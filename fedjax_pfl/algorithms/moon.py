@@ -170,7 +170,7 @@ def moon(model: Model, config: base.EngineConfig, *, mu: float = 1.0, tau: float
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.shared(data, state.params, ids)}
 
-    return base.Algorithm("moon", init, round_fn, evaluate, {})
+    return base.Algorithm("moon", init, round_fn, evaluate, {}, host_state=True)
 
 
 base.register(base.AlgorithmSpec(

@@ -113,7 +113,7 @@ def perfedavg(model: Model, config: base.EngineConfig, *, variant: str, alpha: f
         personal = engine.evaluate_after_training(adapter, data, state.params, key, ids)
         return {"client": personal, "global": global_eval}
 
-    return base.Algorithm("perfedavg", init, round_fn, evaluate, {})
+    return base.Algorithm("perfedavg", init, round_fn, evaluate, {}, host_state=True)
 
 
 base.register(base.AlgorithmSpec(

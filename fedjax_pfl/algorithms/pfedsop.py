@@ -131,7 +131,7 @@ def pfedsop(
         return {"client": engine.evaluator.personal(data, state.clients.x, ids)}
 
     evaluate, parts = base.split_evaluate(evaluate_personal)
-    return base.Algorithm("pfedsop", init, round_fn, evaluate, {}, parts)
+    return base.Algorithm("pfedsop", init, round_fn, evaluate, {}, parts, host_state=True)
 
 
 base.register(base.AlgorithmSpec(

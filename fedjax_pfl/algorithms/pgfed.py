@@ -62,6 +62,8 @@ class State(NamedTuple):
     global_params: Params     # θ_g                                            leaves [...]
     round: jax.Array          # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("clients", "alpha", "alpha_row_sum")  # per-client rows [N, ...]
+    # Kept on the devices under --state-placement host: the α statistics read every row sum.
+    DEVICE_CLIENT_FIELDS = ("alpha_row_sum",)
 
 
 def pgfed(
@@ -110,7 +112,8 @@ def pgfed(
         c = core.gather(state.clients, idx)
         # A[S, P] at least float32 whatever the storage (--state-dtype): the α steps accumulate
         # in it, and bfloat16 would round them away.
-        alpha_sp = state.alpha[idx][:, state.prev_idx]                                  # A[S, P]
+        alpha_rows = core.gather(state.alpha, idx)                                    # A[S, :]
+        alpha_sp = alpha_rows[:, state.prev_idx]                                        # A[S, P]
         alpha_sp = alpha_sp.astype(jnp.promote_types(alpha_sp.dtype, jnp.float32))
         downloaded = jax.tree.map(lambda g: mu * jnp.tensordot(alpha_sp, g, axes=1),
                                   state.prev_grads)                                  # C = μ A G
@@ -134,14 +137,18 @@ def pgfed(
         theta = result.params
         losses, grads = full_pass(data, theta, core.gather(data.clients, idx))       # L_i, G_i
         b = mu * (losses - jax.vmap(ops.tree_vdot)(grads, theta))                     # b_i
-        block = (idx[:, None], state.prev_idx[None, :])
-        alpha = state.alpha.at[block].set(result.hook_state.astype(state.alpha.dtype))
+        # Rows S of A change, at columns P: read and written as client rows (core.gather /
+        # core.scatter), so they may wait off the devices (--state-placement host). The new
+        # entries are rounded to A's storage dtype as they would be stored.
+        new_rows = alpha_rows.at[:, state.prev_idx].set(
+            result.hook_state.astype(state.alpha.dtype).astype(alpha_rows.dtype))
+        alpha = core.scatter(state.alpha, idx, new_rows)
         # The α statistics in O(M·N), never an N×N temporary: only rows S changed.
         real = data.num_real_clients
-        new_row_sums = jnp.sum(alpha[idx, :real].astype(alpha_sp.dtype), axis=1)
+        new_row_sums = jnp.sum(new_rows[:, :real].astype(alpha_sp.dtype), axis=1)
         row_sum = state.alpha_row_sum.at[idx].set(new_row_sums.astype(state.alpha_row_sum.dtype))
-        zeros = (state.alpha_zeros + jnp.sum(alpha[block] == 0) - jnp.sum(state.alpha[block] == 0)
-                 ).astype(jnp.int32)
+        zeros = (state.alpha_zeros + jnp.sum(new_rows[:, state.prev_idx] == 0)
+                 - jnp.sum(alpha_rows[:, state.prev_idx] == 0)).astype(jnp.int32)
         rows = ClientState(theta, result.opt_state if engine.persist_opt_state else None, aux,
                            c.aux_set | has_prev)
         clients = core.scatter(state.clients, idx, rows)
@@ -167,7 +174,7 @@ def pgfed(
         return {"global": engine.evaluator.shared(data, state.global_params, ids)}
 
     evaluate, parts = base.split_evaluate(evaluate_personal, evaluate_global)
-    return base.Algorithm("pgfed", init, round_fn, evaluate, {}, parts)
+    return base.Algorithm("pgfed", init, round_fn, evaluate, {}, parts, host_state=True)
 
 
 def pgfed_plain(model: Model, config: base.EngineConfig, *, mu: float, alpha_lr: float

@@ -113,7 +113,7 @@ def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.shared(data, state.params, ids)}            # A6
 
-    return base.Algorithm("scaffold", init, round_fn, evaluate, {})
+    return base.Algorithm("scaffold", init, round_fn, evaluate, {}, host_state=True)
 
 
 base.register(base.AlgorithmSpec(

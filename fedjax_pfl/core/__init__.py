@@ -41,6 +41,7 @@ from fedjax_pfl.core.local import (
 )
 from fedjax_pfl.core.metrics import History, summarize
 from fedjax_pfl.core.streaming import DATA_PLACEMENTS, Stream
+from fedjax_pfl.core.hoststate import STATE_PLACEMENTS, ClientRows, ClientStore, HostState
 from fedjax_pfl.core.program import (
     STATE_DTYPES,
     CachedEvaluation,
@@ -59,5 +60,5 @@ __all__ = [
     "single_device_clients",
     "AUTO_EVAL_BATCH", "ClientEval", "Evaluator", "FullPass", "auto_eval_batch", "LocalResult", "LocalTrainer", "add_aux_gradient",
     "epoch_permutation", "masked_mean", "masked_mean_loss", "steps_per_epoch", "History", "summarize",
-    "DATA_PLACEMENTS", "Stream", "STATE_DTYPES", "CachedEvaluation", "MemoryPlan", "MemoryPlanError", "Program", "check_memory", "prepare_data",
+    "DATA_PLACEMENTS", "Stream", "STATE_PLACEMENTS", "ClientRows", "ClientStore", "HostState", "STATE_DTYPES", "CachedEvaluation", "MemoryPlan", "MemoryPlanError", "Program", "check_memory", "prepare_data",
 ]

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fedjax_pfl.core.clients import gather
 from fedjax_pfl.core.analysis import compiled_for_analysis, traced_bounds
 from fedjax_pfl.core.execution import EAGER_BACKENDS, ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.core.placement import balanced_order
@@ -146,8 +147,8 @@ class Evaluator:
         """Client i's model params[i] on client i's test split, for every client (params leaves
         [N, ...]) or for the clients `ids` (then the result has leading axis len(ids))."""
         clients = data.clients
-        if ids is not None:
-            params, clients = _rows(params, ids), _rows(clients, ids)
+        if ids is not None:        # core.gather: client state may be held as ClientRows
+            params, clients = gather(params, ids), _rows(clients, ids)
         return self._personal(data, params, clients, self.batch_for(data))
 
     def rows(self, data: FederatedData, params: Params, ids: jax.Array) -> ClientEval:

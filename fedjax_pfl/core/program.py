@@ -9,6 +9,10 @@
     With device placement the dataset is replicated (every device can train any client); with
     host placement (`core.streaming`) it stays in host memory and each round's participants'
     samples are moved to the devices, the next round's in the background.
+  * with host state placement (`core.hoststate`) the per-client rows wait in a copy-on-write
+    host store instead; the state the runner holds is then a `HostState` (device leaves and the
+    store), each call's participants' rows are moved to the devices and back, and checkpoints
+    take the store as host arrays (`checkpoint_parts`, `restored`).
   * the algorithm's `round_fn` is jitted with the state donated and its shardings kept; with
     `rounds_per_call` = K, K rounds run in one `lax.scan` (sampling and metrics on device), which
     removes the per-round dispatch that dominates small models.
@@ -20,6 +24,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 from typing import Any, Callable
@@ -32,8 +37,10 @@ from jax.sharding import Mesh
 from fedjax_pfl.core.clients import num_sampled_clients
 from fedjax_pfl.core.execution import ClientError
 from fedjax_pfl.core.placement import (cast_client_leaves, client_mask, client_shardings, to_host,
-                                       client_state_bytes, replicate)
-from fedjax_pfl.core.streaming import DATA_PLACEMENTS, Stream
+                                       client_state_bytes, replicate, replicated_sharding)
+from fedjax_pfl.core import hoststate
+from fedjax_pfl.core.hoststate import STATE_PLACEMENTS, HostClients, HostState
+from fedjax_pfl.core.streaming import DATA_PLACEMENTS, Stream, key_bytes, in_groups
 
 Params = Any
 STATE_DTYPES = ("float32", "bfloat16")
@@ -61,6 +68,9 @@ class MemoryPlan:
     data_placement: str = "device"
     data_whole: int = 0            # the whole dataset's bytes (on each device, or on the host)
     compiled: bool = True          # False: the working sets are not known yet (0 here)
+    state_placement: str = "device"
+    host_row_bytes: int = 0        # host placement: one client's rows in the host store
+    world_rows: int = 0            # host placement: client rows on each device (a call's world)
 
     @property
     def per_device(self) -> int:
@@ -104,6 +114,12 @@ class MemoryPlan:
         if not self.compiled:
             lines.append("  working set not known yet: Program.compile first (a round's "
                          "temporaries can be as large as the client state)")
+        if self.state_placement == "host":
+            lines.append(
+                f"  client state on the host: {mb(self.host_row_bytes)} per client that a round "
+                f"has written (copy-on-write: the others share one initial row); each call moves "
+                f"its participants' rows to every device ({self.world_rows} clients, "
+                f"{mb(self.world_rows * self.host_row_bytes)}, counted in the client state above)")
         if self.data_placement == "host":
             lines.append(f"  data on the host ({mb(self.data_whole)}); on each device only the "
                          f"streamed buffers ({mb(self.data)}: this round's and the next round's "
@@ -160,11 +176,15 @@ class Program:
         participants' samples moved to the devices, the next call's gathered and transferred
         in the background (`core.streaming`); bit for bit the rounds of "device". "auto": device
         when the dataset and the client state fit in 80 % of the available memory, else host.
+      state_placement: where the per-client state rows wait. "device": sharded over the devices.
+        "host": a host store (`core.hoststate`), for algorithms that declare
+        `Algorithm.host_state`; bit for bit the rounds of "device". "auto": host when allowed
+        and the client state would take more than 80 % of the available memory.
     """
 
     def __init__(self, algo, data, *, mesh: Mesh | None, jit: bool = True,
                  state_dtype: str = "float32", rounds_per_call: int = 1,
-                 data_placement: str = "device"):
+                 data_placement: str = "device", state_placement: str = "device"):
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"--state-dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
         if rounds_per_call < 1:
@@ -176,6 +196,9 @@ class Program:
                              f"got {data_placement!r}")
         if data_placement == "host" and not jit:
             raise ValueError("--data-placement host needs a vectorised --backend (not loop)")
+        if state_placement not in STATE_PLACEMENTS:
+            raise ValueError(f"--state-placement must be one of {list(STATE_PLACEMENTS)}, "
+                             f"got {state_placement!r}")
         self.data_whole_bytes = _nbytes((data.x, data.y))
         data = data.pad_clients(mesh.size) if mesh is not None else data
         key_spec = jax.eval_shape(lambda: jax.random.key(0))
@@ -186,9 +209,13 @@ class Program:
             # An init that needs concrete data (FedPC builds its kNN graph on the host, so its
             # state's shapes depend on the data): it runs eagerly, once, in `init`.
             abstract = None
+        state_placement = _choose_state_placement(state_placement, algo, abstract, data, mesh,
+                                                  jit)
         if data_placement == "auto":
-            fits = _device_data_fits(data, 0 if abstract is None else _nbytes(abstract), mesh)
+            state_bytes = 0 if abstract is None or state_placement == "host" else _nbytes(abstract)
+            fits = _device_data_fits(data, state_bytes, mesh)
             data_placement = "host" if jit and not fits else "device"
+        self.state_placement = state_placement
         self.data_placement = data_placement
         self.stream: Stream | None = None
         if data_placement == "host":
@@ -209,9 +236,20 @@ class Program:
         self.shardings = None
         self._compiled: dict = {}
         self._update_shardings()
+        self.eval_group = min(default_eval_group(algo, data), self.num_clients)
+        self.host: HostClients | None = None
+        self._probe = self._jitted_probe() if "host" in (data_placement, state_placement) else None
         if data_placement == "host":
-            self.stream = Stream(data, self._jitted_probe(), mesh,
-                                 eval_group=default_eval_group(algo, data))
+            self.stream = Stream(data, self._probe, mesh, eval_group=self.eval_group)
+        if state_placement == "host":
+            self.host = HostClients(self.abstract_state, client_mask(self.abstract_state))
+        self._clients_per_round: int | None = None
+        # Host state: the next call's rows gathered in the background (False: for measuring it).
+        self.prefetch_rows = True
+        self._rows_pool = None
+        self._rows_pending = None
+        self._rows_written = np.zeros(0, np.int64)
+        self.rows_hits = self.rows_misses = 0
 
     def _jitted_probe(self) -> Callable:
         """(clients, round_keys, first, count) -> [count, M] the rounds' participants
@@ -286,6 +324,8 @@ class Program:
         """The algorithm's initial state, created directly in its sharded layout."""
         if not self.jit:
             return self._store(self.algo.init(key, self.data))
+        if self.host is not None:
+            return self._host_init(key)
         if not self.traceable_init:
             return self._eager_init(key)
         fn = self._jitted("init", lambda k, d: self._store(self.algo.init(k, d)),
@@ -304,6 +344,8 @@ class Program:
                 raise ClientError(e.stage, client=e.client, row=e.row, cause=e.cause,
                                   round=e.round) from e.cause
             return state, [jax.device_get(m)]
+        if self.host is not None:
+            return self._run_host(state, round_keys, first, count)
         fn = self._round_function(count)
         if self.stream is not None:
             return self._run_streamed(fn, state, round_keys, first, count)
@@ -316,15 +358,277 @@ class Program:
         # Stage the next call's rounds while these train (the last call's prefetch goes unused).
         self.stream.prefetch(round_keys, first + count, count)
         per_round = _per_round(jax.device_get(m), count)
+        self._check_sampled(per_round, staged.ids, first)
+        return state, per_round
+
+    def _check_sampled(self, per_round: list[dict], ids: np.ndarray, first: int) -> None:
+        """Every client a round reports as sampled was among the participants moved to the
+        devices before it ran."""
         for i, row in enumerate(per_round):
             sampled = np.asarray(row["sampled"]).ravel()
-            if not np.isin(sampled, staged.ids[i]).all():
+            if not np.isin(sampled, ids[i]).all():
                 raise RuntimeError(
-                    f"round {first + i + 1} trained clients {np.setdiff1d(sampled, staged.ids[i])[:8]} "
+                    f"round {first + i + 1} trained clients {np.setdiff1d(sampled, ids[i])[:8]} "
                     f"that were not among the participants moved to the devices: "
                     f"{self.algo.name}'s sampling depends on more than its key and the clients' "
-                    "counts; run it with --data-placement device")
-        return state, per_round
+                    "counts; run it with --data-placement device --state-placement device")
+
+    # -- client state on the host (core.hoststate) -----------------------------------------------
+
+    def _call_participants(self, round_keys: jax.Array, first: int, count: int) -> np.ndarray:
+        """[count, M] participants of rounds first … first + count − 1 (the probe)."""
+        if self.stream is not None:
+            ids = self.stream.participants(round_keys, first, count)
+        else:
+            ids = np.asarray(jax.device_get(self._probe(
+                self.data.clients, round_keys, jnp.asarray(first, jnp.int32), count)), np.int64)
+        self._clients_per_round = int(ids.shape[-1])
+        return ids
+
+    def _world_size(self, count: int) -> int:
+        return min(count * self._clients_per_round, self.num_clients)
+
+    def _put_rows(self, rows: list[np.ndarray]) -> list:
+        """A world's host rows on the devices (whole on each: they are few)."""
+        if self.mesh is None:
+            return jax.device_put(rows)
+        return jax.device_put(rows, replicated_sharding(self.mesh))
+
+    def _host_init(self, key: jax.Array) -> HostState:
+        """The device leaves of the initial state, and a store whose initial rows are every
+        client's (checked on the first, second and last real client: they must be equal)."""
+        real = self.data.num_real_clients
+        probe = jnp.asarray(sorted({0, min(1, real - 1), real - 1}), jnp.int32)
+
+        def fn(k, d):
+            dev, host = self.host.split(jax.tree.leaves(self._store(self.algo.init(k, d))))
+            return dev, [h[probe] for h in host]
+
+        kwargs = {}
+        if self.mesh is not None:
+            kwargs["out_shardings"] = (self._device_shardings(), self._replicated())
+        dev, samples = self._jitted("host_init", fn, **kwargs)(key, self.data)
+        initial = []
+        for path, rows in zip(self.host.host_paths, jax.device_get(samples)):
+            rows = np.asarray(rows)
+            if not all(_same_bits(rows[0], r) for r in rows[1:]):
+                raise ValueError(
+                    f"{self.algo.name}'s init gives clients different initial rows of {path}: "
+                    "--state-placement host keeps one initial row shared by every client "
+                    "(use --state-placement device)")
+            initial.append(rows[0])
+        return HostState(list(dev), hoststate.ClientStore(initial, self.num_clients))
+
+    def _device_shardings(self):
+        if self.shardings is None:
+            return None
+        return self.host.split(jax.tree.leaves(self.shardings))[0]
+
+    def _host_call(self, one: Callable, count: int, streamed: bool) -> Callable:
+        """(dev, rows, ids, data, round_keys, first) -> (dev, rows, metrics, miss): `count`
+        rounds of `one` over a client world (a lax.scan when count > 1)."""
+        def call(dev, rows, ids, data, round_keys, first):
+            if count == 1:
+                return one(dev, rows, ids, data, round_keys, first)
+
+            def body(carry, xs):
+                i, round_data = xs if streamed else (xs, data)
+                dev, rows, m, miss = one(*carry, ids, round_data, round_keys, first + i)
+                return (dev, rows), (m, miss)
+
+            steps = jnp.arange(count, dtype=jnp.int32)
+            (dev, rows), (m, miss) = jax.lax.scan(body, (dev, rows),
+                                                  (steps, data) if streamed else steps)
+            return dev, rows, m, jnp.any(miss)
+
+        return call
+
+    def _host_round_function(self, count: int) -> Callable:
+        if count == self.rounds_per_call and getattr(self, "_round_compiled", None) is not None:
+            return self._round_compiled
+        host, name = self.host, f"{self.algo.name}'s round_fn"
+
+        def one(dev, rows, ids, data, round_keys, r):
+            token, found = hoststate.collect_misses()
+            try:
+                state = host.wrap(dev, rows, ids)
+                state, metrics = self.algo.round_fn(state, data, jax.random.fold_in(round_keys, r))
+                dev, rows = host.unwrap(state, ids, name)
+                miss = hoststate.any_miss(found)
+            finally:
+                hoststate.release_misses(token)
+            return self._store_device(dev), rows, metrics, miss
+
+        kwargs = {}
+        if self.mesh is not None:
+            rep = self._replicated()
+            kwargs["out_shardings"] = (self._device_shardings(), rep, rep, rep)
+        return self._jitted(f"host_rounds{count}",
+                            self._host_call(one, count, self.stream is not None and count > 1),
+                            donate_argnums=(0, 1), **kwargs)
+
+    def _store_device(self, dev: list) -> list:
+        """Resident per-client float leaves in the storage dtype (`_store` of the device part)."""
+        if self.storage is None:
+            return dev
+        client = self.host.split(self.host.is_client)[0]
+        return [x.astype(self.storage) if c and jnp.issubdtype(x.dtype, jnp.floating) else x
+                for x, c in zip(dev, client)]
+
+    def _run_host(self, state: HostState, round_keys: jax.Array, first: int, count: int):
+        staged = self.stream.take(round_keys, first, count) if self.stream is not None else None
+        ids = staged.ids if staged is not None else self._call_participants(round_keys, first, count)
+        self._clients_per_round = int(ids.shape[-1])
+        world = hoststate.world(ids, self._world_size(count), self.num_clients)
+        rows = self._put_rows(self._take_rows(state.store, round_keys, first, count, world))
+        fn = self._host_round_function(count)
+        data = staged.data if staged is not None else self.data
+        dev, rows, m, miss = fn(state.device, rows, jnp.asarray(world), data, round_keys,
+                                jnp.asarray(first, jnp.int32))
+        # While these rounds run: the next call's data, and its rows from the store (the rows
+        # this call writes are patched in when they are taken: `_take_rows`).
+        if self.stream is not None:
+            self.stream.prefetch(round_keys, first + count, count)
+        self._prefetch_rows(state.store, round_keys, first + count, count)
+        per_round = _per_round(jax.device_get(m), count)
+        self._check_rows(miss, f"rounds {first + 1}-{first + count}")
+        self._check_sampled(per_round, ids, first)
+        real = world < self.num_clients
+        new_rows = [np.asarray(r)[real] for r in jax.device_get(rows)]
+        if self._rows_pending is not None:         # the store is read there: wait before writing
+            concurrent.futures.wait([self._rows_pending])
+        state.store.put(world[real], new_rows)
+        self._rows_written = world[real]
+        return HostState(list(dev), state.store), per_round
+
+    def _gather_rows(self, store, round_keys: jax.Array, first: int, count: int):
+        """(tag, store, world, rows) of a call, gathered from the store (the prefetch's work)."""
+        ids = np.asarray(jax.device_get(self._probe(
+            self.data.clients, round_keys, jnp.asarray(first, jnp.int32), count)), np.int64)
+        world = hoststate.world(ids, self._world_size(count), self.num_clients)
+        return (key_bytes(round_keys), first, count), store, world, store.gather(world)
+
+    def _prefetch_rows(self, store, round_keys: jax.Array, first: int, count: int) -> None:
+        if not self.prefetch_rows:
+            return
+        if self._rows_pool is None:
+            self._rows_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="fedjax_pfl_rows")
+        self._rows_pending = self._rows_pool.submit(self._gather_rows, store, round_keys, first,
+                                                    count)
+
+    def _take_rows(self, store, round_keys: jax.Array, first: int, count: int,
+                   world: np.ndarray) -> list[np.ndarray]:
+        """The world's rows: the prefetched ones when they were gathered for exactly this call
+        (keys, rounds, world and store), with the rows the previous call wrote since read again;
+        otherwise gathered now."""
+        pending, self._rows_pending = self._rows_pending, None
+        if pending is not None:
+            tag, from_store, got, rows = pending.result()
+            if (tag == (key_bytes(round_keys), first, count) and from_store is store
+                    and np.array_equal(got, world)):
+                stale = np.isin(world, self._rows_written)
+                if stale.any():
+                    for r, fresh in zip(rows, store.gather(world[stale]), strict=True):
+                        r[stale] = fresh
+                self.rows_hits += 1
+                return rows
+        self.rows_misses += 1
+        return store.gather(world)
+
+    def _check_rows(self, miss, where: str) -> None:
+        if bool(jax.device_get(miss)):
+            raise RuntimeError(
+                f"{where}: {self.algo.name} read or wrote the client-state rows of a client that "
+                "was not among the participants moved to the devices; run it with "
+                "--state-placement device")
+
+    def _host_eval_function(self, name: str, fn: Callable) -> Callable:
+        if name == "evaluate" and getattr(self, "_eval_compiled_group", None) is not None:
+            return self._eval_compiled_group
+        host = self.host
+
+        def run(dev, rows, world, data, ids):
+            token, found = hoststate.collect_misses()
+            try:
+                out = fn(host.wrap(dev, rows, world), data, ids)
+                miss = hoststate.any_miss(found)
+            finally:
+                hoststate.release_misses(token)
+            return out, miss
+
+        return self._jitted(f"host_{name}", run)
+
+    def _evaluate_host(self, name: str, fn: Callable, state: HostState,
+                       ids: np.ndarray | None) -> dict:
+        run = self._host_eval_function(name, fn)
+
+        def group(padded: np.ndarray):
+            world = hoststate.world(padded, self.eval_group, self.num_clients)
+            rows = self._put_rows(state.store.gather(world))
+            data = self.stream.evaluation_data(padded) if self.stream is not None else self.data
+            out, miss = run(state.device, rows, jnp.asarray(world), data,
+                            jnp.asarray(padded, jnp.int32))
+            self._check_rows(miss, "evaluation")
+            return to_host(out)
+
+        return in_groups(group, ids, self.num_clients, self.eval_group)
+
+    def checkpoint_parts(self, state) -> tuple[Any, dict[str, np.ndarray]]:
+        """(the tree a checkpoint saves with orbax, host arrays saved beside it): the state
+        itself, or under host state placement its device leaves and its store's arrays."""
+        if self.host is None:
+            return state, {}
+        return state.device, state.store.to_arrays()
+
+    def _splitter(self) -> HostClients:
+        return self.host or HostClients(self.abstract_state, client_mask(self.abstract_state))
+
+    def checkpoint_like(self, host_arrays: dict[str, np.ndarray], like=None):
+        """What to restore a checkpoint's tree into: the device leaves of a checkpoint written
+        under host state placement (it holds a store), else the whole state (`like`, or the
+        abstract sharded state)."""
+        full = self.abstract_sharded_state() if like is None or isinstance(like, HostState) else like
+        if "store/ids" in host_arrays:
+            return self._splitter().split(jax.tree.leaves(full))[0]
+        return full
+
+    def restored(self, tree, host_arrays: dict[str, np.ndarray]):
+        """The state from a checkpoint's parts (`checkpoint_parts`), in this program's state
+        placement whichever placement wrote it (the rows are the same)."""
+        saved_host = "store/ids" in host_arrays
+        if self.host is None and not saved_host:
+            return tree
+        splitter = self._splitter()
+        if saved_host:
+            like = hoststate.ClientStore(self._host_rows_abstract(1, zeros=True, splitter=splitter),
+                                         self.num_clients)
+            store = hoststate.ClientStore.from_arrays(host_arrays, like)
+            if self.host is not None:
+                return HostState(list(tree), store)
+            # Written with the rows on the host, resumed with them on the devices.
+            state = splitter.treedef.unflatten(
+                splitter.join(list(tree), store.gather(np.arange(self.num_clients))))
+            return jax.device_put(state, self.shardings) if self.shardings is not None else \
+                jax.device_put(state)
+        # Written with the rows on the devices, resumed with them on the host: every row is kept.
+        dev, host = splitter.split(jax.tree.leaves(tree))
+        host = [np.asarray(a) for a in to_host(host)]
+        store = hoststate.ClientStore([a[0] for a in host], self.num_clients)
+        store.put(np.arange(self.num_clients), host)
+        return HostState(list(dev), store)
+
+    def _host_rows_abstract(self, size: int, zeros: bool = False,
+                            splitter: HostClients | None = None) -> list:
+        out = []
+        splitter = splitter or self.host
+        for a in splitter.split(splitter.abstract)[1]:
+            if zeros:
+                out.append(np.zeros(a.shape[1:], a.dtype))
+            else:
+                out.append(jax.ShapeDtypeStruct((size,) + tuple(a.shape[1:]), a.dtype,
+                                                sharding=self._replicated()))
+        return out
 
     def _round_function(self, count: int) -> Callable:
         if count == self.rounds_per_call and getattr(self, "_round_compiled", None) is not None:
@@ -338,7 +642,8 @@ class Program:
 
     def evaluate(self, state: Params, ids: np.ndarray | None = None) -> dict:
         """The algorithm's evaluation (every client, or the clients `ids`), on the host."""
-        if ids is None and self.stream is None and getattr(self, "_eval_compiled", None) is not None:
+        if (ids is None and self.stream is None and self.host is None
+                and getattr(self, "_eval_compiled", None) is not None):
             return to_host(self._eval_compiled(state, self.data))
         return self._evaluate_with("evaluate", self.algo.evaluate, state, ids)
 
@@ -348,6 +653,8 @@ class Program:
                                    state, ids)
 
     def _evaluate_with(self, name: str, fn: Callable, state: Params, ids: np.ndarray | None) -> dict:
+        if self.host is not None:
+            return self._evaluate_host(name, fn, state, ids)
         if self.stream is not None:       # groups of clients, their samples moved group by group
             run = self._jitted(f"{name}_ids", lambda s, d, i: fn(s, d, i))
             if name == "evaluate" and getattr(self, "_eval_compiled_group", None) is not None:
@@ -370,6 +677,9 @@ class Program:
             raise RuntimeError("this algorithm's init needs concrete data: call init(key) first "
                                "(Program.traceable_init is False)")
         abstract = self.abstract_sharded_state()
+        if self.host is not None:
+            self._compile_host(round_keys, self.host.split(jax.tree.leaves(abstract))[0])
+            return time.perf_counter() - t0
         fn = self._round_function(self.rounds_per_call)
         if self.stream is not None:
             self.stream.participants(round_keys, 0, 1)           # learns M, hence the buffer size
@@ -385,6 +695,23 @@ class Program:
         ev = self._jitted("evaluate", lambda s, d: self.algo.evaluate(s, d))
         self._eval_compiled = ev.lower(abstract, self.data).compile()
         return time.perf_counter() - t0
+
+    def _compile_host(self, round_keys: jax.Array, abstract_dev: list) -> None:
+        k = self.rounds_per_call
+        self._call_participants(round_keys, 0, 1)                   # learns M
+        size = self._world_size(k)
+        world = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self._replicated())
+        data = self.stream.abstract(k) if self.stream is not None else self.data
+        fn = self._host_round_function(k)
+        self._round_compiled = fn.lower(abstract_dev, self._host_rows_abstract(size), world, data,
+                                        round_keys, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        g = self.eval_group
+        ev = self._host_eval_function("evaluate", self.algo.evaluate)
+        data = self.stream.abstract_evaluation() if self.stream is not None else self.data
+        self._eval_compiled_group = ev.lower(
+            abstract_dev, self._host_rows_abstract(g),
+            jax.ShapeDtypeStruct((g,), jnp.int32, sharding=self._replicated()), data,
+            jax.ShapeDtypeStruct((g,), jnp.int32)).compile()
 
     @property
     def is_compiled(self) -> bool:
@@ -413,17 +740,27 @@ class Program:
                 else:
                     evaluating = max(evaluating, int(analysis.temp_size_in_bytes))
         platform = jax.local_devices()[0].platform
+        client_per_device = int(per_client) * self.num_clients // devices
+        host_row = world = 0
+        if self.host is not None:        # on the devices: resident rows (sharded) and the world
+            host_row = sum(int(np.prod(a.shape[1:])) * _itemsize(a.dtype)
+                           for a in self.host.split(self.host.abstract)[1])
+            per_client = int(per_client) - host_row
+            world = max(self._world_size(self.rounds_per_call) if self._clients_per_round else 0,
+                        self.eval_group)
+            client_per_device = int(per_client) * self.num_clients // devices + world * host_row
         local = devices if self.mesh is None else sum(
             d.process_index == jax.process_index() for d in self.mesh.devices.flat)
         return MemoryPlan(
             devices=devices, platform=platform, num_clients=self.num_clients,
             state_per_client=int(per_client),
-            client_state_per_device=int(per_client) * self.num_clients // devices,
+            client_state_per_device=client_per_device,
             replicated_state=int(replicated),
             data=self.stream.bytes_on_device() if self.stream is not None else _nbytes(self.data),
             working_set=working, eval_working_set=evaluating, available=available_memory(platform),
             local_devices=int(local), data_placement=self.data_placement,
-            data_whole=self.data_whole_bytes, compiled=self.is_compiled or not self.jit)
+            data_whole=self.data_whole_bytes, compiled=self.is_compiled or not self.jit,
+            state_placement=self.state_placement, host_row_bytes=host_row, world_rows=world)
 
 
 class CachedEvaluation:
@@ -501,6 +838,41 @@ def _device_data_fits(data, state_bytes: int, mesh: Mesh | None) -> bool:
         return True
     sharing = min(devices, jax.local_device_count()) if platform == "cpu" else 1
     return (_nbytes((data.x, data.y)) * sharing + state_bytes) <= 0.8 * available
+
+
+def _choose_state_placement(placement: str, algo, abstract, data, mesh, jit: bool) -> str:
+    """"host" or "device" for --state-placement `placement`. "host" needs a vectorised backend,
+    a traceable init, an algorithm that declares `host_state` and one process (ValueError naming
+    the reason otherwise); "auto" picks "host" only where all of that holds and the client
+    state alone would take more than 80 % of the available memory."""
+    if placement == "device":
+        return "device"
+    reasons = []
+    if not jit:
+        reasons.append("a vectorised --backend (not loop)")
+    if abstract is None:
+        reasons.append("an init that can be traced (this algorithm's init needs concrete data)")
+    if not getattr(algo, "host_state", False):
+        reasons.append(f"an algorithm whose rounds touch client state only through core.gather / "
+                       f"core.scatter at the round's participants ({algo.name} does not declare "
+                       "Algorithm.host_state: it reads other clients' rows, updates every client "
+                       "each round, or starts clients from different rows)")
+    if jax.process_count() > 1:
+        reasons.append("a single process (several processes: not supported yet)")
+    if placement == "host":
+        if reasons:
+            raise ValueError("--state-placement host needs " + "; and ".join(reasons))
+        return "host"
+    if reasons:
+        return "device"
+    platform = jax.local_devices()[0].platform
+    available = available_memory(platform)
+    return "host" if available > 0 and _nbytes(abstract) > 0.8 * available else "device"
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def _on_host(a) -> np.ndarray:

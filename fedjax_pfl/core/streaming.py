@@ -47,7 +47,7 @@ def top_sum(counts: np.ndarray, m: int) -> int:
     return int(np.sort(np.asarray(counts, np.int64))[::-1][:m].sum())
 
 
-def _key_bytes(keys: jax.Array) -> bytes:
+def key_bytes(keys: jax.Array) -> bytes:
     return np.asarray(jax.random.key_data(keys)).tobytes()
 
 
@@ -177,7 +177,7 @@ class Stream:
         parts = [self._local(ids[k], False, self.round_rows) for k in range(count)]
         host = tuple(np.stack(p) if count > 1 else p[0] for p in zip(*parts))
         data = self._as_data(*self._put(host), clients=self._clients_for(count))
-        return Staged((_key_bytes(round_keys), first, count), ids, data)
+        return Staged((key_bytes(round_keys), first, count), ids, data)
 
     def _abstract(self, rows: int, count: int = 1):
         """Shapes of staged data of `rows` buffer rows (a leading axis of `count` rounds when
@@ -211,7 +211,7 @@ class Stream:
     def take(self, round_keys: jax.Array, first: int, count: int) -> Staged:
         """The staged call for these rounds: the prefetched one when it is for exactly these
         round keys and rounds, otherwise staged now."""
-        tag = (_key_bytes(round_keys), first, count)
+        tag = (key_bytes(round_keys), first, count)
         pending, self._pending = self._pending, None
         if pending is not None:
             staged = pending.result()
@@ -240,19 +240,13 @@ class Stream:
         return self._abstract(self.eval_rows)
 
     def evaluate(self, run: Callable, ids: np.ndarray | None) -> dict:
-        """`run(data, ids)` over groups of `eval_group` clients (the last padded with its first
-        id), the per-client results concatenated on the host in the order of `ids`."""
+        """`run(data, ids)` over groups of `eval_group` clients (`in_groups`), each group's
+        samples moved to the devices first."""
         from fedjax_pfl.core.placement import to_host
 
-        want = np.arange(self.num_clients) if ids is None else np.asarray(ids, np.int64)
-        g = self.eval_group
-        parts = []
-        for at in range(0, want.size, g):
-            group = want[at:at + g]
-            padded = np.concatenate([group, np.full(g - group.size, group[0])])
-            out = to_host(run(self.evaluation_data(padded), jnp.asarray(padded, jnp.int32)))
-            parts.append(jax.tree.map(lambda a, k=group.size: np.asarray(a)[:k], out))
-        return jax.tree.map(lambda *a: np.concatenate(a), *parts)
+        return in_groups(lambda padded: to_host(run(self.evaluation_data(padded),
+                                                    jnp.asarray(padded, jnp.int32))),
+                         ids, self.num_clients, self.eval_group)
 
     def bytes_on_device(self) -> int:
         """The streamed buffers' bytes per device: the round being trained and the next one, or
@@ -264,3 +258,17 @@ class Stream:
     def close(self) -> None:
         self.cancel()
         self._pool.shutdown(wait=False)
+
+
+def in_groups(run: Callable, ids: np.ndarray | None, num_clients: int, group: int) -> dict:
+    """`run(padded)` (host results with leading axis `group`) over groups of `group` clients of
+    `ids` (default: all), the last group padded with its first id; the per-client results
+    concatenated in the order of `ids`."""
+    want = np.arange(num_clients) if ids is None else np.asarray(ids, np.int64)
+    parts = []
+    for at in range(0, want.size, group):
+        part = want[at:at + group]
+        padded = np.concatenate([part, np.full(group - part.size, part[0])])
+        out = run(padded)
+        parts.append(jax.tree.map(lambda a, k=part.size: np.asarray(a)[:k], out))
+    return jax.tree.map(lambda *a: np.concatenate(a), *parts)

@@ -87,9 +87,12 @@ def save(cfg, out: str, state, prog: Progress, prep, wall: float) -> str:
                      "wall_time": prog.previous_wall + wall},
         "config": config_record(cfg, prep.hparams, prep.model_name, {}),
     }
+    # Under --state-placement host the client rows wait in a host store: they are saved as host
+    # arrays beside the device leaves (`Program.checkpoint_parts`).
+    tree, store = prep.program.checkpoint_parts(state)
     with deferred_signals():
-        compute(checkpoint.save, path, state, metadata=metadata,
-                host=prog.host_arrays(prep.data.num_real_clients))
+        compute(checkpoint.save, path, tree, metadata=metadata,
+                host={**prog.host_arrays(prep.data.num_real_clients), **store})
         prog.checkpoint_round = prog.round
         if jax.process_index() == 0:
             for old in completed(out)[:-KEEP]:
@@ -101,7 +104,8 @@ def load(path: str, like, prep) -> tuple[Any, Progress, jax.Array, int]:
     """(state, Progress, round keys, next round) from a checkpoint written by `save`."""
     meta = checkpoint.read_metadata(path)
     host = checkpoint.read_host(path)
-    state = compute(checkpoint.restore, path, like)
+    like = prep.program.checkpoint_like(host, like)
+    state = prep.program.restored(compute(checkpoint.restore, path, like), host)
     history = core.History(prep.data.num_real_clients)
     history.rounds = [dict(r) for r in meta["history"]]
     history.best_when_sampled = np.asarray(host["best_when_sampled"], np.float64).copy()

@@ -20,10 +20,11 @@ from fedjax_pfl.data.build import PartitionConfig
 DEFAULT_CHECKPOINT_EVERY = 10
 # Configuration that may change when a run is resumed (everything else must match).
 # model_conv changes float rounding only (the same convolution, computed another way).
-# (--data-placement moves the same samples: the rounds are the same bit for bit either way.)
+# (--data-placement and --state-placement move the same samples and rows: the rounds are the
+# same bit for bit either way.)
 RESUMABLE_CHANGES = ("rounds", "out", "progress", "memory_check", "checkpoint_every", "resume",
                      "overwrite", "target_acc", "model_conv", "log", "checkpoint_on_signal",
-                     "data_placement")
+                     "data_placement", "state_placement")
 # Models whose strided stages collapse small images (8×8 digits) to 1×1: they train at chance.
 MIN_IMAGE_SIDE = {"resnet9": 16, "resnet18": 16}
 
@@ -55,6 +56,7 @@ class RunConfig:
     rounds_per_call: int = 1
     state_dtype: str = "float32"
     data_placement: str = "auto"          # where client samples wait between rounds (core.streaming)
+    state_placement: str = "auto"         # where client state rows wait between rounds (core.hoststate)
     memory_check: bool = True
     out: str | None = None
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -109,6 +111,9 @@ class RunConfig:
         if self.data_placement not in core.DATA_PLACEMENTS:
             raise ValueError(f"--data-placement must be one of {list(core.DATA_PLACEMENTS)}, "
                              f"got {self.data_placement!r}")
+        if self.state_placement not in core.STATE_PLACEMENTS:
+            raise ValueError(f"--state-placement must be one of {list(core.STATE_PLACEMENTS)}, "
+                             f"got {self.state_placement!r}")
         if self.eval_every % self.rounds_per_call:
             raise ValueError(f"--eval-every {self.eval_every} must be a multiple of "
                              f"--rounds-per-call {self.rounds_per_call} (evaluation runs between calls)")
@@ -218,13 +223,15 @@ def resume_conflicts(cfg: RunConfig, hparams: dict, model_name: str, saved: dict
                     flag = flags.get((key, sub), f"--{sub.replace('_', '-')}")
                     return (f"--resume: the run in {cfg.out} was made with {flag} {b.get(sub)!r}, "
                             f"not {a.get(sub)!r} (only --rounds, --checkpoint-every, --target-acc, "
-                            "--conv, --log, --checkpoint-on-signal, --data-placement, --quiet and --no-memory-check "
+                            "--conv, --log, --checkpoint-on-signal, --data-placement, --state-placement, --quiet and "
+                            "--no-memory-check "
                             "may change)")
         elif a != b and not _same_number(a, b):
             flag = flags.get((key, None), f"--{key.replace('_', '-')}")
             return (f"--resume: the run in {cfg.out} was made with {flag} {b!r}, not {a!r} "
                     "(only --rounds, --checkpoint-every, --target-acc, --conv, --log, "
-                    "--checkpoint-on-signal, --data-placement, --quiet and --no-memory-check may "
+                    "--checkpoint-on-signal, --data-placement, --state-placement, --quiet and "
+                    "--no-memory-check may "
                     "change)")
     return None
 

@@ -112,8 +112,10 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
     vectorised = hparams["backend"] not in core.EAGER_BACKENDS
     mesh = core.client_mesh() if vectorised else None
     placement = cfg.data_placement if vectorised else "device"   # the loop backend: on device
+    state_placement = cfg.state_placement if vectorised else "device"
     program = core.Program(algo, data, mesh=mesh, jit=vectorised, state_dtype=cfg.state_dtype,
-                           rounds_per_call=cfg.rounds_per_call, data_placement=placement)
+                           rounds_per_call=cfg.rounds_per_call, data_placement=placement,
+                           state_placement=state_placement)
     data = program.data                           # placed by the program (padded, replicated)
     root = jax.random.key(cfg.seed)
     subset = parse_eval_clients(cfg.eval_clients)

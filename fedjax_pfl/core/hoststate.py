@@ -1,0 +1,298 @@
+"""Client state off the devices (`--state-placement host`): the N-row client state waits in a
+host store, and each call of the round sees only its participants' rows.
+
+With device placement every per-client leaf is an [N, ...] array sharded over the devices. With
+host placement the declared per-client fields (`CLIENT_FIELDS`, less the ones a state class keeps
+on the devices in `DEVICE_CLIENT_FIELDS`) live in a `ClientStore` on the host, and a call runs
+in a COMPACT CLIENT WORLD:
+
+  1. the call's participants P (its rounds' `Algorithm.participants`, sorted, padded with the
+     id N to a fixed count) are known before it starts;
+  2. their rows are gathered from the store and moved to the devices: [|P|, ...] per leaf;
+  3. inside the round each such leaf is a `ClientRows(ids=P, rows)`, which `core.gather` and
+     `core.scatter` index BY CLIENT ID (the position of id i in P), so the round's code, written
+     for [N, ...] leaves and global ids, runs unchanged and computes the same bits;
+  4. after the call the participants' rows go back into the store.
+
+A `ClientRows` is not an array: indexing it directly, or any arithmetic on it, fails at trace
+time, and a gather or scatter of an id outside P is counted and stops the run with an error. So
+an algorithm either runs exactly as with device placement or refuses loudly. An algorithm opts
+in with `Algorithm.host_state` (its round and evaluation touch client rows only through
+`core.gather` / `core.scatter`, and every client starts from the same rows).
+
+The store is copy-on-write: one initial row per leaf (every client's, checked at init) plus the
+rows of the clients some round has written, so a run's host memory grows with the clients that
+took part, not with N: a personalised model per client at N = 342,477 costs what its sampled
+clients' models cost.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Params = Any
+STATE_PLACEMENTS = ("device", "host", "auto")
+
+# The misses of one trace: a list of scalar bool tracers (an id gathered or scattered that is
+# not among the rows present). The program sets it around the round and returns their "or".
+_MISSES: contextvars.ContextVar[list | None] = contextvars.ContextVar("fedjax_pfl_row_misses",
+                                                                     default=None)
+
+
+class ClientRows:
+    """The rows of one per-client leaf for the clients `ids` only ([C] int32, sorted ascending;
+    entries equal to N pad the world to a fixed size and are never asked for).
+
+    Stands where an [N, ...] leaf stands in a round's state; `core.gather` / `core.scatter` call
+    `take` / `put`. It is deliberately not an array (no indexing, no arithmetic)."""
+
+    __slots__ = ("ids", "rows")
+
+    def __init__(self, ids: jax.Array, rows: jax.Array):
+        self.ids, self.rows = ids, rows
+
+    @property
+    def dtype(self):
+        return self.rows.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.rows.shape)
+
+    def _positions(self, idx: jax.Array) -> jax.Array:
+        idx = jnp.asarray(idx)
+        pos = jnp.clip(jnp.searchsorted(self.ids, idx), 0, self.ids.shape[0] - 1)
+        misses = _MISSES.get()
+        if misses is not None:
+            misses.append(jnp.any(self.ids[pos] != idx))
+        return pos
+
+    def take(self, idx: jax.Array) -> jax.Array:
+        """rows of the clients `idx` (global ids): [len(idx), ...]."""
+        return self.rows[self._positions(idx)]
+
+    def put(self, idx: jax.Array, values: jax.Array) -> "ClientRows":
+        """These rows with the clients `idx` set to `values` (cast to the stored dtype)."""
+        return ClientRows(self.ids, self.rows.at[self._positions(idx)].set(values.astype(self.dtype)))
+
+    def astype(self, dtype) -> "ClientRows":
+        return ClientRows(self.ids, self.rows.astype(dtype))
+
+    def __repr__(self) -> str:
+        return f"ClientRows(ids={self.ids.shape}, rows={self.rows.shape} {self.rows.dtype})"
+
+
+def collect_misses():
+    """Context for one traced call: (token, list) — the list receives each gather's miss flag."""
+    found: list = []
+    return _MISSES.set(found), found
+
+
+def release_misses(token) -> None:
+    _MISSES.reset(token)
+
+
+def any_miss(found: list) -> jax.Array:
+    return jnp.any(jnp.stack(found)) if found else jnp.zeros((), bool)
+
+
+class ClientStore:
+    """Copy-on-write host rows of the per-client leaves (NumPy).
+
+    Every client reads `initial[j]` for leaf j until a round writes its rows; a written client
+    has a slot, and `values[j][slot]` holds its rows. All leaves share the slots (a round writes
+    a client's rows of every leaf together). Storage grows by doubling, never past N.
+    """
+
+    def __init__(self, initial: list[np.ndarray], num_clients: int):
+        self.initial = [np.asarray(a) for a in initial]
+        self.num_clients = int(num_clients)
+        self.slot = np.full(self.num_clients + 1, -1, np.int64)   # + 1: the padding id N
+        self.ids = np.zeros(0, np.int64)                           # the client of each slot
+        self.values = [np.zeros((0,) + a.shape, a.dtype) for a in self.initial]
+
+    @property
+    def touched(self) -> int:
+        """Clients with rows of their own (written by some round)."""
+        return int(self.ids.size)
+
+    def row_bytes(self) -> int:
+        return int(sum(a.nbytes for a in self.initial))
+
+    def nbytes(self) -> int:
+        return int(sum(v.nbytes for v in self.values)) + self.slot.nbytes + self.row_bytes()
+
+    def gather(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Each leaf's rows of clients `ids` ([C]; the id N reads the initial row)."""
+        ids = np.asarray(ids, np.int64)
+        slots = self.slot[ids]
+        own = slots >= 0
+        out = []
+        for init, values in zip(self.initial, self.values):
+            rows = np.empty((ids.size,) + init.shape, init.dtype)
+            rows[...] = init
+            if own.any():
+                rows[own] = values[slots[own]]
+            out.append(rows)
+        return out
+
+    def put(self, ids: np.ndarray, rows: list[np.ndarray]) -> None:
+        """Writes each leaf's rows of the clients `ids` (real ids, distinct)."""
+        ids = np.asarray(ids, np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_clients):
+            raise ValueError(f"client ids outside 0 … {self.num_clients - 1}: {ids[:8]}")
+        new = ids[self.slot[ids] < 0]
+        if new.size:
+            start = self.ids.size
+            need = start + new.size
+            held = self.values[0].shape[0] if self.values else 0
+            if self.values and need > held:
+                capacity = min(self.num_clients, max(need, 2 * held, 64))
+                self.values = [_grow(v, capacity) for v in self.values]
+            self.slot[new] = np.arange(start, need)
+            self.ids = np.concatenate([self.ids, new])
+        slots = self.slot[ids]
+        for values, r in zip(self.values, rows, strict=True):
+            values[slots] = np.asarray(r).astype(values.dtype, copy=False)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """The store as named host arrays (the written clients' rows only)."""
+        out = {"store/ids": self.ids.copy()}
+        for j, (init, values) in enumerate(zip(self.initial, self.values)):
+            out[f"store/{j}/initial"] = _savable(init)
+            out[f"store/{j}/values"] = _savable(values[:self.ids.size])
+        return out
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], like: "ClientStore") -> "ClientStore":
+        """The store saved by `to_arrays`, with `like`'s dtypes and row shapes (checked)."""
+        store = cls(like.initial, like.num_clients)
+        ids = np.asarray(arrays["store/ids"], np.int64)
+        for j, init in enumerate(like.initial):
+            saved = _restored(arrays[f"store/{j}/initial"], init.dtype)
+            if saved.shape != init.shape:
+                raise ValueError(f"checkpoint: client-state leaf {j} has rows {saved.shape}, "
+                                 f"this run {init.shape}")
+            store.initial[j] = saved
+        store.put(ids, [_restored(arrays[f"store/{j}/values"], init.dtype)
+                        for j, init in enumerate(like.initial)])
+        return store
+
+
+def _grow(values: np.ndarray, capacity: int) -> np.ndarray:
+    grown = np.empty((capacity,) + values.shape[1:], values.dtype)
+    grown[:values.shape[0]] = values
+    return grown
+
+
+def _savable(a: np.ndarray) -> np.ndarray:
+    """NumPy's .npz has no bfloat16: such rows are saved as their uint16 bits."""
+    return a.view(np.uint16) if a.dtype == jnp.bfloat16 else a
+
+
+def _restored(a: np.ndarray, dtype) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(dtype) if np.dtype(dtype) == jnp.bfloat16 else a.astype(dtype, copy=False)
+
+
+def host_mask(tree: Params, client_mask: Params) -> Params:
+    """True on the per-client leaves that wait on the host: those of `client_mask` less the
+    fields a state class keeps on the devices (`DEVICE_CLIENT_FIELDS`: small per-client arrays a
+    round reads for every client, such as PGFed's α row sums)."""
+    def mark(node, mask):
+        if isinstance(node, tuple) and hasattr(type(node), "_fields"):
+            keep = set(getattr(type(node), "DEVICE_CLIENT_FIELDS", ()))
+            return type(node)(*(jax.tree.map(lambda _: False, m) if name in keep else mark(v, m)
+                                for name, v, m in zip(node._fields, node, mask)))
+        if isinstance(node, (list, tuple)):
+            return type(node)(mark(v, m) for v, m in zip(node, mask))
+        if isinstance(node, dict):
+            return type(node)((k, mark(v, mask[k])) for k, v in node.items())
+        return mask
+
+    return mark(tree, client_mask)
+
+
+def world(ids_per_round: np.ndarray, size: int, num_clients: int) -> np.ndarray:
+    """A call's compact client world: the distinct participants of its rounds, sorted, padded
+    with the id N to `size` entries (a fixed size: the round compiles once)."""
+    ids = np.unique(np.asarray(ids_per_round, np.int64).ravel())
+    if ids.size > size:
+        raise RuntimeError(f"{ids.size} participants in a call whose client world holds {size}")
+    return np.concatenate([ids, np.full(size - ids.size, num_clients, np.int64)]).astype(np.int32)
+
+
+class HostState:
+    """A run's state under host placement: the leaves that live on the devices (`device`, in
+    the state's flattened order, the host leaves left out) and the host rows (`store`).
+
+    It is what `Program.init` / `run_rounds` hand the runner in place of the state pytree;
+    `Program.checkpoint_parts` turns it into a checkpointable tree and host arrays."""
+
+    def __init__(self, device: list, store: ClientStore):
+        self.device, self.store = device, store
+
+    def __repr__(self) -> str:
+        return (f"HostState({len(self.device)} device leaves, {len(self.store.initial)} host "
+                f"leaves, {self.store.touched} clients written)")
+
+
+class HostClients:
+    """How a state pytree splits between the devices and the host store, and how a round's
+    state is assembled from the two inside a trace (`wrap`) and taken apart again (`unwrap`).
+
+    Args:
+      abstract: the state's abstract pytree (storage dtypes).
+      client_mask: `placement.client_mask` of it.
+    """
+
+    def __init__(self, abstract: Params, client_mask: Params):
+        with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        self.paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
+        self.abstract = [a for _, a in with_paths]
+        self.on_host = [bool(b) for b in jax.tree.leaves(host_mask(abstract, client_mask))]
+        self.is_client = [bool(b) for b in jax.tree.leaves(client_mask)]
+        if len(self.on_host) != len(self.abstract):
+            raise AssertionError("client mask and state disagree")
+
+    @property
+    def host_paths(self) -> list[str]:
+        return [p for p, h in zip(self.paths, self.on_host) if h]
+
+    def split(self, leaves: list) -> tuple[list, list]:
+        dev = [a for a, h in zip(leaves, self.on_host) if not h]
+        host = [a for a, h in zip(leaves, self.on_host) if h]
+        return dev, host
+
+    def join(self, dev: list, host: list) -> list:
+        dev, host = iter(dev), iter(host)
+        return [next(host) if h else next(dev) for h in self.on_host]
+
+    def wrap(self, dev: list, rows: list, ids: jax.Array) -> Params:
+        """The round's state: host leaves as `ClientRows(ids, rows)`."""
+        return self.treedef.unflatten(self.join(dev, [ClientRows(ids, r) for r in rows]))
+
+    def unwrap(self, state: Params, ids: jax.Array, where: str) -> tuple[list, list]:
+        """(device leaves, host rows) of a state returned by the algorithm; its host leaves must
+        still be `ClientRows` of the same world (written through `core.scatter` only)."""
+        leaves, treedef = jax.tree.flatten(state)
+        if treedef != self.treedef:
+            raise TypeError(f"{where} returned a state whose structure differs from its input's "
+                            "under --state-placement host")
+        dev, host = self.split(leaves)
+        rows = []
+        for path, leaf in zip(self.host_paths, host):
+            if not isinstance(leaf, ClientRows) or leaf.ids is not ids:
+                raise TypeError(
+                    f"{where} replaced the per-client leaf {path} instead of writing its rows "
+                    "with core.scatter: with --state-placement host an algorithm reads and writes "
+                    "client state only through core.gather / core.scatter (Algorithm.host_state)")
+            rows.append(leaf.rows)
+        return dev, rows

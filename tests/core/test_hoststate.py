@@ -1,0 +1,374 @@
+"""Client state off the devices (`--state-placement host`, `core.hoststate`).
+
+- the copy-on-write store, checked by hand: a client never written reads the initial row; a
+  written one its own rows; only written clients take memory; its arrays round-trip (bfloat16
+  included);
+- `ClientRows`: `core.gather` / `core.scatter` by client id equal the same operations on a dense
+  [N, ...] array written here; an id outside the rows present is reported; direct indexing of a
+  client leaf fails at trace time;
+- host state placement gives the rounds and evaluations of device placement bit for bit (state,
+  metrics, evaluation, cached evaluation) for EVERY algorithm that declares `host_state` (the
+  quick suite runs ditto and fedrep, the full suite all of them; five at XLA's default
+  settings in a subprocess), with the data on the devices and on the host; on two devices with
+  two rounds per call;
+- the rows prefetched for the next call are used only for that call's keys and rounds, with the
+  rows the previous call wrote read again;
+- algorithms that touch other clients' rows (or start them differently) refuse with a message;
+- the memory plan, and resume across state placements through the runner.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+from fedjax_pfl import algorithms, core
+from fedjax_pfl.algorithms import base
+from fedjax_pfl.core import hoststate
+from helpers import linear_model, make_data
+
+SIZES = [12, 30, 7, 19, 25, 3, 40, 11, 9, 22]
+HOST_STATE = [n for n in algorithms.names()
+              if algorithms.get(n, model=linear_model(),
+                                **algorithms.spec(n).test_hparams).host_state]
+QUICK = ("fedrep",)          # (ditto: the prefetch and host-data tests, also quick)
+# XLA's code at the suite's fast-compile settings differs by an ulp between the two placements
+# for these (see test_host_state_at_default_settings): they are compared there.
+AT_DEFAULT_SETTINGS = ("moon", "scaffold", "pgfed", "pgfedmo", "pgfed_ce")
+
+
+def _algo(name, **extra):
+    hp = {"participation": 0.3, "batch_size": 4, "lr": 0.05,
+          **algorithms.spec(name).test_hparams, **extra}
+    return algorithms.get(name, model=linear_model(), **hp)
+
+
+def _bits(x):
+    x = jnp.asarray(x) if not isinstance(x, np.ndarray) else x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def _leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) and la
+    for x, y in zip(la, lb):
+        x, y = _bits(x), _bits(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x, y)
+
+
+def _whole(program, state):
+    """The full state pytree of a HostState (every client's rows from the store)."""
+    if not isinstance(state, core.HostState):
+        return jax.device_get(state)
+    host = state.store.gather(np.arange(program.num_clients))
+    return program.host.treedef.unflatten(program.host.join(jax.device_get(state.device), host))
+
+
+def _run(algo, *, state_placement, data_placement="device", schedule=None, dtype="float32"):
+    program = core.Program(algo, make_data(SIZES), mesh=None, state_placement=state_placement,
+                           data_placement=data_placement, state_dtype=dtype)
+    state = program.init(jax.random.key(0))
+    schedule = schedule or [(jax.random.key(1), r) for r in range(4)]
+    cached = core.CachedEvaluation(program)
+    metrics = []
+    for keys, r in schedule:
+        state, m = program.run_rounds(state, keys, r, 1)
+        metrics += m
+        cached.changed(m[0]["sampled"])
+    evals = (program.evaluate(state), cached(state, np.array([1, 4, 7])), cached(state))
+    return program, _whole(program, state), metrics, evals
+
+
+# ------------------------------------------------------------------------------------------------
+# The store and the rows
+
+
+def test_the_store_is_copy_on_write_and_round_trips():
+    init = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array(True)]
+    store = hoststate.ClientStore(init, num_clients=1000)
+    rows = store.gather(np.array([5, 999, 1000]))            # 1000: the padding id N
+    for r in rows[0]:
+        np.testing.assert_array_equal(r, init[0])
+    assert rows[1].tolist() == [True, True, True] and store.touched == 0
+    store.put(np.array([999, 5]), [np.stack([init[0] + 1, init[0] + 2]), np.array([False, True])])
+    store.put(np.array([5]), [init[0][None] * 10, np.array([False])])
+    a, b = store.gather(np.array([0, 5, 999]))
+    np.testing.assert_array_equal(a, np.stack([init[0], init[0] * 10, init[0] + 1]))
+    assert b.tolist() == [True, False, False]
+    # Only the two written clients hold rows (capacity grows by doubling from 64, never past N).
+    assert store.touched == 2 and sorted(store.ids.tolist()) == [5, 999]
+    assert store.values[0].shape[0] == 64
+    store.put(np.arange(100, 300), [np.zeros((200, 2, 3), np.float32), np.zeros(200, bool)])
+    assert store.touched == 202 and store.values[0].shape[0] == 202
+    # bfloat16 rows survive the checkpoint's arrays (NumPy's .npz has no bfloat16).
+    half = hoststate.ClientStore([np.full(3, 1.5, jnp.bfloat16)], num_clients=10)
+    half.put(np.array([7]), [np.array([[0.1, 2.0, -3.0]], jnp.bfloat16)])
+    back = hoststate.ClientStore.from_arrays(half.to_arrays(), half)
+    assert back.touched == 1 and back.initial[0].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(back.gather(np.array([7, 0]))[0].view(np.uint16),
+                                  half.gather(np.array([7, 0]))[0].view(np.uint16))
+    with pytest.raises(ValueError, match="outside"):
+        store.put(np.array([1000]), [np.zeros((1, 2, 3), np.float32), np.zeros(1, bool)])
+
+
+def test_gather_and_scatter_by_client_id_match_a_dense_array():
+    rng = np.random.default_rng(0)
+    dense = rng.normal(size=(50, 4)).astype(np.float32)
+    world = np.array([3, 17, 20, 41, 50, 50], np.int32)              # padded with N = 50
+    rows = dense[np.minimum(world, 49)]
+    idx = np.array([41, 3, 20], np.int32)
+    new = rng.normal(size=(3, 4)).astype(np.float32)
+
+    @jax.jit
+    def f(rows, world, idx, new):
+        token, found = hoststate.collect_misses()
+        try:
+            held = {"w": core.ClientRows(world, rows)}
+            got = core.gather(held, idx)["w"]
+            after = core.scatter(held, idx, {"w": new})["w"].rows
+            return got, after, hoststate.any_miss(found)
+        finally:
+            hoststate.release_misses(token)
+
+    got, after, miss = f(rows, world, idx, new)
+    np.testing.assert_array_equal(got, dense[idx])
+    want = dense.copy()
+    want[idx] = new
+    np.testing.assert_array_equal(np.asarray(after)[:4], want[world[:4]])
+    assert not bool(miss)
+    _, _, miss = f(rows, world, np.array([41, 4, 20], np.int32), new)   # 4 is not held
+    assert bool(miss)
+    with pytest.raises(TypeError):
+        jax.jit(lambda r, w: core.ClientRows(w, r)[0])(rows, world)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host placement equals device placement
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in HOST_STATE if n not in AT_DEFAULT_SETTINGS])
+def test_host_state_equals_device_state_bit_for_bit(name):
+    """Every algorithm that declares host_state (the rest: `test_host_state_at_default_settings`),
+    at the suite's fast-compile XLA settings (tests/conftest.py)."""
+    algo = _algo(name)
+    _, ref_state, ref_m, ref_e = _run(algo, state_placement="device")
+    program, state, m, e = _run(algo, state_placement="host")
+    assert program.state_placement == "host"
+    _leaves_equal(state, ref_state)
+    _leaves_equal(m, ref_m)
+    _leaves_equal(e, ref_e)
+
+
+def test_host_state_and_host_data_together_equal_device_placement():
+    algo = _algo("ditto")
+    _, ref_state, ref_m, ref_e = _run(algo, state_placement="device", data_placement="device")
+    program, state, m, e = _run(algo, state_placement="host", data_placement="host")
+    assert program.stream is not None and program.host is not None
+    _leaves_equal(state, ref_state)
+    _leaves_equal(m, ref_m)
+    _leaves_equal(e, ref_e)
+
+
+@pytest.mark.slow
+def test_bfloat16_client_state_on_the_host_equals_it_on_the_devices():
+    algo = _algo("ditto")
+    _, ref_state, ref_m, _ = _run(algo, state_placement="device", dtype="bfloat16")
+    _, state, m, _ = _run(algo, state_placement="host", dtype="bfloat16")
+    assert any(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state))
+    _leaves_equal(state, ref_state)
+    _leaves_equal(m, ref_m)
+
+
+def test_only_sampled_clients_hold_rows_and_the_prefetch_matches_its_call():
+    """The store holds exactly the clients some round sampled. The rows gathered for the next
+    call in the background are used only for exactly that call (a changed key schedule or a
+    jump discards them), and a client sampled in two consecutive calls gets the rows the first
+    call wrote: the results equal device placement's on the same schedule."""
+    algo = _algo("ditto")
+    schedule = [(jax.random.key(1), 0), (jax.random.key(2), 1), (jax.random.key(2), 2),
+                (jax.random.key(2), 4), (jax.random.key(2), 5), (jax.random.key(2), 6)]
+    _, ref_state, ref_m, ref_e = _run(algo, state_placement="device", schedule=schedule)
+    program, state, m, e = _run(algo, state_placement="host", schedule=schedule)
+    _leaves_equal(state, ref_state)
+    _leaves_equal(m, ref_m)
+    _leaves_equal(e, ref_e)
+    # Prefetched after each call for (k1, 1), (k2, 2), (k2, 3), (k2, 5), (k2, 6), (k2, 7).
+    assert (program.rows_hits, program.rows_misses) == (3, 3)
+    sampled = [set(np.asarray(r["sampled"]).tolist()) for r in m]
+    assert any(a & b for a, b in zip(sampled[2:], sampled[3:]))   # a client sampled twice in a row
+    # (the state compared above comes from the store: every sampled client's rows, others initial)
+    probe = core.Program(algo, make_data(SIZES), mesh=None, state_placement="host")
+    s = probe.init(jax.random.key(0))
+    for keys, r in schedule:
+        s, _ = probe.run_rounds(s, keys, r, 1)
+    assert sorted(s.store.ids.tolist()) == sorted(set().union(*sampled))
+
+
+def test_a_round_reading_rows_outside_its_participants_stops_with_an_error(monkeypatch):
+    program = core.Program(_algo("ditto"), make_data(SIZES), mesh=None, state_placement="host")
+    state = program.init(jax.random.key(0))
+    real = program._probe
+    monkeypatch.setattr(program, "_probe", lambda *a: (real(*a) + 1) % len(SIZES))
+    with pytest.raises(RuntimeError, match="not among the participants"):
+        program.run_rounds(state, jax.random.key(1), 0, 1)
+
+
+def test_algorithms_that_touch_other_rows_refuse_host_state():
+    data = make_data(SIZES)
+    for name, words in (("fedamp", "fedamp does not declare"), ("pfedme", "pfedme does not"),
+                        ("fedpc", "init that can be traced")):
+        with pytest.raises(ValueError, match=words):
+            core.Program(_algo(name), data, mesh=None, state_placement="host")
+        assert core.Program(_algo(name), data, mesh=None,
+                            state_placement="auto").state_placement == "device"
+    with pytest.raises(ValueError, match="--state-placement must be"):
+        core.Program(_algo("fedavg"), data, mesh=None, state_placement="disk")
+
+    # An algorithm that declares host_state but starts clients from different rows is caught.
+    inner = _algo("local")
+
+    def init(key, d):
+        s = inner.init(key, d)
+        return s._replace(params=jax.tree.map(
+            lambda a: a + jnp.arange(a.shape[0], dtype=a.dtype).reshape((-1,) + (1,) * (a.ndim - 1)),
+            s.params))
+
+    odd = base.Algorithm("odd", init, inner.round_fn, inner.evaluate, {}, host_state=True)
+    program = core.Program(odd, data, mesh=None, state_placement="host")
+    with pytest.raises(ValueError, match="different initial rows of .*params"):
+        program.init(jax.random.key(0))
+
+
+def test_the_memory_plan_of_host_state():
+    data = make_data(SIZES)
+    algo = _algo("ditto")                       # personal model + two momentum rows per client
+    device = core.Program(algo, data, mesh=None)
+    host = core.Program(algo, data, mesh=None, state_placement="host", rounds_per_call=2)
+    host.compile(jax.random.key(1))
+    plan, whole = host.memory_plan(), device.memory_plan()
+    row = whole.state_per_client                # bytes of one client's rows
+    params = 5 * 3 + 3                          # the linear model's w and b, float32
+    assert row == 3 * params * 4
+    assert plan.state_placement == "host" and plan.host_row_bytes == row
+    assert plan.state_per_client == 0           # nothing on the devices grows with N
+    # On the device: one call's world, 2 rounds × M = 3 clients, or an evaluation group of 4.
+    assert plan.world_rows == 6 and plan.client_state_per_device == 6 * row
+    assert "client state on the host" in plan.describe()
+
+
+def test_resume_across_state_placements(tmp_path):
+    """--resume may change --state-placement: a checkpoint written with the client rows on the
+    devices restores into a host store holding exactly those rows, and one written from a host
+    store restores into the device state exactly; a host run stopped and resumed ends as the
+    uninterrupted host run does (the runner's files)."""
+    from fedjax_pfl import checkpoint, runner
+    from fedjax_pfl.runner import checkpoints
+
+    quiet = lambda *_: None
+    cfg = lambda out, rounds, placement, *more: helpers.default_config(
+        "ditto", out, rounds, "--state-placement", placement, *more, checkpoint_every=2)
+    runner.run(cfg(tmp_path / "device", 2, "device"), log=quiet)
+    runner.run(cfg(tmp_path / "host", 2, "host"), log=quiet)
+    saved = {p: str(tmp_path / p / "checkpoints" / "round_000002") for p in ("device", "host")}
+    assert "store/ids" in checkpoint.read_host(saved["host"])
+    programs = {p: runner.prepare(cfg(tmp_path / "x", 2, p)) for p in ("device", "host")}
+    device_state = checkpoints.load(saved["device"], None, programs["device"])[0]
+    for written in ("device", "host"):
+        for reading, prep in programs.items():
+            state = checkpoints.load(saved[written], None, prep)[0]
+            assert isinstance(state, core.HostState) == (reading == "host")
+            if reading == "host":
+                touched = state.store.touched
+                assert touched == (20 if written == "device" else len(np.unique(np.concatenate(
+                    checkpoint.read_host(saved["host"])["sampled"]))))
+            if written == "device":
+                _leaves_equal(_whole(prep.program, state), device_state)
+    # host → device and device → host agree with each other once both are whole
+    a = _whole(programs["host"].program,
+               checkpoints.load(saved["host"], None, programs["host"])[0])
+    b = jax.device_get(checkpoints.load(saved["host"], None, programs["device"])[0])
+    _leaves_equal(a, b)
+    runner.run(cfg(tmp_path / "full", 4, "host"), log=quiet)
+    runner.run(cfg(tmp_path / "host", 4, "host", "--resume"), log=quiet)
+    assert helpers.metric_rows(tmp_path / "host") == helpers.metric_rows(tmp_path / "full")
+
+
+SCRIPT = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, "tests")
+    import fedjax_pfl
+    assert fedjax_pfl.use_cpu_cores(2) == 2
+    import jax, numpy as np
+    from fedjax_pfl import algorithms, core
+    from helpers import linear_model, make_data
+
+    def whole(program, state):
+        if isinstance(state, core.HostState):
+            rows = state.store.gather(np.arange(program.num_clients))
+            return program.host.treedef.unflatten(program.host.join(jax.device_get(state.device), rows))
+        return jax.device_get(state)
+
+    def run(algo, data, mesh, per_call, placement, data_placement):
+        program = core.Program(algo, data, mesh=mesh, rounds_per_call=per_call,
+                               state_placement=placement, data_placement=data_placement)
+        state = program.init(jax.random.key(0))
+        ms = []
+        for r in range(0, 4, per_call):
+            state, m = program.run_rounds(state, jax.random.key(1), r, per_call)
+            ms += m
+        return jax.tree.leaves((whole(program, state), ms, program.evaluate(state)))
+
+    def same(a, b):
+        for x, y in zip(a, b, strict=True):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x, y = jax.random.key_data(x), jax.random.key_data(y)
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    names = sys.argv[1].split(",")
+    one = make_data([12, 30, 7, 19, 25, 3, 40, 11, 9, 22])
+    for name in names:                                  # one device, one round a call
+        hp = {"participation": 0.3, "batch_size": 4, "lr": 0.05, **algorithms.spec(name).test_hparams}
+        algo = algorithms.get(name, model=linear_model(), **hp)
+        same(run(algo, one, None, 1, "device", "device"), run(algo, one, None, 1, "host", "device"))
+    two = make_data([12, 30, 7, 19, 25, 3, 40, 11, 9])      # N = 9, padded to 10
+    for name, data_placement in (("ditto", "device"), ("pgfedmo", "host")):
+        hp = {"participation": 0.4, "batch_size": 4, **algorithms.spec(name).test_hparams}
+        algo = algorithms.get(name, model=linear_model(), **hp)
+        mesh = core.client_mesh()
+        same(run(algo, two, mesh, 2, "device", data_placement),
+             run(algo, two, mesh, 2, "host", data_placement))
+    print("OK", len(names))
+''')
+
+
+@pytest.mark.slow
+def test_host_state_at_default_settings():
+    """AT_DEFAULT_SETTINGS' algorithms, host against device state placement bit for bit (state,
+    metrics, evaluation), with XLA's fusion emitters on as users run them; and on
+    two devices with two rounds per call (the device-balanced sample order, resident rows
+    sharded, one world replicated for both rounds; pgfedmo with its data on the host too).
+    With the suite's two fast-compile flags together (tests/conftest.py: LLVM at -O0 AND the
+    fusion emitters off) XLA's code for the same arithmetic depends on the program around it:
+    moon, pgfed(mo) and scaffold then differ from device placement by an ulp, as two-round
+    scans do for --data-placement (tests/core/test_streaming.py); either flag alone, or
+    neither, gives the same bits. The LLVM -O0 flag is kept here: it is most of the saving."""
+    env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2"}
+    flags = helpers.without_device_count(env.get("XLA_FLAGS", "")).split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith(
+        "--xla_cpu_use_fusion_emitters"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    names = [n for n in AT_DEFAULT_SETTINGS if n in HOST_STATE]
+    assert len(names) == len(AT_DEFAULT_SETTINGS)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(names)], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=900)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"OK {len(names)}", proc.stderr[-3000:]
