@@ -1,8 +1,9 @@
 """Multi-process runs as a user starts them (two processes on the loopback address, one CPU device
 each): `--seeds 0 1` (the vmapped sweep path, whose results are sharded over both processes'
 devices) gives the one-process results; only process 0 prints; the memory plan counts this
-host's devices against this host's memory; host data placement and experiments/sweep.py over two
-processes equal one process; a run whose process 1 is interrupted resumes exactly."""
+host's devices against this host's memory; host data placement, host state placement (stopped
+and resumed) and experiments/sweep.py over two processes equal one process; a run whose process 1
+is interrupted resumes exactly."""
 
 import json
 import os
@@ -24,9 +25,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cli(tmp, name, extra, devices="1"):
+def _cli(tmp, name, extra, devices="1", fusion_emitters=False):
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": devices, "PYTHONPATH": str(ROOT)}
     env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
+    if fusion_emitters:     # (see tests/core/test_hoststate.py::test_host_state_at_default_settings)
+        env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split()
+                                    if not f.startswith("--xla_cpu_use_fusion_emitters"))
     argv = [sys.executable, str(ROOT / "tests" / "run_no_figures.py"), "--algo", "fedavg",
             "--rounds", "2", "--clients", "6", "--participation", "0.5", "--quiet",
             "--out", str(tmp / name), *extra]         # later flags (--algo, --rounds) win
@@ -75,10 +79,10 @@ def test_memory_plan_counts_this_hosts_devices():
     assert one_host.total == 4 * per_device                  # all four on this host
 
 
-def _two(tmp, name, extra):
+def _two(tmp, name, extra, **kwargs):
     port = _free_port()
     flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", *extra]
-    procs = [_cli(tmp, name, flags + ["--process-id", str(i)]) for i in (0, 1)]
+    procs = [_cli(tmp, name, flags + ["--process-id", str(i)], **kwargs) for i in (0, 1)]
     for p in procs:
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
@@ -98,6 +102,30 @@ def test_two_processes_with_host_data_placement_equal_one_process(tmp_path):
     assert [r["round"] for r in host] == [1, 2, 3]
     for a, b in zip(host, one, strict=True):
         for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
+            assert a[key] == b[key], (a["round"], key, a[key], b[key])
+
+
+@pytest.mark.slow
+def test_two_processes_with_host_state_equal_one_process_and_resume(tmp_path):
+    """--state-placement host over two processes (every process holds the same host store and
+    moves each call's rows to its own device), with the data on the host too: stopped after
+    round 2's checkpoint (the store saved by process 0) and resumed with two processes, it
+    ends with the metrics of one process holding the client state on both of its devices.
+    XLA's fusion emitters are on: with them off and LLVM at -O0 together (the suite's
+    settings) the two placements differ by an ulp even in one process."""
+    algo = ["--algo", "ditto", "--momentum", "0.5", "--momentum-buffer", "persist",
+            "--checkpoint-every", "2"]
+    host = algo + ["--state-placement", "host", "--data-placement", "host"]
+    _two(tmp_path, "host", host + ["--rounds", "2"], fusion_emitters=True)
+    _two(tmp_path, "host", host + ["--rounds", "3", "--resume"], fusion_emitters=True)
+    single = _cli(tmp_path, "one", algo + ["--rounds", "3", "--state-placement", "device"],
+                  devices="2", fusion_emitters=True)
+    _, err = single.communicate(timeout=600)
+    assert single.returncode == 0, err[-3000:]
+    got, want = _rows(tmp_path / "host" / "metrics.jsonl"), _rows(tmp_path / "one" / "metrics.jsonl")
+    assert [r["round"] for r in got] == [1, 2, 3]
+    for a, b in zip(got, want, strict=True):
+        for key in ("train_loss", "acc_mean", "loss", "global_acc_mean"):
             assert a[key] == b[key], (a["round"], key, a[key], b[key])
 
 

@@ -65,6 +65,18 @@ def replicate(tree: Params, mesh: Mesh | None) -> Params:
     return jax.device_put(tree, replicated_sharding(mesh))
 
 
+def put_replicated(tree: Params, mesh: Mesh | None) -> Params:
+    """Host arrays placed whole on every device of `mesh` (the default device without one). With
+    several processes, each provides its own devices' copies from the same host values."""
+    if mesh is None:
+        return jax.device_put(tree)
+    sharding = replicated_sharding(mesh)
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    return jax.tree.map(lambda a: jax.make_array_from_callback(np.shape(a), sharding,
+                                                               lambda index: a[index]), tree)
+
+
 def to_host(tree: Params) -> Params:
     """`tree` as host NumPy arrays in every process. `jax.device_get` reads only arrays whose
     shards this process holds; in a multi-process run an array sharded over the clients (or a

@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 from fedjax_pfl.core.clients import num_sampled_clients
 from fedjax_pfl.core.execution import ClientError
 from fedjax_pfl.core.placement import (cast_client_leaves, client_mask, client_shardings, to_host,
-                                       client_state_bytes, replicate, replicated_sharding)
+                                       client_state_bytes, put_replicated, replicate)
 from fedjax_pfl.core import hoststate
 from fedjax_pfl.core.hoststate import STATE_PLACEMENTS, HostClients, HostState
 from fedjax_pfl.core.streaming import DATA_PLACEMENTS, Stream, key_bytes, in_groups
@@ -389,10 +389,9 @@ class Program:
         return min(count * self._clients_per_round, self.num_clients)
 
     def _put_rows(self, rows: list[np.ndarray]) -> list:
-        """A world's host rows on the devices (whole on each: they are few)."""
-        if self.mesh is None:
-            return jax.device_put(rows)
-        return jax.device_put(rows, replicated_sharding(self.mesh))
+        """A world's host rows on the devices (whole on each: they are few). With several
+        processes every process holds the same store and provides its own devices' copies."""
+        return put_replicated(rows, self.mesh)
 
     def _host_init(self, key: jax.Array) -> HostState:
         """The device leaves of the initial state, and a store whose initial rows are every
@@ -409,7 +408,7 @@ class Program:
             kwargs["out_shardings"] = (self._device_shardings(), self._replicated())
         dev, samples = self._jitted("host_init", fn, **kwargs)(key, self.data)
         initial = []
-        for path, rows in zip(self.host.host_paths, jax.device_get(samples)):
+        for path, rows in zip(self.host.host_paths, to_host(samples)):
             rows = np.asarray(rows)
             if not all(_same_bits(rows[0], r) for r in rows[1:]):
                 raise ValueError(
@@ -490,11 +489,11 @@ class Program:
         if self.stream is not None:
             self.stream.prefetch(round_keys, first + count, count)
         self._prefetch_rows(state.store, round_keys, first + count, count)
-        per_round = _per_round(jax.device_get(m), count)
+        per_round = _per_round(to_host(m), count)
         self._check_rows(miss, f"rounds {first + 1}-{first + count}")
         self._check_sampled(per_round, ids, first)
         real = world < self.num_clients
-        new_rows = [np.asarray(r)[real] for r in jax.device_get(rows)]
+        new_rows = [np.asarray(r)[real] for r in to_host(rows)]
         if self._rows_pending is not None:         # the store is read there: wait before writing
             concurrent.futures.wait([self._rows_pending])
         state.store.put(world[real], new_rows)
@@ -537,7 +536,7 @@ class Program:
         return store.gather(world)
 
     def _check_rows(self, miss, where: str) -> None:
-        if bool(jax.device_get(miss)):
+        if bool(to_host(miss)):
             raise RuntimeError(
                 f"{where}: {self.algo.name} read or wrote the client-state rows of a client that "
                 "was not among the participants moved to the devices; run it with "
@@ -842,9 +841,10 @@ def _device_data_fits(data, state_bytes: int, mesh: Mesh | None) -> bool:
 
 def _choose_state_placement(placement: str, algo, abstract, data, mesh, jit: bool) -> str:
     """"host" or "device" for --state-placement `placement`. "host" needs a vectorised backend,
-    a traceable init, an algorithm that declares `host_state` and one process (ValueError naming
-    the reason otherwise); "auto" picks "host" only where all of that holds and the client
-    state alone would take more than 80 % of the available memory."""
+    a traceable init and an algorithm that declares `host_state` (ValueError naming the reason
+    otherwise); "auto" picks "host" only where all of that holds and the client state alone
+    would take more than 80 % of the available memory. With several processes every process
+    holds the same host store (each moves the rows to its own devices)."""
     if placement == "device":
         return "device"
     reasons = []
@@ -857,8 +857,6 @@ def _choose_state_placement(placement: str, algo, abstract, data, mesh, jit: boo
                        f"core.scatter at the round's participants ({algo.name} does not declare "
                        "Algorithm.host_state: it reads other clients' rows, updates every client "
                        "each round, or starts clients from different rows)")
-    if jax.process_count() > 1:
-        reasons.append("a single process (several processes: not supported yet)")
     if placement == "host":
         if reasons:
             raise ValueError("--state-placement host needs " + "; and ".join(reasons))

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfl.core.placement import replicated_sharding
+from fedjax_pfl.core.placement import put_replicated, replicated_sharding
 
 Params = Any
 DATA_PLACEMENTS = ("device", "host", "auto")
@@ -144,14 +144,8 @@ class Stream:
         return None if self.mesh is None else replicated_sharding(self.mesh)
 
     def _put(self, tree):
-        if self.mesh is None:
-            return jax.device_put(tree)
-        sharding = replicated_sharding(self.mesh)
-        if jax.process_count() == 1:
-            return jax.device_put(tree, sharding)
         # Several processes: each builds the same host buffer and provides its devices' copies.
-        return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, sharding,
-                                                                   lambda index: a[index]), tree)
+        return put_replicated(tree, self.mesh)
 
     def _as_data(self, x, y, train_start, test_start, clients=None):
         """The dataset with buffer x / y and these starts (counts from `clients`, default the
