@@ -89,43 +89,28 @@ def _two(tmp, name, extra, **kwargs):
 
 
 @pytest.mark.slow
-def test_two_processes_with_host_data_placement_equal_one_process(tmp_path):
-    """--data-placement host over two processes: each stages the round's participants from its
-    host copy and provides its own device's replica of the buffer; the metrics are those of one
-    process with the dataset on both of its devices (pgfedmo: per-client rows on both devices)."""
-    algo = ["--algo", "pgfedmo", "--rounds", "3"]
-    _two(tmp_path, "host", algo + ["--data-placement", "host"])
-    single = _cli(tmp_path, "one", algo + ["--data-placement", "device"], devices="2")
-    _, err = single.communicate(timeout=600)
-    assert single.returncode == 0, err[-3000:]
-    host, one = _rows(tmp_path / "host" / "metrics.jsonl"), _rows(tmp_path / "one" / "metrics.jsonl")
-    assert [r["round"] for r in host] == [1, 2, 3]
-    for a, b in zip(host, one, strict=True):
-        for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
-            assert a[key] == b[key], (a["round"], key, a[key], b[key])
-
-
-@pytest.mark.slow
-def test_two_processes_with_host_state_equal_one_process_and_resume(tmp_path):
-    """--state-placement host over two processes (every process holds the same host store and
-    moves each call's rows to its own device), with the data on the host too: stopped after
-    round 2's checkpoint (the store saved by process 0) and resumed with two processes, it
-    ends with the metrics of one process holding the client state on both of its devices.
-    XLA's fusion emitters are on: with them off and LLVM at -O0 together (the suite's
-    settings) the two placements differ by an ulp even in one process."""
-    algo = ["--algo", "ditto", "--momentum", "0.5", "--momentum-buffer", "persist",
-            "--checkpoint-every", "2"]
-    host = algo + ["--state-placement", "host", "--data-placement", "host"]
+def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path):
+    """--data-placement host and --state-placement host over two processes: each stages the
+    round's participants from its host copy and provides its own device's replica of the buffer;
+    every process holds the same host store of client rows and moves each call's rows to its own
+    device. Stopped after round 2's checkpoint (the store saved by process 0) and resumed with two
+    processes, the run ends with the metrics of one process holding the dataset and the client
+    state on both of its devices (pgfedmo: per-client rows, the α matrix by rows). XLA's fusion
+    emitters are on: with them off and LLVM at -O0 together (the suite's settings) host and device
+    state placement differ by an ulp even in one process (tests/core/test_hoststate.py)."""
+    algo = ["--algo", "pgfedmo", "--checkpoint-every", "2"]
+    host = algo + ["--data-placement", "host", "--state-placement", "host"]
     _two(tmp_path, "host", host + ["--rounds", "2"], fusion_emitters=True)
     _two(tmp_path, "host", host + ["--rounds", "3", "--resume"], fusion_emitters=True)
-    single = _cli(tmp_path, "one", algo + ["--rounds", "3", "--state-placement", "device"],
+    single = _cli(tmp_path, "one", algo + ["--rounds", "3", "--data-placement", "device",
+                                           "--state-placement", "device"],
                   devices="2", fusion_emitters=True)
     _, err = single.communicate(timeout=600)
     assert single.returncode == 0, err[-3000:]
     got, want = _rows(tmp_path / "host" / "metrics.jsonl"), _rows(tmp_path / "one" / "metrics.jsonl")
     assert [r["round"] for r in got] == [1, 2, 3]
     for a, b in zip(got, want, strict=True):
-        for key in ("train_loss", "acc_mean", "loss", "global_acc_mean"):
+        for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
             assert a[key] == b[key], (a["round"], key, a[key], b[key])
 
 

@@ -105,16 +105,21 @@ class ClientStore:
     """Copy-on-write host rows of the per-client leaves (NumPy).
 
     Every client reads `initial[j]` for leaf j until a round writes its rows; a written client
-    has a slot, and `values[j][slot]` holds its rows. All leaves share the slots (a round writes
-    a client's rows of every leaf together). Storage grows by doubling, never past N.
+    has a slot, and leaf j's rows of slot s are row s % P of page s // P (`pages[j]`). All leaves
+    share the slots (a round writes a client's rows of every leaf together). Pages of P rows
+    (about `page_bytes` of rows, at most N) are added as clients are first written, so the store
+    never copies what it holds to grow, and holds at most one partly filled page beyond the
+    written rows.
     """
 
-    def __init__(self, initial: list[np.ndarray], num_clients: int):
+    def __init__(self, initial: list[np.ndarray], num_clients: int, page_bytes: int = 64 << 20):
         self.initial = [np.asarray(a) for a in initial]
         self.num_clients = int(num_clients)
+        row = max(1, sum(a.nbytes for a in self.initial))
+        self.page_rows = int(max(1, min(self.num_clients, page_bytes // row)))
         self.slot = np.full(self.num_clients + 1, -1, np.int64)   # + 1: the padding id N
         self.ids = np.zeros(0, np.int64)                           # the client of each slot
-        self.values = [np.zeros((0,) + a.shape, a.dtype) for a in self.initial]
+        self.pages: list[list[np.ndarray]] = [[] for _ in self.initial]
 
     @property
     def touched(self) -> int:
@@ -125,19 +130,29 @@ class ClientStore:
         return int(sum(a.nbytes for a in self.initial))
 
     def nbytes(self) -> int:
-        return int(sum(v.nbytes for v in self.values)) + self.slot.nbytes + self.row_bytes()
+        """Host bytes held: the pages (written rows, and the rest of the last page), the slot
+        table and the initial rows."""
+        return (int(sum(p.nbytes for pages in self.pages for p in pages)) + self.slot.nbytes
+                + self.row_bytes())
+
+    def _by_page(self, slots: np.ndarray):
+        """(page, rows of `slots` in it as a mask, offsets) for each page the slots touch."""
+        page, offset = np.divmod(slots, self.page_rows)
+        for p in np.unique(page):
+            where = page == p
+            yield int(p), where, offset[where]
 
     def gather(self, ids: np.ndarray) -> list[np.ndarray]:
         """Each leaf's rows of clients `ids` ([C]; the id N reads the initial row)."""
         ids = np.asarray(ids, np.int64)
         slots = self.slot[ids]
-        own = slots >= 0
+        own = np.flatnonzero(slots >= 0)
         out = []
-        for init, values in zip(self.initial, self.values):
+        for init, pages in zip(self.initial, self.pages):
             rows = np.empty((ids.size,) + init.shape, init.dtype)
             rows[...] = init
-            if own.any():
-                rows[own] = values[slots[own]]
+            for p, where, offset in self._by_page(slots[own]):
+                rows[own[where]] = pages[p][offset]
             out.append(rows)
         return out
 
@@ -148,26 +163,27 @@ class ClientStore:
             raise ValueError(f"client ids outside 0 … {self.num_clients - 1}: {ids[:8]}")
         new = ids[self.slot[ids] < 0]
         if new.size:
-            start = self.ids.size
-            need = start + new.size
-            held = self.values[0].shape[0] if self.values else 0
-            if self.values and need > held:
-                capacity = min(self.num_clients, max(need, 2 * held, 64))
-                self.values = [_grow(v, capacity) for v in self.values]
+            start, need = self.ids.size, self.ids.size + new.size
+            for init, pages in zip(self.initial, self.pages):
+                while len(pages) * self.page_rows < need:
+                    pages.append(np.empty((self.page_rows,) + init.shape, init.dtype))
             self.slot[new] = np.arange(start, need)
             self.ids = np.concatenate([self.ids, new])
         slots = self.slot[ids]
-        for values, r in zip(self.values, rows, strict=True):
-            values[slots] = np.asarray(r).astype(values.dtype, copy=False)
+        for init, pages, r in zip(self.initial, self.pages, rows, strict=True):
+            r = np.asarray(r)
+            for p, where, offset in self._by_page(slots):
+                pages[p][offset] = r[where].astype(init.dtype, copy=False)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """The store as named host arrays (the written clients' rows only)."""
+        """The store as named host arrays (the written clients' rows only, in slot order)."""
         out = {"store/ids": self.ids.copy()}
-        for j, (init, values) in enumerate(zip(self.initial, self.values)):
+        written = self.gather(self.ids)
+        for j, (init, rows) in enumerate(zip(self.initial, written)):
             out[f"store/{j}/initial"] = _savable(init)
-            out[f"store/{j}/values"] = _savable(values[:self.ids.size])
+            out[f"store/{j}/values"] = _savable(rows)
         return out
 
     @classmethod
@@ -184,12 +200,6 @@ class ClientStore:
         store.put(ids, [_restored(arrays[f"store/{j}/values"], init.dtype)
                         for j, init in enumerate(like.initial)])
         return store
-
-
-def _grow(values: np.ndarray, capacity: int) -> np.ndarray:
-    grown = np.empty((capacity,) + values.shape[1:], values.dtype)
-    grown[:values.shape[0]] = values
-    return grown
 
 
 def _savable(a: np.ndarray) -> np.ndarray:

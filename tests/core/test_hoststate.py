@@ -104,11 +104,19 @@ def test_the_store_is_copy_on_write_and_round_trips():
     a, b = store.gather(np.array([0, 5, 999]))
     np.testing.assert_array_equal(a, np.stack([init[0], init[0] * 10, init[0] + 1]))
     assert b.tolist() == [True, False, False]
-    # Only the two written clients hold rows (capacity grows by doubling from 64, never past N).
+    # Only the two written clients hold rows.
     assert store.touched == 2 and sorted(store.ids.tolist()) == [5, 999]
-    assert store.values[0].shape[0] == 64
-    store.put(np.arange(100, 300), [np.zeros((200, 2, 3), np.float32), np.zeros(200, bool)])
-    assert store.touched == 202 and store.values[0].shape[0] == 202
+    # Pages of P rows are added as clients are first written (never past N, nothing copied):
+    # rows of 25 bytes (6 float32 + a bool) in pages of 1,000 bytes hold 40 clients each.
+    paged = hoststate.ClientStore(init, num_clients=1000, page_bytes=1000)
+    assert paged.page_rows == 40 and paged.nbytes() == 1001 * 8 + 25
+    ids = np.arange(100, 300)[::-1]                     # 200 clients: 5 pages
+    values = np.arange(200 * 6, dtype=np.float32).reshape(200, 2, 3)
+    paged.put(ids, [values, np.arange(200) % 2 == 0])
+    assert len(paged.pages[0]) == 5 and paged.nbytes() == 5 * 40 * 25 + 1001 * 8 + 25
+    a, b = paged.gather(np.array([299, 100, 7, 150]))
+    np.testing.assert_array_equal(a, np.stack([values[0], values[199], init[0], values[149]]))
+    assert b.tolist() == [True, False, True, False]
     # bfloat16 rows survive the checkpoint's arrays (NumPy's .npz has no bfloat16).
     half = hoststate.ClientStore([np.full(3, 1.5, jnp.bfloat16)], num_clients=10)
     half.put(np.array([7]), [np.array([[0.1, 2.0, -3.0]], jnp.bfloat16)])
