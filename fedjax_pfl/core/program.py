@@ -244,8 +244,10 @@ class Program:
         if state_placement == "host":
             self.host = HostClients(self.abstract_state, client_mask(self.abstract_state))
         self._clients_per_round: int | None = None
-        # Host state: the next call's rows gathered in the background (False: for measuring it).
-        self.prefetch_rows = True
+        # Host state: the next call's rows gathered in the background while a call runs. On CPU
+        # the gather competes with the round for the same cores (host ÷ device 1.19 with it,
+        # 1.13 without at M = 10; benchmarks/RESULTS.md §19), so it is on for accelerators only.
+        self.prefetch_rows = jax.local_devices()[0].platform != "cpu"
         self._rows_pool = None
         self._rows_pending = None
         self._rows_written = np.zeros(0, np.int64)

@@ -73,9 +73,11 @@ def _whole(program, state):
     return program.host.treedef.unflatten(program.host.join(jax.device_get(state.device), host))
 
 
-def _run(algo, *, state_placement, data_placement="device", schedule=None, dtype="float32"):
+def _run(algo, *, state_placement, data_placement="device", schedule=None, dtype="float32",
+         prefetch=True):
     program = core.Program(algo, make_data(SIZES), mesh=None, state_placement=state_placement,
                            data_placement=data_placement, state_dtype=dtype)
+    program.prefetch_rows = prefetch       # (off by default on CPU: exercised here)
     state = program.init(jax.random.key(0))
     schedule = schedule or [(jax.random.key(1), r) for r in range(4)]
     cached = core.CachedEvaluation(program)
@@ -216,6 +218,7 @@ def test_only_sampled_clients_hold_rows_and_the_prefetch_matches_its_call():
     assert any(a & b for a, b in zip(sampled[2:], sampled[3:]))   # a client sampled twice in a row
     # (the state compared above comes from the store: every sampled client's rows, others initial)
     probe = core.Program(algo, make_data(SIZES), mesh=None, state_placement="host")
+    assert not probe.prefetch_rows                     # the default on CPU
     s = probe.init(jax.random.key(0))
     for keys, r in schedule:
         s, _ = probe.run_rounds(s, keys, r, 1)
