@@ -42,8 +42,7 @@ def main() -> None:
     p.add_argument("--clients-per-round", nargs="+", type=int, default=[10, 50], dest="ms")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each program per repeat")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cache-root", default=os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                                                        "fedjax_pfl_bench_natural"))
+    p.add_argument("--cache-root", default=None, help="default: natural.CACHE_ROOT")
     p.add_argument("--json", default=None, help="append one JSON line per M here")
     args = p.parse_args()
 
@@ -53,13 +52,9 @@ def main() -> None:
     import jax
 
     from fedjax_pfl import algorithms, core, models
-    from fedjax_pfl.data import cache, formats
-    from natural import SyntheticReader
+    import natural
 
-    cache_dir = os.path.join(args.cache_root, f"femnist_{args.clients}_1")
-    if not os.path.exists(os.path.join(cache_dir, "meta.json")):
-        cache.build(SyntheticReader("femnist", args.clients), cache_dir)
-    data = formats.to_federated(cache.open(cache_dir), device=False)
+    data = natural.femnist_host_data(args.clients, args.cache_root or natural.CACHE_ROOT)
     print(f"{args.algo} with {args.model}: {args.clients} clients, {len(jax.devices())} devices, load "
           f"{os.getloadavg()[0]:.1f}", flush=True)
     model = models.get(args.model, data.input_shape, data.num_classes, task=data.task)

@@ -146,6 +146,21 @@ class SyntheticReader:
             yield block
 
 
+CACHE_ROOT = os.path.join(os.environ.get("TMPDIR", "/tmp"), "fedjax_pfl_bench_natural")
+
+
+def femnist_host_data(clients: int, cache_root: str = CACHE_ROOT):
+    """The FEMNIST-shaped synthetic set of `clients` clients as host data (memory-mapped from
+    its cache under `cache_root`, built on first use): what benchmarks/host_data.py and
+    benchmarks/host_state.py run on."""
+    from fedjax_pfl.data import cache, formats
+
+    cache_dir = os.path.join(cache_root, f"femnist_{clients}_1")
+    if not os.path.exists(os.path.join(cache_dir, "meta.json")):
+        cache.build(SyntheticReader("femnist", clients), cache_dir)
+    return formats.to_federated(cache.open(cache_dir), device=False)
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
