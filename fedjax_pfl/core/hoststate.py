@@ -28,6 +28,7 @@ clients' models cost.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from typing import Any
 
@@ -87,14 +88,16 @@ class ClientRows:
         return f"ClientRows(ids={self.ids.shape}, rows={self.rows.shape} {self.rows.dtype})"
 
 
-def collect_misses():
-    """Context for one traced call: (token, list) — the list receives each gather's miss flag."""
+@contextlib.contextmanager
+def counting_misses():
+    """Within one trace: collects each `ClientRows` gather's / scatter's miss flag (an id not
+    among the rows present); `any_miss(found)` is their "or", a traced bool to return."""
     found: list = []
-    return _MISSES.set(found), found
-
-
-def release_misses(token) -> None:
-    _MISSES.reset(token)
+    token = _MISSES.set(found)
+    try:
+        yield found
+    finally:
+        _MISSES.reset(token)
 
 
 def any_miss(found: list) -> jax.Array:
@@ -197,8 +200,13 @@ class ClientStore:
                 raise ValueError(f"checkpoint: client-state leaf {j} has rows {saved.shape}, "
                                  f"this run {init.shape}")
             store.initial[j] = saved
-        store.put(ids, [_restored(arrays[f"store/{j}/values"], init.dtype)
-                        for j, init in enumerate(like.initial)])
+        values = [_restored(arrays[f"store/{j}/values"], init.dtype)
+                  for j, init in enumerate(like.initial)]
+        for j, (v, init) in enumerate(zip(values, like.initial)):
+            if v.shape != (ids.size,) + init.shape:
+                raise ValueError(f"checkpoint: client-state leaf {j} holds rows {v.shape}, not "
+                                 f"{(ids.size,) + init.shape} for its {ids.size} clients")
+        store.put(ids, values)
         return store
 
 

@@ -382,10 +382,13 @@ class Program:
         if self.stream is not None:
             ids = self.stream.participants(round_keys, first, count)
         else:
-            ids = np.asarray(jax.device_get(self._probe(
-                self.data.clients, round_keys, jnp.asarray(first, jnp.int32), count)), np.int64)
+            ids = self._probe_ids(round_keys, first, count)
         self._clients_per_round = int(ids.shape[-1])
         return ids
+
+    def _probe_ids(self, round_keys: jax.Array, first: int, count: int) -> np.ndarray:
+        return np.asarray(jax.device_get(self._probe(
+            self.data.clients, round_keys, jnp.asarray(first, jnp.int32), count)), np.int64)
 
     def _world_size(self, count: int) -> int:
         return min(count * self._clients_per_round, self.num_clients)
@@ -450,15 +453,11 @@ class Program:
         host, name = self.host, f"{self.algo.name}'s round_fn"
 
         def one(dev, rows, ids, data, round_keys, r):
-            token, found = hoststate.collect_misses()
-            try:
+            with hoststate.counting_misses() as found:
                 state = host.wrap(dev, rows, ids)
                 state, metrics = self.algo.round_fn(state, data, jax.random.fold_in(round_keys, r))
                 dev, rows = host.unwrap(state, ids, name)
-                miss = hoststate.any_miss(found)
-            finally:
-                hoststate.release_misses(token)
-            return self._store_device(dev), rows, metrics, miss
+            return self._store_device(dev), rows, metrics, hoststate.any_miss(found)
 
         kwargs = {}
         if self.mesh is not None:
@@ -504,9 +503,8 @@ class Program:
 
     def _gather_rows(self, store, round_keys: jax.Array, first: int, count: int):
         """(tag, store, world, rows) of a call, gathered from the store (the prefetch's work)."""
-        ids = np.asarray(jax.device_get(self._probe(
-            self.data.clients, round_keys, jnp.asarray(first, jnp.int32), count)), np.int64)
-        world = hoststate.world(ids, self._world_size(count), self.num_clients)
+        world = hoststate.world(self._probe_ids(round_keys, first, count),
+                                self._world_size(count), self.num_clients)
         return (key_bytes(round_keys), first, count), store, world, store.gather(world)
 
     def _prefetch_rows(self, store, round_keys: jax.Array, first: int, count: int) -> None:
@@ -550,13 +548,9 @@ class Program:
         host = self.host
 
         def run(dev, rows, world, data, ids):
-            token, found = hoststate.collect_misses()
-            try:
+            with hoststate.counting_misses() as found:
                 out = fn(host.wrap(dev, rows, world), data, ids)
-                miss = hoststate.any_miss(found)
-            finally:
-                hoststate.release_misses(token)
-            return out, miss
+            return out, hoststate.any_miss(found)
 
         return self._jitted(f"host_{name}", run)
 

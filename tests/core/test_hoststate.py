@@ -128,6 +128,10 @@ def test_the_store_is_copy_on_write_and_round_trips():
     assert back.touched == 1 and back.initial[0].dtype == jnp.bfloat16
     np.testing.assert_array_equal(back.gather(np.array([7, 0]))[0].view(np.uint16),
                                   half.gather(np.array([7, 0]))[0].view(np.uint16))
+    arrays = half.to_arrays()
+    arrays["store/0/values"] = arrays["store/0/values"][:, :2]          # a truncated row
+    with pytest.raises(ValueError, match="holds rows"):
+        hoststate.ClientStore.from_arrays(arrays, half)
     with pytest.raises(ValueError, match="outside"):
         store.put(np.array([1000]), [np.zeros((1, 2, 3), np.float32), np.zeros(1, bool)])
 
@@ -142,14 +146,11 @@ def test_gather_and_scatter_by_client_id_match_a_dense_array():
 
     @jax.jit
     def f(rows, world, idx, new):
-        token, found = hoststate.collect_misses()
-        try:
+        with hoststate.counting_misses() as found:
             held = {"w": core.ClientRows(world, rows)}
             got = core.gather(held, idx)["w"]
             after = core.scatter(held, idx, {"w": new})["w"].rows
-            return got, after, hoststate.any_miss(found)
-        finally:
-            hoststate.release_misses(token)
+        return got, after, hoststate.any_miss(found)
 
     got, after, miss = f(rows, world, idx, new)
     np.testing.assert_array_equal(got, dense[idx])
