@@ -69,7 +69,13 @@ class Algorithm(NamedTuple):
     `Engine.sample` (or at the evaluated ids), and that every client starts from the same rows:
     then `--state-placement host` can keep the rows off the devices (`core.hoststate`). Each
     algorithm that declares it is checked bit for bit against device placement
-    (tests/core/test_hoststate.py)."""
+    (tests/core/test_hoststate.py).
+
+    `data_blocks` False declares that the round reads client samples in mapper calls dealt
+    otherwise than its training (FedFomo evaluates client-model pairs): host data placement then
+    stages each round's samples whole on every device instead of in per-device blocks
+    (`core.blocks`). True (the default) is checked at run time: a row dealt to a device without
+    its client's samples stops the run with an error."""
 
     name: str
     init: Callable[[jax.Array, FederatedData], Any]
@@ -78,6 +84,7 @@ class Algorithm(NamedTuple):
     hparams: Mapping[str, Any]
     evaluate_parts: EvaluateParts | None = None
     host_state: bool = False
+    data_blocks: bool = True
 
     def participants(self, state: Any, data: FederatedData, key: jax.Array) -> jax.Array:
         """The ids of the clients whose samples `round_fn(state, data, key)` reads (jit-able):

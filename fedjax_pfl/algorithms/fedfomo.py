@@ -163,7 +163,9 @@ def fedfomo(model: Model, config: base.EngineConfig, *, candidates: int, val_fra
         return {"client": engine.evaluator.personal(data, state.params, ids)}
 
     evaluate, parts = base.split_evaluate(evaluate_personal)
-    return base.Algorithm("fedfomo", init, round_fn, evaluate, {}, parts)
+    # Its round evaluates client-model pairs on the participants' validation samples, rows dealt
+    # otherwise than its training: no per-device data blocks.
+    return base.Algorithm("fedfomo", init, round_fn, evaluate, {}, parts, data_blocks=False)
 
 
 base.register(base.AlgorithmSpec(

@@ -106,7 +106,7 @@ def fedrep(model: Model, config: base.EngineConfig, *, head: str, head_epochs: i
         opt = core.gather(stored, idx) if persist else fresh_opt(trainer, base.first_row(params),
                                                                  idx.shape[0])
         result = trainer(data, params, opt, core.gather(data.clients, idx),
-                         base.client_keys(key, idx))
+                         base.client_keys(key, idx), ids=idx)
         if persist:
             stored = core.scatter(stored, idx, result.opt_state)
         return result.params, stored, result

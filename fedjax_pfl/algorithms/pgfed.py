@@ -135,7 +135,7 @@ def pgfed(
         result = engine.train(data, idx, state.global_params, opt, train_key, extra=extra,
                               hook_state=alpha_sp, shared_start=True)               # θ_i ← θ_g
         theta = result.params
-        losses, grads = full_pass(data, theta, core.gather(data.clients, idx))       # L_i, G_i
+        losses, grads = full_pass(data, theta, core.gather(data.clients, idx), ids=idx)       # L_i, G_i
         b = mu * (losses - jax.vmap(ops.tree_vdot)(grads, theta))                     # b_i
         # Rows S of A change, at columns P: read and written as client rows (core.gather /
         # core.scatter), so they may wait off the devices (--state-placement host). The new

@@ -88,7 +88,8 @@ def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
 
             c_plus = jax.tree.map(option_ii, c_i, core.broadcast(c, m), delta_y)
         else:                                                                       # line 11, I
-            _, c_plus = full_pass(data, core.broadcast(x, m), core.gather(data.clients, idx))
+            _, c_plus = full_pass(data, core.broadcast(x, m), core.gather(data.clients, idx),
+                                  ids=idx)
         c_plus = core.where_clients(took_steps, c_plus, c_i)                        # A7
         c_plus = jax.tree.map(lambda new, old: new.astype(old.dtype), c_plus, c_i)  # as stored, A9
         wide = lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32))        # bfloat16 rows

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from fedjax_pfl.core import blocks
 from fedjax_pfl.core.chunking import AUTO_CHUNK, abstract, abstract_row, auto_chunk_size, traced_chunk_size
 from fedjax_pfl.core.clients import gather, scatter
 from fedjax_pfl.core.placement import client_mesh, single_device_requested
@@ -169,11 +170,13 @@ class ClientMapper:
             return _loop_map(self.cache.jitted(fn), shared, args)
         if self.backend not in ("vmap", "chunked"):
             raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
+        split = self._check_blocks(shared, ids)
         if self.backend == "chunked" and self.chunk_size == AUTO_CHUNK:
-            return self.resolved(fn, shared, args)(fn, *args, shared=shared, cost=cost)
+            mapper = self.resolved(fn, self._analysed(shared, split), args)
+            return mapper(fn, *args, shared=shared, cost=cost, ids=ids, stage=stage)
         if self.mesh is None or self.mesh.size == 1:
             return self._map_on_device(fn, shared, args, cost)
-        return self._map_sharded(fn, shared, args, cost)
+        return self._map_sharded(fn, shared, args, cost, ids if split else None)
 
     def run(self, loop: ClientLoop, rows: Params, *, shared: tuple = (),
             probe: Callable | None = None, ids: jax.Array | None = None,
@@ -190,15 +193,34 @@ class ClientMapper:
             return _loop_map(self.cache.jitted(self.cache.whole_loop(loop)), shared, (rows,))
         if self.backend not in ("vmap", "chunked"):
             raise ValueError(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
+        split = self._check_blocks(shared, ids)
         mapper = self
         if self.backend == "chunked" and self.chunk_size == AUTO_CHUNK:
             probe = probe or _step_probe(loop)
-            mapper = self.resolved(probe, shared, (rows,))
+            mapper = self.resolved(probe, self._analysed(shared, split), (rows,))
         m = _num_rows(rows)
         valid = jnp.ones(m, bool)
         if mapper.mesh is None or mapper.mesh.size == 1:
             return mapper._run_on_device(loop, shared, rows, valid)
-        return mapper._run_sharded(loop, shared, rows)
+        return mapper._run_sharded(loop, shared, rows, ids if split else None)
+
+    def _check_blocks(self, shared: tuple, ids) -> bool:
+        """Whether `shared` holds client data in per-device blocks (`core.blocks`); such data
+        is read only by a sharded mapper that knows the rows' clients."""
+        if not blocks.has_blocks(shared):
+            return False
+        if self.mesh is None or self.mesh.size == 1:
+            raise ValueError("client data in per-device blocks needs a mapper sharded over the "
+                             "same devices (this one runs on one device)")
+        if ids is None:
+            raise ValueError("client data in per-device blocks is read only by a mapper call "
+                             "that names its rows' clients (ids=): it checks that each row runs "
+                             "on the device holding that client's samples")
+        return True
+
+    def _analysed(self, shared: tuple, split: bool) -> tuple:
+        """What the automatic chunk size analyses: one device's block where data is split."""
+        return blocks.local_abstract(shared, self.mesh.size) if split else shared
 
     def _run_on_device(self, loop, shared, rows, valid):
         if self.backend == "vmap":
@@ -206,7 +228,7 @@ class ClientMapper:
             return out
         return _run_capped(loop, shared, rows, valid, self.chunk_size)
 
-    def _run_sharded(self, loop, shared, rows):
+    def _run_sharded(self, loop, shared, rows, ids=None):
         # Each device takes a contiguous block of rows (padded with rows that take no steps), so
         # outputs stay where they were computed: reductions over clients are local sums plus a
         # small all-reduce, never a gather of every client's output. Callers order rows so that
@@ -217,14 +239,31 @@ class ClientMapper:
         valid = jnp.arange(m + pad) < m
         if pad:  # repeat the last row; it is marked invalid and takes no steps
             rows = jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), rows)
+        return self._sharded(lambda sh, rows, valid: self._run_on_device(loop, sh, rows, valid),
+                             shared, rows, valid, ids, m, pad)
 
-        def per_device(shared, rows, valid):
-            return self._run_on_device(loop, shared, rows, valid)
-
+    def _sharded(self, per_device, shared, rows, extra, ids, m: int, pad: int):
+        """shard_map of per_device(shared, rows, extra) over contiguous blocks of rows. With
+        `ids` (data in per-device blocks, `core.blocks`): each device gets its own data block and
+        counts its rows whose clients' samples are elsewhere (`blocks.note_miss`)."""
         spec = jax.sharding.PartitionSpec("clients")
-        out = jax.shard_map(per_device, mesh=self.mesh,
-                            in_specs=(jax.sharding.PartitionSpec(), spec, spec),
-                            out_specs=spec, check_vma=False)(shared, rows, valid)
+        if ids is None:
+            out = jax.shard_map(per_device, mesh=self.mesh,
+                                in_specs=(jax.sharding.PartitionSpec(), spec, spec),
+                                out_specs=spec, check_vma=False)(shared, rows, extra)
+            return jax.tree.map(lambda x: x[:m], out) if pad else out
+        ids = jnp.asarray(ids, jnp.int32)
+        if pad:
+            ids = jnp.concatenate([ids, jnp.repeat(ids[-1:], pad)])
+        valid = jnp.arange(m + pad) < m
+
+        def with_check(shared, rows, extra, ids, valid):
+            blocks.note_miss(blocks.misdealt(blocks.owner_of(shared), ids, valid))
+            return per_device(blocks.local(shared), rows, extra)
+
+        out = jax.shard_map(with_check, mesh=self.mesh,
+                            in_specs=(blocks.in_specs(shared), spec, spec, spec, spec),
+                            out_specs=spec, check_vma=False)(shared, rows, extra, ids, valid)
         return jax.tree.map(lambda x: x[:m], out) if pad else out
 
     def resolved(self, fn: Callable, shared: tuple, args: tuple) -> "ClientMapper":
@@ -241,7 +280,7 @@ class ClientMapper:
             return _vmap_rows(fn, shared, args)
         return _chunked_map(fn, shared, args, self.chunk_size, cost)
 
-    def _map_sharded(self, fn, shared, args, cost):
+    def _map_sharded(self, fn, shared, args, cost, ids=None):
         # Each device takes a contiguous block of rows: no cross-device permutation of the
         # (large) outputs. Within a device, "chunked" still sorts its block by cost.
         m = _num_rows(args)
@@ -251,14 +290,8 @@ class ClientMapper:
         if pad:  # repeat the last row; its results are dropped below
             args, cost = jax.tree.map(
                 lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), (args, cost))
-
-        def per_device(shared, args, cost):
-            return self._map_on_device(fn, shared, args, cost)
-
-        rows = jax.sharding.PartitionSpec("clients")
-        out = jax.shard_map(per_device, mesh=self.mesh, in_specs=(jax.sharding.PartitionSpec(), rows, rows),
-                            out_specs=rows, check_vma=False)(shared, args, cost)
-        return jax.tree.map(lambda x: x[:m], out) if pad else out
+        return self._sharded(lambda sh, args, cost: self._map_on_device(fn, sh, args, cost),
+                             shared, args, cost, ids, m, pad)
 
 
 def jit_unless_loop(mapper: ClientMapper, fn: Callable, **jit_kwargs) -> Callable:

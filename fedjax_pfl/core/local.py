@@ -351,15 +351,18 @@ class FullPass:
         return self.batch_size or auto_eval_batch(self.model, data.input_shape,
                                                   input_dtype=input_dtype(data))
 
-    def __call__(self, data: FederatedData, params: Params, clients: ClientSplits) -> tuple[jax.Array, Params]:
-        """[M] mean losses and [M, ...] mean gradients for M clients (leading axis M on inputs)."""
+    def __call__(self, data: FederatedData, params: Params, clients: ClientSplits,
+                 ids: jax.Array | None = None) -> tuple[jax.Array, Params]:
+        """[M] mean losses and [M, ...] mean gradients for M clients (leading axis M on inputs);
+        `ids`, the clients' ids, name a failing client (debug backend) and check data dealt in
+        per-device blocks (`core.blocks`)."""
         batch = self.batch_for(data)
         if batch not in self._per_batch:
             loop, probe = self._make_loop(batch)
-            run = lambda d, p, c: self.mapper.run(loop, (p, c), shared=(d,), probe=probe,
-                                                  stage="full-data pass")
+            run = lambda d, p, c, i: self.mapper.run(loop, (p, c), shared=(d,), probe=probe,
+                                                     ids=i, stage="full-data pass")
             self._per_batch[batch] = jit_unless_loop(self.mapper, run)
-        return self._per_batch[batch](data, params, clients)
+        return self._per_batch[batch](data, params, clients, ids)
 
     def _make_loop(self, batch: int):
         model = self.model

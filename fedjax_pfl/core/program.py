@@ -38,7 +38,7 @@ from fedjax_pfl.core.clients import num_sampled_clients
 from fedjax_pfl.core.execution import ClientError
 from fedjax_pfl.core.placement import (cast_client_leaves, client_mask, client_shardings, to_host,
                                        client_state_bytes, put_replicated, replicate)
-from fedjax_pfl.core import hoststate
+from fedjax_pfl.core import blocks, hoststate
 from fedjax_pfl.core.hoststate import STATE_PLACEMENTS, HostClients, HostState
 from fedjax_pfl.core.streaming import DATA_PLACEMENTS, Stream, key_bytes, in_groups
 
@@ -240,7 +240,8 @@ class Program:
         self.host: HostClients | None = None
         self._probe = self._jitted_probe() if "host" in (data_placement, state_placement) else None
         if data_placement == "host":
-            self.stream = Stream(data, self._probe, mesh, eval_group=self.eval_group)
+            self.stream = Stream(data, self._probe, mesh, eval_group=self.eval_group,
+                                 blocks=getattr(algo, "data_blocks", True))
         if state_placement == "host":
             self.host = HostClients(self.abstract_state, client_mask(self.abstract_state))
         self._clients_per_round: int | None = None
@@ -293,6 +294,19 @@ class Program:
     def _round(self, state, data, round_keys, r):
         state, metrics = self.algo.round_fn(state, data, jax.random.fold_in(round_keys, r))
         return self._store(state), metrics
+
+    def _check_dealt(self, before: int, first: int, count: int) -> None:
+        """Raises if a call's rounds ran a client on a device that does not hold its samples
+        (data in per-device blocks: `core.blocks`)."""
+        if self.stream is None or not self.stream.blocks:
+            return
+        jax.effects_barrier()
+        if blocks.misdealt_count() != before:
+            raise RuntimeError(
+                f"rounds {first + 1}-{first + count}: {self.algo.name} ran a client on a device "
+                "that does not hold its samples (its round reads them in another client order "
+                "than its training); declare it with data_blocks=False or run it with "
+                "--data-placement device")
 
     def _rounds(self, state, data, round_keys, first, count: int):
         if self.stream is not None:       # each round its own staged data (leading axis K)
@@ -356,10 +370,12 @@ class Program:
 
     def _run_streamed(self, fn, state, round_keys, first: int, count: int):
         staged = self.stream.take(round_keys, first, count)
+        before = blocks.misdealt_count()
         state, m = fn(state, staged.data, round_keys, jnp.asarray(first, jnp.int32))
         # Stage the next call's rounds while these train (the last call's prefetch goes unused).
         self.stream.prefetch(round_keys, first + count, count)
-        per_round = _per_round(jax.device_get(m), count)
+        per_round = _per_round(to_host(m), count)
+        self._check_dealt(before, first, count)
         self._check_sampled(per_round, staged.ids, first)
         return state, per_round
 
@@ -483,6 +499,7 @@ class Program:
         rows = self._put_rows(self._take_rows(state.store, round_keys, first, count, world))
         fn = self._host_round_function(count)
         data = staged.data if staged is not None else self.data
+        before = blocks.misdealt_count()
         dev, rows, m, miss = fn(state.device, rows, jnp.asarray(world), data, round_keys,
                                 jnp.asarray(first, jnp.int32))
         # While these rounds run: the next call's data, and its rows from the store (the rows
@@ -491,6 +508,7 @@ class Program:
             self.stream.prefetch(round_keys, first + count, count)
         self._prefetch_rows(state.store, round_keys, first + count, count)
         per_round = _per_round(to_host(m), count)
+        self._check_dealt(before, first, count)
         self._check_rows(miss, f"rounds {first + 1}-{first + count}")
         self._check_sampled(per_round, ids, first)
         real = world < self.num_clients

@@ -19,8 +19,15 @@ masked out, positions past the end, which hold other clients' or padding samples
 placement), so the round computes bit for bit what it computes with device placement; after each
 call the round's "sampled" metric is checked to lie among the staged participants.
 
+With several devices (`blocks`), each device receives only the samples of the participants it
+trains: the round's participants come in the order the client mapper deals them (contiguous
+blocks of ⌈M/D⌉), so the buffer is split into one block per device (`core.blocks`), each of a
+fixed R rows (the ⌈M/D⌉ largest clients' samples), and each process gathers only its own
+devices' blocks. The mapper checks every row against the block it reads.
+
 Evaluation runs in groups of G clients (their training and test blocks, as evaluation may
-fine-tune first), G the power of two at or above M: one compiled evaluation.
+fine-tune first), G the power of two at or above M: one compiled evaluation. Its groups are
+staged whole on every device.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import NamedSharding, PartitionSpec
+
+from fedjax_pfl.core.blocks import DeviceBlocks
 from fedjax_pfl.core.placement import put_replicated, replicated_sharding
 
 Params = Any
@@ -72,10 +82,18 @@ class Stream:
       eval_group: clients per evaluation group.
       prefetch: stage the next call's rounds in the background (False: each call stages its own
         before it starts; for measuring what the prefetch hides).
+      blocks: each device receives only its participants' samples (`core.blocks`); needs a mesh
+        of several devices and an algorithm whose round reads samples only through mapper calls
+        dealt like its training (`Algorithm.data_blocks`).
     """
 
-    def __init__(self, data, participants: Callable, mesh, eval_group: int, prefetch: bool = True):
+    def __init__(self, data, participants: Callable, mesh, eval_group: int, prefetch: bool = True,
+                 blocks: bool = False):
         self.prefetch_enabled = prefetch
+        self.blocks = bool(blocks) and mesh is not None and mesh.size > 1
+        self.devices = 1 if mesh is None else mesh.size
+        self.block_rows: int | None = None      # R, rows of one device's block (blocks only)
+        self.bytes_read = 0                     # bytes this process copied from x / y
         self.data = data
         self.mesh = mesh
         self._participants = participants
@@ -104,6 +122,7 @@ class Stream:
         if self.per_round is None:
             self.per_round = ids.shape[-1]
             self.round_rows = max(1, top_sum(self.train_count, self.per_round))
+            self.block_rows = max(1, top_sum(self.train_count, -(-self.per_round // self.devices)))
         return ids
 
     def _gather(self, blocks: list[tuple[int, int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,6 +134,7 @@ class Stream:
             x[at:at + n] = self.x[start:start + n]
             y[at:at + n] = self.y[start:start + n]
             at += n
+        self.bytes_read += at * (x[:1].nbytes + y[:1].nbytes)
         return x, y
 
     def _local(self, ids: np.ndarray, with_test: bool, rows: int):
@@ -168,10 +188,68 @@ class Stream:
     def stage(self, round_keys: jax.Array, first: int, count: int) -> Staged:
         """The participants of rounds first … first + count − 1 and their data on the devices."""
         ids = self.participants(round_keys, first, count)
+        if self.blocks:
+            return Staged((key_bytes(round_keys), first, count), ids, self._stage_blocks(ids))
         parts = [self._local(ids[k], False, self.round_rows) for k in range(count)]
         host = tuple(np.stack(p) if count > 1 else p[0] for p in zip(*parts))
         data = self._as_data(*self._put(host), clients=self._clients_for(count))
         return Staged((key_bytes(round_keys), first, count), ids, data)
+
+    def _dealt(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Round participants (in the mapper's order) per device: contiguous blocks of ⌈M/D⌉."""
+        width = -(-ids.shape[-1] // self.devices)
+        return [ids[d * width:(d + 1) * width] for d in range(self.devices)]
+
+    def _block_layout(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([N] block-relative train starts, [N] owner block) of one round's participants."""
+        train_start = np.zeros(self.num_clients, np.int32)
+        owner = np.full(self.num_clients, -1, np.int32)
+        for d, part in enumerate(self._dealt(ids)):
+            at = 0
+            for i in part:
+                if owner[i] >= 0:
+                    raise RuntimeError(f"client {i} is a participant twice in one round")
+                owner[i], train_start[i] = d, at
+                at += int(self.train_count[i])
+        return train_start, owner
+
+    def _block_sharding(self, count: int):
+        lead = (None,) if count > 1 else ()
+        return NamedSharding(self.mesh, PartitionSpec(*lead, "clients"))
+
+    def _stage_blocks(self, ids: np.ndarray):
+        """Rounds' data in per-device blocks: x / y `DeviceBlocks` of [(K,) D·R, ...], each
+        process gathering only its own devices' blocks (`make_array_from_callback`)."""
+        count, rows = ids.shape[0], self.block_rows
+        lead = (count,) if count > 1 else ()
+        dealt = [self._dealt(ids[k]) for k in range(count)]
+        built: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+        def block(d: int) -> tuple[np.ndarray, np.ndarray]:
+            if d not in built:      # x and y of device d's block, for every round of the call
+                parts = [self._gather([(self.train_start[i], self.train_count[i])
+                                       for i in dealt[k][d]], rows) for k in range(count)]
+                built[d] = tuple(np.stack(p) if count > 1 else p[0] for p in zip(*parts))
+            return built[d]
+
+        def array(which: int, source):
+            shape = lead + (self.devices * rows,) + source.shape[1:]
+
+            def provide(index):
+                where = index[len(lead)]
+                d = (where.start or 0) // rows
+                return block(d)[which][index[:len(lead)] + (slice(None),) + index[len(lead) + 1:]]
+
+            return jax.make_array_from_callback(shape, self._block_sharding(count), provide)
+
+        x, y = array(0, self.x), array(1, self.y)
+        layouts = [self._block_layout(ids[k]) for k in range(count)]
+        train_start, owner = (np.stack(a) if count > 1 else a[0] for a in zip(*layouts))
+        train_start, owner = self._put((train_start, owner))
+        data = self._as_data(DeviceBlocks(x, owner), DeviceBlocks(y, owner), train_start,
+                             self._put(np.zeros(lead + (self.num_clients,), np.int32)),
+                             clients=self._clients_for(count))
+        return data
 
     def _abstract(self, rows: int, count: int = 1):
         """Shapes of staged data of `rows` buffer rows (a leading axis of `count` rounds when
@@ -191,7 +269,16 @@ class Stream:
         """Shapes of a staged call's data (after the first probe has fixed the buffer size)."""
         if self.round_rows is None:
             raise RuntimeError("probe the participants first (Stream.participants)")
-        return self._abstract(self.round_rows, count)
+        if not self.blocks:
+            return self._abstract(self.round_rows, count)
+        data = self._abstract(self.devices * self.block_rows, count)
+        lead = (count,) if count > 1 else ()
+        owner = jax.ShapeDtypeStruct(lead + (self.num_clients,), np.int32,
+                                     sharding=self._sharding())
+        split = lambda a: DeviceBlocks(jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                            sharding=self._block_sharding(count)),
+                                       owner)
+        return dataclasses.replace(data, x=split(data.x), y=split(data.y))
 
     # -- prefetch ------------------------------------------------------------------------------
 
@@ -247,7 +334,8 @@ class Stream:
         an evaluation group, whichever is more."""
         row = int(np.prod(self.x.shape[1:])) * self.x.dtype.itemsize + \
             int(np.prod(self.y.shape[1:])) * self.y.dtype.itemsize
-        return row * max(2 * (self.round_rows or 0), self.eval_rows) + 16 * self.num_clients
+        rows = self.block_rows if self.blocks else self.round_rows
+        return row * max(2 * (rows or 0), self.eval_rows) + 16 * self.num_clients
 
     def close(self) -> None:
         self.cancel()

@@ -172,9 +172,53 @@ SCRIPT = textwrap.dedent('''
     import fedjax_pfl
     assert fedjax_pfl.use_cpu_cores(2) == 2
     import jax, numpy as np
+    import pytest
     from fedjax_pfl import algorithms, core
-    from helpers import linear_model, make_data
-    data = make_data([12, 30, 7, 19, 25, 3, 40, 11, 9])         # N = 9, padded to 10
+    from fedjax_pfl.core.blocks import DeviceBlocks
+    from helpers import linear_model, make_data, make_raw
+    SIZES = [12, 30, 7, 19, 25, 3, 40, 11, 9]
+    data = make_data(SIZES)                                     # N = 9, padded to 10
+
+    # Each device's block holds exactly the training samples of the participants it trains:
+    # the round's participants (in the mapper's order) dealt in contiguous blocks of ceil(M/2),
+    # one client after another, zeros after them; starts relative to the block; owner = block.
+    algo = algorithms.get("fedavg", model=linear_model(), participation=0.4, batch_size=4)
+    program = core.Program(algo, data, mesh=core.client_mesh(), data_placement="host")
+    staged = program.stream.stage(jax.random.key(1), 0, 1)
+    ids = staged.ids[0]
+    assert program.stream.blocks and isinstance(staged.data.x, DeviceBlocks)
+    x, y, train, *_ = make_raw(SIZES)
+    rows = sorted(SIZES)[-1] + sorted(SIZES)[-2]                 # the 2 largest clients together
+    assert program.stream.block_rows == rows
+    owner = np.asarray(staged.data.x.owner)
+    start = np.asarray(staged.data.clients.train_start)
+    by_start = lambda a: sorted(a.addressable_shards, key=lambda s: s.index[0].start or 0)
+    for d, (xs, ys) in enumerate(zip(by_start(staged.data.x.rows), by_start(staged.data.y.rows))):
+        mine = ids[2 * d:2 * d + 2]
+        want_x = np.concatenate([x[train[i]] for i in mine])
+        want_y = np.concatenate([y[train[i]] for i in mine])
+        got_x, got_y = np.asarray(xs.data), np.asarray(ys.data)
+        assert got_x.shape[0] == rows and xs.device == jax.devices()[d]
+        np.testing.assert_array_equal(got_x[:len(want_x)], want_x)
+        np.testing.assert_array_equal(got_y[:len(want_y)], want_y)
+        assert not got_x[len(want_x):].any() and not got_y[len(want_y):].any()
+        assert owner[mine].tolist() == [d] * len(mine)
+        assert start[mine].tolist() == [0, SIZES[mine[0]]][:len(mine)]
+    assert (owner[np.setdiff1d(np.arange(10), ids)] == -1).all()
+    with pytest.raises(TypeError, match="per-device blocks"):
+        staged.data.inputs(np.arange(3))          # not an array outside the client mapper
+
+    # A probe answering the round's clients in another order (the blocks then hold other
+    # clients than the devices train) stops the run; nothing is read silently.
+    real = program.stream._participants
+    program.stream._participants = lambda *a: real(*a)[:, ::-1]
+    state = program.init(jax.random.key(0))
+    with pytest.raises(RuntimeError, match="does not hold its samples"):
+        program.run_rounds(state, jax.random.key(1), 0, 1)
+    # FedFomo declares that its round reads samples in pair order: whole buffers, no blocks.
+    fomo = algorithms.get("fedfomo", model=linear_model(), participation=0.4, batch_size=4)
+    assert not core.Program(fomo, data, mesh=core.client_mesh(), data_placement="host").stream.blocks
+
     # (pgfedmo on two devices one round a call: tests/test_multiprocess.py, two processes)
     for name, per_call in (("fedrep", 1), ("pgfedmo", 2)):
         hp = {"participation": 0.4, "batch_size": 4, **algorithms.spec(name).test_hparams}
@@ -199,9 +243,10 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.mark.slow
 def test_host_placement_on_two_devices_equals_device_placement():
-    """Two devices: the round's participants in the device-balanced order, buffers replicated;
-    and two rounds per call (a scan over the staged rounds' data against a scan over the whole
-    dataset). At XLA's default settings, as users run: at the suite's -O0 (tests/conftest.py)
+    """Two devices: each device's block holds exactly the samples of the participants it trains
+    (checked against the raw arrays), a misdealt round stops with an error; and the rounds equal
+    device placement's bit for bit (fedrep one round a call; pgfedmo two rounds per call, a scan
+    over the staged rounds' blocks against a scan over the whole dataset). At XLA's default settings, as users run: at the suite's -O0 (tests/conftest.py)
     the two scans differ by an ulp, one-round calls do not."""
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2"}
     flags = helpers.without_device_count(env.get("XLA_FLAGS", "")).split()
@@ -226,3 +271,79 @@ def test_a_run_may_resume_with_another_data_placement():
         assert resume_conflicts(cfg, hp, "mlp", record) is None
     other = RunConfig(algo="fedavg", data_placement="device", seed=3, out="/tmp/x")
     assert "--seed" in resume_conflicts(other, hp, "mlp", record)
+
+
+SHARE_SCRIPT = textwrap.dedent('''
+    import json, sys
+    sys.path.insert(0, "tests")
+    import fedjax_pfl
+    port, pid, nproc = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    if nproc > 1:
+        fedjax_pfl.init_distributed(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
+    else:
+        assert fedjax_pfl.use_cpu_cores(2) == 2
+    import jax, numpy as np
+    from fedjax_pfl import algorithms, core
+    from helpers import linear_model, make_data
+    data = make_data(%r)
+    algo = algorithms.get("fedavg", model=linear_model(), participation=0.5, batch_size=4)
+    program = core.Program(algo, data, mesh=core.client_mesh(), data_placement="host")
+    program.stream.prefetch_enabled = False    # (what a round reads, not when: no round 4 staged)
+    state = program.init(jax.random.key(0))
+    for r in range(3):
+        state, _ = program.run_rounds(state, jax.random.key(1), r, 1)
+    ids = [program.stream.participants(jax.random.key(1), r, 1)[0].tolist() for r in range(3)]
+    plain = jax.tree.map(lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(
+        a.dtype, jax.dtypes.prng_key) else a, state)
+    leaves = [np.asarray(a).tolist() for a in jax.tree.leaves(core.to_host(plain))]
+    print(json.dumps({"read": int(program.stream.bytes_read), "ids": ids, "state": leaves,
+                      "process": jax.process_index()}))
+''' % (SIZES,))
+
+
+@pytest.mark.slow
+def test_each_process_reads_only_the_samples_of_the_clients_its_devices_train(tmp_path):
+    """Two processes of one device each against one process of two devices: the rounds end in
+    the same state, bit for bit, and each process reads from the dataset only the training
+    samples of the participants dealt to its own device (ceil(M/2) of each round's M, in the
+    mapper's order): about half of what the one process reads, and together exactly that."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def start(pid: int, nproc: int, devices: str):
+        env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": devices, "PYTHONPATH": root}
+        flags = helpers.without_device_count(env.get("XLA_FLAGS", "")).split()
+        # (one device per process against two in one: equal bits need the fusion emitters on,
+        # as in tests/test_multiprocess.py)
+        env["XLA_FLAGS"] = " ".join(f for f in flags
+                                    if not f.startswith("--xla_cpu_use_fusion_emitters"))
+        return subprocess.Popen([sys.executable, "-c", SHARE_SCRIPT, port, str(pid), str(nproc)],
+                                env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+
+    procs = [start(0, 2, "1"), start(1, 2, "1"), start(0, 1, "2")]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    two, one = results[:2], results[2]
+    for r in two:
+        for a, b in zip(r["state"], one["state"], strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    x, y, *_ = make_raw(SIZES)
+    row = x[0].nbytes + 4                             # float32 features and an int32 label
+    per_device = [0, 0]
+    assert two[0]["ids"] == two[1]["ids"] == one["ids"]
+    for ids in one["ids"]:                            # the 3 rounds' participants, mapper order
+        width = -(-len(ids) // 2)
+        for d in (0, 1):
+            per_device[d] += row * sum(SIZES[i] for i in ids[d * width:(d + 1) * width])
+    assert one["read"] == sum(per_device)
+    assert sorted((r["process"], r["read"]) for r in two) == [(0, per_device[0]),
+                                                               (1, per_device[1])]
+    assert all(0.3 < r["read"] / one["read"] < 0.7 for r in two)
