@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fedjax_pfl.core import blocks
 from fedjax_pfl.core.clients import gather
 from fedjax_pfl.core.analysis import compiled_for_analysis, traced_bounds
 from fedjax_pfl.core.execution import EAGER_BACKENDS, ClientLoop, ClientMapper, jit_unless_loop
@@ -123,24 +124,29 @@ class Evaluator:
             self._loops[(batch, personal)] = self._make_loop(batch, personal)
         return self._loops[(batch, personal)]
 
-    def _map_personal(self, data, params, clients, batch):
+    def _map_personal(self, data, params, clients, batch, ids=None):
         loop, probe = self._loop_for(batch, True)
-        return self._balanced(lambda rows: self.mapper.run(loop, rows, shared=(data, None),
-                                                           probe=probe, stage="evaluation"), (params, clients), clients)
+        return self._balanced(lambda rows, i: self.mapper.run(loop, rows, shared=(data, None),
+                                                              probe=probe, ids=i,
+                                                              stage="evaluation"),
+                              (params, clients), clients, data, ids)
 
-    def _map_shared(self, data, params, clients, batch):
+    def _map_shared(self, data, params, clients, batch, ids=None):
         loop, probe = self._loop_for(batch, False)
-        return self._balanced(lambda rows: self.mapper.run(loop, rows, shared=(data, params),
-                                                           probe=probe, stage="evaluation"), (None, clients), clients)
+        return self._balanced(lambda rows, i: self.mapper.run(loop, rows, shared=(data, params),
+                                                              probe=probe, ids=i,
+                                                              stage="evaluation"),
+                              (None, clients), clients, data, ids)
 
-    def _balanced(self, run, rows, clients):
+    def _balanced(self, run, rows, clients, data, ids):
         """With several devices, clients are evaluated in an order that gives each device an equal
-        share of test samples; the (small) results are put back in client order."""
+        share of test samples; the (small) results are put back in client order. Data in
+        per-device blocks (`core.blocks`) was staged for the rows' own order: no reordering."""
         devices = 1 if self.mapper.mesh is None else self.mapper.mesh.size
-        if devices == 1 or self.mapper.backend in EAGER_BACKENDS:
-            return run(rows)
+        if devices == 1 or self.mapper.backend in EAGER_BACKENDS or blocks.has_blocks(data):
+            return run(rows, ids)
         order = balanced_order(clients.test_count, devices)
-        out = run(_rows(rows, order))
+        out = run(_rows(rows, order), None if ids is None else ids[order])
         return _rows(out, jnp.argsort(order))
 
     def personal(self, data: FederatedData, params: Params, ids: jax.Array | None = None) -> ClientEval:
@@ -149,16 +155,16 @@ class Evaluator:
         clients = data.clients
         if ids is not None:        # core.gather: client state may be held as ClientRows
             params, clients = gather(params, ids), _rows(clients, ids)
-        return self._personal(data, params, clients, self.batch_for(data))
+        return self._personal(data, params, clients, self.batch_for(data), ids)
 
     def rows(self, data: FederatedData, params: Params, ids: jax.Array) -> ClientEval:
         """params[k] (already one row per evaluated client) on client ids[k]'s test split."""
-        return self._personal(data, params, _rows(data.clients, ids), self.batch_for(data))
+        return self._personal(data, params, _rows(data.clients, ids), self.batch_for(data), ids)
 
     def shared(self, data: FederatedData, params: Params, ids: jax.Array | None = None) -> ClientEval:
         """One model (e.g. the global model) on every client's test split (or the clients `ids`)."""
         clients = data.clients if ids is None else _rows(data.clients, ids)
-        return self._shared(data, params, clients, self.batch_for(data))
+        return self._shared(data, params, clients, self.batch_for(data), ids)
 
     def _make_loop(self, batch: int, personal: bool):
         model = self.model

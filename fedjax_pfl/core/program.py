@@ -295,15 +295,15 @@ class Program:
         state, metrics = self.algo.round_fn(state, data, jax.random.fold_in(round_keys, r))
         return self._store(state), metrics
 
-    def _check_dealt(self, before: int, first: int, count: int) -> None:
-        """Raises if a call's rounds ran a client on a device that does not hold its samples
-        (data in per-device blocks: `core.blocks`)."""
+    def _check_dealt(self, before: int, where: str) -> None:
+        """Raises if a call's rounds (or an evaluation) ran a client on a device that does not
+        hold its samples (data in per-device blocks: `core.blocks`)."""
         if self.stream is None or not self.stream.blocks:
             return
         jax.effects_barrier()
         if blocks.misdealt_count() != before:
             raise RuntimeError(
-                f"rounds {first + 1}-{first + count}: {self.algo.name} ran a client on a device "
+                f"{where}: {self.algo.name} ran a client on a device "
                 "that does not hold its samples (its round reads them in another client order "
                 "than its training); declare it with data_blocks=False or run it with "
                 "--data-placement device")
@@ -375,7 +375,7 @@ class Program:
         # Stage the next call's rounds while these train (the last call's prefetch goes unused).
         self.stream.prefetch(round_keys, first + count, count)
         per_round = _per_round(to_host(m), count)
-        self._check_dealt(before, first, count)
+        self._check_dealt(before, f"rounds {first + 1}-{first + count}")
         self._check_sampled(per_round, staged.ids, first)
         return state, per_round
 
@@ -508,7 +508,7 @@ class Program:
             self.stream.prefetch(round_keys, first + count, count)
         self._prefetch_rows(state.store, round_keys, first + count, count)
         per_round = _per_round(to_host(m), count)
-        self._check_dealt(before, first, count)
+        self._check_dealt(before, f"rounds {first + 1}-{first + count}")
         self._check_rows(miss, f"rounds {first + 1}-{first + count}")
         self._check_sampled(per_round, ids, first)
         real = world < self.num_clients
@@ -576,16 +576,20 @@ class Program:
                        ids: np.ndarray | None) -> dict:
         run = self._host_eval_function(name, fn)
 
-        def group(padded: np.ndarray):
-            world = hoststate.world(padded, self.eval_group, self.num_clients)
+        def group(data, padded: jax.Array):
+            world = hoststate.world(np.asarray(padded), self.eval_group, self.num_clients)
             rows = self._put_rows(state.store.gather(world))
-            data = self.stream.evaluation_data(padded) if self.stream is not None else self.data
-            out, miss = run(state.device, rows, jnp.asarray(world), data,
-                            jnp.asarray(padded, jnp.int32))
+            out, miss = run(state.device, rows, jnp.asarray(world), data, padded)
             self._check_rows(miss, "evaluation")
             return to_host(out)
 
-        return in_groups(group, ids, self.num_clients, self.eval_group)
+        if self.stream is not None:
+            before = blocks.misdealt_count()
+            out = self.stream.evaluate(group, ids)
+            self._check_dealt(before, "evaluation")
+            return out
+        return in_groups(lambda padded: group(self.data, jnp.asarray(padded, jnp.int32)), ids,
+                         self.num_clients, self.eval_group)
 
     def checkpoint_parts(self, state) -> tuple[Any, dict[str, np.ndarray]]:
         """(the tree a checkpoint saves with orbax, host arrays saved beside it): the state
@@ -672,7 +676,10 @@ class Program:
             run = self._jitted(f"{name}_ids", lambda s, d, i: fn(s, d, i))
             if name == "evaluate" and getattr(self, "_eval_compiled_group", None) is not None:
                 run = self._eval_compiled_group
-            return self.stream.evaluate(lambda d, i: run(state, d, i), ids)
+            before = blocks.misdealt_count()
+            out = self.stream.evaluate(lambda d, i: run(state, d, i), ids)
+            self._check_dealt(before, "evaluation")
+            return out
         if ids is None:
             return to_host(self._jitted(name, lambda s, d: fn(s, d))(state, self.data))
         run = self._jitted(f"{name}_ids", lambda s, d, i: fn(s, d, i))

@@ -26,8 +26,9 @@ fixed R rows (the ⌈M/D⌉ largest clients' samples), and each process gathers 
 devices' blocks. The mapper checks every row against the block it reads.
 
 Evaluation runs in groups of G clients (their training and test blocks, as evaluation may
-fine-tune first), G the power of two at or above M: one compiled evaluation. Its groups are
-staged whole on every device.
+fine-tune first), G the power of two at or above M: one compiled evaluation. With `blocks` a
+group is dealt to the devices too (balanced by samples, `eval_order`) and each device receives
+only its clients' samples.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from fedjax_pfl.core.blocks import DeviceBlocks
-from fedjax_pfl.core.placement import put_replicated, replicated_sharding
+from fedjax_pfl.core.placement import balanced_order, put_replicated, replicated_sharding
 
 Params = Any
 DATA_PLACEMENTS = ("device", "host", "auto")
@@ -106,6 +107,9 @@ class Stream:
         self.num_clients = data.num_clients
         self.eval_group = max(1, min(int(eval_group), self.num_clients))
         self.eval_rows = max(1, top_sum(self.train_count + self.test_count, self.eval_group))
+        self.eval_block_rows = max(1, top_sum(self.train_count + self.test_count,
+                                              -(-self.eval_group // self.devices)))
+        self._by_size = np.argsort(self.train_count + self.test_count, kind="stable")
         self.round_rows: int | None = None      # set by the first probe (M is static)
         self.per_round: int | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
@@ -200,35 +204,48 @@ class Stream:
         width = -(-ids.shape[-1] // self.devices)
         return [ids[d * width:(d + 1) * width] for d in range(self.devices)]
 
-    def _block_layout(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """([N] block-relative train starts, [N] owner block) of one round's participants."""
+    def _block_layout(self, ids: np.ndarray, with_test: bool):
+        """([N] block-relative train starts, test starts, [N] owner block) of one call's
+        participants `ids` in the mapper's order: each block its clients' training samples, then
+        (`with_test`) their test samples."""
         train_start = np.zeros(self.num_clients, np.int32)
+        test_start = np.zeros(self.num_clients, np.int32)
         owner = np.full(self.num_clients, -1, np.int32)
         for d, part in enumerate(self._dealt(ids)):
             at = 0
             for i in part:
                 if owner[i] >= 0:
-                    raise RuntimeError(f"client {i} is a participant twice in one round")
+                    raise RuntimeError(f"client {i} is staged twice in one call")
                 owner[i], train_start[i] = d, at
                 at += int(self.train_count[i])
-        return train_start, owner
+            for i in part if with_test else ():
+                test_start[i] = at
+                at += int(self.test_count[i])
+        return train_start, test_start, owner
 
     def _block_sharding(self, count: int):
         lead = (None,) if count > 1 else ()
         return NamedSharding(self.mesh, PartitionSpec(*lead, "clients"))
 
-    def _stage_blocks(self, ids: np.ndarray):
-        """Rounds' data in per-device blocks: x / y `DeviceBlocks` of [(K,) D·R, ...], each
-        process gathering only its own devices' blocks (`make_array_from_callback`)."""
-        count, rows = ids.shape[0], self.block_rows
+    def _stage_blocks(self, ids: np.ndarray, with_test: bool = False, rows: int | None = None,
+                      clients=None):
+        """Data of [K, M] participants in per-device blocks: x / y `DeviceBlocks` of
+        [(K,) D·R, ...], each process gathering only its own devices' blocks
+        (`make_array_from_callback`)."""
+        count = ids.shape[0]
+        rows = self.block_rows if rows is None else rows
         lead = (count,) if count > 1 else ()
         dealt = [self._dealt(ids[k]) for k in range(count)]
         built: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
+        def segments(part):
+            out = [(self.train_start[i], self.train_count[i]) for i in part]
+            return out + ([(self.test_start[i], self.test_count[i]) for i in part]
+                          if with_test else [])
+
         def block(d: int) -> tuple[np.ndarray, np.ndarray]:
             if d not in built:      # x and y of device d's block, for every round of the call
-                parts = [self._gather([(self.train_start[i], self.train_count[i])
-                                       for i in dealt[k][d]], rows) for k in range(count)]
+                parts = [self._gather(segments(dealt[k][d]), rows) for k in range(count)]
                 built[d] = tuple(np.stack(p) if count > 1 else p[0] for p in zip(*parts))
             return built[d]
 
@@ -236,20 +253,18 @@ class Stream:
             shape = lead + (self.devices * rows,) + source.shape[1:]
 
             def provide(index):
-                where = index[len(lead)]
-                d = (where.start or 0) // rows
+                d = (index[len(lead)].start or 0) // rows
                 return block(d)[which][index[:len(lead)] + (slice(None),) + index[len(lead) + 1:]]
 
             return jax.make_array_from_callback(shape, self._block_sharding(count), provide)
 
         x, y = array(0, self.x), array(1, self.y)
-        layouts = [self._block_layout(ids[k]) for k in range(count)]
-        train_start, owner = (np.stack(a) if count > 1 else a[0] for a in zip(*layouts))
-        train_start, owner = self._put((train_start, owner))
-        data = self._as_data(DeviceBlocks(x, owner), DeviceBlocks(y, owner), train_start,
-                             self._put(np.zeros(lead + (self.num_clients,), np.int32)),
-                             clients=self._clients_for(count))
-        return data
+        layouts = [self._block_layout(ids[k], with_test) for k in range(count)]
+        train_start, test_start, owner = self._put(
+            tuple(np.stack(a) if count > 1 else a[0] for a in zip(*layouts)))
+        return self._as_data(DeviceBlocks(x, owner), DeviceBlocks(y, owner), train_start,
+                             test_start, clients=clients if clients is not None else
+                             self._clients_for(count))
 
     def _abstract(self, rows: int, count: int = 1):
         """Shapes of staged data of `rows` buffer rows (a leading axis of `count` rounds when
@@ -271,7 +286,10 @@ class Stream:
             raise RuntimeError("probe the participants first (Stream.participants)")
         if not self.blocks:
             return self._abstract(self.round_rows, count)
-        data = self._abstract(self.devices * self.block_rows, count)
+        return self._abstract_blocks(self.block_rows, count)
+
+    def _abstract_blocks(self, rows: int, count: int = 1):
+        data = self._abstract(self.devices * rows, count)
         lead = (count,) if count > 1 else ()
         owner = jax.ShapeDtypeStruct(lead + (self.num_clients,), np.int32,
                                      sharding=self._sharding())
@@ -314,43 +332,78 @@ class Stream:
     # -- evaluation ----------------------------------------------------------------------------
 
     def evaluation_data(self, ids: np.ndarray):
-        """One evaluation group's clients (training and test blocks) on the devices."""
+        """One evaluation group's clients (training and test blocks) on the devices: in
+        per-device blocks for `ids` in the mapper's order (`eval_order`), else whole."""
+        if self.blocks:
+            return self._stage_blocks(np.asarray(ids, np.int64)[None], True, self.eval_block_rows,
+                                      clients=self.data.clients)
         return self._as_data(*self._put(self._local(ids, True, self.eval_rows)))
 
     def abstract_evaluation(self):
+        if self.blocks:
+            return self._abstract_blocks(self.eval_block_rows)
         return self._abstract(self.eval_rows)
+
+    def eval_order(self, ids: np.ndarray) -> np.ndarray:
+        """The order in which a group's clients are dealt to the devices (contiguous blocks):
+        balanced by training plus test samples (evaluation may fine-tune first); the identity
+        without blocks (the evaluator then balances on the devices)."""
+        if not self.blocks:
+            return np.arange(len(ids))
+        cost = (self.train_count + self.test_count)[np.asarray(ids, np.int64)]
+        return np.asarray(jax.device_get(balanced_order(jnp.asarray(cost, jnp.int32),
+                                                        self.devices)), np.int64)
+
+    def _fill(self, part: np.ndarray, group: int) -> np.ndarray:
+        """`part` padded to `group` clients: with its first id repeated, or, in blocks (where a
+        client sits in one block only), with the smallest other clients (padding clients
+        first); their results are dropped."""
+        if not self.blocks:
+            return np.concatenate([part, np.full(group - part.size, part[0])])
+        others = self._by_size[~np.isin(self._by_size, part)]
+        return np.concatenate([part, others[:group - part.size]])
 
     def evaluate(self, run: Callable, ids: np.ndarray | None) -> dict:
         """`run(data, ids)` over groups of `eval_group` clients (`in_groups`), each group's
-        samples moved to the devices first."""
+        samples moved to the devices first (per-device blocks in `eval_order`), the results
+        brought to the host in the group's order."""
         from fedjax_pfl.core.placement import to_host
 
-        return in_groups(lambda padded: to_host(run(self.evaluation_data(padded),
-                                                    jnp.asarray(padded, jnp.int32))),
-                         ids, self.num_clients, self.eval_group)
+        def group(padded: np.ndarray):
+            order = self.eval_order(padded)
+            dealt = padded[order]
+            out = to_host(run(self.evaluation_data(dealt), jnp.asarray(dealt, jnp.int32)))
+            back = np.argsort(order)
+            return jax.tree.map(lambda a: np.asarray(a)[back], out)
+
+        return in_groups(group, ids, self.num_clients, self.eval_group, fill=self._fill)
 
     def bytes_on_device(self) -> int:
         """The streamed buffers' bytes per device: the round being trained and the next one, or
         an evaluation group, whichever is more."""
         row = int(np.prod(self.x.shape[1:])) * self.x.dtype.itemsize + \
             int(np.prod(self.y.shape[1:])) * self.y.dtype.itemsize
-        rows = self.block_rows if self.blocks else self.round_rows
-        return row * max(2 * (rows or 0), self.eval_rows) + 16 * self.num_clients
+        if self.blocks:
+            return row * max(2 * (self.block_rows or 0), self.eval_block_rows) + \
+                20 * self.num_clients
+        return row * max(2 * (self.round_rows or 0), self.eval_rows) + 16 * self.num_clients
 
     def close(self) -> None:
         self.cancel()
         self._pool.shutdown(wait=False)
 
 
-def in_groups(run: Callable, ids: np.ndarray | None, num_clients: int, group: int) -> dict:
+def in_groups(run: Callable, ids: np.ndarray | None, num_clients: int, group: int,
+              fill: Callable | None = None) -> dict:
     """`run(padded)` (host results with leading axis `group`) over groups of `group` clients of
-    `ids` (default: all), the last group padded with its first id; the per-client results
-    concatenated in the order of `ids`."""
+    `ids` (default: all), the last group padded by `fill(part, group)` (default: its first id
+    repeated); the per-client results concatenated in the order of `ids`."""
     want = np.arange(num_clients) if ids is None else np.asarray(ids, np.int64)
+    fill = fill or (lambda part, g: np.concatenate([part, np.full(g - part.size, part[0])]))
     parts = []
     for at in range(0, want.size, group):
         part = want[at:at + group]
-        padded = np.concatenate([part, np.full(group - part.size, part[0])])
+        padded = fill(part, group)
         out = run(padded)
         parts.append(jax.tree.map(lambda a, k=part.size: np.asarray(a)[:k], out))
     return jax.tree.map(lambda *a: np.concatenate(a), *parts)

@@ -215,6 +215,11 @@ SCRIPT = textwrap.dedent('''
     state = program.init(jax.random.key(0))
     with pytest.raises(RuntimeError, match="does not hold its samples"):
         program.run_rounds(state, jax.random.key(1), 0, 1)
+    # Likewise an evaluation group staged in another order than the one it is evaluated in.
+    staging = program.stream.evaluation_data
+    program.stream.evaluation_data = lambda ids: staging(ids[::-1])
+    with pytest.raises(RuntimeError, match="evaluation: .* does not hold its samples"):
+        program.evaluate(program.init(jax.random.key(0)))     # (the failed round took `state`)
     # FedFomo declares that its round reads samples in pair order: whole buffers, no blocks.
     fomo = algorithms.get("fedfomo", model=linear_model(), participation=0.4, batch_size=4)
     assert not core.Program(fomo, data, mesh=core.client_mesh(), data_placement="host").stream.blocks
@@ -296,8 +301,10 @@ SHARE_SCRIPT = textwrap.dedent('''
     plain = jax.tree.map(lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(
         a.dtype, jax.dtypes.prng_key) else a, state)
     leaves = [np.asarray(a).tolist() for a in jax.tree.leaves(core.to_host(plain))]
-    print(json.dumps({"read": int(program.stream.bytes_read), "ids": ids, "state": leaves,
-                      "process": jax.process_index()}))
+    read = int(program.stream.bytes_read)
+    evals = [np.asarray(a).tolist() for a in jax.tree.leaves(program.evaluate(state))]
+    print(json.dumps({"read": read, "ids": ids, "state": leaves, "process": jax.process_index(),
+                      "evals": evals, "eval_read": int(program.stream.bytes_read) - read}))
 ''' % (SIZES,))
 
 
@@ -347,3 +354,11 @@ def test_each_process_reads_only_the_samples_of_the_clients_its_devices_train(tm
     assert sorted((r["process"], r["read"]) for r in two) == [(0, per_device[0]),
                                                                (1, per_device[1])]
     assert all(0.3 < r["read"] / one["read"] < 0.7 for r in two)
+    # Evaluation (groups of 8 clients, dealt to the devices by samples): the same results, and
+    # each process reads only its devices' clients, together what the one process reads (every
+    # client's training and test samples, plus the last group's filler clients).
+    for r in two:
+        for a, b in zip(r["evals"], one["evals"], strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert sum(r["eval_read"] for r in two) == one["eval_read"] >= row * x.shape[0]
+    assert all(0.3 < r["eval_read"] / one["eval_read"] < 0.7 for r in two)
