@@ -50,8 +50,9 @@ def main() -> None:
     import natural
 
     host_data = natural.femnist_host_data(args.clients, args.cache_root or natural.CACHE_ROOT)
+    kind = f"{len(jax.devices())} × {jax.devices()[0].device_kind} ({jax.devices()[0].platform})"
     print(f"{args.clients} clients, {host_data.x.shape[0]:,} samples ({host_data.x.nbytes / 2**20:.0f} MB "
-          f"of images), {len(jax.devices())} devices, load {os.getloadavg()[0]:.1f}", flush=True)
+          f"of images), devices {kind}, JAX {jax.__version__}, load {os.getloadavg()[0]:.1f}", flush=True)
     model = models.get("femnist_cnn", host_data.input_shape, host_data.num_classes, task=host_data.task)
     keys = jax.random.key(1)
 
@@ -94,7 +95,7 @@ def main() -> None:
         ratio_np = [h / d for h, d in zip(times["host_no_prefetch"], times["device"])]
         exposed = med["host_no_prefetch"] - med["device"]
         hidden = 1 - (med["host"] - med["device"]) / exposed if exposed > 0 else float("nan")
-        row = {"m": m, "clients": args.clients, "round_s": med,
+        row = {"m": m, "clients": args.clients, "devices": kind, "round_s": med,
                "round_s_range": {k: (min(v), max(v)) for k, v in times.items()},
                "host_over_device": statistics.median(ratio), "host_over_device_range": (min(ratio), max(ratio)),
                "no_prefetch_over_device": statistics.median(ratio_np),

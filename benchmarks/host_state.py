@@ -55,8 +55,9 @@ def main() -> None:
     import natural
 
     data = natural.femnist_host_data(args.clients, args.cache_root or natural.CACHE_ROOT)
-    print(f"{args.algo} with {args.model}: {args.clients} clients, {len(jax.devices())} devices, load "
-          f"{os.getloadavg()[0]:.1f}", flush=True)
+    kind = f"{len(jax.devices())} × {jax.devices()[0].device_kind} ({jax.devices()[0].platform})"
+    print(f"{args.algo} with {args.model}: {args.clients} clients, devices {kind}, JAX "
+          f"{jax.__version__}, load {os.getloadavg()[0]:.1f}", flush=True)
     model = models.get(args.model, data.input_shape, data.num_classes, task=data.task)
     keys = jax.random.key(1)
 
@@ -96,7 +97,7 @@ def main() -> None:
         plan = host_prog.memory_plan()
         device_plan = programs["device"][0].memory_plan()
         store = host_state.store
-        row = {"algo": args.algo, "m": m, "clients": args.clients, "round_s": med,
+        row = {"algo": args.algo, "m": m, "clients": args.clients, "devices": kind, "round_s": med,
                "round_s_range": {k: (min(v), max(v)) for k, v in times.items()},
                "host_over_device": statistics.median(ratio),
                "host_over_device_range": (min(ratio), max(ratio)),

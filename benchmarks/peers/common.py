@@ -82,13 +82,15 @@ def weighted_accuracy(correct: int, count: int) -> float:
 _TENSORS: dict = {}
 
 
-def cached_tensors(path: str):
-    """(job, x NCHW float32 tensor, y int64 tensor), loaded once per process: a Ray worker keeps
-    them across the clients it runs (this module is imported by name there, so the cache
-    survives; a dict in the pickled ClientApp's own module would be shipped empty every call)."""
-    if path not in _TENSORS:
+def cached_tensors(path: str, device: str = "cpu"):
+    """(job, x NCHW float32 tensor, y int64 tensor) on `device`, loaded once per process: a Ray
+    worker keeps them across the clients it runs (this module is imported by name there, so the
+    cache survives; a dict in the pickled ClientApp's own module would be shipped empty every
+    call)."""
+    if (path, device) not in _TENSORS:
         import torch
 
         job = Job(path)
-        _TENSORS[path] = (job, torch.from_numpy(job.normalised_nchw()), torch.from_numpy(job.y))
-    return _TENSORS[path]
+        _TENSORS[path, device] = (job, torch.from_numpy(job.normalised_nchw()).to(device),
+                                  torch.from_numpy(job.y).to(device))
+    return _TENSORS[path, device]

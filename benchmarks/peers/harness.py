@@ -3,6 +3,7 @@
     python benchmarks/peers/harness.py --smoke                      # do the three still run?
     python benchmarks/peers/harness.py --jobs cifar10 --rounds 5 --repeats 3
     python benchmarks/peers/harness.py --jobs pgfed --rounds 3 --repeats 2 --variants quiet contended
+    python benchmarks/peers/harness.py --device cuda --variants quiet --python-pfl python3 ...
 
 What it does (README.md beside this file has the details):
 1. Makes one virtual environment per peer under --venv-dir (default benchmarks/peers/.venvs):
@@ -19,6 +20,15 @@ What it does (README.md beside this file has the details):
 4. Refuses the comparison (exit status 1, "REFUSED") if any side's local steps per round differ from the others'.
 5. Prints medians with ranges: start-up (process start to round 1), round 1, steady seconds
    per round (median of rounds 2..R), accuracy after R rounds, and the load average.
+
+`--device cuda` runs every side on the GPU with its own GPU settings: ours on JAX's GPU
+backend, pfl-research's PyTorch backend on cuda (one process per GPU, the job's samples resident
+on the GPU), Flower's clients with `num_gpus` = --flower-client-gpus (a fraction: several actors
+share the GPU). The table's variant then reads e.g. "quiet, cuda", and the machine line names
+the GPU. `--python-pfl PYTHON` / `--python-flower PYTHON` run that peer with an interpreter that
+already has it (e.g. `python3` on a machine whose torch has CUDA) instead of making a venv.
+Jobs are always prepared on XLA:CPU (JAX_PLATFORMS=cpu), so the initial weights and the probe
+logits the PyTorch networks are checked against are the same on every machine.
 """
 
 from __future__ import annotations
@@ -87,7 +97,9 @@ def prepare(job: str, rounds: int, seed: int, smoke: bool, work: str) -> str:
     if not os.path.exists(path):
         cmd = [sys.executable, os.path.join(HERE, "prepare.py"), job, "--rounds", str(rounds),
                "--seed", str(seed), "--out", path] + (["--smoke"] if smoke else [])
-        subprocess.run(cmd, check=True)
+        # On XLA:CPU whatever the machine: exact float32 logits for the PyTorch networks' check
+        # (a GPU's default matmul precision may be TF32) and the same initial weights everywhere.
+        subprocess.run(cmd, check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     return path
 
 
@@ -96,7 +108,7 @@ def side_list(args, variant: str) -> list[tuple[str, str, dict]]:
     sides = [("fedjax_pfl fedavg", "fedjax_pfl", {"algo": "fedavg"})]
     if "pgfedmo" in args.algos:
         sides.append(("fedjax_pfl pgfedmo", "fedjax_pfl", {"algo": "pgfedmo"}))
-    if variant == "contended":
+    if variant == "contended" and args.device == "cpu":       # XLA:CPU device counts
         for d in args.contended_devices:
             sides.append((f"fedjax_pfl fedavg, {d} XLA device{'s' * (d > 1)}", "fedjax_pfl",
                           {"algo": "fedavg", "devices": d}))
@@ -105,7 +117,8 @@ def side_list(args, variant: str) -> list[tuple[str, str, dict]]:
 
 
 def run_side(framework: str, opts: dict, job_path: str, rounds: int, pythons: dict, args) -> dict:
-    cmd = [pythons[framework], os.path.join(HERE, RUNNERS[framework]), job_path, "--rounds", str(rounds)]
+    cmd = [pythons[framework], os.path.join(HERE, RUNNERS[framework]), job_path, "--rounds", str(rounds),
+           "--device", args.device]
     if framework == "fedjax_pfl":
         cmd += ["--algo", opts["algo"]]
         if opts.get("devices"):
@@ -113,7 +126,7 @@ def run_side(framework: str, opts: dict, job_path: str, rounds: int, pythons: di
     elif framework == "pfl-research":
         cmd += ["--threads", str(args.threads)]
     else:
-        cmd += ["--client-cpus", str(args.flower_client_cpus)]
+        cmd += ["--client-cpus", str(args.flower_client_cpus), "--client-gpus", str(args.flower_client_gpus)]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", FLWR_TELEMETRY_ENABLED="0",
                RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", PEERS_LAUNCH_T=repr(time.time()))
     env.pop("XLA_FLAGS", None)                 # the engine's device count comes from --devices
@@ -197,7 +210,15 @@ def machine() -> str:
         model = next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name"))
     except (OSError, StopIteration):
         pass
-    return f"{model}, {os.cpu_count()} cores"
+    gpus = ""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            gpus = "; GPU " + " | ".join(l.strip() for l in out.stdout.strip().splitlines())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"{model}, {os.cpu_count()} cores{gpus}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +236,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra fedjax_pfl FedAvg runs with this many XLA devices when contended (default 1)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="pfl-research's torch threads (default: cores)")
     parser.add_argument("--flower-client-cpus", type=float, default=2.0, help="Ray num_cpus per Flower client (default 2)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where every side trains: cpu (default) or cuda (each framework's GPU settings)")
+    parser.add_argument("--flower-client-gpus", type=float, default=0.25,
+                        help="Ray num_gpus per Flower client with --device cuda (default 0.25)")
+    parser.add_argument("--python-pfl", metavar="PYTHON",
+                        help="run pfl-research with this interpreter (it has pfl and torch) instead of a venv")
+    parser.add_argument("--python-flower", metavar="PYTHON",
+                        help="run Flower with this interpreter (it has flwr[simulation] and torch) instead of a venv")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="one round on tiny data, quiet only: do all three still run?")
     parser.add_argument("--venv-dir", default=os.path.join(HERE, ".venvs"))
@@ -242,8 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     out_json = args.json or os.path.join(args.work_dir, "results.jsonl")
 
     pythons = {"fedjax_pfl": sys.executable}
+    given = {"pfl-research": args.python_pfl, "flower": args.python_flower}
     for fw in args.frameworks:
-        if fw in VENV_OF:
+        if fw in VENV_OF and given[fw]:
+            pythons[fw] = shutil.which(given[fw]) or given[fw]
+            if os.sep in pythons[fw]:
+                pythons[fw] = os.path.abspath(pythons[fw])
+            log(f"{fw}: the interpreter {pythons[fw]} (no venv)")
+        elif fw in VENV_OF:
             pythons[fw] = ensure_venv(VENV_OF[fw], args.venv_dir, args.torch_wheel)
     jobs = {j: prepare(j, args.rounds, args.seed, args.smoke, args.work_dir) for j in args.jobs}
     for j, path in jobs.items():
@@ -264,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                     k = rep % len(sides)
                     for label, fw, opts in sides[k:] + sides[:k]:       # rotated each repeat
                         r = run_side(fw, opts, path, args.rounds, pythons, args)
-                        r.update(label=label, variant=variant, repeat=rep, smoke=args.smoke)
+                        r.update(label=label, variant=variant if args.device == "cpu" else f"{variant}, {args.device}",
+                                 device=args.device, repeat=rep, smoke=args.smoke)
                         if "skipped" in r:
                             skipped.setdefault(f"{job}: {label}", r["skipped"])
                             with open(out_json, "a") as f:
@@ -282,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                     b.wait()
     check_steps(results)
     print(f"\nmachine: {machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; rounds "
-          f"{args.rounds}, repeats {args.repeats}; burners {args.burners} (contended)")
+          f"{args.rounds}, repeats {args.repeats}; burners {args.burners} (contended); device {args.device}")
     for j, path in jobs.items():
         print(f"{j}: data {common.Job(path).meta['data_source']}")
     settings = {}

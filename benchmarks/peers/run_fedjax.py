@@ -1,6 +1,7 @@
 """Runs a prepared job in fedjax_pfl (the repository's environment) and prints its RESULT line.
 
     python benchmarks/peers/run_fedjax.py work/pgfed.npz --algo fedavg --rounds 5 [--devices 1]
+    python benchmarks/peers/run_fedjax.py work/pgfed.npz --algo fedavg --rounds 5 --device cuda
 
 The Program is the one `experiments/run.py` builds (its flags give the hyperparameters: model,
 local epochs, batch, lr, momentum with a buffer reset every round, as the peers' fresh
@@ -10,6 +11,12 @@ wrapped so that `core.sample_clients` returns `schedule[state.round]` instead of
 every round's "sampled" metric is checked against the schedule. Start-up (process start to the
 first round: imports, data to device, compile of the round and evaluation, init) is reported
 apart from the rounds; the job's accuracy is evaluated once after the last round.
+
+`--device cpu` (default) runs on XLA:CPU with one device per core (or `--devices`); `--device
+cuda` on JAX's GPU backend (JAX_PLATFORMS=cuda, one GPU: the engine's mesh holds the local GPUs).
+The job's initial weights were made on XLA:CPU (`prepare.py`); on a GPU the engine's own
+initial weights are compared with them (the same draws, computed by another backend)
+rather than bit for bit (to 1e-5 relative), and the largest difference is reported.
 """
 
 from __future__ import annotations
@@ -62,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("job")
     parser.add_argument("--algo", default="fedavg", choices=("fedavg", "pgfedmo"))
     parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="JAX's backend: XLA:CPU (default) or the GPU")
     parser.add_argument("--devices", type=int, default=None,
-                        help="XLA:CPU devices (default: one per core, as run.py)")
+                        help="XLA:CPU devices (default: one per core, as run.py; --device cpu only)")
     parser.add_argument("--compile-cache", action="store_true",
                         help="use JAX's persistent compilation cache (default off: a cold start)")
     parser.add_argument("--memory-margin", type=float, default=0.5,
@@ -73,14 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     t_launch = common.launch_time()
     load_start = common.loadavg()
 
+    # Before JAX starts: a GPU that fails to start is an error, not a silent fall-back to the CPU.
+    os.environ["JAX_PLATFORMS"] = "cpu" if args.device == "cpu" else "cuda,cpu"
     import fedjax_pfl
 
-    devices = fedjax_pfl.use_cpu_cores(args.devices)
+    devices = fedjax_pfl.use_cpu_cores(args.devices) if args.device == "cpu" else 1
     if args.compile_cache:
         fedjax_pfl.use_compile_cache()
     import jax
     import numpy as np
 
+    if args.device == "cuda" and jax.devices()[0].platform != "gpu":
+        raise SystemExit(f"--device cuda: JAX runs on {jax.devices()[0].platform}")
     from experiments import run as cli
     from fedjax_pfl import algorithms, core, models
     from fedjax_pfl.data.federated import FederatedData
@@ -121,11 +134,17 @@ def main(argv: list[str] | None = None) -> int:
                          skipped=" ".join(plan.describe().split())))
         return 0
     state = program.init(jax.random.fold_in(root, 0))
+    init_diff = 0.0
     if args.algo == "fedavg":       # the peers load the same initial weights (prepare.py)
         for name, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
             key = "/".join(str(getattr(k, "key", k)) for k in name)
-            if not np.array_equal(np.asarray(leaf), job.params[key]):
-                raise SystemExit(f"the engine's initial {key} differs from the job's")
+            ours, theirs = np.asarray(leaf), job.params[key]
+            init_diff = max(init_diff, float(np.max(np.abs(ours - theirs))) if ours.size else 0.0)
+            same = (np.array_equal(ours, theirs) if args.device == "cpu"
+                    else ours.shape == theirs.shape and np.allclose(ours, theirs, rtol=1e-5, atol=1e-6))
+            if not same:
+                raise SystemExit(f"the engine's initial {key} differs from the job's "
+                                 f"(max |diff| {init_diff:.3g})")
     jax.block_until_ready(program.evaluate(state))         # compiled before the clock starts
     jax.block_until_ready(state)
     t_ready = time.time()
@@ -150,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                      startup_s=t_ready - t_launch, compile_s=compile_s, round_s=round_s,
                      steps=steps, accuracy=common.weighted_accuracy(correct, count),
                      eval_s=eval_s, load_start=load_start, load_end=common.loadavg(),
-                     settings=dict(xla_devices=len(jax.devices()), requested_devices=devices,
+                     settings=dict(device=args.device, device_kind=jax.devices()[0].device_kind,
+                                   xla_devices=len(jax.devices()), requested_devices=devices,
+                                   init_max_abs_diff=init_diff,
                                    xla_flags=os.environ.get("XLA_FLAGS", ""),
                                    hparams={k: hparams[k] for k in ("lr", "momentum", "momentum_buffer",
                                             "drop_last", "local_epochs", "batch_size") if k in hparams},

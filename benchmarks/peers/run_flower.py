@@ -2,6 +2,7 @@
 
     FLWR_TELEMETRY_ENABLED=0 RAY_USAGE_STATS_ENABLED=0 \
         .venvs/flower/bin/python benchmarks/peers/run_flower.py work/pgfed.npz --rounds 5
+        ... run_flower.py work/pgfed.npz --rounds 5 --device cuda --client-gpus 0.25
 
 Flower's public Message API (flwr 1.2x-1.4x): a `ServerApp` whose main runs the built-in
 `flwr.serverapp.strategy.FedAvg` (weighted by "num-examples", as the engine's n_i-weighted
@@ -18,6 +19,11 @@ once after the last round on every client's test samples.
 Ray: `--client-cpus` is each client's `num_cpus` (Flower's default 2: on a 2-core machine one
 actor at a time, torch with 2 threads in it); each actor reports its torch threads and niceness
 (Ray starts its workers at niceness 15 unless RAY_worker_niceness says otherwise).
+
+GPU (`--device cuda`): Flower's fractional GPUs, `client_resources` `num_gpus` = `--client-gpus`
+(default 0.25: up to four client actors share the GPU, as many as `--client-cpus` allows); each
+worker keeps the job's samples on the GPU (loaded once per worker), trains there and returns
+its arrays on the CPU; the final evaluation runs in the driver on the CPU.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ def client_train(msg, context):
     import common as c           # by name: its cache lives as long as the Ray worker
     import torch_models
 
-    job, x, y = c.cached_tensors(str(config["job"]))
+    device = str(config["device"])
+    job, x, y = c.cached_tensors(str(config["job"]), device)
 
     threads = int(config["threads"])
     if threads > 0:
@@ -54,13 +61,14 @@ def client_train(msg, context):
     xs, ys = x[rows], y[rows]
     net = torch_models.build(m["torch_model"], tuple(m["shape"]), m["num_classes"])
     net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    net.to(device)
     net.train()
     opt = torch.optim.SGD(net.parameters(), lr=m["lr"], momentum=m["momentum"])
     loss_fn = torch.nn.CrossEntropyLoss()
     steps = 0
     gen = torch.Generator().manual_seed(int(config["seed"]))
     for _ in range(m["local_epochs"]):
-        order = torch.randperm(len(ys), generator=gen)
+        order = torch.randperm(len(ys), generator=gen).to(device)
         for j in range(0, len(ys), m["batch_size"]):
             idx = order[j:j + m["batch_size"]]
             opt.zero_grad()
@@ -69,8 +77,9 @@ def client_train(msg, context):
             steps += 1
     metrics = MetricRecord({"num-examples": len(ys), "local-steps": steps, "data-loads": len(c._TENSORS),
                             "torch-threads": torch.get_num_threads(), "niceness": os.nice(0),
-                            "pid": os.getpid()})
-    return Message(RecordDict({"arrays": ArrayRecord(net.state_dict()), "metrics": metrics}),
+                            "pid": os.getpid(), "on-gpu": int(xs.is_cuda)})
+    arrays = {k: v.detach().cpu() for k, v in net.state_dict().items()}
+    return Message(RecordDict({"arrays": ArrayRecord(arrays), "metrics": metrics}),
                    reply_to=msg)
 
 
@@ -80,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--client-cpus", type=float, default=2.0,
                         help="Ray num_cpus per client (default 2, Flower's default)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the clients train (default cpu)")
+    parser.add_argument("--client-gpus", type=float, default=0.25,
+                        help="Ray num_gpus per client with --device cuda (default 0.25)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch.set_num_threads in each client (default: the client's CPUs)")
     args = parser.parse_args(argv)
@@ -113,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             messages = []
             for p in job.schedule[server_round - 1]:
                 cfg = ConfigRecord({"partition": int(p), "job": job_path, "peers_dir": HERE,
+                                    "device": args.device,
                                     "threads": threads, "server-round": server_round,
                                     "seed": int(m["seed"] * 1_000_003 + server_round * 10_007 + p)})
                 messages.append(Message(RecordDict({"arrays": arrays, "config": cfg}),
@@ -127,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             result = super().aggregate_train(server_round, replies)
             metrics = [r.content["metrics"] for r in replies]
             out["steps"].append(int(sum(mm["local-steps"] for mm in metrics)))
-            out["workers"].update((int(mm["pid"]), int(mm["torch-threads"]), int(mm["niceness"]))
-                                  for mm in metrics)
+            out["workers"].update((int(mm["pid"]), int(mm["torch-threads"]), int(mm["niceness"]),
+                                   int(mm["on-gpu"])) for mm in metrics)
             now = time.time()
             out["round_s"].append(now - out["t_prev"])
             out["t_prev"] = now
@@ -150,9 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     client.train()(client_train)
 
     torch.set_num_threads(os.cpu_count())       # the driver's threads: the final evaluation
+    gpus = args.client_gpus if args.device == "cuda" else 0.0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU")
+    init_args = {"num_cpus": os.cpu_count(), "log_to_driver": True}
+    if args.device == "cuda":
+        init_args["num_gpus"] = torch.cuda.device_count()
     run_simulation(server_app=server, client_app=client, num_supernodes=job.num_clients,
-                   backend_config={"client_resources": {"num_cpus": args.client_cpus, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": os.cpu_count(), "log_to_driver": True}})
+                   backend_config={"client_resources": {"num_cpus": args.client_cpus, "num_gpus": gpus},
+                                   "init_args": init_args})
     if "final" not in out or len(out["round_s"]) != args.rounds:
         raise SystemExit(f"Flower finished {len(out['round_s'])} of {args.rounds} rounds")
     net.load_state_dict(out["final"].to_torch_state_dict())
@@ -168,9 +188,13 @@ def main(argv: list[str] | None = None) -> int:
                      steps=out["steps"], expected_steps=expected,
                      accuracy=common.weighted_accuracy(correct, count), eval_s=eval_s,
                      load_start=load_start, load_end=common.loadavg(),
-                     settings=dict(client_cpus=args.client_cpus, ray_workers=len({w[0] for w in workers}),
+                     settings=dict(device=args.device, client_gpus=gpus,
+                                   device_name=(torch.cuda.get_device_name(0) if args.device == "cuda"
+                                                else "cpu"),
+                                   client_cpus=args.client_cpus, ray_workers=len({w[0] for w in workers}),
                                    worker_torch_threads=sorted({w[1] for w in workers}),
                                    worker_niceness=sorted({w[2] for w in workers}),
+                                   workers_on_gpu=sorted({w[3] for w in workers}),
                                    ray_worker_niceness_env=os.environ.get("RAY_worker_niceness", ""),
                                    omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
                                    telemetry=os.environ.get("FLWR_TELEMETRY_ENABLED", ""),

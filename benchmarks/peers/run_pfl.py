@@ -1,6 +1,7 @@
 """Runs a prepared job in pfl-research (PyTorch backend; its own venv) and prints its RESULT line.
 
     .venvs/pfl/bin/python benchmarks/peers/run_pfl.py work/pgfed.npz --rounds 5 --threads 2
+    python3 benchmarks/peers/run_pfl.py work/pgfed.npz --rounds 5 --device cuda
 
 pfl's public API as its CIFAR-10 benchmark uses it (benchmarks/image_classification/pytorch/
 train.py): a `PyTorchModel` around the network (with the `loss` and `metrics` methods pfl calls),
@@ -14,6 +15,13 @@ user's data in order, the last batch partial: ⌈n/B⌉ steps an epoch. Steps ar
 which pfl's SGD step calls once a batch. One process (pfl's multi-worker mode needs Horovod or
 torch.distributed; not used). A callback times each central iteration; the central model is
 evaluated once after the last one on every client's test samples.
+
+`--device` sets pfl's device (`PFL_PYTORCH_DEVICE`, read by `pytorch_ops.get_default_device`;
+without it pfl takes a GPU whenever one is visible, so `cpu` is explicit too). On `cuda` the
+job's samples are put on the GPU once (resident), so pfl's per-batch `to_tensor` moves nothing,
+and the round clock synchronises the GPU. One process per GPU: pfl's PyTorch multi-process mode
+is torch.distributed (`torchrun`), whose context takes NCCL whenever a GPU is visible and puts
+rank k on `cuda:LOCAL_RANK`; several ranks sharing one GPU were not tried here.
 """
 
 from __future__ import annotations
@@ -36,9 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch.set_num_threads (default: the machine's cores)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="pfl's PyTorch device (default cpu)")
     args = parser.parse_args(argv)
     t_launch = common.launch_time()
     load_start = common.loadavg()
+    os.environ["PFL_PYTORCH_DEVICE"] = args.device         # read by pfl when it places tensors
 
     import numpy as np
     import torch
@@ -52,16 +63,22 @@ def main(argv: list[str] | None = None) -> int:
     from pfl.data.federated_dataset import FederatedDataset
     from pfl.hyperparam import NNTrainHyperParams
     from pfl.metrics import Metrics, Weighted
+    from pfl.internal.ops import pytorch_ops
     from pfl.model.pytorch import PyTorchModel
 
     import torch_models
 
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU")
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     job = common.Job(args.job)
     m = job.meta
     torch.manual_seed(m["seed"])
-    x = torch.from_numpy(job.normalised_nchw())
-    y = torch.from_numpy(job.y)
+    x = torch.from_numpy(job.normalised_nchw()).to(device)
+    y = torch.from_numpy(job.y).to(device)
+    sync()
     steps = [0]
 
     net = torch_models.make(job)
@@ -106,10 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             self.round_s, self.steps, self.t_ready = [], [], None
 
         def on_train_begin(self, *, model):
+            sync()
             self.t_ready = self.t_prev = time.time()
             return Metrics()
 
         def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+            sync()
             now = time.time()
             self.round_s.append(now - self.t_prev)
             self.t_prev = now
@@ -140,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                      steps=timer.steps, expected_steps=expected,
                      accuracy=common.weighted_accuracy(correct, count), eval_s=eval_s,
                      load_start=load_start, load_end=common.loadavg(),
-                     settings=dict(torch_threads=torch.get_num_threads(), niceness=os.nice(0),
+                     settings=dict(device=args.device, pfl_device=str(pytorch_ops.get_default_device()),
+                                   device_name=(torch.cuda.get_device_name(0) if args.device == "cuda"
+                                                else "cpu"), processes_per_gpu=1 if args.device == "cuda" else 0,
+                                   torch_threads=torch.get_num_threads(), niceness=os.nice(0),
                                    omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
                                    torch=torch.__version__, version=getattr(pfl, "__version__", "?"))))
     return 0
