@@ -1,5 +1,6 @@
 """Shared fixtures (helper functions live in tests/helpers.py, importable as `helpers`)."""
 
+import importlib.metadata
 import os
 import shutil
 import signal
@@ -30,7 +31,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # fusion emitters, 656 s at -O1 without, 440–669 s at -O0 without. Claims that two different
 # programs agree bit for bit are tested at XLA's defaults (`helpers.product_jit`): at other
 # settings they may differ by an ulp. Subprocesses that tests start inherit the flags.
-_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# XLA from jaxlib 0.11 has no elemental-emitter switch and aborts on the unknown flag, so it is
+# set only for older jaxlibs.
+_FAST_COMPILE = ("--xla_backend_optimization_level=0",)
+if tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
+    _FAST_COMPILE += ("--xla_cpu_use_fusion_emitters=false",)
 for _flag in _FAST_COMPILE:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()

@@ -58,6 +58,8 @@ _PER_OUTPUT = {
         "copy_p", "reduce_precision", "stop_gradient", "nextafter", "population_count", "clz",
         "real", "imag", "conj", "complex", "add_any"), 1),
     "logistic": 4,
+    # 1 − x² (JAX ≥ 0.11, in tanh's derivative): a multiply and a subtract.
+    "one_minus_square": 2,
     # Expanded by XLA into a few operations each (acos: a square root, an atan2 and arithmetic).
     **dict.fromkeys(("acos", "asin", "atan", "atan2", "tan", "sinh", "cosh", "asinh", "acosh",
                      "atanh"), 8),
@@ -65,7 +67,7 @@ _PER_OUTPUT = {
     **dict.fromkeys((
         "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
         "dynamic_slice", "dynamic_update_slice", "gather", "scatter", "scatter-add",
-        "scatter_add", "concatenate", "pad", "iota", "rev", "split",
+        "scatter_add", "concatenate", "pad", "iota", "rev", "split", "unstack",
         "random_wrap", "random_unwrap", "device_put", "optimization_barrier",
         "sharding_constraint", "pvary"), 1),
     # threefry's rounds: ~45 per 32-bit word, a key is 2 words.
@@ -152,7 +154,7 @@ def _walk(jaxpr, live_outside: int, totals: dict, slices=()) -> bool:
         for sub in jex_core.jaxprs_in_params(eqn.params):
             inner_slices = ()
             if name == "scan":              # the slices of the scanned-over inputs
-                inner_slices = sub.invars[eqn.params["num_consts"] + eqn.params["num_carry"]:]
+                inner_slices = sub.invars[_scan_consts_and_carry(eqn.params):]
             if not _walk(sub, live_outside + live_bytes + outs, totals, inner_slices):
                 return False
         for v in eqn.outvars:
@@ -162,6 +164,16 @@ def _walk(jaxpr, live_outside: int, totals: dict, slices=()) -> bool:
             if not isinstance(v, jex_core.Literal) and v in live and last_use.get(v, -1) <= i:
                 live_bytes -= live.pop(v)
     return True
+
+
+def _scan_consts_and_carry(params: dict) -> int:
+    """How many of a scan body's inputs precede its per-iteration slices (its constants and its
+    carry). JAX ≤ 0.10 records the counts; from 0.11 the scan's `ft_in` is a flat tree of
+    (constants, carry, scanned inputs)."""
+    if "num_consts" in params:
+        return params["num_consts"] + params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts.vals)) + len(list(carry.vals))
 
 
 def traced_bounds(fn: Callable, *abstract_args: Any) -> Bounds | None:
