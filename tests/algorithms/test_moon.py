@@ -275,7 +275,7 @@ def _check_head_input(params, z, outputs, z_hand):
 def test_features_of_the_mlp_is_its_hidden_layer():
     x = np.random.default_rng(0).normal(size=(3, 2, 3)).astype(np.float32)   # flattened to 6
     model = models.get("mlp", (2, 3), 4, hidden=(5,))
-    p = model.init(jax.random.key(0))
+    p = jax.jit(model.init)(jax.random.key(0))      # (one compiled init, not op by op)
     w, b = np.asarray(p["Dense_0"]["kernel"]), np.asarray(p["Dense_0"]["bias"])
     z, out = _run(model, None, p, x)
     _check_head_input(p, z, out, np.maximum(x.reshape(3, 6) @ w + b, 0.0))
@@ -284,7 +284,7 @@ def test_features_of_the_mlp_is_its_hidden_layer():
 def test_features_of_the_fedavg_cnn_is_its_dense_512_layer():
     x = np.random.default_rng(1).normal(size=(2, 16, 16, 1)).astype(np.float32)
     model = models.get("cnn", (16, 16, 1), 10)
-    p = model.init(jax.random.key(0))
+    p = jax.jit(model.init)(jax.random.key(0))      # (one compiled init, not op by op)
     z, out, hidden = _run(model, nets.FedAvgCNN(10), p, x, "Dense_0")   # Dense 512, pre-ReLU
     assert hidden.shape == (2, 512)
     _check_head_input(p, z, out, np.maximum(hidden, 0.0))
@@ -293,7 +293,7 @@ def test_features_of_the_fedavg_cnn_is_its_dense_512_layer():
 def test_features_of_resnet9_is_its_global_max_pool():
     x = np.random.default_rng(2).normal(size=(2, 16, 16, 3)).astype(np.float32)
     model = models.get("resnet9", (16, 16, 3), 5, width=2, conv="im2col")
-    p = model.init(jax.random.key(0))
+    p = jax.jit(model.init)(jax.random.key(0))      # (one compiled init, not op by op)
     # The last stage: u = pool(block₅(·)) [2, 2, 2, 16]; residual u + block₆(block₇(u)) (the
     # outer block is constructed, so named, first); then the global max over the 2 × 2 positions.
     module = nets.ResNet9(5, width=2, conv="im2col")
@@ -305,7 +305,7 @@ def test_features_of_resnet9_is_its_global_max_pool():
 def test_features_of_the_char_lstm_is_its_last_lstm_output_per_token():
     task = Task(kind="sequence", inputs="tokens", num_classes=7, vocab_size=7)
     model = models.get("char_lstm", (5,), 7, task=task, options={"hidden": 6, "embed": 3})
-    p = model.init(jax.random.key(0))
+    p = jax.jit(model.init)(jax.random.key(0))      # (one compiled init, not op by op)
     x = np.array([[1, 4, 2, 0, 0], [3, 3, 5, 6, 1]], np.int32)
     z, out, h = _run(model, sequence.CharLSTM(7, 7, embed=3, hidden=6), p, x, "LSTM_1")
     assert h.shape == (2, 5, 6)                                  # [B, T, H]: every position
