@@ -84,6 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after the first evaluation whose mean client accuracy (acc_mean) is "
                         ">= A, and record that round in summary.json (rounds to accuracy, as in "
                         "FedAvg's tables); default: run all --rounds")
+    d = p.add_argument_group("privacy (client-level DP of the uplink: --dp-clip C, "
+                             "--dp-noise-multiplier Z among the hyperparameters below)")
+    d.add_argument("--dp-delta", type=float, default=None, metavar="D",
+                   help="δ at which ε is reported after every round (dp_epsilon in "
+                        "metrics.jsonl and summary.json); default N^-1.1")
+    d.add_argument("--target-epsilon", type=float, default=None, metavar="E",
+                   help="the noise multiplier is computed before the run so that ε after "
+                        "--rounds rounds is at most E at --dp-delta (instead of "
+                        "--dp-noise-multiplier)")
+    d.add_argument("--dp-accountant", default="rdp", choices=("rdp", "pld"),
+                   help="dp-accounting's accountant: Rényi DP or privacy loss distributions")
     g.add_argument("--eval-clients", default="all",
                    help="clients evaluated at each evaluation: 'all', 'participants' (the round's "
                         "sampled clients) or K (a fixed random subset of K clients); the last round "
@@ -352,7 +363,8 @@ def config_from_args(args: argparse.Namespace):
                      hparams=hparams, data_options=data_options, progress=not args.quiet,
                      checkpoint_every=args.checkpoint_every, resume=args.resume is not None,
                      target_acc=args.target_acc, log=log,
-                     checkpoint_on_signal=args.checkpoint_on_signal)
+                     checkpoint_on_signal=args.checkpoint_on_signal, dp_delta=args.dp_delta,
+                     target_epsilon=args.target_epsilon, dp_accountant=args.dp_accountant)
 
 
 def parse_model_options(text: str | None) -> dict[str, Any]:

@@ -39,6 +39,11 @@ from fedjax_pfl.core.evaluate import ClientEval, Evaluator
 from fedjax_pfl.core.local import LocalResult, LocalTrainer
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
+from fedjax_pfl.ops import dp
+
+# The stream of a round's key that DP noise draws from (jax.random.fold_in): a private round's
+# other keys (sampling, training) stay those of the plain round.
+DP_NOISE = 0x0D9
 
 Params = Any
 
@@ -238,6 +243,16 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
            "analysis: 256 for the MLP, 8 for the CNN, whose im2col patches then stay in cache). "
            "PGFed's full-data gradient pass uses the same batch",
            check=NON_NEGATIVE),
+    HParam("dp_clip", float, None,
+           "client-level differential privacy of the uplink (DP-FedAvg): each client's update "
+           "clipped to this L2 norm C ('inf': no clipping) and the server's sum noised with "
+           "--dp-noise-multiplier; unset: no privacy. Only algorithms that declare what they "
+           "privatise accept it (docs/privacy.md)",
+           check=POSITIVE),
+    HParam("dp_noise_multiplier", float, 0.0,
+           "z: Gaussian noise of standard deviation z·C on the sum of the clipped updates "
+           "(with --dp-clip; --target-epsilon computes it)",
+           check=NON_NEGATIVE),
 )
 
 
@@ -264,6 +279,8 @@ class EngineConfig:
     backend: str = "chunked"      # how sampled clients run: core.BACKENDS
     chunk_size: int = 0           # clients per chunk (chunked backend, evaluation); 0: automatic
     eval_batch_size: int = 0      # test samples per evaluation batch; 0: automatic
+    dp_clip: float | None = None  # C: clip each client's uplink update (None: no privacy)
+    dp_noise_multiplier: float = 0.0  # z: noise of std z·C on the sum of clipped updates
 
     @classmethod
     def split(cls, hparams: Mapping[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
@@ -295,6 +312,9 @@ class AlgorithmSpec:
     # every registered algorithm with it on top of their own small common settings. None: not
     # declared (tests/algorithms/test_base.py requires every algorithm to declare one).
     test_hparams: Mapping[str, Any] | None = None
+    # What the algorithm privatises under --dp-clip (its uplink: e.g. "the global model's
+    # update"); None: it does not support client-level DP, and --dp-clip is refused.
+    private_uplink: str | None = None
 
     def all_hparams(self) -> list[tuple[HParam, str]]:
         """(hparam with this algorithm's default, CLI flag) for common and own hyperparameters."""
@@ -322,6 +342,10 @@ class AlgorithmSpec:
         algorithm's own ones to the factory by name. Nothing is validated or converted here, so
         a sweep may pass traced arrays (fedjax_pfl.sweep)."""
         config, own = EngineConfig.split(hparams)
+        if config.dp_clip is not None and self.private_uplink is None:
+            supported = sorted(n for n, sp in _REGISTRY.items() if sp.private_uplink)
+            raise ValueError(f"{self.name} does not privatise its uplink (--dp-clip); "
+                             f"client-level DP is built for: {', '.join(supported)}")
         return self.factory(model, config, **own)
 
 
@@ -441,6 +465,39 @@ class Engine:
         keys = client_keys(key, idx)
         return self.trainer(data, params, opt_state, core.gather(data.clients, idx), keys,
                             extra=extra, hook_state=hook_state, shared_start=shared_start, ids=idx)
+
+    @property
+    def private(self) -> bool:
+        """Whether the uplink is privatised (--dp-clip set)."""
+        return self.config.dp_clip is not None
+
+    def aggregate(self, start: Params, uploads: Params, weights: jax.Array, key: jax.Array,
+                  data: FederatedData) -> tuple[Params, dict[str, jax.Array]]:
+        """The server's mean of the clients' uploads (models, or a model's shared part, that
+        started from `start`): Σ_i (w_i / Σ w) θ_i; under --dp-clip, DP-FedAvg's
+        `private_update` instead (uniform weights, a fixed denominator). Returns (the mean, the
+        privacy metrics: none without --dp-clip)."""
+        if not self.private:
+            return core.mean_over_clients(uploads, weights), {}
+        return self.private_update(start, uploads, key, data)
+
+    def private_update(self, start: Params, client_params: Params, key: jax.Array,
+                       data: FederatedData) -> tuple[Params, dict[str, jax.Array]]:
+        """DP-FedAvg's server step (`ops.dp`): start + (Σ_k clip_C(θ_k − start) + N(0, z²C²))/M,
+        M = the clients sampled per round (the fixed denominator). `key` is the round's key; the
+        noise draws from its own stream (fold_in), so the rest of the round keeps its keys.
+        Metrics: the fraction of clients clipped and their mean update norm."""
+        clip = self.config.dp_clip
+        if not jax.tree.leaves(client_params):           # nothing is sent (an empty shared part)
+            return start, {"dp_clipped_fraction": jnp.zeros(()), "dp_update_norm": jnp.zeros(())}
+        deltas = jax.tree.map(lambda p, s: p - s[None], client_params, start)
+        total, norms = dp.clipped_sum(deltas, clip)
+        mean = dp.noisy_mean(total, jax.random.fold_in(key, DP_NOISE),
+                             clip=clip, noise_multiplier=self.config.dp_noise_multiplier,
+                             denominator=self.num_sampled(data))
+        params = jax.tree.map(jnp.add, start, mean)
+        return params, {"dp_clipped_fraction": jnp.mean(norms > clip),
+                        "dp_update_norm": jnp.mean(norms)}
 
     def evaluate_after_training(self, trainer: LocalTrainer, data: FederatedData, params: Params,
                                 key: jax.Array, ids: jax.Array | None) -> core.ClientEval:
@@ -563,11 +620,11 @@ def split_fedavg(name: str, model: Model, config: EngineConfig, mask: Any) -> Al
             result = engine.train(data, idx, state.body, opt, train_key, shared_start=True)
         bodies, heads = split_lib.split(result.params, mask)
         weights = core.gather(data.clients.train_count, idx)
-        body = core.mean_over_clients(bodies, weights)                             # θ_B average
+        body, private = engine.aggregate(state.body, bodies, weights, key, data)   # θ_B average
         new_state = SplitModelState(
             body, core.scatter(state.heads, idx, heads),                           # keep h_i
             engine.store_opt_states(state.opt_state, idx, result.opt_state), state.round + 1)
-        metrics = train_metrics(result, idx)
+        metrics = {**train_metrics(result, idx), **private}
         metrics.update(communication(up_clients=m, up_floats_per_client=body_size,
                                      down_clients=m, down_floats_per_client=body_size))
         return new_state, metrics

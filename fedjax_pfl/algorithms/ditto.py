@@ -79,12 +79,13 @@ def ditto(model: Model, config: base.EngineConfig, *, lam: float, prox_step: str
         mine = personal.train(data, idx, v, popt, personal_key,                    # v_k, anchor w^t
                               extra={"anchor": core.broadcast(state.params, m)})
         weights = core.gather(data.clients.train_count, idx)
-        params = core.mean_over_clients(result.params, weights)                    # w^{t+1}
+        params, private = engine.aggregate(state.params, result.params, weights,    # w^{t+1}
+                                           key, data)
         new_state = State(params, core.scatter(state.personal, idx, mine.params),
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           personal.store_opt_states(state.personal_opt_state, idx, mine.opt_state),
                           state.round + 1)
-        metrics = base.train_metrics(result, idx)
+        metrics = {**base.train_metrics(result, idx), **private}
         metrics["client_steps"] = metrics["client_steps"] + jnp.sum(mine.num_steps)
         metrics["personal_train_loss"] = mine.loss
         d = ops.tree_size(params)
@@ -119,4 +120,6 @@ base.register(base.AlgorithmSpec(
                     choices=("explicit", "implicit")),
     ),
     test_hparams={"momentum": 0.5, "momentum_buffer": "persist"},
+    private_uplink="each client's update of the global model w; its personal model v stays "
+                   "on the client",
 ))

@@ -48,9 +48,10 @@ def fedavg(model: Model, config: base.EngineConfig, *, ft_epochs: int | None = N
         result = engine.train(data, idx, state.params, opt, train_key,           # θ_i ← θ, then
                               shared_start=True)                                 # E local epochs
         weights = core.gather(data.clients.train_count, idx)
-        params = core.mean_over_clients(result.params, weights)                  # Σ (n_i/n) θ_i
+        params, private = engine.aggregate(state.params, result.params, weights,  # Σ (n_i/n) θ_i
+                                           key, data)                             # (or DP-FedAvg)
+        metrics = {**base.train_metrics(result, idx), **private}
         opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
-        metrics = base.train_metrics(result, idx)
         d = ops.tree_size(params)
         metrics.update(base.communication(up_clients=idx.shape[0], up_floats_per_client=d,
                                           down_clients=idx.shape[0], down_floats_per_client=d))
@@ -76,6 +77,9 @@ base.register(base.AlgorithmSpec(
     factory=fedavg,
     summary="FedAvg: sample-weighted average of local models; the global model is evaluated",
     test_hparams={"momentum": 0.9, "momentum_buffer": "persist"},
+    traceable=("lr", "dp_clip", "dp_noise_multiplier"),
+    private_uplink="each client's model update θ_i − θ (the whole model); its optimizer state "
+                   "stays on the client",
 ))
 
 base.register(base.AlgorithmSpec(
@@ -88,4 +92,7 @@ base.register(base.AlgorithmSpec(
                     check=base.AT_LEAST_ONE, flag="--ft-epochs"),
     ),
     test_hparams={"ft_epochs": 1},
+    traceable=("lr", "dp_clip", "dp_noise_multiplier"),
+    private_uplink="each client's model update θ_i − θ (the whole model); fine-tuning for "
+                   "evaluation stays on the client",
 ))

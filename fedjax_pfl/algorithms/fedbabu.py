@@ -84,11 +84,12 @@ def fedbabu(model: Model, config: base.EngineConfig, *, head: str, finetune_epoc
         result = engine.train(data, idx, state.params, opt, train_key, shared_start=True)
         bodies, _ = split_lib.split(result.params, mask)
         weights = core.gather(data.clients.train_count, idx)
-        body = core.mean_over_clients(bodies, weights)                             # θ_B average
+        body, private = engine.aggregate(split_lib.split(state.params, mask)[0], bodies, weights,
+                                         key, data)                                # θ_B average
         params = split_lib.merge(body, split_lib.split(state.params, mask)[1], mask)  # θ_H^0 kept
         new_state = State(params, engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1, state.rng)
-        metrics = base.train_metrics(result, idx)
+        metrics = {**base.train_metrics(result, idx), **private}
         m = idx.shape[0]
         metrics.update(base.communication(up_clients=m, up_floats_per_client=body_size,
                                           down_clients=m, down_floats_per_client=body_size))
@@ -125,4 +126,5 @@ base.register(base.AlgorithmSpec(
     traceable=("lr",),
     # The tests' linear model {w, b}: its bias as the head, so both parts are non-empty.
     test_hparams={"head": "^b$", "momentum": 0.9, "momentum_buffer": "persist"},
+    private_uplink="each client's update of the body; the frozen head is never sent",
 ))

@@ -48,4 +48,5 @@ base.register(base.AlgorithmSpec(
                     check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
     ),
     test_hparams={},
+    private_uplink="each client's update of the base layers; its head stays on the client",
 ))

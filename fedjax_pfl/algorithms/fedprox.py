@@ -60,9 +60,10 @@ def fedprox(model: Model, config: base.EngineConfig, *, mu: float, ft_epochs: in
         result = engine.train(data, idx, state.params, opt, train_key, shared_start=True,
                               extra={"anchor": core.broadcast(state.params, m)})  # min h_k(w; w^t)
         weights = core.gather(data.clients.train_count, idx)
-        params = core.mean_over_clients(result.params, weights)                  # Σ (n_k/n) w_k
+        params, private = engine.aggregate(state.params, result.params, weights,  # Σ (n_k/n) w_k
+                                           key, data)
         opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
-        metrics = base.train_metrics(result, idx)
+        metrics = {**base.train_metrics(result, idx), **private}
         d = ops.tree_size(params)
         metrics.update(base.communication(up_clients=m, up_floats_per_client=d,
                                           down_clients=m, down_floats_per_client=d))
@@ -95,6 +96,7 @@ base.register(base.AlgorithmSpec(
     summary="FedProx: FedAvg whose local objective adds (μ/2)‖w − w_global‖²; global model evaluated",
     hparams=(_MU,), traceable=("lr", "mu"),
     test_hparams={"momentum": 0.9, "momentum_buffer": "persist"},
+    private_uplink="each client's model update (the whole model)",
 ))
 
 base.register(base.AlgorithmSpec(
@@ -105,4 +107,5 @@ base.register(base.AlgorithmSpec(
                               "evaluation", check=base.AT_LEAST_ONE, flag="--ft-epochs")),
     flag_prefix="fedprox", traceable=("lr", "mu"),
     test_hparams={"momentum": 0.9, "momentum_buffer": "persist"},
+    private_uplink="each client's model update (the whole model)",
 ))

@@ -123,7 +123,8 @@ def fedrep(model: Model, config: base.EngineConfig, *, head: str, head_epochs: i
                                                   params, body_key)                # φ_i, h_i frozen
         bodies, heads = split_lib.split(params, mask)
         weights = core.gather(data.clients.train_count, idx)
-        body = core.mean_over_clients(bodies, weights) if body_result is not None else state.body
+        body, private = (engine.aggregate(state.body, bodies, weights, key, data)
+                         if body_result is not None else (state.body, {}))
         new_state = State(body, core.scatter(state.heads, idx, heads), opt_head, opt_body,
                           state.round + 1)
         results = [r for r in (head_result, body_result) if r is not None]
@@ -131,7 +132,8 @@ def fedrep(model: Model, config: base.EngineConfig, *, head: str, head_epochs: i
         # The mean minibatch loss over both phases, each phase's mean weighted by its steps.
         loss = (sum(r.loss * r.num_steps for r in results)
                 / jnp.maximum(sum(steps), 1).astype(results[0].loss.dtype))
-        metrics = {"sampled": idx, "train_loss": loss, "client_steps": jnp.sum(sum(steps))}
+        metrics = {"sampled": idx, "train_loss": loss, "client_steps": jnp.sum(sum(steps)),
+                   **private}
         metrics.update(base.communication(up_clients=m, up_floats_per_client=body_size,
                                           down_clients=m, down_floats_per_client=body_size))
         return new_state, metrics
@@ -164,4 +166,5 @@ base.register(base.AlgorithmSpec(
     defaults={"local_epochs": 2},
     # The tests' linear model {w, b}: its bias as the head, so both parts are non-empty.
     test_hparams={"head": "^b$", "momentum": 0.9, "momentum_buffer": "persist"},
+    private_uplink="each client's update of the body; its head stays on the client",
 ))

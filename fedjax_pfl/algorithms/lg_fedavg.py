@@ -59,4 +59,6 @@ base.register(base.AlgorithmSpec(
     ),
     # The tests' linear model {w, b}: its bias as the head, so both parts are non-empty.
     test_hparams={"head": "^b$"},
+    private_uplink="each client's update of the global head; its representation layers "
+                   "stay on the client",
 ))

@@ -153,11 +153,11 @@ def moon(model: Model, config: base.EngineConfig, *, mu: float = 1.0, tau: float
                               extra=extra, shared_start=True)                      # E epochs, eq. 3
         trained = result.params.params
         weights = core.gather(data.clients.train_count, idx)
-        params = core.mean_over_clients(trained, weights)                          # Σ (n_i/n) w_i
+        params, private = engine.aggregate(w, trained, weights, key, data)         # Σ (n_i/n) w_i
         prev = core.scatter(state.prev, idx, trained)                              # w_i^prev (M4)
         new_state = State(params, prev, engine.store_opt_states(state.opt_state, idx,
                                                                 result.opt_state), state.round + 1)
-        metrics = base.train_metrics(result, idx)                                  # ℓ_sup + μ ℓ_con
+        metrics = {**base.train_metrics(result, idx), **private}                   # ℓ_sup + μ ℓ_con
         took_steps = result.num_steps > 0
         per_client = result.params.con_sum / jnp.maximum(result.num_steps, 1)      # mean ℓ_con
         metrics["contrastive_loss"] = (jnp.sum(jnp.where(took_steps, per_client, 0.0))
@@ -189,4 +189,6 @@ base.register(base.AlgorithmSpec(
     ),
     traceable=("lr", "mu", "tau"),
     test_hparams={"momentum": 0.9, "momentum_buffer": "persist"},
+    private_uplink="each client's model update; its previous model (the contrastive anchor) "
+                   "stays on the client",
 ))

@@ -99,8 +99,8 @@ def perfedavg(model: Model, config: base.EngineConfig, *, variant: str, alpha: f
         opt = engine.opt_states_for(state.opt_state, idx, state.params)
         result = engine.train(data, idx, state.params, opt, train_key, shared_start=True)
         weights = core.gather(data.clients.train_count, idx)
-        params = core.mean_over_clients(result.params, weights)
-        metrics = base.train_metrics(result, idx)
+        params, private = engine.aggregate(state.params, result.params, weights, key, data)
+        metrics = {**base.train_metrics(result, idx), **private}
         d = ops.tree_size(params)
         metrics.update(base.communication(up_clients=m, up_floats_per_client=d,
                                           down_clients=m, down_floats_per_client=d))
@@ -133,4 +133,5 @@ base.register(base.AlgorithmSpec(
     ),
     traceable=("lr", "alpha"),
     test_hparams={"variant": "hf", "momentum": 0.5, "momentum_buffer": "persist"},
+    private_uplink="each client's update of the meta-model (the whole model)",
 ))

@@ -67,6 +67,11 @@ class RunConfig:
     target_acc: float | None = None       # stop after the first evaluation with acc_mean >= this
     log: tuple[str, ...] = ()             # metric sinks (fedjax_pfl.sinks): tensorboard, mlflow, wandb
     checkpoint_on_signal: str | None = None  # e.g. "USR1": checkpoint at the next round boundary
+    # Client-level DP (with hparams["dp_clip"]; runner/privacy.py): δ of the reported ε (None:
+    # N^-1.1), the ε to reach after `rounds` (sets the noise multiplier), the accountant.
+    dp_delta: float | None = None
+    target_epsilon: float | None = None
+    dp_accountant: str = "rdp"
 
     @property
     def natural(self) -> bool:
@@ -108,6 +113,17 @@ class RunConfig:
                              f"got {self.state_dtype!r}")
         if self.rounds_per_call < 1:
             raise ValueError(f"--rounds-per-call must be >= 1, got {self.rounds_per_call}")
+        if self.dp_delta is not None and not 0 < self.dp_delta < 1:
+            raise ValueError(f"--dp-delta must be in (0, 1), got {self.dp_delta}")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise ValueError(f"--target-epsilon must be > 0, got {self.target_epsilon}")
+        if self.dp_accountant not in ("rdp", "pld"):
+            raise ValueError(f"--dp-accountant must be one of ['rdp', 'pld'], "
+                             f"got {self.dp_accountant!r}")
+        if self.dp_accountant == "pld":
+            raise ValueError("--dp-accountant pld: dp-accounting's PLD accountant does not "
+                             "support the engine's fixed-size sampling (M of N without "
+                             "replacement); use rdp (Poisson sampling is not built yet)")
         if self.data_placement not in core.DATA_PLACEMENTS:
             raise ValueError(f"--data-placement must be one of {list(core.DATA_PLACEMENTS)}, "
                              f"got {self.data_placement!r}")

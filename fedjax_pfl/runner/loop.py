@@ -26,8 +26,9 @@ from fedjax_pfl.data.build import build_federated
 from fedjax_pfl.data.federated import FederatedData, label_counts
 from fedjax_pfl.interrupts import (WarningSignal, compute, deferred_signals, parse_signal,
                                    signal_name, stop_signals)
-from fedjax_pfl.runner import checkpoints, rundir
+from fedjax_pfl.runner import checkpoints, privacy, rundir
 from fedjax_pfl.runner.checkpoints import ResumeError
+from fedjax_pfl.runner.privacy import PrivacyPlan
 from fedjax_pfl.runner.config import (MIN_IMAGE_SIDE, RunConfig, config_record, model_name_of,
                                       parse_eval_clients, read_config, resume_conflicts)
 from fedjax_pfl.runner.records import (Progress, eval_ids, record_call, report, round_row,
@@ -80,6 +81,7 @@ class Prepared:
     root: jax.Array
     round_keys: jax.Array
     eval_ids: np.ndarray | None        # a fixed evaluation subset (--eval-clients K), or None
+    privacy: PrivacyPlan | None = None  # --dp-clip: the noise multiplier and ε after each round
 
 
 def check_with_data(cfg: RunConfig, data: FederatedData) -> None:
@@ -104,6 +106,7 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
     if data is None:
         data, data_info = load_data(cfg)
     check_with_data(cfg, data)
+    hparams, privacy_plan = privacy.plan(cfg, hparams, data.num_real_clients)
     model_name = model_name_of(cfg)
     model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
                        conv=cfg.model_conv, task=data.task,
@@ -124,7 +127,7 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
         rng = np.random.default_rng(cfg.seed + 7)
         eval_ids = np.sort(rng.choice(data.num_real_clients, subset, replace=False)).astype(np.int32)
     return Prepared(cfg, hparams, data, data_info or {}, model_name, algo, program, root,
-                    jax.random.fold_in(root, 1), eval_ids)
+                    jax.random.fold_in(root, 1), eval_ids, privacy_plan)
 
 
 
@@ -316,7 +319,10 @@ def _rounds(cfg: RunConfig, prep: Prepared, state, round_keys, prog: Progress,
         for i, m in enumerate(per_round):
             sampled = np.asarray(m["sampled"])
             evaluation.changed(sampled)
-            rows.append((round_row(r + i + 1, m, call_time / count), sampled))
+            row = round_row(r + i + 1, m, call_time / count)
+            if prep.privacy is not None:
+                row["dp_epsilon"] = prep.privacy.epsilons[r + i]
+            rows.append((row, sampled))
         evals = ids = None
         eval_time = 0.0
         if (r + count) % cfg.eval_every == 0 or r + count == cfg.rounds:

@@ -101,6 +101,9 @@ def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
         summary["target"] = {"acc_mean": cfg.target_acc, "round": target_round(cfg, rows)}
     if plan is not None:
         summary["memory_plan"] = dataclasses.asdict(plan)
+    if getattr(prep, "privacy", None) is not None:
+        summary["privacy"] = prep.privacy.record(prog.round)
+        summary["dp_epsilon"] = summary["privacy"]["dp_epsilon"]
     communication = communication_totals(rows)
     if communication:
         summary["communication"] = communication

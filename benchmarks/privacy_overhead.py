@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""What client-level DP costs a round (issue 35: ≤ 10 % of a round at M = 100 on the MLP).
+
+    python benchmarks/privacy_overhead.py                       # M = 100, 5 repeats
+    python benchmarks/privacy_overhead.py --clients 200 --clients-per-round 50 --repeats 3
+
+FedAvg with the MLP on N synthetic Fashion-MNIST-shaped clients (28×28 uint8 images, 10 classes,
+`--samples` training and a quarter as many test samples each), M = `--clients-per-round`, one
+local epoch of B = 10, on the CLI's devices (one XLA:CPU device per core). Two programs compiled
+in one process: plain FedAvg, and DP-FedAvg with --dp-clip 1 --dp-noise-multiplier 1 (per-client
+clipping in the vectorised step, the clipped sum, Gaussian noise, the fixed denominator). They
+run interleaved, `--rounds` rounds of each per repeat, after one warm-up round each; per repeat
+the ratio of their median round times, then the median (range) of the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=400)
+    p.add_argument("--clients-per-round", type=int, default=100)
+    p.add_argument("--samples", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+
+    import fedjax_pfl
+    fedjax_pfl.use_cpu_cores()
+    import jax
+    import numpy as np
+
+    from fedjax_pfl import algorithms, core, models
+    from fedjax_pfl.data.federated import FederatedData
+
+    rng = np.random.default_rng(0)
+    n, s, t = args.clients, args.samples, max(1, args.samples // 4)
+    x = rng.integers(0, 256, (n * (s + t), 28, 28, 1), dtype=np.uint8)
+    y = rng.integers(0, 10, n * (s + t)).astype(np.int32)
+    starts = np.arange(n) * (s + t)
+    data = FederatedData.from_arrays(x, y, [np.arange(a, a + s) for a in starts],
+                                     [np.arange(a + s, a + s + t) for a in starts],
+                                     num_classes=10, input_scale=1 / 255, name="fmnist-shaped")
+    model = models.get("mlp", data.input_shape, 10)
+    common = dict(participation=args.clients_per_round / n, batch_size=10, lr=0.05)
+    programs = {}
+    for name, extra in (("plain", {}), ("private", {"dp_clip": 1.0, "dp_noise_multiplier": 1.0})):
+        algo = algorithms.get("fedavg", model=model, **common, **extra)
+        program = core.Program(algo, data, mesh=core.client_mesh())
+        state = program.init(jax.random.key(0))
+        state, _ = program.run_rounds(state, jax.random.key(1), 0, 1)     # compile, warm up
+        jax.block_until_ready(state)
+        programs[name] = [program, state]
+    print(f"devices {len(jax.devices())} ({jax.devices()[0].platform}), jax {jax.__version__}, "
+          f"N = {n}, M = {args.clients_per_round}, {s} samples a client")
+    ratios = []
+    for rep in range(args.repeats):
+        medians = {}
+        for name, entry in programs.items():
+            program, state = entry
+            times = []
+            for r in range(args.rounds):
+                t0 = time.perf_counter()
+                state, m = program.run_rounds(state, jax.random.key(1), 1 + rep * args.rounds + r, 1)
+                jax.block_until_ready(state)
+                times.append(time.perf_counter() - t0)
+            entry[1] = state
+            medians[name] = statistics.median(times)
+        ratios.append(medians["private"] / medians["plain"])
+        print(f"repeat {rep + 1}: plain {medians['plain']:.3f} s, private "
+              f"{medians['private']:.3f} s a round, private ÷ plain {ratios[-1]:.3f}")
+    print(f"private ÷ plain: median {statistics.median(ratios):.3f} "
+          f"({min(ratios):.3f}–{max(ratios):.3f}) over {args.repeats} repeats")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Client-level differential privacy of an uplink: per-client L2 clipping and the Gaussian
+mechanism on the sum (DP-FedAvg, McMahan et al., "Learning Differentially Private Recurrent
+Language Models", ICLR 2018, Algorithm 1 with the fixed-denominator estimator).
+
+For the sampled clients' updates Δ_k (what each client sends: its model minus the model it
+started from),
+
+    clip_C(Δ) = Δ · min(1, C / ‖Δ‖₂)                                  (per client)
+    Δ̃ = ( Σ_{k∈S} clip_C(Δ_k) + N(0, z²C² I) ) / D                    (at the server)
+
+with D fixed (the expected number of clients per round), so that the sum's sensitivity does not
+depend on who was sampled: adding or removing one client moves it by at most C (Poisson
+sampling), replacing one client's update by another's by at most 2C (the engine's fixed-size
+sampling, accounted as the Gaussian mechanism with noise multiplier z/2). The accountant
+(`fedjax_pfl.privacy.accounting`) turns z, the sampling and the rounds into (ε, δ).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_pfl.ops.tree import tree_norm
+
+Params = Any
+
+
+def clip_update(update: Params, clip: jax.Array | float) -> tuple[Params, jax.Array]:
+    """(clip_C(update), ‖update‖₂) for ONE client's update: scaled by min(1, C/‖Δ‖) (C = ∞:
+    unchanged, bit for bit; an update already within C is returned as it is, unscaled)."""
+    norm = tree_norm(update)
+    scale = jnp.minimum(1.0, clip / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
+    clipped = jax.tree.map(lambda x: jnp.where(norm > clip, x * scale.astype(x.dtype), x), update)
+    return clipped, norm
+
+
+def clipped_sum(updates: Params, clip: jax.Array | float) -> tuple[Params, jax.Array]:
+    """(Σ_k clip_C(Δ_k), [M] ‖Δ_k‖₂) for STACKED updates (leaves [M, ...]): what `clip_update`
+    per client and a sum over clients give, written as the norms (a reduction within each
+    client's row) and one weighted sum Σ_k s_k Δ_k, s_k = min(1, C/‖Δ_k‖), as a dot product over
+    the client axis: no clipped copy of the M updates is stored, and XLA:CPU's reduction across
+    rows (jnp.sum over axis 0) is avoided, 50–70× slower than the dot on 100 × 78,400 floats
+    (166 against 2.2 ms, jax 0.10.2, one core)."""
+    leaves = jax.tree.leaves(updates)
+    m = leaves[0].shape[0]
+    sq = sum(jnp.sum(jnp.square(x.reshape(m, -1).astype(jnp.float32)), axis=1) for x in leaves)
+    norms = jnp.sqrt(sq)
+    scale = jnp.where(norms > clip, clip / jnp.maximum(norms, jnp.finfo(jnp.float32).tiny), 1.0)
+    total = jax.tree.map(lambda x: jnp.tensordot(scale.astype(x.dtype), x, axes=1), updates)
+    return total, norms
+
+
+def gaussian_noise(key: jax.Array, like: Params, std: jax.Array | float) -> Params:
+    """N(0, std² I) shaped like `like` (one independent key per leaf)."""
+    leaves, treedef = jax.tree.flatten(like)
+    keys = jax.random.split(key, len(leaves))
+    noise = [std * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+    return treedef.unflatten(noise)
+
+
+def noisy_mean(clipped_sum: Params, key: jax.Array, *, clip: jax.Array | float,
+               noise_multiplier: jax.Array | float, denominator: jax.Array | float) -> Params:
+    """(Σ clip_C(Δ_k) + N(0, z²C² I)) / D, the DP-FedAvg estimate of the mean update. With z = 0
+    nothing is added (not even a zero: the sum's bits are kept)."""
+    std = noise_multiplier * clip
+    noise = gaussian_noise(key, clipped_sum, jnp.where(noise_multiplier > 0, std, 0.0))
+    return jax.tree.map(lambda s, n: jnp.where(noise_multiplier > 0, s + n, s) / denominator,
+                        clipped_sum, noise)

@@ -1,0 +1,68 @@
+"""A run's privacy budget: the noise multiplier for --target-epsilon, and ε after every round.
+
+With --dp-clip the algorithm privatises its uplink (`ops.dp`, `Engine.private_update`): each
+round is the Gaussian mechanism with noise multiplier z on M of the N real clients, sampled
+without replacement (the engine's fixed-size sampling). The accountant (`privacy.accounting`,
+Google's dp-accounting) composes the rounds; ε at δ after round r goes into that round's
+metrics row (`dp_epsilon`) and the summary's privacy record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fedjax_pfl import core
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyPlan:
+    noise_multiplier: float
+    clip: float
+    delta: float
+    accountant: str
+    sampling: str
+    clients: int
+    clients_per_round: int
+    epsilons: tuple[float, ...]          # ε at δ after rounds 1, 2, …, planned rounds
+    target_epsilon: float | None = None
+
+    def record(self, rounds_done: int) -> dict[str, Any]:
+        """The summary's privacy record after `rounds_done` rounds."""
+        eps = self.epsilons[rounds_done - 1] if rounds_done > 0 else 0.0
+        return {"dp_epsilon": eps, "delta": self.delta, "noise_multiplier": self.noise_multiplier,
+                "clip": self.clip, "accountant": self.accountant, "sampling": self.sampling,
+                "clients": self.clients, "clients_per_round": self.clients_per_round,
+                "target_epsilon": self.target_epsilon}
+
+
+def default_delta(num_clients: int) -> float:
+    """δ = N^-1.1: below 1/N, so that no mechanism may simply publish one client's data."""
+    return float(num_clients) ** -1.1
+
+
+def plan(cfg, hparams: dict[str, Any], num_clients: int) -> tuple[dict[str, Any], PrivacyPlan | None]:
+    """(the hyperparameters, with the noise multiplier --target-epsilon calls for; the run's
+    privacy plan, None without --dp-clip). Errors name the flag."""
+    clip = hparams.get("dp_clip")
+    if clip is None:
+        for flag, value in (("--target-epsilon", cfg.target_epsilon), ("--dp-delta", cfg.dp_delta)):
+            if value is not None:
+                raise ValueError(f"{flag} needs --dp-clip (client-level DP of the uplink)")
+        return hparams, None
+    from fedjax_pfl.privacy import accounting      # (dp-accounting: only for private runs)
+
+    m = core.num_sampled_clients(num_clients, hparams["participation"])
+    delta = cfg.dp_delta if cfg.dp_delta is not None else default_delta(num_clients)
+    common = dict(num_clients=num_clients, clients_per_round=m, sampling="fixed", delta=delta,
+                  accountant=cfg.dp_accountant)
+    z = hparams["dp_noise_multiplier"]
+    if cfg.target_epsilon is not None:
+        if z:
+            raise ValueError("give --dp-noise-multiplier or --target-epsilon, not both")
+        z = accounting.noise_multiplier_for(cfg.target_epsilon, rounds=cfg.rounds, **common)
+        hparams = {**hparams, "dp_noise_multiplier": z}
+    epsilons = accounting.epsilons(z, rounds=cfg.rounds, **common)
+    return hparams, PrivacyPlan(float(z), float(clip), float(delta), cfg.dp_accountant, "fixed",
+                                num_clients, m, tuple(float(e) for e in epsilons),
+                                cfg.target_epsilon)

@@ -1,0 +1,50 @@
+"""A private run from the command line (`--dp-clip`, `--target-epsilon`, `--dp-delta`): the noise
+multiplier is chosen before the run so that ε after the planned rounds meets the target (the
+smallest such z: 2 % less noise misses it), every metrics row reports ε after its round, the
+summary records the budget; the flags are refused where they cannot apply."""
+
+import json
+
+import pytest
+
+from fedjax_pfl import runner
+from fedjax_pfl.privacy import accounting
+
+
+def _config(out, *flags):
+    import run as cli          # experiments/run.py
+
+    return cli.config_from_args(cli.parse(["--algo", "fedavg", "--quiet", "--out", str(out),
+                                           "--clients", "10", "--participation", "0.5",
+                                           "--rounds", "3", *flags]))
+
+
+def test_a_run_at_a_target_epsilon_reports_epsilon_after_every_round(tmp_path):
+    summary = runner.run(_config(tmp_path, "--dp-clip", "0.5", "--target-epsilon", "4",
+                                 "--dp-delta", "1e-3"))
+    privacy = summary["privacy"]
+    z = privacy["noise_multiplier"]
+    assert (privacy["clip"], privacy["delta"], privacy["clients"], privacy["clients_per_round"],
+            privacy["sampling"], privacy["accountant"]) == (0.5, 1e-3, 10, 5, "fixed", "rdp")
+    common = dict(num_clients=10, clients_per_round=5, sampling="fixed", delta=1e-3,
+                  accountant="rdp")
+    assert accounting.epsilon(z, rounds=3, **common) <= 4.0
+    assert accounting.epsilon(0.98 * z, rounds=3, **common) > 4.0       # the least noise that fits
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    eps = [row["dp_epsilon"] for row in rows]
+    assert eps == pytest.approx([accounting.epsilon(z, rounds=r, **common) for r in (1, 2, 3)])
+    assert eps[0] < eps[1] < eps[2] == summary["dp_epsilon"] <= 4.0
+    assert all(row["dp_clipped_fraction"] >= 0 for row in rows)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["dp_epsilon"] == summary["dp_epsilon"]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--target-epsilon", "4"], "--target-epsilon needs --dp-clip"),
+    (["--dp-clip", "1", "--dp-noise-multiplier", "1", "--target-epsilon", "4"], "not both"),
+    (["--dp-clip", "1", "--dp-delta", "2"], "--dp-delta must be in"),
+    (["--algo", "pgfedmo", "--dp-clip", "1"], "pgfedmo does not privatise its uplink"),
+])
+def test_privacy_flags_that_cannot_apply_are_refused(tmp_path, flags, words):
+    with pytest.raises(ValueError, match=words):
+        runner.prepare(_config(tmp_path, *flags))
