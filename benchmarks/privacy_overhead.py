@@ -7,8 +7,9 @@
 FedAvg with the MLP on N synthetic Fashion-MNIST-shaped clients (28×28 uint8 images, 10 classes,
 `--samples` training and a quarter as many test samples each), M = `--clients-per-round`, one
 local epoch of B = 10, on the CLI's devices (one XLA:CPU device per core). Two programs compiled
-in one process: plain FedAvg, and DP-FedAvg with --dp-clip 1 --dp-noise-multiplier 1 (per-client
-clipping in the vectorised step, the clipped sum, Gaussian noise, the fixed denominator). They
+in one process: plain FedAvg, DP-FedAvg with --dp-clip 1 --dp-noise-multiplier 1 (per-client
+clipping in the vectorised step, the clipped sum, Gaussian noise, the fixed denominator), and
+the clipping alone (--dp-clip 1, no noise). They
 run interleaved, `--rounds` rounds of each per repeat, after one warm-up round each; per repeat
 the ratio of their median round times, then the median (range) of the ratios.
 """
@@ -54,7 +55,9 @@ def main() -> None:
     model = models.get("mlp", data.input_shape, 10)
     common = dict(participation=args.clients_per_round / n, batch_size=10, lr=0.05)
     programs = {}
-    for name, extra in (("plain", {}), ("private", {"dp_clip": 1.0, "dp_noise_multiplier": 1.0})):
+    variants = (("plain", {}), ("private", {"dp_clip": 1.0, "dp_noise_multiplier": 1.0}),
+                ("clip only", {"dp_clip": 1.0}))
+    for name, extra in variants:
         algo = algorithms.get("fedavg", model=model, **common, **extra)
         program = core.Program(algo, data, mesh=core.client_mesh())
         state = program.init(jax.random.key(0))
@@ -76,11 +79,15 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
             entry[1] = state
             medians[name] = statistics.median(times)
-        ratios.append(medians["private"] / medians["plain"])
+        ratios.append((medians["private"] / medians["plain"],
+                       medians["clip only"] / medians["plain"]))
         print(f"repeat {rep + 1}: plain {medians['plain']:.3f} s, private "
-              f"{medians['private']:.3f} s a round, private ÷ plain {ratios[-1]:.3f}")
-    print(f"private ÷ plain: median {statistics.median(ratios):.3f} "
-          f"({min(ratios):.3f}–{max(ratios):.3f}) over {args.repeats} repeats")
+              f"{medians['private']:.3f} s, clip only {medians['clip only']:.3f} s a round; "
+              f"private ÷ plain {ratios[-1][0]:.3f}, clip only ÷ plain {ratios[-1][1]:.3f}")
+    for i, name in enumerate(("private", "clip only")):
+        r = [x[i] for x in ratios]
+        print(f"{name} ÷ plain: median {statistics.median(r):.3f} ({min(r):.3f}–{max(r):.3f}) "
+              f"over {args.repeats} repeats")
 
 
 if __name__ == "__main__":

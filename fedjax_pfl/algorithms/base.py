@@ -490,8 +490,7 @@ class Engine:
         clip = self.config.dp_clip
         if not jax.tree.leaves(client_params):           # nothing is sent (an empty shared part)
             return start, {"dp_clipped_fraction": jnp.zeros(()), "dp_update_norm": jnp.zeros(())}
-        deltas = jax.tree.map(lambda p, s: p - s[None], client_params, start)
-        total, norms = dp.clipped_sum(deltas, clip)
+        total, norms = dp.clipped_update_sum(client_params, start, clip)
         mean = dp.noisy_mean(total, jax.random.fold_in(key, DP_NOISE),
                              clip=clip, noise_multiplier=self.config.dp_noise_multiplier,
                              denominator=self.num_sampled(data))

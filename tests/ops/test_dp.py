@@ -69,14 +69,17 @@ def test_without_noise_the_mean_is_the_sum_over_the_denominator_exactly():
 
 
 def test_the_stacked_clipped_sum_is_the_sum_of_each_clients_clipped_update():
-    """dp.clipped_sum (the engine's fused form) against clip_update per client, summed in
-    float64: clients below, at and far above C; and the norms."""
+    """dp.clipped_update_sum (the engine's form: from the models and their start) against
+    clip_update of each client's θ_k − start, summed in float64: clients below, near and far
+    above C; and the norms."""
     rng = np.random.default_rng(3)
-    clients = [_tree(rng, scale) for scale in (0.01, 0.3, 1.0, 4.0, 50.0)]
-    stacked = jax.tree.map(lambda *x: jnp.stack(x), *clients)
+    start = _tree(rng, 1.0)
+    updates = [_tree(rng, scale) for scale in (0.01, 0.3, 1.0, 4.0, 50.0)]
+    models = jax.tree.map(lambda s, *u: jnp.stack([s + d for d in u]), start, *updates)
     clip = 1.2
-    total, norms = dp.clipped_sum(stacked, clip)
-    want = sum(_flat(dp.clip_update(c, clip)[0]) for c in clients)
-    np.testing.assert_allclose(_flat(total), want, rtol=2e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(norms), [np.linalg.norm(_flat(c)) for c in clients],
-                               rtol=1e-6)
+    total, norms = dp.clipped_update_sum(models, start, clip)
+    deltas = [jax.tree.map(lambda m, s, k=k: m[k] - s, models, start) for k in range(5)]
+    want = sum(_flat(dp.clip_update(d, clip)[0]) for d in deltas)
+    np.testing.assert_allclose(_flat(total), want, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(norms), [np.linalg.norm(_flat(d)) for d in deltas],
+                               rtol=1e-5)
