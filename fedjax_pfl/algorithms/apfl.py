@@ -99,12 +99,12 @@ def apfl(model: Model, config: base.EngineConfig, *, alpha: float, alpha_lr: flo
         result = engine.train(data, idx, start, opt, train_key)
         w_k, v_k, a_k = result.params
         weights = core.gather(data.clients.train_count, idx)
-        params = core.mean_over_clients(w_k, weights)
+        params, private = engine.aggregate(state.params, w_k, weights, key, data)
         new_state = State(params, core.scatter(state.local, idx, v_k),
                           core.scatter(state.alpha, idx, a_k),
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1)
-        metrics = base.train_metrics(result, idx)
+        metrics = {**base.train_metrics(result, idx), **private}
         real = data.num_real_clients
         metrics.update(alpha_mean=jnp.mean(new_state.alpha[:real]),
                        alpha_min=jnp.min(new_state.alpha[:real]),
@@ -143,4 +143,6 @@ base.register(base.AlgorithmSpec(
     ),
     traceable=("lr", "alpha_lr"),
     test_hparams={},
+    private_uplink="each client's update of the global model w; its local model v and mixing "
+                   "weight α stay on the client",
 ))

@@ -294,14 +294,15 @@ def fedala(model: Model, config: base.EngineConfig, *, layers: int, rand_percent
         opt = engine.opt_states_for(state.opt_state, idx, theta)
         trained = engine.train(data, idx, start, opt, train_key)                     # θ_i
         weights = core.gather(data.clients.train_count, idx)
+        theta_next, private = engine.aggregate(theta, trained.params, weights, key, data)
         new_state = State(core.scatter(state.params, idx, trained.params),
                           core.scatter(state.weights, idx, result.weights),
                           core.scatter(state.started, idx, jnp.ones(m, bool)),
                           core.scatter(state.warm, idx, started),                   # R4
                           engine.store_opt_states(state.opt_state, idx, trained.opt_state),
-                          core.mean_over_clients(trained.params, weights),           # θ, FedAvg
+                          theta_next,                                                # θ, FedAvg
                           state.round + 1)
-        metrics = base.train_metrics(trained, idx)
+        metrics = {**base.train_metrics(trained, idx), **private}
         metrics.update(weight_statistics(result.weights))
         ran = result.epochs > 0
         metrics["ala_epochs"] = jnp.mean(result.epochs.astype(jnp.float32))
@@ -357,4 +358,6 @@ base.register(base.AlgorithmSpec(
     # The tests' linear model {w, b}: layers b < w, so p = 1 puts w under ALA and b below.
     test_hparams={"momentum": 0.5, "momentum_buffer": "persist", "patience": 2,
                   "max_epochs": 3},
+    private_uplink="each client's trained model minus the global model θ; its local model and "
+                   "ALA weights stay on the client",
 ))

@@ -162,11 +162,12 @@ def fedrod(model: Model, config: base.EngineConfig, *, head: str) -> base.Algori
         result = engine.train(data, idx, start, opt, train_key, extra={"log_prior": prior})
         generic, phi = result.params
         weights = core.gather(data.clients.train_count, idx)
-        new_state = State(core.mean_over_clients(generic, weights),                # (θ, ψ) average
+        generic_mean, private = engine.aggregate(state.params, generic, weights, key, data)
+        new_state = State(generic_mean,                                            # (θ, ψ) average
                           core.scatter(state.heads, idx, phi), state.class_counts,
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1)
-        metrics = base.train_metrics(result, idx)     # train_loss: L_BSM + L_P
+        metrics = {**base.train_metrics(result, idx), **private}  # train_loss: L_BSM + L_P
         metrics.update(base.communication(up_clients=m, up_floats_per_client=generic_size,
                                           down_clients=m, down_floats_per_client=generic_size))
         return new_state, metrics
@@ -194,4 +195,6 @@ base.register(base.AlgorithmSpec(
     ),
     # The tests' linear model {w, b}: its bias as the head, so both parts are non-empty.
     test_hparams={"head": "^b$"},
+    private_uplink="each client's update of the generic model (body and generic head); its "
+                   "personal head stays on the client, its class counts are never sent",
 ))
