@@ -315,6 +315,8 @@ class AlgorithmSpec:
     # What the algorithm privatises under --dp-clip (its uplink: e.g. "the global model's
     # update"); None: it does not support client-level DP, and --dp-clip is refused.
     private_uplink: str | None = None
+    # Why it does not (said when --dp-clip is refused), where the reason is known.
+    not_private: str | None = None
 
     def all_hparams(self) -> list[tuple[HParam, str]]:
         """(hparam with this algorithm's default, CLI flag) for common and own hyperparameters."""
@@ -344,7 +346,8 @@ class AlgorithmSpec:
         config, own = EngineConfig.split(hparams)
         if config.dp_clip is not None and self.private_uplink is None:
             supported = sorted(n for n, sp in _REGISTRY.items() if sp.private_uplink)
-            raise ValueError(f"{self.name} does not privatise its uplink (--dp-clip); "
+            why = f" ({self.not_private})" if self.not_private else ""
+            raise ValueError(f"{self.name} does not privatise its uplink (--dp-clip){why}; "
                              f"client-level DP is built for: {', '.join(supported)}")
         return self.factory(model, config, **own)
 

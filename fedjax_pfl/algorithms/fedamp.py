@@ -101,6 +101,8 @@ def fedamp(model: Model, config: base.EngineConfig, *, alpha: float, sigma: floa
 
 base.register(base.AlgorithmSpec(
     name="fedamp", factory=fedamp,
+    not_private=("a pairwise server mixture: one client's upload reaches every other client's "
+                 "personalised model through its own weight, which the sum's noise does not bound"),
     summary="FedAMP: per-client cloud models mixed by attention e^{−‖w_i − w_j‖²/σ}, local "
             "training pulled towards them by (λ/2α)‖w − u_i‖²; personalised models evaluated",
     hparams=(

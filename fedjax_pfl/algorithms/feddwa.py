@@ -182,6 +182,8 @@ def feddwa(model: Model, config: base.EngineConfig, *, topk: int,
 
 base.register(base.AlgorithmSpec(
     name="feddwa", factory=feddwa,
+    not_private=("a pairwise server mixture: one client's upload reaches every other client's "
+                 "personalised model through its own weight, which the sum's noise does not bound"),
     summary="FedDWA: per-client mixtures Σ_j p_ij w_j of the sampled clients' trained models, "
             "p_ij ∝ ‖ŵ_i − w_j‖^{-2} over the top-K, ŵ_i a guidance model one more local pass "
             "ahead; personalised models evaluated",

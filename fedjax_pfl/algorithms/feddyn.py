@@ -93,6 +93,8 @@ def feddyn(model: Model, config: base.EngineConfig, *, alpha: float) -> base.Alg
 
 base.register(base.AlgorithmSpec(
     name="feddyn", factory=feddyn,
+    not_private=('its server state h is built from the updates apart from their mean; not built '
+                 'yet'),
     summary="FedDyn: dynamic regularisation (linear correction + (α/2)‖θ − θ_server‖²); server "
             "model evaluated",
     hparams=(

@@ -170,6 +170,8 @@ def fedfomo(model: Model, config: base.EngineConfig, *, candidates: int, val_fra
 
 base.register(base.AlgorithmSpec(
     name="fedfomo", factory=fedfomo,
+    not_private=("a pairwise server mixture: one client's upload reaches every other client's "
+                 "personalised model through its own weight, which the sum's noise does not bound"),
     summary="FedFomo: each client mixes downloaded models weighted by validation-loss "
             "improvement per unit distance, max(0, ΔL)/‖θ_j − θ_i‖ normalised, then trains "
             "locally; personalised models evaluated",

@@ -59,6 +59,7 @@ def local(model: Model, config: base.EngineConfig) -> base.Algorithm:
 
 base.register(base.AlgorithmSpec(
     name="local",
+    not_private=('it sends nothing: no uplink to privatise'),
     factory=local,
     summary="Local: each client trains alone on its own data; no communication",
     # No server, nothing to sample for: every client trains every round (see the docstring).

@@ -200,14 +200,22 @@ _ALPHA_LR = base.HParam("alpha_lr", float, 0.01,
                         "η₂, learning rate of the coefficients α_ij (projected at 0 every minibatch)",
                         check=base.NON_NEGATIVE)
 
+# Why --dp-clip is refused (AlgorithmSpec.not_private).
+_NOT_PRIVATE = ("a pairwise server mixture: the server builds each client's aggregate from the "
+                "others' α-weighted gradients, and one client's upload reaches every other "
+                "client's through its own weight, which the sum's noise does not bound")
+
+
 base.register(base.AlgorithmSpec(
     name="pgfed", factory=pgfed_plain, flag_prefix="pgfed",
+    not_private=_NOT_PRIVATE,
     summary="PGFed: local risk plus a first-order estimate of other clients' risks (μ, α_ij)",
     hparams=(_MU, _ALPHA_LR), defaults=_REFERENCE_DEFAULTS, traceable=("lr", "mu", "alpha_lr"),
     test_hparams={},
 ))
 base.register(base.AlgorithmSpec(
     name="pgfedmo", factory=pgfed, flag_prefix="pgfed",
+    not_private=_NOT_PRIVATE,
     summary="PGFedMo: PGFed with a client-side moving average of the auxiliary gradient (β)",
     hparams=(_MU, _ALPHA_LR,
              base.HParam("beta", float, 0.5,
@@ -221,6 +229,7 @@ base.register(base.AlgorithmSpec(
 ))
 base.register(base.AlgorithmSpec(
     name="pgfed_ce", factory=pgfed_ce, flag_prefix="pgfed",
+    not_private=_NOT_PRIVATE,
     summary="PGFed-CE: PGFed whose α gradient uses the global model (no ḡ download)",
     hparams=(_MU, _ALPHA_LR), defaults=_REFERENCE_DEFAULTS, traceable=("lr", "mu", "alpha_lr"),
     test_hparams={},

@@ -119,6 +119,7 @@ def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
 
 base.register(base.AlgorithmSpec(
     name="scaffold", factory=scaffold,
+    not_private=('two uploads per client (Δy and Δc), to be clipped jointly; not built yet'),
     summary="SCAFFOLD: local steps corrected by control variates (c − c_i); server model evaluated",
     hparams=(
         base.HParam("server_lr", float, 1.0,
