@@ -287,7 +287,9 @@ def config_from_args(args: argparse.Namespace):
     if args.algo not in algorithms.names():
         raise ValueError(f"--algo must be one of {algorithms.names()}, got {args.algo!r}")
     for key, value in vars(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
+        # (--dp-clip inf: clipping off, DP-FedAvg's step without clipping)
+        if isinstance(value, float) and not math.isfinite(value) and not (
+                key == "dp_clip" and value == math.inf):
             raise ValueError(f"--{key.replace('_', '-')} must be finite, got {value}")
     check_processes(args)
     if args.seeds is not None:

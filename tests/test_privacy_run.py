@@ -48,3 +48,16 @@ def test_a_run_at_a_target_epsilon_reports_epsilon_after_every_round(tmp_path):
 def test_privacy_flags_that_cannot_apply_are_refused(tmp_path, flags, words):
     with pytest.raises(ValueError, match=words):
         runner.prepare(_config(tmp_path, *flags))
+
+
+def test_clipping_without_noise_bounds_nothing_and_the_files_stay_strict_json(tmp_path):
+    """--dp-clip inf (no clipping) and no noise: ε is unbounded, written as null (JSON has no
+    infinity), and the files parse as strict JSON."""
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+    summary = runner.run(_config(tmp_path, "--dp-clip", "inf", "--rounds", "2"))
+    assert summary["dp_epsilon"] is None and summary["privacy"]["clip"] is None
+    assert strict((tmp_path / "summary.json").read_text())["dp_epsilon"] is None
+    rows = [strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["dp_epsilon"] for row in rows] == [None, None]

@@ -115,7 +115,8 @@ def fedavg_sar(model: Model, config: base.EngineConfig, *, cr: float, mask_fill:
 
 
 base.register(base.AlgorithmSpec(
-    name="fedavg_sar", factory=fedavg_sar, flag_prefix="sar",
+    name="fedavg_sar", factory=fedavg_sar,
+    not_private=('its uploads are masked (sparsified) updates; not built yet'), flag_prefix="sar",
     summary="FedAvg (s.a.r.): FedAvg sending a random 1/CR of the coordinates each way",
     hparams=(
         base.HParam("cr", float, 2.0, "compression rate: a random 1/CR of the coordinates is sent",

@@ -314,6 +314,8 @@ def client_subsamples(key: jax.Array, data, size: int) -> tuple[jax.Array, jax.A
 
 base.register(base.AlgorithmSpec(
     name="fedpc",
+    not_private=("its server step updates every client's ADMM variables on the client graph; not "
+                 'built yet'),
     factory=fedpc,
     summary="FedPC: shared body by SGD, personal parts fused on a kNN client graph by ADMM",
     hparams=(

@@ -112,6 +112,8 @@ def _unused(updates, state, params=None):
 
 base.register(base.AlgorithmSpec(
     name="pfedme", factory=pfedme,
+    not_private=('it trains every client each round and its server mixes their models; not built '
+                 'yet'),
     summary="pFedMe: personalised models from a Moreau-envelope inner problem around local models",
     hparams=(
         base.HParam("lam", float, 12.0, "λ, strength of the pull λ/2‖θ − w‖²",

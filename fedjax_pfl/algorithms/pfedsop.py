@@ -136,6 +136,7 @@ def pfedsop(
 
 base.register(base.AlgorithmSpec(
     name="pfedsop",
+    not_private=('its uploads are second-order statistics, not one model update; not built yet'),
     factory=pfedsop,
     summary="pFedSOP: Gompertz-blended pseudo-gradients with a Sherman–Morrison Newton step",
     hparams=(

@@ -248,6 +248,8 @@ _DEFAULTS = {"lr": 8e-4, "momentum": 0.9, "batch_size": 20, "local_steps": 23, "
 
 base.register(base.AlgorithmSpec(
     name="tdpfed", factory=tdpfed,
+    not_private=('its uploads are CP factors, whose clipping and sensitivity are not worked out; '
+                 'not built yet'),
     summary="TDPFed: dense personalised models with a Moreau pull to CP-factorised local models; "
             "the factors are aggregated (AFM or ACT)",
     hparams=(

@@ -160,7 +160,8 @@ class RunConfig:
         hparams = spec.resolve(self.hparams)
         for hp, flag in spec.all_hparams():
             value = hparams.get(hp.name)
-            if hp.type is float and value is not None and not math.isfinite(value):
+            if hp.type is float and value is not None and not math.isfinite(value) and not (
+                    hp.name == "dp_clip" and value == math.inf):     # inf: clipping off
                 raise ValueError(f"{flag} must be finite, got {value}")
         if self.rounds_per_call > 1 and hparams["backend"] in core.EAGER_BACKENDS:
             raise ValueError(f"--rounds-per-call needs --backend chunked or vmap (the "

@@ -10,6 +10,7 @@ metrics row (`dp_epsilon`) and the summary's privacy record.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from fedjax_pfl import core
@@ -24,14 +25,14 @@ class PrivacyPlan:
     sampling: str
     clients: int
     clients_per_round: int
-    epsilons: tuple[float, ...]          # ε at δ after rounds 1, 2, …, planned rounds
+    epsilons: tuple[float | None, ...]   # ε at δ after rounds 1, 2, …; None: no bound (z = 0)
     target_epsilon: float | None = None
 
     def record(self, rounds_done: int) -> dict[str, Any]:
         """The summary's privacy record after `rounds_done` rounds."""
-        eps = self.epsilons[rounds_done - 1] if rounds_done > 0 else 0.0
+        eps = self.epsilons[rounds_done - 1] if rounds_done > 0 else 0.0   # None: unbounded
         return {"dp_epsilon": eps, "delta": self.delta, "noise_multiplier": self.noise_multiplier,
-                "clip": self.clip, "accountant": self.accountant, "sampling": self.sampling,
+                "clip": self.clip if math.isfinite(self.clip) else None, "accountant": self.accountant, "sampling": self.sampling,
                 "clients": self.clients, "clients_per_round": self.clients_per_round,
                 "target_epsilon": self.target_epsilon}
 
@@ -63,6 +64,7 @@ def plan(cfg, hparams: dict[str, Any], num_clients: int) -> tuple[dict[str, Any]
         z = accounting.noise_multiplier_for(cfg.target_epsilon, rounds=cfg.rounds, **common)
         hparams = {**hparams, "dp_noise_multiplier": z}
     epsilons = accounting.epsilons(z, rounds=cfg.rounds, **common)
+    # No noise bounds nothing: ε = ∞, written as null (JSON has no infinity).
+    finite = tuple(float(e) if math.isfinite(e) else None for e in epsilons)
     return hparams, PrivacyPlan(float(z), float(clip), float(delta), cfg.dp_accountant, "fixed",
-                                num_clients, m, tuple(float(e) for e in epsilons),
-                                cfg.target_epsilon)
+                                num_clients, m, finite, cfg.target_epsilon)
