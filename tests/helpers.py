@@ -87,7 +87,15 @@ def assert_states_close(got, want, *, rtol=2e-5, atol=1e-6):
 # XLA's own defaults (the product's), against the suite's fast-compile flags (tests/conftest.py):
 # for claims that two different programs agree bit for bit, which hold at the settings users run
 # with but may break by an ulp at others (PGFed with mu = 0 against FedAvg does at -O0).
-PRODUCT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True}
+def _jaxlib_version() -> tuple[int, int]:
+    import importlib.metadata
+
+    return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
+
+
+PRODUCT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2}
+if _jaxlib_version() < (0, 11):     # (newer XLA has only the fusion emitters, and no such option)
+    PRODUCT_COMPILER_OPTIONS["xla_cpu_use_fusion_emitters"] = True
 
 
 def product_jit(fn, **kwargs):
@@ -188,12 +196,6 @@ def check_resume_equals_uninterrupted(algo: str, tmp_path, rounds: int = 4, stop
     npz_res = np.load(tmp_path / "resumed" / "client_metrics.npz")
     for key in ("sampled", "eval_rounds", "accuracy"):
         np.testing.assert_array_equal(npz_full[key], npz_res[key])
-
-
-def _jaxlib_version() -> tuple[int, int]:
-    import importlib.metadata
-
-    return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
 
 
 # From jaxlib 0.11, XLA:CPU's vectorised reductions give an evaluated client's float sums (its
