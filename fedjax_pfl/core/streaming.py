@@ -369,6 +369,14 @@ class Stream:
         brought to the host in the group's order."""
         from fedjax_pfl.core.placement import to_host
 
+        if self.blocks and ids is not None:
+            # A client sits in one block only: evaluate each distinct client once (callers may
+            # pad ids by repeating one, e.g. CachedEvaluation) and copy the rows back.
+            uniq, back = np.unique(np.asarray(ids, np.int64), return_inverse=True)
+            if uniq.size < np.size(ids):
+                out = self.evaluate(run, uniq)
+                return jax.tree.map(lambda a: np.asarray(a)[back], out)
+
         def group(padded: np.ndarray):
             order = self.eval_order(padded)
             dealt = padded[order]

@@ -216,6 +216,13 @@ SCRIPT = textwrap.dedent('''
     state = program.init(jax.random.key(0))
     with pytest.raises(RuntimeError, match="does not hold its samples"):
         program.run_rounds(state, jax.random.key(1), 0, 1)
+    # Evaluating ids with repeats (CachedEvaluation pads that way): each client once, its rows
+    # copied back, equal to device placement's.
+    state = program.init(jax.random.key(0))
+    ids = np.array([4, 1, 4, 7, 1, 0])
+    device = core.Program(algo, data, mesh=core.client_mesh(), data_placement="device")
+    helpers.assert_evaluations_equal(program.evaluate(state, ids),
+                                     device.evaluate(device.init(jax.random.key(0)), ids))
     # Likewise an evaluation group staged in another order than the one it is evaluated in.
     staging = program.stream.evaluation_data
     program.stream.evaluation_data = lambda ids: staging(ids[::-1])
