@@ -354,12 +354,10 @@ class Stream:
         return np.asarray(jax.device_get(balanced_order(jnp.asarray(cost, jnp.int32),
                                                         self.devices)), np.int64)
 
-    def _fill(self, part: np.ndarray, group: int) -> np.ndarray:
-        """`part` padded to `group` clients: with its first id repeated, or, in blocks (where a
-        client sits in one block only), with the smallest other clients (padding clients
-        first); their results are dropped."""
-        if not self.blocks:
-            return np.concatenate([part, np.full(group - part.size, part[0])])
+    def _fill_blocks(self, part: np.ndarray, group: int) -> np.ndarray:
+        """`part` padded to `group` clients for per-device blocks, where a client sits in one
+        block only: with the smallest other clients (padding clients first), not with a repeat
+        (`in_groups`' default); their results are dropped."""
         others = self._by_size[~np.isin(self._by_size, part)]
         return np.concatenate([part, others[:group - part.size]])
 
@@ -384,7 +382,8 @@ class Stream:
             back = np.argsort(order)
             return jax.tree.map(lambda a: np.asarray(a)[back], out)
 
-        return in_groups(group, ids, self.num_clients, self.eval_group, fill=self._fill)
+        return in_groups(group, ids, self.num_clients, self.eval_group,
+                         fill=self._fill_blocks if self.blocks else None)
 
     def bytes_on_device(self) -> int:
         """The streamed buffers' bytes per device: the round being trained and the next one, or
