@@ -30,15 +30,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+import natural  # noqa: E402  (benchmarks/natural.py; imports no JAX)
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=3400)
-    p.add_argument("--clients-per-round", nargs="+", type=int, default=[10, 50], dest="ms")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of each program per repeat")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cache-root", default=None, help="default: natural.CACHE_ROOT")
-    p.add_argument("--json", default=None, help="append one JSON line per M here")
+    natural.add_placement_args(p)
     args = p.parse_args()
 
     import fedjax_pfl
@@ -47,10 +45,9 @@ def main() -> None:
     import jax
 
     from fedjax_pfl import algorithms, core, models
-    import natural
 
     host_data = natural.femnist_host_data(args.clients, args.cache_root or natural.CACHE_ROOT)
-    kind = f"{len(jax.devices())} × {jax.devices()[0].device_kind} ({jax.devices()[0].platform})"
+    kind = natural.devices_line()
     print(f"{args.clients} clients, {host_data.x.shape[0]:,} samples ({host_data.x.nbytes / 2**20:.0f} MB "
           f"of images), devices {kind}, JAX {jax.__version__}, load {os.getloadavg()[0]:.1f}", flush=True)
     model = models.get("femnist_cnn", host_data.input_shape, host_data.num_classes, task=host_data.task)

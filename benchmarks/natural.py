@@ -149,6 +149,24 @@ class SyntheticReader:
 CACHE_ROOT = os.path.join(os.environ.get("TMPDIR", "/tmp"), "fedjax_pfl_bench_natural")
 
 
+def add_placement_args(parser) -> None:
+    """The options benchmarks/host_data.py and benchmarks/host_state.py share: M values,
+    rounds and repeats of the interleaved programs, the cache and the JSON log."""
+    parser.add_argument("--clients-per-round", nargs="+", type=int, default=[10, 50], dest="ms")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each program per repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache-root", default=None, help="default: natural.CACHE_ROOT")
+    parser.add_argument("--json", default=None, help="append one JSON line per M here")
+
+
+def devices_line() -> str:
+    """'D × KIND (platform)': the devices a benchmark ran on, for its header line."""
+    import jax
+
+    d = jax.devices()
+    return f"{len(d)} × {d[0].device_kind} ({d[0].platform})"
+
+
 def femnist_host_data(clients: int, cache_root: str = CACHE_ROOT):
     """The FEMNIST-shaped synthetic set of `clients` clients as host data (memory-mapped from
     its cache under `cache_root`, built on first use): what benchmarks/host_data.py and
