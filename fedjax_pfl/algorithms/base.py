@@ -355,9 +355,16 @@ class AlgorithmSpec:
 _REGISTRY: dict[str, AlgorithmSpec] = {}
 
 
+# The privacy parameters reach a private algorithm's program only as arithmetic on the uploads
+# (`Engine.private_update`, ops/dp.py): every algorithm that privatises its uplink can sweep them.
+DP_TRACEABLE = ("dp_clip", "dp_noise_multiplier")
+
+
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:
     if spec.name in _REGISTRY:
         raise ValueError(f"algorithm {spec.name!r} is registered twice")
+    if spec.private_uplink is not None:
+        spec = dataclasses.replace(spec, traceable=tuple(dict.fromkeys(spec.traceable + DP_TRACEABLE)))
     _REGISTRY[spec.name] = spec
     return spec
 

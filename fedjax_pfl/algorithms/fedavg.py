@@ -77,7 +77,6 @@ base.register(base.AlgorithmSpec(
     factory=fedavg,
     summary="FedAvg: sample-weighted average of local models; the global model is evaluated",
     test_hparams={"momentum": 0.9, "momentum_buffer": "persist"},
-    traceable=("lr", "dp_clip", "dp_noise_multiplier"),
     private_uplink="each client's model update θ_i − θ (the whole model); its optimizer state "
                    "stays on the client",
 ))
@@ -92,7 +91,6 @@ base.register(base.AlgorithmSpec(
                     check=base.AT_LEAST_ONE, flag="--ft-epochs"),
     ),
     test_hparams={"ft_epochs": 1},
-    traceable=("lr", "dp_clip", "dp_noise_multiplier"),
     private_uplink="each client's model update θ_i − θ (the whole model); fine-tuning for "
                    "evaluation stays on the client",
 ))

@@ -3,7 +3,8 @@
 for bit); with noise off the shared model moves at most C a round (the mean of M updates each
 clipped to C, over the fixed denominator M); and the Gaussian noise reaches the shared state only:
 every per-client row (personal models, heads, optimizer states) is bit for bit the same with and
-without noise."""
+without noise. The clipping norm and the noise multiplier are traced (as a sweep passes them), so
+the runs with and without noise are one compiled program."""
 
 import jax
 import jax.numpy as jnp
@@ -23,17 +24,31 @@ QUICK = ("fedavg", "fedrep")
 OVERRIDES = {"fedper": {"head": "^b$"}}
 
 
-def _one_round(name, data, **dp):
-    """(state before, state after, metrics, client mask) of one round. Compiled at XLA's
-    default settings (`helpers.product_jit`): at the suite's fast-compile settings two programs
-    of the same arithmetic (with and without the noise) may differ by an ulp in the clients'
-    training."""
+# XLA's code at the suite's fast-compile settings (tests/conftest.py) for the plain and the private
+# program of these differs by an ulp in the clients' training: they are compared at XLA's defaults.
+AT_DEFAULT_SETTINGS = ("moon",)
+
+
+def _rounds(name, data):
+    """(state before, plain round, private round, client mask): `plain(state, data, key)` is one
+    round without privacy, `private(clip, z, state, data, key)` one round under --dp-clip with the clipping
+    norm and the noise multiplier traced (AlgorithmSpec.traceable: one compiled program for
+    every (C, z), as in a sweep)."""
     hp = {"participation": 0.3, "batch_size": 4, "lr": 0.1,
-          **algorithms.spec(name).test_hparams, **OVERRIDES.get(name, {}), **dp}
+          **algorithms.spec(name).test_hparams, **OVERRIDES.get(name, {})}
+    spec = algorithms.spec(name)
+    assert {"dp_clip", "dp_noise_multiplier"} <= set(spec.traceable)
+    jit = helpers.product_jit if name in AT_DEFAULT_SETTINGS else jax.jit
     algo = algorithms.get(name, model=linear_model(), **hp)
-    before = helpers.product_jit(algo.init)(jax.random.key(0), data)
-    state, m = helpers.product_jit(algo.round_fn)(before, data, jax.random.key(3))
-    return jax.device_get(before), jax.device_get(state), jax.device_get(m), core.client_mask(before)
+    static = spec.resolve({**hp, "dp_clip": 1.0})
+
+    def private(clip, z, state, data, key):
+        built = spec.build(linear_model(), {**static, "dp_clip": clip, "dp_noise_multiplier": z})
+        return built.round_fn(state, data, key)
+
+    before = jit(algo.init)(jax.random.key(0), data)
+    plain = jit(algo.round_fn)
+    return jax.device_get(before), plain, jit(private), core.client_mask(before)
 
 
 def _shared_floats(tree, mask):
@@ -52,10 +67,11 @@ def _client_rows(tree, mask):
 def test_privacy_acts_on_the_uplink_only(name):
     assert len(PRIVATE) >= 11
     data = make_data(SIZES)
-    _, _, plain, _ = _one_round(name, data)
-    clip = 1e-3
-    before, quiet, m_quiet, mask = _one_round(name, data, dp_clip=clip)
-    _, noisy, m_noisy, _ = _one_round(name, data, dp_clip=clip, dp_noise_multiplier=5.0)
+    before, plain_round, private_round, mask = _rounds(name, data)
+    key, clip = jax.random.key(3), 1e-3
+    _, plain = jax.device_get(plain_round(before, data, key))
+    quiet, m_quiet = jax.device_get(private_round(clip, 0.0, before, data, key))
+    noisy, m_noisy = jax.device_get(private_round(clip, 5.0, before, data, key))
     # The clients' side: the same clients, the same training losses, bit for bit.
     for m in (m_quiet, m_noisy):
         np.testing.assert_array_equal(m["sampled"], plain["sampled"])
