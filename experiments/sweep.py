@@ -29,6 +29,10 @@ partition comes from --seed in --common (so all seeds see the same clients).
 
 OUT/results.md: one row per (dataset, algorithm, hyperparameters): mean ± std over seeds of the
 best-round and last-round mean client accuracy, the last worst-10 % and global accuracy.
+With --dp-clip (in --common, or a dp_clip grid) a row also has ε after the last round at δ
+(--dp-delta), from its runs' noise multiplier (a dp_noise_multiplier grid varies it inside one
+program; --target-epsilon gives every run the one it calls for); each run's metrics.jsonl has
+ε after every round, as run.py's.
 OUT/curves.png: mean accuracy per round (± std over seeds). Every run keeps its own
 metrics.jsonl / summary.json under OUT/<dataset>/<algo>/<hyperparameters>/<seed>/; --resume
 reuses the runs whose summary.json is there.
@@ -599,18 +603,34 @@ def _row(dataset, algo, label, summaries) -> dict:
             "seeds": len(summaries),
             "best": _stat(get("best", "acc_mean")), "last": _stat(get("last", "acc_mean")),
             "worst10": _stat(get("last", "acc_worst10")),
-            "global": _stat(get("last", "global_acc_mean"))}
+            "global": _stat(get("last", "global_acc_mean")), **_privacy(summaries)}
+
+
+def _privacy(summaries) -> dict:
+    """A private group's ε at δ after its last round (the same for every seed: ε depends on the
+    noise multiplier, the clients per round, N, the rounds and δ); None: no noise, no bound."""
+    if not any("privacy" in s for s in summaries):
+        return {}
+    eps = [s["privacy"]["dp_epsilon"] for s in summaries]
+    return {"dp_epsilon": None if None in eps else max(eps),
+            "dp_delta": summaries[0]["privacy"]["delta"]}
 
 
 def _write(out, rows, curves) -> None:
     import numpy as np
 
+    private = any("dp_delta" in r for r in rows)
+    eps = lambda r: ("—" if "dp_delta" not in r else "∞" if r["dp_epsilon"] is None
+                     else f"{r['dp_epsilon']:.3g} (δ = {r['dp_delta']:.2g})")
     lines = ["# Sweep", "", "Mean client accuracy (%) as mean ± std over seeds: best round, last "
-             "round, worst 10 % of clients (last), global model (last).", "",
-             "| dataset | algorithm | hyperparameters | seeds | best | last | worst 10% | global |",
-             "|---|---|---|---|---|---|---|---|"]
+             "round, worst 10 % of clients (last), global model (last)"
+             + ("; ε of client-level DP after the last round." if private else "."), "",
+             "| dataset | algorithm | hyperparameters | seeds | best | last | worst 10% | global |"
+             + (" ε |" if private else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if private else "")]
     lines += [f"| {r['dataset']} | {r['algo']} | {r['hparams']} | {r['seeds']} | {r['best']} | "
-              f"{r['last']} | {r['worst10']} | {r['global']} |" for r in rows]
+              f"{r['last']} | {r['worst10']} | {r['global']} |" + (f" {eps(r)} |" if private else "")
+              for r in rows]
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out, "results.json"), "w") as f:

@@ -157,12 +157,13 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
     hparams = cfg.validate()
     if cfg.target_acc is not None:
         raise ValueError("--target-acc stops one run; the runs of a sweep share one program")
+    program_hparams, hparams, plans = _privacy_plans(cfg, hparams, runs, data.num_real_clients)
     model_name = cfg.model or runner.DEFAULT_MODEL.get(cfg.dataset, "mlp")
     model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
                        conv=cfg.model_conv, task=data.task,
                        options=cfg.model_options)
     t0 = time.perf_counter()
-    program = VectorProgram(cfg.algo, model, data, cfg.hparams, runs)
+    program = VectorProgram(cfg.algo, model, data, program_hparams, runs)
     state = program.init()
     histories = [core.History(data.num_real_clients) for _ in runs]
     bar = None
@@ -182,6 +183,8 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
             evals = program.evaluate(state)
         for v, m in enumerate(metrics):
             row = runner.round_row(r + 1, m, round_time / len(runs))
+            if plans[v] is not None:
+                row["dp_epsilon"] = plans[v].epsilons[r]
             if evals is not None:
                 runner.record_evaluation(row, evals[v], None, data.num_real_clients,
                                          histories[v], np.asarray(m["sampled"]))
@@ -192,7 +195,7 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
         bar.close()
     wall = time.perf_counter() - t0
     summaries = []
-    for spec, history in zip(runs, histories):
+    for spec, history, plan in zip(runs, histories, plans):
         summary = {"algo": cfg.algo, "dataset": cfg.dataset, "model": model_name,
                    "rounds": cfg.rounds, "seed": spec.seed, "traced": dict(spec.traced),
                    "clients": data.num_real_clients, **history.best_and_last(),
@@ -201,6 +204,9 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
         comm = runner.communication_totals(history.rounds)
         if comm:
             summary["communication"] = comm
+        if plan is not None:
+            summary["privacy"] = plan.record(cfg.rounds)
+            summary["dp_epsilon"] = summary["privacy"]["dp_epsilon"]
         if out and jax.process_index() == 0:      # a multi-process run: process 0 writes
             run_dir = os.path.join(out, slug(spec.label))
             os.makedirs(run_dir, exist_ok=True)
@@ -213,6 +219,31 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
             runner.write_json(os.path.join(run_dir, "summary.json"), summary)
         summaries.append({**summary, "rows": history.rounds})
     return summaries
+
+
+def _privacy_plans(cfg, hparams: dict[str, Any], runs: Sequence[RunSpec], num_clients: int):
+    """(the hyperparameter overrides the program is built with, their resolved values, each run's
+    `runner.privacy.PrivacyPlan` or None): ε after every round of each private run, at its own clipping norm and noise
+    multiplier (traced or not; ε depends on z, M, N, the rounds and δ). --target-epsilon gives
+    every run the one noise multiplier it calls for, which then cannot vary inside the group."""
+    from fedjax_pfl.runner import privacy
+
+    overrides = dict(cfg.hparams)
+    untargeted = cfg
+    if cfg.target_epsilon is not None:
+        if any("dp_noise_multiplier" in dict(r.traced) for r in runs):
+            raise ValueError("--target-epsilon sets the noise multiplier; it cannot also vary "
+                             "in the sweep")
+        first, _ = privacy.plan(cfg, {**hparams, **dict(runs[0].traced)}, num_clients)
+        overrides["dp_noise_multiplier"] = first["dp_noise_multiplier"]
+        hparams = {**hparams, "dp_noise_multiplier": first["dp_noise_multiplier"]}
+        untargeted = dataclasses.replace(cfg, target_epsilon=None)
+    plans = []
+    for r in runs:
+        _, plan = privacy.plan(untargeted, {**hparams, **dict(r.traced)}, num_clients)
+        plans.append(plan if plan is None else dataclasses.replace(
+            plan, target_epsilon=cfg.target_epsilon))
+    return overrides, hparams, plans
 
 
 def slug(label: str) -> str:
