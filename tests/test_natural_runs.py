@@ -53,8 +53,14 @@ def _losses(out):
     return train, evaluated
 
 
-@pytest.mark.parametrize("algo", ["fedavg", pytest.param("fedper", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("key", list(TASKS))
+# The quick suite keeps one task with FedAvg (the readers and tasks have their own quick tests).
+QUICK = ("shakespeare_leaf", "fedavg")
+
+
+@pytest.mark.parametrize("key, algo", [
+    pytest.param(key, algo, id=f"{key}-{algo}",
+                 marks=() if (key, algo) == QUICK else pytest.mark.slow)
+    for algo in ("fedavg", "fedper") for key in TASKS])
 def test_each_task_trains_and_keeps_its_clients(tmp_path_factory, key, algo):
     root, ids = _files(tmp_path_factory, key)
     out = tmp_path_factory.mktemp("run")
@@ -83,6 +89,7 @@ def test_a_subset_of_clients_with_enough_samples(tmp_path_factory):
         runner.load_data(cfg)
 
 
+@pytest.mark.slow
 def test_the_command_line_runs_a_natural_dataset_with_its_published_model(tmp_path_factory):
     """`--dataset sent140 --data-dir DIR` alone picks the format and the dataset's model."""
     root, _ = _files(tmp_path_factory, "sent140")

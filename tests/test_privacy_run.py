@@ -19,6 +19,7 @@ def _config(out, *flags):
                                            "--rounds", "3", *flags]))
 
 
+@pytest.mark.slow
 def test_a_run_at_a_target_epsilon_reports_epsilon_after_every_round(tmp_path):
     summary = runner.run(_config(tmp_path, "--dp-clip", "0.5", "--target-epsilon", "4",
                                  "--dp-delta", "1e-3"))

@@ -26,6 +26,7 @@ def test_resume_at_round_k_equals_uninterrupted(tmp_path):
     helpers.check_resume_equals_uninterrupted("fedavg", tmp_path)
 
 
+@pytest.mark.slow
 def test_interrupted_run_records_what_finished_and_resumes(tmp_path, monkeypatch):
     """Ctrl-C after round 3 (KeyboardInterrupt where the runner waits): summary.json says so,
     metrics.jsonl and the learning curve hold rounds 1–3, the last checkpoint is round 3 (every

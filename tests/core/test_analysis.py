@@ -84,6 +84,7 @@ def test_traced_bounds_hold_xlas_analyses(name):
     assert bounds.flops <= 8 * flops
 
 
+@pytest.mark.slow
 def test_the_engines_own_probes_are_bounded(ragged_data, monkeypatch):
     """The steps the engine actually analyses (PGFed's local step with its α bookkeeping, its
     full pass, evaluation) for the MLP: the bounds hold there too."""

@@ -183,6 +183,7 @@ def test_host_state_equals_device_state_bit_for_bit(name):
     helpers.assert_evaluations_equal(e, ref_e)
 
 
+@pytest.mark.slow
 def test_host_state_and_host_data_together_equal_device_placement():
     algo = _algo("ditto")
     _, ref_state, ref_m, ref_e = _run(algo, state_placement="device", data_placement="device")
@@ -281,6 +282,7 @@ def test_the_memory_plan_of_host_state():
     assert "client state on the host" in plan.describe()
 
 
+@pytest.mark.slow
 def test_resume_across_state_placements(tmp_path):
     """--resume may change --state-placement: a checkpoint written with the client rows on the
     devices restores into a host store holding exactly those rows, and one written from a host

@@ -84,6 +84,7 @@ def test_a_global_output_bias_as_long_as_the_client_count_stays_global_in_bfloat
     assert plan.replicated_state >= 4 * d            # the global model, float32
 
 
+@pytest.mark.slow
 def test_debug_backend_names_the_round_the_stage_and_the_client():
     # Client 1's inputs hold a NaN; with jax_debug_nans the first op that makes a NaN raises,
     # which the debug backend (no jit: every op runs eagerly) reports with its context.

@@ -204,6 +204,7 @@ def test_lstm_layer_hessian_vector_product_equals_second_differences(x64, masked
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow     # (the LSTM layer's own Hessian-vector product: quick)
 def test_char_lstm_loss_gradient_and_hessian_vector_product_equal_numpy_float64(x64):
     """The CharLSTM's masked next-character loss (tasks.sequence_cross_entropy, mean over real
     tokens, trailing PAD) through both LSTM layers: loss, the recurrent kernels' gradients and
