@@ -195,12 +195,15 @@ def tdpfed(
         idx = engine.sample(sample_key, data)                           # line 4: S_t, after training
         uploaded = core.gather(local_factors, idx)
         p = core.gather(data.clients.train_count, idx) if weights == "data_size" else None
-        metrics = {}
+        # Σ p_k A_k (or Σ p_k ⟦A_k⟧); under --dp-clip DP-FedAvg's noisy mean of the clipped
+        # updates A_k − A_t (⟦A_k⟧ − ⟦A_t⟧) instead, uniform over the M uploads.
         if aggregate == "afm":                                           # eq. 18
-            factors = ops.tree_lerp(state.factors, core.mean_over_clients(uploaded, p), beta)
+            mean, metrics = engine.aggregate(state.factors, uploaded, p, key, data)
+            factors = ops.tree_lerp(state.factors, mean, beta)
             omega = None
         else:                                                            # eqs. 19–20
-            composed = core.mean_over_clients(jax.vmap(cp.reconstruct)(uploaded), p)
+            composed, metrics = engine.aggregate(cp.reconstruct(state.factors),
+                                                 jax.vmap(cp.reconstruct)(uploaded), p, key, data)
             omega = ops.tree_lerp(cp.reconstruct(state.factors), composed, beta)
             factors, errors = refit(state.factors, omega)
             metrics["act_fit_error_max"] = errors
@@ -248,8 +251,10 @@ _DEFAULTS = {"lr": 8e-4, "momentum": 0.9, "batch_size": 20, "local_steps": 23, "
 
 base.register(base.AlgorithmSpec(
     name="tdpfed", factory=tdpfed,
-    not_private=('its uploads are CP factors, whose clipping and sensitivity are not worked out; '
-                 'not built yet'),
+    private_uplink="AFM: each sampled client's factor update A_k − A_t (every CP factor and dense "
+                   "bias under one L2 norm); ACT: its reconstructed update ⟦A_k⟧ − ⟦A_t⟧, what the "
+                   "server averages. β then scales the noisy mean update; the personalised θ_k "
+                   "and the optimizer states stay on the client",
     summary="TDPFed: dense personalised models with a Moreau pull to CP-factorised local models; "
             "the factors are aggregated (AFM or ACT)",
     hparams=(
