@@ -14,6 +14,10 @@ Per round t, with global model w_t:
   weights the local models by their training-sample counts) or p_k = 1/S (`weights="uniform"`:
   the paper's Algorithm 1 writes the plain mean over the sampled clients); TDPFed offers both
 
+Under --dp-clip (docs/privacy.md) the server step is DP-FedAvg's on the updates w_k − w_t, with
+uniform weights and the fixed denominator M: w_{t+1} = w_t + β·(Σ_k clip_C(w_k − w_t) +
+N(0, z²C²))/M.
+
 θ_k carries over between local rounds within a round and restarts at w_t every round. The
 personalised θ_k after training is evaluated ("client"); the global w as "global". `--momentum`
 > 0 turns the inner GD into Nesterov's method (TDPFed's inner solver); 0 is the pFedMe code.
@@ -90,10 +94,11 @@ def pfedme(model: Model, config: base.EngineConfig, *, lam: float, personal_lr: 
         theta, local = result.params
         idx = engine.sample(sample_key, data)                                # S clients
         p = core.gather(data.clients.train_count, idx) if weights == "data_size" else None
-        mean = core.mean_over_clients(core.gather(local, idx), p)
+        # Σ p_k w_k; under --dp-clip DP-FedAvg's noisy mean of the clipped w_k − w_t instead.
+        mean, metrics = engine.aggregate(state.params, core.gather(local, idx), p, key, data)
         params = ops.tree_lerp(state.params, mean, beta)                     # β-mixing
         d = ops.tree_size(state.params)
-        metrics = base.train_metrics(result, idx)
+        metrics.update(base.train_metrics(result, idx))
         metrics["trained"] = everyone
         metrics.update(base.communication(up_clients=idx.shape[0], up_floats_per_client=d,
                                           down_clients=k, down_floats_per_client=d))
@@ -112,8 +117,8 @@ def _unused(updates, state, params=None):
 
 base.register(base.AlgorithmSpec(
     name="pfedme", factory=pfedme,
-    not_private=('it trains every client each round and its server mixes their models; not built '
-                 'yet'),
+    private_uplink="each sampled client's local-model update w_k − w_t; β then scales the noisy "
+                   "mean update; the personalised θ_k and the optimizer states stay on the client",
     summary="pFedMe: personalised models from a Moreau-envelope inner problem around local models",
     hparams=(
         base.HParam("lam", float, 12.0, "λ, strength of the pull λ/2‖θ − w‖²",
