@@ -23,6 +23,10 @@ Readings (docs/algorithms/scaffold.md):
   * A client without training data takes no step and keeps its c_i (A7).
   * Unsampled clients keep c_i and their optimizer state (A8). Δc_i is taken from the c_i⁺ as
     stored (`--state-dtype`), so c stays the mean of the stored c_i (A9).
+Under --dp-clip (docs/privacy.md): DP-FedAvg on the joint upload u_i = (Δy_i, Δc_i), one L2 norm
+over both, uniform weights and the fixed denominator M: (Δ̃y, Δ̃c) = (Σ_i clip_C(u_i) +
+N(0, z²C²))/M, x ← x + η_g Δ̃y, c ← c + (M/N) Δ̃c. Each client keeps its unclipped c_i⁺, so c is
+then no longer the mean of the stored c_i (A9 holds without privacy only).
 Evaluated: the server model x on every client's test split, as FedAvg (A6).
 Communication per sampled client: x and c down, Δy_i and Δc_i up (2d floats each way, A10).
 """
@@ -94,15 +98,26 @@ def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
         c_plus = jax.tree.map(lambda new, old: new.astype(old.dtype), c_plus, c_i)  # as stored, A9
         wide = lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32))        # bfloat16 rows
         delta_c = jax.tree.map(lambda new, old: wide(new) - wide(old), c_plus, c_i)  # Δc_i
-        w = core.gather(data.clients.train_count, idx) if weights == "data_size" else None
-        params = jax.tree.map(lambda xs, dy: xs + server_lr * dy,                   # l. 15–16
-                              x, core.mean_over_clients(delta_y, w))
-        control = jax.tree.map(lambda cs, dc: cs + dc / data.num_real_clients,      # l. 15–16
-                               c, core.sum_over_clients(delta_c))
+        if engine.private:
+            # DP-FedAvg on the joint upload (Δy_i, Δc_i) under one L2 norm, uniform weights over
+            # the fixed denominator M: x ← x + η_g Δ̃y, c ← c + (M/N) Δ̃c.
+            zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), (delta_y, delta_c))
+            (mean_dy, mean_dc), dp_metrics = engine.private_update(zero, (delta_y, delta_c), key,
+                                                                   data)
+            params = jax.tree.map(lambda xs, dy: xs + server_lr * dy, x, mean_dy)
+            share = engine.num_sampled(data) / data.num_real_clients
+            control = jax.tree.map(lambda cs, dc: cs + (share * dc).astype(cs.dtype), c, mean_dc)
+        else:
+            dp_metrics = {}
+            w = core.gather(data.clients.train_count, idx) if weights == "data_size" else None
+            params = jax.tree.map(lambda xs, dy: xs + server_lr * dy,               # l. 15–16
+                                  x, core.mean_over_clients(delta_y, w))
+            control = jax.tree.map(lambda cs, dc: cs + dc / data.num_real_clients,  # l. 15–16
+                                   c, core.sum_over_clients(delta_c))
         new_state = State(params, control, core.scatter(state.client_control, idx, c_plus),
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1)
-        metrics = base.train_metrics(result, idx)
+        metrics = {**base.train_metrics(result, idx), **dp_metrics}
         d = ops.tree_size(params)
         metrics.update(base.communication(up_clients=m, up_floats_per_client=2 * d,
                                           down_clients=m, down_floats_per_client=2 * d))
@@ -119,7 +134,8 @@ def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
 
 base.register(base.AlgorithmSpec(
     name="scaffold", factory=scaffold,
-    not_private=('two uploads per client (Δy and Δc), to be clipped jointly; not built yet'),
+    private_uplink="each sampled client's joint upload (Δy_i, Δc_i) under one L2 norm; its own "
+                   "control variate c_i and optimizer state stay on the client",
     summary="SCAFFOLD: local steps corrected by control variates (c − c_i); server model evaluated",
     hparams=(
         base.HParam("server_lr", float, 1.0,
