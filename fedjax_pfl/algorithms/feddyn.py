@@ -21,6 +21,10 @@ Readings:
     evaluates it so). The authors' "cloud model" average of all client models is not kept.
   * Unsampled clients keep g_k (and their optimizer state).
 Communication: θ down and θ_k up for each sampled client (d floats each way).
+
+Under --dp-clip (docs/privacy.md): lines 9–10 use the updates only through their sum, so both
+read DP-FedAvg's noisy mean update Δ̃ = (Σ_k clip_C(θ_k − θ^{t−1}) + N(0, z²C²))/M:
+h^t = h^{t−1} − α(M/N)Δ̃, θ^t = θ^{t−1} + Δ̃ − h^t/α (without clipping or noise: lines 9–10).
 """
 
 from __future__ import annotations
@@ -71,14 +75,24 @@ def feddyn(model: Model, config: base.EngineConfig, *, alpha: float) -> base.Alg
                               shared_start=True)                                   # line 5
         moved = jax.tree.map(lambda t, p: t - p, result.params, state.params)      # θ_k − θ^{t−1}
         g = jax.tree.map(lambda gk, dk: gk - alpha * dk, g, moved)                 # line 6
-        h = jax.tree.map(lambda hs, s: hs - alpha / data.num_real_clients * s,     # line 9
-                         state.h, core.sum_over_clients(moved))
-        params = jax.tree.map(lambda mean, hs: mean - hs / alpha,                  # line 10
-                              core.mean_over_clients(result.params), h)
+        if engine.private:
+            # Both server lines use only Σ_k (θ_k − θ^{t−1}) = M·(mean − θ^{t−1}): under
+            # --dp-clip they read it from DP-FedAvg's noisy mean update Δ̃ (post-processing).
+            noisy, dp_metrics = engine.private_update(state.params, result.params, key, data)
+            update = jax.tree.map(jnp.subtract, noisy, state.params)               # Δ̃
+            share = engine.num_sampled(data) / data.num_real_clients
+            h = jax.tree.map(lambda hs, u: hs - (alpha * share) * u, state.h, update)  # line 9
+            params = jax.tree.map(lambda mean, hs: mean - hs / alpha, noisy, h)   # line 10
+        else:
+            dp_metrics = {}
+            h = jax.tree.map(lambda hs, s: hs - alpha / data.num_real_clients * s,  # line 9
+                             state.h, core.sum_over_clients(moved))
+            params = jax.tree.map(lambda mean, hs: mean - hs / alpha,              # line 10
+                                  core.mean_over_clients(result.params), h)
         new_state = State(params, h, core.scatter(state.grad_corr, idx, g),
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1)
-        metrics = base.train_metrics(result, idx)
+        metrics = {**base.train_metrics(result, idx), **dp_metrics}
         d = ops.tree_size(params)
         metrics.update(base.communication(up_clients=m, up_floats_per_client=d,
                                           down_clients=m, down_floats_per_client=d))
@@ -93,8 +107,9 @@ def feddyn(model: Model, config: base.EngineConfig, *, alpha: float) -> base.Alg
 
 base.register(base.AlgorithmSpec(
     name="feddyn", factory=feddyn,
-    not_private=('its server state h is built from the updates apart from their mean; not built '
-                 'yet'),
+    private_uplink="each sampled client's model update θ_k − θ; the server's h and θ both follow "
+                   "from the noisy mean update; the client's correction g_k and optimizer state "
+                   "stay on the client",
     summary="FedDyn: dynamic regularisation (linear correction + (α/2)‖θ − θ_server‖²); server "
             "model evaluated",
     hparams=(

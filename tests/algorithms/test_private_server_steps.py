@@ -1,13 +1,23 @@
-"""TDPFed and pFedMe under --dp-clip (docs/privacy.md): the server step is DP-FedAvg's on what
-the server averages, then β (TDPFed eq. 18 / 19, pFedMe Algorithm 1 line 12):
+"""Server steps under --dp-clip that are more than FedAvg's mean (docs/privacy.md). For TDPFed and
+pFedMe it is DP-FedAvg's on what the server averages, then β (TDPFed eq. 18 / 19, pFedMe
+Algorithm 1 line 12):
   TDPFed AFM: A_{t+1} = A_t + β·(Σ_k clip_C(A_k − A_t) + N(0, z²C²))/M
   TDPFed ACT: ω̃_{t+1} = ⟦A_t⟧ + β·(Σ_k clip_C(⟦A_k⟧ − ⟦A_t⟧) + N(0, z²C²))/M
   pFedMe:     w_{t+1} = w_t + β·(Σ_k clip_C(w_k − w_t) + N(0, z²C²))/M
 Without clipping or noise that is the uniform-weight round, (1 − β)·X_t + β·mean_k X_k, checked
 against the plain round with weights="uniform" (a different program: to float rounding); with
 every update clipped and no noise the shared state moves by at most β·C, the norm computed here
-over every factor and bias. (Privacy acting on the uplink only, the clients' training and
-personal models untouched: tests/algorithms/test_private_uplinks.py.)"""
+over every factor and bias.
+
+SCAFFOLD clips the joint upload u_i = (Δy_i, Δc_i): (Δ̃y, Δ̃c) = (Σ clip_C(u_i) + N(0, z²C²))/M,
+x ← x + η_g Δ̃y, c ← c + (M/N) Δ̃c. Without clipping or noise: the plain round with uniform
+weights; clipped: ‖(Δx/η_g, Δc·N/M)‖ ≤ C.
+
+FedDyn reads both server lines from the noisy mean update Δ̃: h' = h − α(M/N)Δ̃, θ' = θ + Δ̃ − h'/α
+(its state moves by more than C: −h'/α comes on top).
+
+Privacy acting on the uplink only, the clients' training and personal models untouched:
+tests/algorithms/test_private_uplinks.py."""
 
 import jax
 import numpy as np
@@ -63,3 +73,80 @@ def test_clipped_updates_move_the_server_state_by_at_most_beta_c(case):
                                                             strict=True)))
     # β·‖mean of M updates of norm exactly C‖: at most β·C, and more than 0.
     assert 0 < step <= HP["beta"] * clip * (1 + 1e-4)
+
+
+SCAFFOLD = dict(local_steps=2, batch_size=4, participation=0.5, server_lr=0.5, weights="uniform",
+                momentum=0.0)
+
+
+def _scaffold_round(**dp):
+    data = make_data([12, 30, 7, 19, 25, 3], feature_dim=5, num_classes=3, seed=1)
+    algo = algorithms.get("scaffold", model=linear_model(), **SCAFFOLD, **dp)
+    state = jax.jit(algo.init)(jax.random.key(0), data)
+    step = jax.jit(algo.round_fn)
+    state, _ = step(state, data, jax.random.key(3))       # c ≠ 0 and c_i ≠ 0 from here on
+    after, metrics = step(state, data, jax.random.key(4))
+    return jax.device_get(state), jax.device_get(after), jax.device_get(metrics)
+
+
+def _floats(tree):
+    return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+
+
+def test_scaffold_without_clipping_or_noise_is_the_uniform_round():
+    _, plain, _ = _scaffold_round()
+    _, private, m = _scaffold_round(dp_clip=float("inf"))
+    assert float(m["dp_clipped_fraction"]) == 0.0
+    for a, b in zip(_floats((private.params, private.control)),
+                    _floats((plain.params, plain.control)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_scaffold_clips_model_and_control_updates_jointly():
+    clip = 1e-3
+    before, after, m = _scaffold_round(dp_clip=clip)
+    assert float(m["dp_clipped_fraction"]) == 1.0
+    share = 3 / 6                                        # M / N: 3 of the 6 clients
+    dx = [a - b for a, b in zip(_floats(after.params), _floats(before.params))]
+    dc = [a - b for a, b in zip(_floats(after.control), _floats(before.control))]
+    joint = np.sqrt(sum((d ** 2).sum() for d in dx) / SCAFFOLD["server_lr"] ** 2
+                    + sum((d ** 2).sum() for d in dc) / share ** 2)
+    # The mean of M joint updates of norm exactly C: at most C, and both parts moved.
+    assert 0 < joint <= clip * (1 + 1e-4)
+    assert sum(np.abs(d).sum() for d in dx) > 0 and sum(np.abs(d).sum() for d in dc) > 0
+
+
+FEDDYN = dict(local_steps=2, batch_size=4, participation=0.5, alpha=0.1)
+
+
+def _feddyn_round(**dp):
+    data = make_data([12, 30, 7, 19, 25, 3], feature_dim=5, num_classes=3, seed=1)
+    plain = algorithms.get("feddyn", model=linear_model(), **FEDDYN)
+    algo = algorithms.get("feddyn", model=linear_model(), **FEDDYN, **dp)
+    state = jax.jit(plain.init)(jax.random.key(0), data)
+    state, _ = jax.jit(plain.round_fn)(state, data, jax.random.key(3))      # h ≠ 0 from here on
+    after, metrics = jax.jit(algo.round_fn)(state, data, jax.random.key(4))
+    return jax.device_get(state), jax.device_get(after), jax.device_get(metrics)
+
+
+def test_feddyn_without_clipping_or_noise_is_its_round():
+    _, plain, _ = _feddyn_round()
+    _, private, m = _feddyn_round(dp_clip=float("inf"))
+    assert float(m["dp_clipped_fraction"]) == 0.0
+    for a, b in zip(_floats((private.params, private.h)), _floats((plain.params, plain.h)),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_feddyn_reads_h_and_the_model_from_one_clipped_mean_update():
+    """Lines 9–10 with the noisy mean update Δ̃: h' = h − α(M/N)Δ̃ and θ' = θ + Δ̃ − h'/α, so
+    Δ̃ = θ' − θ + h'/α is recovered here, of norm at most C, and h' − h = −α(M/N)Δ̃ exactly."""
+    clip, alpha, share = 1e-3, FEDDYN["alpha"], 3 / 6
+    before, after, m = _feddyn_round(dp_clip=clip)
+    assert float(m["dp_clipped_fraction"]) == 1.0
+    update = [p1 - p0 + h1 / alpha for p1, p0, h1 in
+              zip(_floats(after.params), _floats(before.params), _floats(after.h))]
+    norm = np.sqrt(sum((u ** 2).sum() for u in update))
+    assert 0 < norm <= clip * (1 + 1e-3)
+    for h1, h0, u in zip(_floats(after.h), _floats(before.h), update, strict=True):
+        np.testing.assert_allclose(h1 - h0, -alpha * share * u, rtol=1e-3, atol=1e-9)

@@ -24,6 +24,9 @@ QUICK = ("fedavg", "fedrep")
 OVERRIDES = {"fedper": {"head": "^b$"}}
 
 
+# Whose server state moves by more than the noisy mean update (FedDyn: θ also moves by −h/α):
+# their bounds are checked in tests/algorithms/test_private_server_steps.py.
+OWN_BOUND = ("feddyn",)
 # XLA's code at the suite's fast-compile settings (tests/conftest.py) for the plain and the private
 # program of these differs by an ulp in the clients' training: they are compared at XLA's defaults.
 AT_DEFAULT_SETTINGS = ("moon",)
@@ -80,7 +83,7 @@ def test_privacy_acts_on_the_uplink_only(name):
     # No noise: the shared state moved at most C (Σ of M updates of norm C, over M).
     step = np.sqrt(sum(((a - b) ** 2).sum() for a, b in
                        zip(_shared_floats(quiet, mask), _shared_floats(before, mask))))
-    assert 0 < step <= clip * (1 + 1e-4)
+    assert 0 < step <= clip * (1 + 1e-4) or (name in OWN_BOUND and step > 0)
     # Noise: the shared state differs, every client row is untouched by it.
     assert any(not np.array_equal(a, b) for a, b in
                zip(_shared_floats(noisy, mask), _shared_floats(quiet, mask)))
