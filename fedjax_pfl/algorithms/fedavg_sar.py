@@ -14,6 +14,9 @@ embedded digits in the default 50 rounds) or "zero" (they arrive as 0: the paper
 zeroed positions still need encoding, which explains FedAvg (s.a.r.)'s collapse on CIFAR-10; with
 CR = 2 half of every model is zeroed each way, and on digits it stays at chance, 0.13 best).
 Use "zero" to reproduce the paper's baseline numbers.
+Under --dp-clip (docs/privacy.md) the server step is DP-FedAvg's on received_i − w (uniform
+weights, the fixed denominator M): w ← w + (Σ_i clip_C(received_i − w) + N(0, z²C²))/M; with
+"keep" that is the masked update m'_i ⊙ (w_i − w), and the noise covers every coordinate.
 Masks (`mask`): "bernoulli" (default: each coordinate sent with probability 1/CR, a fresh mask per
 transmission) or "fixed" (exactly round(d/CR) coordinates). Only the values of sent coordinates
 count as communicated floats (`comm_up_floats`, `comm_down_floats`); their positions could be
@@ -99,9 +102,11 @@ def fedavg_sar(model: Model, config: base.EngineConfig, *, cr: float, mask_fill:
         received, up_floats = engine.mapper(uplink, base.client_keys(up_key, idx), result.params,
                                             shared=(state.params,))
         weights = core.gather(data.clients.train_count, idx)
-        params = core.mean_over_clients(received, weights)
+        # Under --dp-clip DP-FedAvg's noisy mean of the clipped received_i − w instead (the
+        # masked update m'_i ⊙ (w_i − w) with mask_fill="keep").
+        params, metrics = engine.aggregate(state.params, received, weights, key, data)
         client_params = core.scatter(state.client_params, idx, result.params) if keep else None
-        metrics = base.train_metrics(result, idx)
+        metrics.update(base.train_metrics(result, idx))
         metrics.update(base.communication(up_clients=1, up_floats_per_client=jnp.sum(up_floats),
                                           down_clients=1, down_floats_per_client=jnp.sum(down_floats)))
         return (State(params, client_params,
@@ -116,7 +121,10 @@ def fedavg_sar(model: Model, config: base.EngineConfig, *, cr: float, mask_fill:
 
 base.register(base.AlgorithmSpec(
     name="fedavg_sar", factory=fedavg_sar,
-    not_private=('its uploads are masked (sparsified) updates; not built yet'), flag_prefix="sar",
+    private_uplink="what the server receives minus its model, received_i − w: the masked update "
+                   "m'_i ⊙ (w_i − w) with mask_fill 'keep' (with 'zero' also −(1 − m'_i) ⊙ w); the "
+                   "client's own model and optimizer state stay on the client",
+    flag_prefix="sar",
     summary="FedAvg (s.a.r.): FedAvg sending a random 1/CR of the coordinates each way",
     hparams=(
         base.HParam("cr", float, 2.0, "compression rate: a random 1/CR of the coordinates is sent",

@@ -150,3 +150,20 @@ def test_feddyn_reads_h_and_the_model_from_one_clipped_mean_update():
     assert 0 < norm <= clip * (1 + 1e-3)
     for h1, h0, u in zip(_floats(after.h), _floats(before.h), update, strict=True):
         np.testing.assert_allclose(h1 - h0, -alpha * share * u, rtol=1e-3, atol=1e-9)
+
+
+@pytest.mark.parametrize("fill", ["keep", "zero"])
+def test_fedavg_sar_without_clipping_or_noise_is_its_round_on_equal_clients(fill):
+    """w + mean_i(received_i − w) = mean_i received_i: the plain round's sample-weighted mean
+    when every client has the same number of samples."""
+    data = make_data([10] * 6, feature_dim=5, num_classes=3, seed=1)
+    out = {}
+    for label, dp in (("plain", {}), ("private", {"dp_clip": float("inf")})):
+        algo = algorithms.get("fedavg_sar", model=linear_model(), mask_fill=fill, local_steps=2,
+                              batch_size=4, participation=0.5, **dp)
+        state = jax.jit(algo.init)(jax.random.key(0), data)
+        out[label] = jax.device_get(jax.jit(algo.round_fn)(state, data, jax.random.key(4)))
+    assert float(out["private"][1]["dp_clipped_fraction"]) == 0.0
+    for a, b in zip(_floats(out["private"][0].params), _floats(out["plain"][0].params),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
