@@ -12,6 +12,8 @@ Per round t, for each sampled client i (S1; server state: the previous round's �
   z ← E epochs of plain SGD from x_i (lr η₂)                                       (Alg. 2, eq. 10)
   Δ_i ← (x_i − z) / η₂                         = Σ_τ g_τ                             (eqs. 11–12)
 server: Δ ← (1/M) Σ_{i∈S_t} Δ_i                unweighted, this round's clients only  (eq. 13)
+        under --dp-clip (docs/privacy.md): Δ ← (Σ_i clip_C(Δ_i) + N(0, z²C²))/M, each client
+        keeping its own unclipped Δ_i for its next angle
 
 Unsampled clients keep x_i, Δ_i and is_new bit for bit. There is no global model.
 
@@ -116,12 +118,14 @@ def pfedsop(
         kept = x if keep == "newton" else z                                            # reading A3
         rows = ClientState(kept, delta, jnp.zeros(m, bool))                            # C11
         clients = core.scatter(state.clients, idx, rows)
-        delta_glob = core.mean_over_clients(delta)                                     # S3, eq. 13
+        # S3, eq. 13: (1/M) Σ Δ_i; under --dp-clip DP-FedAvg's noisy mean of the clipped Δ_i.
+        zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), delta)
+        delta_glob, dp_metrics = engine.aggregate(zero, delta, None, key, data)
         returning = ~c.is_new
         n_ret = jnp.sum(returning)
         per_returning = lambda v: jnp.where(n_ret > 0, jnp.sum(jnp.where(returning, v, 0)) /
                                             jnp.maximum(n_ret, 1), jnp.nan)
-        metrics = base.train_metrics(result, idx)
+        metrics = {**base.train_metrics(result, idx), **dp_metrics}
         metrics.update(returning_clients=n_ret, beta_mean=per_returning(beta),
                        angle_mean=per_returning(phi), newton_step_norm=per_returning(step_norm),
                        delta_glob_norm=ops.tree_norm(delta_glob))
@@ -136,7 +140,8 @@ def pfedsop(
 
 base.register(base.AlgorithmSpec(
     name="pfedsop",
-    not_private=('its uploads are second-order statistics, not one model update; not built yet'),
+    private_uplink="each sampled client's Δ_i = Σ_τ g_τ (its accumulated local gradients); "
+                   "its model x_i and its own Δ_i stay on the client",
     factory=pfedsop,
     summary="pFedSOP: Gompertz-blended pseudo-gradients with a Sherman–Morrison Newton step",
     hparams=(

@@ -13,6 +13,9 @@ SCAFFOLD clips the joint upload u_i = (Δy_i, Δc_i): (Δ̃y, Δ̃c) = (Σ clip_
 x ← x + η_g Δ̃y, c ← c + (M/N) Δ̃c. Without clipping or noise: the plain round with uniform
 weights; clipped: ‖(Δx/η_g, Δc·N/M)‖ ≤ C.
 
+pFedSOP's uplink is Δ_i itself: Δ = (Σ clip_C(Δ_i) + N(0, z²C²))/M, of norm ≤ C without noise,
+each client keeping its unclipped Δ_i. FedAvg-SAR at C = ∞ is its round on equal clients.
+
 FedDyn reads both server lines from the noisy mean update Δ̃: h' = h − α(M/N)Δ̃, θ' = θ + Δ̃ − h'/α
 (its state moves by more than C: −h'/α comes on top).
 
@@ -167,3 +170,32 @@ def test_fedavg_sar_without_clipping_or_noise_is_its_round_on_equal_clients(fill
     for a, b in zip(_floats(out["private"][0].params), _floats(out["plain"][0].params),
                     strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _pfedsop_round(**dp):
+    """pFedSOP's second round (returning clients take the Newton step from the first round's Δ)."""
+    data = make_data([12, 30, 7, 19, 25, 3], feature_dim=5, num_classes=3, seed=1)
+    hp = dict(local_steps=2, batch_size=4, participation=0.5)
+    plain = algorithms.get("pfedsop", model=linear_model(), **hp)
+    algo = algorithms.get("pfedsop", model=linear_model(), **hp, **dp)
+    state = jax.jit(plain.init)(jax.random.key(0), data)
+    state, _ = jax.jit(plain.round_fn)(state, data, jax.random.key(3))
+    after, metrics = jax.jit(algo.round_fn)(state, data, jax.random.key(4))
+    return jax.device_get(after), jax.device_get(metrics)
+
+
+def test_pfedsop_sends_its_accumulated_gradients_clipped():
+    """Δ = (1/M) Σ Δ_i without clipping or noise; every Δ_i clipped: ‖Δ‖ ≤ C, while each client
+    keeps its own unclipped Δ_i (the angle of its next round)."""
+    plain, _ = _pfedsop_round()
+    unclipped, m = _pfedsop_round(dp_clip=float("inf"))
+    assert float(m["dp_clipped_fraction"]) == 0.0
+    for a, b in zip(_floats(unclipped.delta_glob), _floats(plain.delta_glob), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    clip = 1e-3
+    clipped, m = _pfedsop_round(dp_clip=clip)
+    assert float(m["dp_clipped_fraction"]) == 1.0
+    norm = np.sqrt(sum((d ** 2).sum() for d in _floats(clipped.delta_glob)))
+    assert 0 < norm <= clip * (1 + 1e-4)
+    for a, b in zip(_floats(clipped.clients), _floats(plain.clients), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)    # (two programs)
