@@ -41,6 +41,7 @@ def test_vmapped_private_runs_equal_separate_private_runs():
     assert len(set(losses.values())) == len(runs)
 
 
+@pytest.mark.slow
 def test_each_run_of_a_sweep_has_the_epsilon_of_its_own_noise_multiplier():
     """ε after every round, per run, is the accountant's for that run's z (and M, N, δ); with
     --target-epsilon every run gets the z it calls for, which then cannot vary in the group.

@@ -281,6 +281,7 @@ def test_features_of_the_mlp_is_its_hidden_layer():
     _check_head_input(p, z, out, np.maximum(x.reshape(3, 6) @ w + b, 0.0))
 
 
+@pytest.mark.slow     # (the MLP's features: quick)
 def test_features_of_the_fedavg_cnn_is_its_dense_512_layer():
     x = np.random.default_rng(1).normal(size=(2, 16, 16, 1)).astype(np.float32)
     model = models.get("cnn", (16, 16, 1), 10)
@@ -290,6 +291,7 @@ def test_features_of_the_fedavg_cnn_is_its_dense_512_layer():
     _check_head_input(p, z, out, np.maximum(hidden, 0.0))
 
 
+@pytest.mark.slow     # (the MLP's features: quick)
 def test_features_of_resnet9_is_its_global_max_pool():
     x = np.random.default_rng(2).normal(size=(2, 16, 16, 3)).astype(np.float32)
     model = models.get("resnet9", (16, 16, 3), 5, width=2, conv="im2col")
@@ -302,6 +304,7 @@ def test_features_of_resnet9_is_its_global_max_pool():
     _check_head_input(p, z, out, (u + out6).max(axis=(1, 2)))
 
 
+@pytest.mark.slow     # (the MLP's features: quick)
 def test_features_of_the_char_lstm_is_its_last_lstm_output_per_token():
     task = Task(kind="sequence", inputs="tokens", num_classes=7, vocab_size=7)
     model = models.get("char_lstm", (5,), 7, task=task, options={"hidden": 6, "embed": 3})

@@ -26,6 +26,8 @@ import jax
 import numpy as np
 import pytest
 
+# The quick suite keeps SCAFFOLD's joint clipping; the full suite runs every case.
+
 from fedjax_pfl import algorithms
 from fedjax_pfl.models import cp
 from helpers import linear_model, make_data
@@ -52,6 +54,7 @@ def _shared(state, case):
     return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_without_clipping_or_noise_it_is_the_uniform_round(case):
     _, plain, m_plain = _one_round(case)
@@ -65,6 +68,7 @@ def test_without_clipping_or_noise_it_is_the_uniform_round(case):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_clipped_updates_move_the_server_state_by_at_most_beta_c(case):
     clip = 1e-3
@@ -96,6 +100,7 @@ def _floats(tree):
     return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow
 def test_scaffold_without_clipping_or_noise_is_the_uniform_round():
     _, plain, _ = _scaffold_round()
     _, private, m = _scaffold_round(dp_clip=float("inf"))
@@ -132,6 +137,7 @@ def _feddyn_round(**dp):
     return jax.device_get(state), jax.device_get(after), jax.device_get(metrics)
 
 
+@pytest.mark.slow
 def test_feddyn_without_clipping_or_noise_is_its_round():
     _, plain, _ = _feddyn_round()
     _, private, m = _feddyn_round(dp_clip=float("inf"))
@@ -141,6 +147,7 @@ def test_feddyn_without_clipping_or_noise_is_its_round():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_feddyn_reads_h_and_the_model_from_one_clipped_mean_update():
     """Lines 9–10 with the noisy mean update Δ̃: h' = h − α(M/N)Δ̃ and θ' = θ + Δ̃ − h'/α, so
     Δ̃ = θ' − θ + h'/α is recovered here, of norm at most C, and h' − h = −α(M/N)Δ̃ exactly."""
@@ -155,6 +162,7 @@ def test_feddyn_reads_h_and_the_model_from_one_clipped_mean_update():
         np.testing.assert_allclose(h1 - h0, -alpha * share * u, rtol=1e-3, atol=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fill", ["keep", "zero"])
 def test_fedavg_sar_without_clipping_or_noise_is_its_round_on_equal_clients(fill):
     """w + mean_i(received_i − w) = mean_i received_i: the plain round's sample-weighted mean
@@ -184,6 +192,7 @@ def _pfedsop_round(**dp):
     return jax.device_get(after), jax.device_get(metrics)
 
 
+@pytest.mark.slow
 def test_pfedsop_sends_its_accumulated_gradients_clipped():
     """Δ = (1/M) Σ Δ_i without clipping or noise; every Δ_i clipped: ‖Δ‖ ≤ C, while each client
     keeps its own unclipped Δ_i (the angle of its next round)."""

@@ -265,6 +265,7 @@ def test_algorithms_that_touch_other_rows_refuse_host_state():
         program.init(jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_the_memory_plan_of_host_state():
     data = make_data(SIZES)
     algo = _algo("ditto")                       # personal model + two momentum rows per client

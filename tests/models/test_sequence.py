@@ -481,7 +481,8 @@ def test_split_head_is_the_output_projection(name):
     assert params[last_dense]["kernel"].shape[-1] == task.num_classes
 
 
-@pytest.mark.parametrize("name", sequence.SEQUENCE_MODELS)
+@pytest.mark.parametrize("name", [n if i == 0 else pytest.param(n, marks=pytest.mark.slow)
+                                  for i, n in enumerate(sequence.SEQUENCE_MODELS)])
 def test_get_runs_and_gives_the_tasks_output_shape(name):
     task, shape = TASKS[name]
     pieces = sequence.get(name, task, shape, **SMALL[name])

@@ -187,8 +187,10 @@ def test_no_noise_is_infinite_epsilon_and_no_rounds_is_zero(kwargs):
 @pytest.mark.parametrize("target, kwargs, tol", [
     (3.0, dict(rounds=500, num_clients=1000, rate=0.01, sampling="poisson"), 1e-3),
     (50.0, dict(rounds=5, num_clients=1000, rate=0.01, sampling="poisson"), 1e-3),  # z < 1
-    (5.0, dict(rounds=30, num_clients=200, rate=1.0, sampling="poisson", accountant="pld"), 5e-2),
-    (8.0, dict(rounds=100, num_clients=100, clients_per_round=10), 5e-2),
+    pytest.param(5.0, dict(rounds=30, num_clients=200, rate=1.0, sampling="poisson",
+                           accountant="pld"), 5e-2, marks=pytest.mark.slow),
+    pytest.param(8.0, dict(rounds=100, num_clients=100, clients_per_round=10), 5e-2,
+                 marks=pytest.mark.slow),
 ])
 def test_noise_multiplier_for_is_the_smallest_within_tolerance(target, kwargs, tol):
     z = privacy.noise_multiplier_for(target, delta=1e-5, tolerance=tol, **kwargs)
