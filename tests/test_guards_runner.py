@@ -14,6 +14,7 @@ import math
 
 import jax
 import numpy as np
+import pytest
 
 from fedjax_pfl import checkpoint, runner
 from fedjax_pfl.data.federated import FederatedData
@@ -74,6 +75,7 @@ def _loss_and_grad(w, b, x, y):
     return -log_probs[y], np.outer(x, err), err
 
 
+@pytest.mark.slow
 def test_the_reported_training_loss_is_the_mean_over_each_clients_steps(tmp_path):
     """metrics.jsonl's train_loss of a round = the unweighted mean over the sampled clients of
     each client's mean minibatch loss over its E·⌈n_i/B⌉ local steps (n = 3, 7, 12, 5 with

@@ -107,6 +107,7 @@ def test_the_command_line_runs_a_natural_dataset_with_its_published_model(tmp_pa
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
+@pytest.mark.slow
 def test_token_accuracy_rule_chooses_the_scored_targets(tmp_path_factory):
     """--token-accuracy: the evaluated count of every client is its real targets minus the
     excluded specials, counted here from the cache's arrays with the vocabulary's names."""

@@ -289,6 +289,7 @@ def test_pgfed_matches_float64_transcription_on_a_multi_leaf_model(x64, name):
     assert moved.any() and not moved.all()                        # α moved, and only where it may
 
 
+@pytest.mark.slow
 def test_pgfed_headline_evaluation_is_each_clients_current_personal_model(x64):
     algo, states, sampled, data, clients = run_rounds("pgfed", 2)
     theta0 = flatten(states[0].global_params)

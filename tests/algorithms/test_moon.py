@@ -169,7 +169,7 @@ def round_data():
     return FederatedData.from_arrays(x, y, train, test, num_classes=C), x, y, train
 
 
-@pytest.mark.parametrize("mu", [0.0, 1.5], ids=["mu0_fedavg", "mu1.5"])
+@pytest.mark.parametrize("mu", [pytest.param(0.0, marks=pytest.mark.slow), 1.5], ids=["mu0_fedavg", "mu1.5"])
 def test_one_round_against_numpy_gradient_descent(x64, mu):
     # Batch 8 ≥ every n_i: each local step is full-batch gradient descent on the client's padded
     # batch (order irrelevant), 2 epochs = 2 steps. μ = 0 is FedAvg's round by hand: w_i after two

@@ -204,6 +204,7 @@ def test_bfloat16_client_state_on_the_host_equals_it_on_the_devices():
     _leaves_equal(m, ref_m)
 
 
+@pytest.mark.slow
 def test_only_sampled_clients_hold_rows_and_the_prefetch_matches_its_call():
     """The store holds exactly the clients some round sampled. The rows gathered for the next
     call in the background are used only for exactly that call (a changed key schedule or a

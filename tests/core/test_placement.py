@@ -104,6 +104,7 @@ def test_debug_backend_names_the_round_the_stage_and_the_client():
     assert str(err).startswith("round 1, local training, client 1: FloatingPointError")
 
 
+@pytest.mark.slow
 def test_debug_backend_trains_like_sgd_written_by_hand():
     # Each client holds exactly B = 4 samples and trains one epoch: one full-batch gradient step
     # whatever the batch order, so plain NumPy softmax regression gives the expected models.

@@ -101,6 +101,7 @@ def test_host_placement_equals_device_placement_bit_for_bit(name):
     helpers.assert_evaluations_equal(ev, ref_ev)
 
 
+@pytest.mark.slow
 def test_a_prefetch_for_other_keys_or_rounds_is_never_used():
     """The runner's key schedule changes between calls (another seed's keys, a jump to another
     round): the buffer prefetched for the old schedule is discarded and the rounds equal device
