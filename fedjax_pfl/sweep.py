@@ -238,12 +238,13 @@ def _privacy_plans(cfg, hparams: dict[str, Any], runs: Sequence[RunSpec], num_cl
         overrides["dp_noise_multiplier"] = first["dp_noise_multiplier"]
         hparams = {**hparams, "dp_noise_multiplier": first["dp_noise_multiplier"]}
         untargeted = dataclasses.replace(cfg, target_epsilon=None)
-    plans = []
+    by_values = {}                 # runs that differ only in their seed share one accounting
     for r in runs:
-        _, plan = privacy.plan(untargeted, {**hparams, **dict(r.traced)}, num_clients)
-        plans.append(plan if plan is None else dataclasses.replace(
-            plan, target_epsilon=cfg.target_epsilon))
-    return overrides, hparams, plans
+        if r.traced not in by_values:
+            _, plan = privacy.plan(untargeted, {**hparams, **dict(r.traced)}, num_clients)
+            by_values[r.traced] = plan if plan is None else dataclasses.replace(
+                plan, target_epsilon=cfg.target_epsilon)
+    return overrides, hparams, [by_values[r.traced] for r in runs]
 
 
 def slug(label: str) -> str:
