@@ -35,28 +35,29 @@ EPSILONS_A = (32, 8, 2)
 EPSILONS_B = (8, 2)
 
 
+def _setting(label, common, clips, epsilons, seed, clip_only):
+    """One seed's runs of a setting: each algorithm without DP, at each ε (and, with `clip_only`,
+    clipped without noise), then Local."""
+    run = lambda algo, *extra: ["--algo", algo, *common, "--seed", str(seed), *extra]
+    out = []
+    for algo, clip in clips.items():
+        out.append((f"{label}_{algo}_nodp_s{seed}", run(algo)))
+        for eps in epsilons:
+            out.append((f"{label}_{algo}_e{eps}_s{seed}",
+                        run(algo, "--dp-clip", str(clip), "--target-epsilon", str(eps))))
+        if clip_only:        # clipping alone (z = 0, no privacy): its cost apart from the noise
+            out.append((f"{label}_{algo}_cliponly_s{seed}", run(algo, "--dp-clip", str(clip))))
+    # Local (nothing sent, the same participation): the floor a personalised method keeps
+    out.append((f"{label}_local_nodp_s{seed}", run("local")))
+    return out
+
+
 def jobs(seeds):
     out = []
     for seed in seeds:                                     # seed-major: whole seeds first
-        for algo, clip in CLIP_A.items():
-            out.append((f"A_{algo}_nodp_s{seed}", ["--algo", algo, *COMMON_A, "--seed", str(seed)]))
-            for eps in EPSILONS_A:
-                out.append((f"A_{algo}_e{eps}_s{seed}",
-                            ["--algo", algo, *COMMON_A, "--seed", str(seed),
-                             "--dp-clip", str(clip), "--target-epsilon", str(eps)]))
-            # clipping alone (z = 0, no privacy): what clipping costs, apart from the noise
-            out.append((f"A_{algo}_cliponly_s{seed}",
-                        ["--algo", algo, *COMMON_A, "--seed", str(seed), "--dp-clip", str(clip)]))
-        # Local (nothing sent, the same participation): the floor a personalised method keeps
-        out.append((f"A_local_nodp_s{seed}", ["--algo", "local", *COMMON_A, "--seed", str(seed)]))
+        out += _setting("A", COMMON_A, CLIP_A, EPSILONS_A, seed, clip_only=True)
     for seed in seeds[:2]:
-        for algo, clip in CLIP_B.items():
-            out.append((f"B_{algo}_nodp_s{seed}", ["--algo", algo, *COMMON_B, "--seed", str(seed)]))
-            for eps in EPSILONS_B:
-                out.append((f"B_{algo}_e{eps}_s{seed}",
-                            ["--algo", algo, *COMMON_B, "--seed", str(seed),
-                             "--dp-clip", str(clip), "--target-epsilon", str(eps)]))
-        out.append((f"B_local_nodp_s{seed}", ["--algo", "local", *COMMON_B, "--seed", str(seed)]))
+        out += _setting("B", COMMON_B, CLIP_B, EPSILONS_B, seed, clip_only=False)
     return out
 
 
