@@ -9,7 +9,8 @@ FedAvg with the MLP on N synthetic Fashion-MNIST-shaped clients (28×28 uint8 im
 local epoch of B = 10, on the CLI's devices (one XLA:CPU device per core). Two programs compiled
 in one process: plain FedAvg, DP-FedAvg with --dp-clip 1 --dp-noise-multiplier 1 (per-client
 clipping in the vectorised step, the clipped sum, Gaussian noise, the fixed denominator), and
-the clipping alone (--dp-clip 1, no noise). They
+the clipping alone (--dp-clip 1, no noise), and DP-FedAvg with Poisson sampling at the same
+expected M (--sampling poisson: K slots, K − |S| of them empty). They
 run interleaved, `--rounds` rounds of each per repeat, after one warm-up round each; per repeat
 the ratio of their median round times, then the median (range) of the ratios.
 """
@@ -34,6 +35,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=60)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--chunk-size", type=int, default=0, help="clients per chunk (0: automatic)")
     args = p.parse_args()
 
     import fedjax_pfl
@@ -53,10 +55,12 @@ def main() -> None:
                                      [np.arange(a + s, a + s + t) for a in starts],
                                      num_classes=10, input_scale=1 / 255, name="fmnist-shaped")
     model = models.get("mlp", data.input_shape, 10)
-    common = dict(participation=args.clients_per_round / n, batch_size=10, lr=0.05)
+    common = dict(participation=args.clients_per_round / n, batch_size=10, lr=0.05,
+                  chunk_size=args.chunk_size)
     programs = {}
     variants = (("plain", {}), ("private", {"dp_clip": 1.0, "dp_noise_multiplier": 1.0}),
-                ("clip only", {"dp_clip": 1.0}))
+                ("clip only", {"dp_clip": 1.0}),
+                ("poisson", {"dp_clip": 1.0, "dp_noise_multiplier": 1.0, "sampling": "poisson"}))
     for name, extra in variants:
         algo = algorithms.get("fedavg", model=model, **common, **extra)
         program = core.Program(algo, data, mesh=core.client_mesh())
@@ -79,12 +83,11 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
             entry[1] = state
             medians[name] = statistics.median(times)
-        ratios.append((medians["private"] / medians["plain"],
-                       medians["clip only"] / medians["plain"]))
-        print(f"repeat {rep + 1}: plain {medians['plain']:.3f} s, private "
-              f"{medians['private']:.3f} s, clip only {medians['clip only']:.3f} s a round; "
-              f"private ÷ plain {ratios[-1][0]:.3f}, clip only ÷ plain {ratios[-1][1]:.3f}")
-    for i, name in enumerate(("private", "clip only")):
+        others = [name for name, _ in variants[1:]]
+        ratios.append(tuple(medians[name] / medians["plain"] for name in others))
+        print(f"repeat {rep + 1}: " + ", ".join(f"{k} {v:.3f} s" for k, v in medians.items())
+              + " a round; " + ", ".join(f"{k} ÷ plain {r:.3f}" for k, r in zip(others, ratios[-1])))
+    for i, name in enumerate(others):
         r = [x[i] for x in ratios]
         print(f"{name} ÷ plain: median {statistics.median(r):.3f} ({min(r):.3f}–{max(r):.3f}) "
               f"over {args.repeats} repeats")

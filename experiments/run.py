@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--dp-noise-multiplier)")
     d.add_argument("--dp-accountant", default="rdp", choices=("rdp", "pld"),
                    help="dp-accounting's accountant: Rényi DP, or privacy loss distributions "
-                        "(pld: for Poisson sampling, not built yet; refused with the engine's "
-                        "fixed-size sampling)")
+                        "(pld: with --sampling poisson only, for the summary's final ε; the "
+                        "per-round ε stays RDP's; refused with fixed-size sampling)")
     g.add_argument("--eval-clients", default="all",
                    help="clients evaluated at each evaluation: 'all', 'participants' (the round's "
                         "sampled clients) or K (a fixed random subset of K clients); the last round "

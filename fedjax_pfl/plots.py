@@ -116,7 +116,8 @@ def learning_curve_figure(runs: dict[str, list[dict]], title: str = "",
                 # A single point (a one-round run) draws no line: mark it.
                 ax_acc.plot(*zip(*pts), style, label=name, marker="o" if len(pts) == 1 else None,
                             color=None if len(runs) == 1 else color)
-        ax_loss.plot([r["round"] for r in rows], [r["train_loss"] for r in rows], label=label,
+        losses = [np.nan if r["train_loss"] is None else r["train_loss"] for r in rows]
+        ax_loss.plot([r["round"] for r in rows], losses, label=label,
                      marker="o" if len(rows) == 1 else None, color=color)
     ax_acc.set_xlabel("round")
     ax_acc.set_ylabel("client test accuracy")

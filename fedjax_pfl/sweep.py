@@ -87,6 +87,8 @@ class VectorProgram:
         self.seeds = jnp.asarray([runs[i].seed for i in order], jnp.uint32)
         self.hp = {k: jnp.asarray([dict(runs[i].traced)[k] for i in order], jnp.float32)
                    for k in traced_names}
+        if self.resolved["sampling"] == "poisson":       # an empty client for unused slots
+            data = data.pad_clients(1, minimum=1)
         # (a dataset loaded for host placement arrives as NumPy: on device once, not every call)
         self.data = core.replicate(data, self.mesh) if self.mesh is not None else jax.device_put(data)
         self._round = self._per_device(self._round_all)
@@ -181,13 +183,14 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
         evals = None
         if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
             evals = program.evaluate(state)
+        n_real, poisson = data.num_real_clients, hparams["sampling"] == "poisson"
         for v, m in enumerate(metrics):
-            row = runner.round_row(r + 1, m, round_time / len(runs))
+            row = runner.round_row(r + 1, m, round_time / len(runs), n_real if poisson else None)
             if plans[v] is not None:
                 row["dp_epsilon"] = plans[v].epsilons[r]
             if evals is not None:
-                runner.record_evaluation(row, evals[v], None, data.num_real_clients,
-                                         histories[v], np.asarray(m["sampled"]))
+                runner.record_evaluation(row, evals[v], None, n_real, histories[v],
+                                         runner.round_slots(m, n_real, poisson))
             histories[v].append(row)
         if bar is not None:
             bar.update(1)

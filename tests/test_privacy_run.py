@@ -45,6 +45,10 @@ def test_a_run_at_a_target_epsilon_reports_epsilon_after_every_round(tmp_path):
     (["--dp-clip", "1", "--dp-noise-multiplier", "1", "--target-epsilon", "4"], "not both"),
     (["--dp-clip", "1", "--dp-delta", "2"], "--dp-delta must be in"),
     (["--algo", "pgfedmo", "--dp-clip", "1"], "pgfedmo does not privatise its uplink"),
+    (["--sampling", "poisson"], "--sampling poisson needs --dp-clip"),
+    (["--dp-clip", "1", "--dp-accountant", "pld"], "use rdp, or --sampling poisson"),
+    (["--dp-clip", "1", "--sampling", "poisson", "--data-placement", "host"],
+     "device placement only"),
 ])
 def test_privacy_flags_that_cannot_apply_are_refused(tmp_path, flags, words):
     with pytest.raises(ValueError, match=words):
@@ -62,3 +66,46 @@ def test_clipping_without_noise_bounds_nothing_and_the_files_stay_strict_json(tm
     assert strict((tmp_path / "summary.json").read_text())["dp_epsilon"] is None
     rows = [strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["dp_epsilon"] for row in rows] == [None, None]
+
+
+def test_a_poisson_round_row_counts_its_participants_only():
+    """The row of a round with empty slots (padding client 10 of 10 real clients): the mean
+    training loss of the participants, their number; without Poisson sampling every slot counts."""
+    m = {"sampled": [3, 7, 10, 10], "train_loss": [1.0, 3.0, 0.0, 0.0], "client_steps": 4}
+    row = runner.round_row(1, m, 0.1, n_real=10)
+    assert (row["train_loss"], row["participants"]) == (2.0, 2)
+    assert runner.round_row(1, m, 0.1)["train_loss"] == 1.0
+    empty = runner.round_row(1, {**m, "sampled": [10, 10, 10, 10]}, 0.1, n_real=10)
+    assert empty["participants"] == 0 and empty["train_loss"] is None   # strict JSON: null
+    logged = runner.round_slots(m, 10, poisson=True)
+    assert logged.tolist() == [3, 7, -1, -1]
+    assert runner.participants(logged).tolist() == [3, 7]
+
+
+@pytest.mark.slow
+def test_a_poisson_sampled_run(tmp_path):
+    """--sampling poisson: every row's ε is the Poisson-subsampled Gaussian's; the logged ids are
+    the participants and −1 for empty slots, as many as the row's "participants"; the summary's
+    ε with --dp-accountant pld is PLD's; evaluating the participants skips the empty slots."""
+    import numpy as np
+
+    z, q = 1.0, 0.3
+    summary = runner.run(_config(tmp_path, "--dp-clip", "1", "--dp-noise-multiplier", str(z),
+                                 "--sampling", "poisson", "--participation", str(q),
+                                 "--dp-delta", "1e-3", "--dp-accountant", "pld",
+                                 "--eval-clients", "participants", "--eval-every", "1"))
+    privacy = summary["privacy"]
+    assert (privacy["sampling"], privacy["rate"], privacy["rows_accountant"],
+            privacy["accountant"]) == ("poisson", q, "rdp", "pld")
+    common = dict(num_clients=10, rate=q, sampling="poisson", delta=1e-3)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["dp_epsilon"] for row in rows] == pytest.approx(
+        [accounting.epsilon(z, rounds=r, accountant="rdp", **common) for r in (1, 2, 3)])
+    assert summary["dp_epsilon"] == pytest.approx(
+        accounting.epsilon(z, rounds=3, accountant="pld", **common))
+    logged = np.load(tmp_path / "client_metrics.npz")["sampled"]
+    assert logged.shape == (3, privacy["slots"])
+    assert np.all((logged == -1) | ((logged >= 0) & (logged < 10)))
+    assert [int((r >= 0).sum()) for r in logged] == [row["participants"] for row in rows]
+    for row in rows:
+        assert row["eval_clients"] == (10 if row["round"] == 3 else row["participants"])

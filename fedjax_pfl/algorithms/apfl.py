@@ -99,7 +99,7 @@ def apfl(model: Model, config: base.EngineConfig, *, alpha: float, alpha_lr: flo
         result = engine.train(data, idx, start, opt, train_key)
         w_k, v_k, a_k = result.params
         weights = core.gather(data.clients.train_count, idx)
-        params, private = engine.aggregate(state.params, w_k, weights, key, data)
+        params, private = engine.aggregate(state.params, w_k, weights, key, data, idx=idx)
         new_state = State(params, core.scatter(state.local, idx, v_k),
                           core.scatter(state.alpha, idx, a_k),
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),

@@ -253,6 +253,12 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
            "z: Gaussian noise of standard deviation z·C on the sum of the clipped updates "
            "(with --dp-clip; --target-epsilon computes it)",
            check=NON_NEGATIVE),
+    HParam("sampling", str, "fixed",
+           "how a round's clients are drawn: 'fixed' (M = ⌊N·rate⌋ distinct clients, uniformly) "
+           "or 'poisson' (each client independently with probability rate; the round holds "
+           "K slots, K exceeded with probability ≤ 1e-12, unused slots empty). 'poisson' needs "
+           "--dp-clip ('inf' for no clipping): only the private server step masks the empty slots",
+           choices=("fixed", "poisson")),
 )
 
 
@@ -281,6 +287,7 @@ class EngineConfig:
     eval_batch_size: int = 0      # test samples per evaluation batch; 0: automatic
     dp_clip: float | None = None  # C: clip each client's uplink update (None: no privacy)
     dp_noise_multiplier: float = 0.0  # z: noise of std z·C on the sum of clipped updates
+    sampling: str = "fixed"       # 'fixed': M of N without replacement; 'poisson': each w.p. rate
 
     @classmethod
     def split(cls, hparams: Mapping[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
@@ -349,6 +356,10 @@ class AlgorithmSpec:
             why = f" ({self.not_private})" if self.not_private else ""
             raise ValueError(f"{self.name} does not privatise its uplink (--dp-clip){why}; "
                              f"client-level DP is built for: {', '.join(supported)}")
+        if config.sampling == "poisson" and config.dp_clip is None:
+            raise ValueError("--sampling poisson needs --dp-clip (use --dp-clip inf for no "
+                             "clipping): a round's empty slots are masked out by the private "
+                             "server step only")
         return self.factory(model, config, **own)
 
 
@@ -424,15 +435,45 @@ class Engine:
         )
         self.evaluator = Evaluator(model, batch_size=config.eval_batch_size, mapper=self.mapper)
 
+    @property
+    def poisson(self) -> bool:
+        """Whether clients are Poisson-sampled (--sampling poisson)."""
+        return self.config.sampling == "poisson"
+
     def num_sampled(self, data: FederatedData) -> int:
-        """M = floor(N·rate) of the N real clients (padding clients are never sampled)."""
+        """The round's slots: M = floor(N·rate) of the N real clients; under Poisson sampling
+        its capacity K (`core.poisson_capacity`), of which the unused hold a padding client."""
+        if self.poisson:
+            return core.poisson_capacity(data.num_real_clients, self.participation)
         return core.num_sampled_clients(data.num_real_clients, self.participation)
 
+    def expected_clients(self, data: FederatedData) -> float:
+        """The clients expected per round: M, or q·N under Poisson sampling (the private mean's
+        fixed denominator, and the share M/N of SCAFFOLD's and FedDyn's server steps)."""
+        if self.poisson:
+            return self.participation * data.num_real_clients
+        return self.num_sampled(data)
+
+    def participating(self, idx: jax.Array, data: FederatedData) -> jax.Array:
+        """[slots] bool: which of a round's slots hold a real client (all of them unless
+        Poisson sampling left some empty)."""
+        return idx < data.num_real_clients
+
     def sample(self, key: jax.Array, data: FederatedData) -> jax.Array:
-        """This round's M client ids, deterministic in `key`: sorted ascending, or, when clients
-        are split over several devices, in the order that gives every device an equal share of
-        the local steps (`core.balanced_order`); rows of the round keep that order throughout."""
-        idx = core.sample_clients(key, data.num_real_clients, self.num_sampled(data))
+        """This round's client ids, deterministic in `key`: M of them, sorted ascending, or, when
+        clients are split over several devices, in the order that gives every device an equal
+        share of the local steps (`core.balanced_order`); rows of the round keep that order
+        throughout. Under Poisson sampling: K slots, the participants ascending and the unused
+        slots holding the first padding client (`core.sample_poisson`)."""
+        if self.poisson:
+            if data.num_clients <= data.num_real_clients:
+                raise ValueError("Poisson sampling fills a round's unused slots with an empty "
+                                 "padding client, and this data has none: pass "
+                                 "data.pad_clients(multiple, minimum=1) (core.Program does)")
+            idx = core.sample_poisson(key, data.num_real_clients, self.participation,
+                                      self.num_sampled(data), data.num_real_clients)
+        else:
+            idx = core.sample_clients(key, data.num_real_clients, self.num_sampled(data))
         devices = 1 if self.mapper.mesh is None else self.mapper.mesh.size
         if devices > 1:
             steps = self.trainer.num_steps(core.gather(data.clients.train_count, idx))
@@ -482,31 +523,39 @@ class Engine:
         return self.config.dp_clip is not None
 
     def aggregate(self, start: Params, uploads: Params, weights: jax.Array, key: jax.Array,
-                  data: FederatedData) -> tuple[Params, dict[str, jax.Array]]:
-        """The server's mean of the clients' uploads (models, or a model's shared part, that
-        started from `start`): Σ_i (w_i / Σ w) θ_i; under --dp-clip, DP-FedAvg's
+                  data: FederatedData, *, idx: jax.Array) -> tuple[Params, dict[str, jax.Array]]:
+        """The server's mean of the uploads of the clients `idx` (models, or a model's shared
+        part, that started from `start`): Σ_i (w_i / Σ w) θ_i; under --dp-clip, DP-FedAvg's
         `private_update` instead (uniform weights, a fixed denominator). Returns (the mean, the
         privacy metrics: none without --dp-clip)."""
         if not self.private:
             return core.mean_over_clients(uploads, weights), {}
-        return self.private_update(start, uploads, key, data)
+        return self.private_update(start, uploads, key, data, idx=idx)
 
     def private_update(self, start: Params, client_params: Params, key: jax.Array,
-                       data: FederatedData) -> tuple[Params, dict[str, jax.Array]]:
-        """DP-FedAvg's server step (`ops.dp`): start + (Σ_k clip_C(θ_k − start) + N(0, z²C²))/M,
-        M = the clients sampled per round (the fixed denominator). `key` is the round's key; the
-        noise draws from its own stream (fold_in), so the rest of the round keeps its keys.
-        Metrics: the fraction of clients clipped and their mean update norm."""
+                       data: FederatedData, *, idx: jax.Array
+                       ) -> tuple[Params, dict[str, jax.Array]]:
+        """DP-FedAvg's server step (`ops.dp`): start + (Σ_k clip_C(θ_k − start) + N(0, z²C²))/D
+        over the clients k of `idx` that take part, D = the clients expected per round (the
+        fixed denominator: M, or q·N under Poisson sampling, whose empty slots add nothing).
+        `key` is the round's key; the noise draws from its own stream (fold_in), so the rest of
+        the round keeps its keys. Metrics: the fraction of participants clipped, their mean
+        update norm."""
         clip = self.config.dp_clip
         if not jax.tree.leaves(client_params):           # nothing is sent (an empty shared part)
             return start, {"dp_clipped_fraction": jnp.zeros(()), "dp_update_norm": jnp.zeros(())}
-        total, norms = dp.clipped_update_sum(client_params, start, clip)
+        mask = self.participating(idx, data) if self.poisson else None
+        total, norms = dp.clipped_update_sum(client_params, start, clip, mask=mask)
         mean = dp.noisy_mean(total, jax.random.fold_in(key, DP_NOISE),
                              clip=clip, noise_multiplier=self.config.dp_noise_multiplier,
-                             denominator=self.num_sampled(data))
+                             denominator=self.expected_clients(data))
         params = jax.tree.map(jnp.add, start, mean)
-        return params, {"dp_clipped_fraction": jnp.mean(norms > clip),
-                        "dp_update_norm": jnp.mean(norms)}
+        if mask is None:
+            return params, {"dp_clipped_fraction": jnp.mean(norms > clip),
+                            "dp_update_norm": jnp.mean(norms)}
+        count = jnp.maximum(jnp.sum(mask), 1)
+        return params, {"dp_clipped_fraction": jnp.sum(mask & (norms > clip)) / count,
+                        "dp_update_norm": jnp.sum(jnp.where(mask, norms, 0.0)) / count}
 
     def evaluate_after_training(self, trainer: LocalTrainer, data: FederatedData, params: Params,
                                 key: jax.Array, ids: jax.Array | None) -> core.ClientEval:
@@ -629,7 +678,7 @@ def split_fedavg(name: str, model: Model, config: EngineConfig, mask: Any) -> Al
             result = engine.train(data, idx, state.body, opt, train_key, shared_start=True)
         bodies, heads = split_lib.split(result.params, mask)
         weights = core.gather(data.clients.train_count, idx)
-        body, private = engine.aggregate(state.body, bodies, weights, key, data)   # θ_B average
+        body, private = engine.aggregate(state.body, bodies, weights, key, data, idx=idx)   # θ_B average
         new_state = SplitModelState(
             body, core.scatter(state.heads, idx, heads),                           # keep h_i
             engine.store_opt_states(state.opt_state, idx, result.opt_state), state.round + 1)

@@ -80,7 +80,7 @@ def ditto(model: Model, config: base.EngineConfig, *, lam: float, prox_step: str
                               extra={"anchor": core.broadcast(state.params, m)})
         weights = core.gather(data.clients.train_count, idx)
         params, private = engine.aggregate(state.params, result.params, weights,    # w^{t+1}
-                                           key, data)
+                                           key, data, idx=idx)
         new_state = State(params, core.scatter(state.personal, idx, mine.params),
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           personal.store_opt_states(state.personal_opt_state, idx, mine.opt_state),

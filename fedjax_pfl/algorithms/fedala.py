@@ -294,7 +294,7 @@ def fedala(model: Model, config: base.EngineConfig, *, layers: int, rand_percent
         opt = engine.opt_states_for(state.opt_state, idx, theta)
         trained = engine.train(data, idx, start, opt, train_key)                     # θ_i
         weights = core.gather(data.clients.train_count, idx)
-        theta_next, private = engine.aggregate(theta, trained.params, weights, key, data)
+        theta_next, private = engine.aggregate(theta, trained.params, weights, key, data, idx=idx)
         new_state = State(core.scatter(state.params, idx, trained.params),
                           core.scatter(state.weights, idx, result.weights),
                           core.scatter(state.started, idx, jnp.ones(m, bool)),

@@ -49,7 +49,7 @@ def fedavg(model: Model, config: base.EngineConfig, *, ft_epochs: int | None = N
                               shared_start=True)                                 # E local epochs
         weights = core.gather(data.clients.train_count, idx)
         params, private = engine.aggregate(state.params, result.params, weights,  # Σ (n_i/n) θ_i
-                                           key, data)                             # (or DP-FedAvg)
+                                           key, data, idx=idx)                             # (or DP-FedAvg)
         metrics = {**base.train_metrics(result, idx), **private}
         opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
         d = ops.tree_size(params)

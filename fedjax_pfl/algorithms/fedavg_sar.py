@@ -104,7 +104,7 @@ def fedavg_sar(model: Model, config: base.EngineConfig, *, cr: float, mask_fill:
         weights = core.gather(data.clients.train_count, idx)
         # Under --dp-clip DP-FedAvg's noisy mean of the clipped received_i − w instead (the
         # masked update m'_i ⊙ (w_i − w) with mask_fill="keep").
-        params, metrics = engine.aggregate(state.params, received, weights, key, data)
+        params, metrics = engine.aggregate(state.params, received, weights, key, data, idx=idx)
         client_params = core.scatter(state.client_params, idx, result.params) if keep else None
         metrics.update(base.train_metrics(result, idx))
         metrics.update(base.communication(up_clients=1, up_floats_per_client=jnp.sum(up_floats),

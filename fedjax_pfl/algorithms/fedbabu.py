@@ -85,7 +85,7 @@ def fedbabu(model: Model, config: base.EngineConfig, *, head: str, finetune_epoc
         bodies, _ = split_lib.split(result.params, mask)
         weights = core.gather(data.clients.train_count, idx)
         body, private = engine.aggregate(split_lib.split(state.params, mask)[0], bodies, weights,
-                                         key, data)                                # θ_B average
+                                         key, data, idx=idx)                                # θ_B average
         params = split_lib.merge(body, split_lib.split(state.params, mask)[1], mask)  # θ_H^0 kept
         new_state = State(params, engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1, state.rng)

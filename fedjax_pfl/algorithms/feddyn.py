@@ -78,9 +78,9 @@ def feddyn(model: Model, config: base.EngineConfig, *, alpha: float) -> base.Alg
         if engine.private:
             # Both server lines use only Σ_k (θ_k − θ^{t−1}) = M·(mean − θ^{t−1}): under
             # --dp-clip they read it from DP-FedAvg's noisy mean update Δ̃ (post-processing).
-            noisy, dp_metrics = engine.private_update(state.params, result.params, key, data)
+            noisy, dp_metrics = engine.private_update(state.params, result.params, key, data, idx=idx)
             update = jax.tree.map(jnp.subtract, noisy, state.params)               # Δ̃
-            share = engine.num_sampled(data) / data.num_real_clients
+            share = engine.expected_clients(data) / data.num_real_clients
             h = jax.tree.map(lambda hs, u: hs - (alpha * share) * u, state.h, update)  # line 9
             params = jax.tree.map(lambda mean, hs: mean - hs / alpha, noisy, h)   # line 10
         else:

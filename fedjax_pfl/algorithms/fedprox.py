@@ -61,7 +61,7 @@ def fedprox(model: Model, config: base.EngineConfig, *, mu: float, ft_epochs: in
                               extra={"anchor": core.broadcast(state.params, m)})  # min h_k(w; w^t)
         weights = core.gather(data.clients.train_count, idx)
         params, private = engine.aggregate(state.params, result.params, weights,  # Σ (n_k/n) w_k
-                                           key, data)
+                                           key, data, idx=idx)
         opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
         metrics = {**base.train_metrics(result, idx), **private}
         d = ops.tree_size(params)

@@ -123,7 +123,7 @@ def fedrep(model: Model, config: base.EngineConfig, *, head: str, head_epochs: i
                                                   params, body_key)                # φ_i, h_i frozen
         bodies, heads = split_lib.split(params, mask)
         weights = core.gather(data.clients.train_count, idx)
-        body, private = (engine.aggregate(state.body, bodies, weights, key, data)
+        body, private = (engine.aggregate(state.body, bodies, weights, key, data, idx=idx)
                          if body_result is not None else (state.body, {}))
         new_state = State(body, core.scatter(state.heads, idx, heads), opt_head, opt_body,
                           state.round + 1)

@@ -162,7 +162,7 @@ def fedrod(model: Model, config: base.EngineConfig, *, head: str) -> base.Algori
         result = engine.train(data, idx, start, opt, train_key, extra={"log_prior": prior})
         generic, phi = result.params
         weights = core.gather(data.clients.train_count, idx)
-        generic_mean, private = engine.aggregate(state.params, generic, weights, key, data)
+        generic_mean, private = engine.aggregate(state.params, generic, weights, key, data, idx=idx)
         new_state = State(generic_mean,                                            # (θ, ψ) average
                           core.scatter(state.heads, idx, phi), state.class_counts,
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),

@@ -153,7 +153,7 @@ def moon(model: Model, config: base.EngineConfig, *, mu: float = 1.0, tau: float
                               extra=extra, shared_start=True)                      # E epochs, eq. 3
         trained = result.params.params
         weights = core.gather(data.clients.train_count, idx)
-        params, private = engine.aggregate(w, trained, weights, key, data)         # Σ (n_i/n) w_i
+        params, private = engine.aggregate(w, trained, weights, key, data, idx=idx)         # Σ (n_i/n) w_i
         prev = core.scatter(state.prev, idx, trained)                              # w_i^prev (M4)
         new_state = State(params, prev, engine.store_opt_states(state.opt_state, idx,
                                                                 result.opt_state), state.round + 1)

@@ -99,7 +99,7 @@ def perfedavg(model: Model, config: base.EngineConfig, *, variant: str, alpha: f
         opt = engine.opt_states_for(state.opt_state, idx, state.params)
         result = engine.train(data, idx, state.params, opt, train_key, shared_start=True)
         weights = core.gather(data.clients.train_count, idx)
-        params, private = engine.aggregate(state.params, result.params, weights, key, data)
+        params, private = engine.aggregate(state.params, result.params, weights, key, data, idx=idx)
         metrics = {**base.train_metrics(result, idx), **private}
         d = ops.tree_size(params)
         metrics.update(base.communication(up_clients=m, up_floats_per_client=d,

@@ -95,7 +95,7 @@ def pfedme(model: Model, config: base.EngineConfig, *, lam: float, personal_lr: 
         idx = engine.sample(sample_key, data)                                # S clients
         p = core.gather(data.clients.train_count, idx) if weights == "data_size" else None
         # Σ p_k w_k; under --dp-clip DP-FedAvg's noisy mean of the clipped w_k − w_t instead.
-        mean, metrics = engine.aggregate(state.params, core.gather(local, idx), p, key, data)
+        mean, metrics = engine.aggregate(state.params, core.gather(local, idx), p, key, data, idx=idx)
         params = ops.tree_lerp(state.params, mean, beta)                     # β-mixing
         d = ops.tree_size(state.params)
         metrics.update(base.train_metrics(result, idx))

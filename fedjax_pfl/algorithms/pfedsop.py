@@ -120,7 +120,7 @@ def pfedsop(
         clients = core.scatter(state.clients, idx, rows)
         # S3, eq. 13: (1/M) Σ Δ_i; under --dp-clip DP-FedAvg's noisy mean of the clipped Δ_i.
         zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), delta)
-        delta_glob, dp_metrics = engine.aggregate(zero, delta, None, key, data)
+        delta_glob, dp_metrics = engine.aggregate(zero, delta, None, key, data, idx=idx)
         returning = ~c.is_new
         n_ret = jnp.sum(returning)
         per_returning = lambda v: jnp.where(n_ret > 0, jnp.sum(jnp.where(returning, v, 0)) /

@@ -103,9 +103,9 @@ def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
             # the fixed denominator M: x ← x + η_g Δ̃y, c ← c + (M/N) Δ̃c.
             zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), (delta_y, delta_c))
             (mean_dy, mean_dc), dp_metrics = engine.private_update(zero, (delta_y, delta_c), key,
-                                                                   data)
+                                                                   data, idx=idx)
             params = jax.tree.map(lambda xs, dy: xs + server_lr * dy, x, mean_dy)
-            share = engine.num_sampled(data) / data.num_real_clients
+            share = engine.expected_clients(data) / data.num_real_clients
             control = jax.tree.map(lambda cs, dc: cs + (share * dc).astype(cs.dtype), c, mean_dc)
         else:
             dp_metrics = {}

@@ -198,12 +198,12 @@ def tdpfed(
         # Σ p_k A_k (or Σ p_k ⟦A_k⟧); under --dp-clip DP-FedAvg's noisy mean of the clipped
         # updates A_k − A_t (⟦A_k⟧ − ⟦A_t⟧) instead, uniform over the M uploads.
         if aggregate == "afm":                                           # eq. 18
-            mean, metrics = engine.aggregate(state.factors, uploaded, p, key, data)
+            mean, metrics = engine.aggregate(state.factors, uploaded, p, key, data, idx=idx)
             factors = ops.tree_lerp(state.factors, mean, beta)
             omega = None
         else:                                                            # eqs. 19–20
             composed, metrics = engine.aggregate(cp.reconstruct(state.factors),
-                                                 jax.vmap(cp.reconstruct)(uploaded), p, key, data)
+                                                 jax.vmap(cp.reconstruct)(uploaded), p, key, data, idx=idx)
             omega = ops.tree_lerp(cp.reconstruct(state.factors), composed, beta)
             factors, errors = refit(state.factors, omega)
             metrics["act_fit_error_max"] = errors

@@ -11,6 +11,8 @@ from fedjax_pfl.core.clients import (
     sum_over_clients,
     where_clients,
 )
+from fedjax_pfl.core.poisson import (OVERFLOW_PROBABILITY, poisson_capacity, sample_poisson,
+                                     truncation_delta)
 from fedjax_pfl.core.execution import (
     BACKENDS,
     EAGER_BACKENDS,
@@ -55,6 +57,7 @@ from fedjax_pfl.core.program import (
 __all__ = [
     "broadcast", "gather", "map_clients", "mean_over_clients", "num_sampled_clients",
     "sample_clients", "scatter", "sum_over_clients", "where_clients",
+    "OVERFLOW_PROBABILITY", "poisson_capacity", "sample_poisson", "truncation_delta",
     "BACKENDS", "EAGER_BACKENDS", "ClientError", "ClientLoop", "ClientMapper", "client_mapper",
     "balanced_order", "client_mask", "client_mesh", "replicate", "to_host", "replicated_sharding",
     "single_device_clients",

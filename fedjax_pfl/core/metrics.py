@@ -68,8 +68,9 @@ class History:
         ids = sampled[ok]
         self.best_when_sampled[ids] = np.maximum(self.best_when_sampled[ids], acc[ok])
         seen = np.isfinite(self.best_when_sampled)
-        out = {"participant_best_mean": float(self.best_when_sampled[seen].mean()),
-               "participant_best_clients": int(seen.sum())}
+        out = {"participant_best_clients": int(seen.sum())}
+        if seen.any():          # (a Poisson-sampled run may not have had a participant yet)
+            out["participant_best_mean"] = float(self.best_when_sampled[seen].mean())
         if ok.any():
             out["acc_participants"] = float(acc[ok].mean())
         return out

@@ -200,7 +200,13 @@ class Program:
             raise ValueError(f"--state-placement must be one of {list(STATE_PLACEMENTS)}, "
                              f"got {state_placement!r}")
         self.data_whole_bytes = _nbytes((data.x, data.y))
-        data = data.pad_clients(mesh.size) if mesh is not None else data
+        poisson = (algo.hparams or {}).get("sampling") == "poisson"
+        if poisson and "host" in (data_placement, state_placement):
+            raise ValueError("--sampling poisson runs with device placement only (its rounds "
+                             "hold empty slots that host placement's prefetch does not expect): "
+                             "use --data-placement device --state-placement device")
+        # Poisson-sampled rounds fill their unused slots with an empty padding client.
+        data = data.pad_clients(mesh.size if mesh is not None else 1, minimum=int(poisson))
         key_spec = jax.eval_shape(lambda: jax.random.key(0))
         try:                      # (the state's shapes do not depend on where the data waits)
             abstract = jax.eval_shape(algo.init, key_spec, data)

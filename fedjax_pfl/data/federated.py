@@ -46,7 +46,8 @@ class FederatedData:
         The model sees x · input_scale + input_shift in float32.
       real_clients: static; clients 0 … real_clients − 1 are real. Rows beyond are empty padding
         clients (no data) that make N divisible by the device count when client state is sharded
-        (`pad_clients`); they are never sampled and have no test data.
+        (`pad_clients`), or hold the unused slots of a Poisson-sampled round
+        (`core.sample_poisson`); they never take part and have no test data.
       max_train, max_test: static; the largest client's train / test sample count (sizes of
         evaluation batches and memory plans).
       task: static; what is predicted from what (`data.natural.Task`: token inputs, per-token or
@@ -99,10 +100,13 @@ class FederatedData:
     def labels(self, rows: jax.Array) -> jax.Array:
         return self.y[rows]
 
-    def pad_clients(self, multiple: int) -> "FederatedData":
-        """This dataset with empty clients appended until N is a multiple of `multiple`."""
+    def pad_clients(self, multiple: int, minimum: int = 0) -> "FederatedData":
+        """This dataset with empty clients appended until N is a multiple of `multiple` and at
+        least `minimum` of them are padding (Poisson sampling fills its unused slots with one)."""
         n = self.num_clients
         extra = -n % multiple
+        while (n + extra) - self.num_real_clients < minimum:
+            extra += multiple
         if extra == 0:
             return self
         pad = lambda a: jnp.concatenate([a, jnp.zeros(extra, a.dtype)])

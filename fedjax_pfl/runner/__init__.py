@@ -25,7 +25,8 @@ from fedjax_pfl.runner.config import (DEFAULT_CHECKPOINT_EVERY, DEFAULT_MODEL, M
 from fedjax_pfl.runner.loop import (Interrupted, Prepared, check_with_data, load_data,
                                     prepare, run)
 from fedjax_pfl.runner.records import (NonFiniteError, best_and_last, communication_totals,
-                                       record_evaluation, round_row)
+                                       participants, record_evaluation, round_row,
+                                       round_slots)
 from fedjax_pfl.runner.rundir import RUN_FILES, atomic, check_out, clear_out, write_json
 
 __all__ = [
@@ -35,5 +36,5 @@ __all__ = [
     "parse_eval_clients", "read_config", "resume_conflicts", "Interrupted", "Prepared",
     "check_with_data",
     "load_data", "prepare", "run", "NonFiniteError", "best_and_last", "communication_totals",
-    "record_evaluation", "round_row", "RUN_FILES", "atomic", "check_out", "clear_out", "write_json",
+    "participants", "record_evaluation", "round_row", "round_slots", "RUN_FILES", "atomic", "check_out", "clear_out", "write_json",
 ]

@@ -120,10 +120,6 @@ class RunConfig:
         if self.dp_accountant not in ("rdp", "pld"):
             raise ValueError(f"--dp-accountant must be one of ['rdp', 'pld'], "
                              f"got {self.dp_accountant!r}")
-        if self.dp_accountant == "pld":
-            raise ValueError("--dp-accountant pld: dp-accounting's PLD accountant does not "
-                             "support the engine's fixed-size sampling (M of N without "
-                             "replacement); use rdp (Poisson sampling is not built yet)")
         if self.data_placement not in core.DATA_PLACEMENTS:
             raise ValueError(f"--data-placement must be one of {list(core.DATA_PLACEMENTS)}, "
                              f"got {self.data_placement!r}")

@@ -32,7 +32,7 @@ from fedjax_pfl.runner.privacy import PrivacyPlan
 from fedjax_pfl.runner.config import (MIN_IMAGE_SIDE, RunConfig, config_record, model_name_of,
                                       parse_eval_clients, read_config, resume_conflicts)
 from fedjax_pfl.runner.records import (Progress, eval_ids, record_call, report, round_row,
-                                       target_round)
+                                       round_slots, target_round)
 from fedjax_pfl.runner.writers import MetricsWriter, ProgressBar
 
 
@@ -82,6 +82,11 @@ class Prepared:
     round_keys: jax.Array
     eval_ids: np.ndarray | None        # a fixed evaluation subset (--eval-clients K), or None
     privacy: PrivacyPlan | None = None  # --dp-clip: the noise multiplier and ε after each round
+
+    @property
+    def poisson(self) -> bool:
+        """Whether rounds are Poisson-sampled (their empty slots are logged as −1)."""
+        return self.hparams.get("sampling") == "poisson"
 
 
 def check_with_data(cfg: RunConfig, data: FederatedData) -> None:
@@ -317,9 +322,9 @@ def _rounds(cfg: RunConfig, prep: Prepared, state, round_keys, prog: Progress,
         call_time = time.perf_counter() - t0
         rows = []
         for i, m in enumerate(per_round):
-            sampled = np.asarray(m["sampled"])
-            evaluation.changed(sampled)
-            row = round_row(r + i + 1, m, call_time / count)
+            evaluation.changed(np.asarray(m["sampled"]))
+            sampled = round_slots(m, n_real, prep.poisson)
+            row = round_row(r + i + 1, m, call_time / count, n_real if prep.poisson else None)
             if prep.privacy is not None:
                 row["dp_epsilon"] = prep.privacy.epsilons[r + i]
             rows.append((row, sampled))

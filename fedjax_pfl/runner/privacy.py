@@ -2,9 +2,15 @@
 
 With --dp-clip the algorithm privatises its uplink (`ops.dp`, `Engine.private_update`): each
 round is the Gaussian mechanism with noise multiplier z on M of the N real clients, sampled
-without replacement (the engine's fixed-size sampling). The accountant (`privacy.accounting`,
-Google's dp-accounting) composes the rounds; ε at δ after round r goes into that round's
-metrics row (`dp_epsilon`) and the summary's privacy record.
+without replacement (the engine's fixed-size sampling), or, with --sampling poisson, on the
+clients that each took part with probability q (`core.sample_poisson`). The accountant
+(`privacy.accounting`, Google's dp-accounting) composes the rounds for the sampling used; ε at δ
+after round r goes into that round's metrics row (`dp_epsilon`) and the summary's privacy record.
+
+Per-round ε is RDP's (one RDP vector, scaled per round). With --dp-accountant pld (Poisson
+sampling only) the summary's ε after the last round is PLD's, usually tighter; the rows keep
+RDP's, and the record names both (`accountant`, `rows_accountant`). Poisson sampling truncated to
+the round's K slots adds `core.poisson.truncation_delta` to δ; the record reports it.
 """
 
 from __future__ import annotations
@@ -27,14 +33,28 @@ class PrivacyPlan:
     clients_per_round: int
     epsilons: tuple[float | None, ...]   # ε at δ after rounds 1, 2, …; None: no bound (z = 0)
     target_epsilon: float | None = None
+    rate: float | None = None            # Poisson sampling: each client's probability q
+    slots: int | None = None             # Poisson sampling: the round's capacity K
 
     def record(self, rounds_done: int) -> dict[str, Any]:
         """The summary's privacy record after `rounds_done` rounds."""
         eps = self.epsilons[rounds_done - 1] if rounds_done > 0 else 0.0   # None: unbounded
-        return {"dp_epsilon": eps, "delta": self.delta, "noise_multiplier": self.noise_multiplier,
-                "clip": self.clip if math.isfinite(self.clip) else None, "accountant": self.accountant, "sampling": self.sampling,
-                "clients": self.clients, "clients_per_round": self.clients_per_round,
-                "target_epsilon": self.target_epsilon}
+        rec = {"dp_epsilon": eps, "delta": self.delta, "noise_multiplier": self.noise_multiplier,
+               "clip": self.clip if math.isfinite(self.clip) else None,
+               "accountant": self.accountant, "sampling": self.sampling,
+               "clients": self.clients, "clients_per_round": self.clients_per_round,
+               "target_epsilon": self.target_epsilon}
+        if self.sampling != "poisson":
+            return rec
+        if self.accountant == "pld" and rounds_done > 0 and eps is not None:
+            from fedjax_pfl.privacy import accounting
+            eps = accounting.epsilon(self.noise_multiplier, rounds=rounds_done,
+                                     num_clients=self.clients, rate=self.rate,
+                                     sampling="poisson", delta=self.delta, accountant="pld")
+            rec["dp_epsilon"] = eps
+        return {**rec, "rows_accountant": "rdp", "rate": self.rate, "slots": self.slots,
+                "overflow_probability": core.OVERFLOW_PROBABILITY,
+                "truncation_delta": core.truncation_delta(rounds_done, eps)}
 
 
 def default_delta(num_clients: int) -> float:
@@ -53,18 +73,31 @@ def plan(cfg, hparams: dict[str, Any], num_clients: int) -> tuple[dict[str, Any]
         return hparams, None
     from fedjax_pfl.privacy import accounting      # (dp-accounting: only for private runs)
 
-    m = core.num_sampled_clients(num_clients, hparams["participation"])
+    q = hparams["participation"]
+    poisson = hparams.get("sampling") == "poisson"
     delta = cfg.dp_delta if cfg.dp_delta is not None else default_delta(num_clients)
-    common = dict(num_clients=num_clients, clients_per_round=m, sampling="fixed", delta=delta,
-                  accountant=cfg.dp_accountant)
+    if poisson:
+        m = core.poisson_capacity(num_clients, q)
+        common = dict(num_clients=num_clients, rate=q, sampling="poisson", delta=delta)
+    else:
+        m = core.num_sampled_clients(num_clients, q)
+        if cfg.dp_accountant == "pld":
+            raise ValueError("--dp-accountant pld: dp-accounting's PLD accountant does not "
+                             "support the engine's fixed-size sampling (M of N without "
+                             "replacement); use rdp, or --sampling poisson")
+        common = dict(num_clients=num_clients, clients_per_round=m, sampling="fixed",
+                      delta=delta)
     z = hparams["dp_noise_multiplier"]
     if cfg.target_epsilon is not None:
         if z:
             raise ValueError("give --dp-noise-multiplier or --target-epsilon, not both")
-        z = accounting.noise_multiplier_for(cfg.target_epsilon, rounds=cfg.rounds, **common)
+        z = accounting.noise_multiplier_for(cfg.target_epsilon, rounds=cfg.rounds,
+                                            accountant=cfg.dp_accountant, **common)
         hparams = {**hparams, "dp_noise_multiplier": z}
-    epsilons = accounting.epsilons(z, rounds=cfg.rounds, **common)
+    epsilons = accounting.epsilons(z, rounds=cfg.rounds, accountant="rdp", **common)
     # No noise bounds nothing: ε = ∞, written as null (JSON has no infinity).
     finite = tuple(float(e) if math.isfinite(e) else None for e in epsilons)
-    return hparams, PrivacyPlan(float(z), float(clip), float(delta), cfg.dp_accountant, "fixed",
-                                num_clients, m, finite, cfg.target_epsilon)
+    return hparams, PrivacyPlan(float(z), float(clip), float(delta), cfg.dp_accountant,
+                                common["sampling"], num_clients, m, finite, cfg.target_epsilon,
+                                rate=float(q) if poisson else None,
+                                slots=m if poisson else None)

@@ -145,17 +145,41 @@ def is_accuracy(key: str) -> bool:
     return ("acc" in key and not key.endswith("_std")) or key == "participant_best_mean"
 
 
-def round_row(round_number: int, m: dict, round_time: float) -> dict[str, Any]:
-    """One metrics.jsonl row from a round's metrics; stops the run on a non-finite loss."""
+def round_slots(m: dict, n_real: int, poisson: bool) -> np.ndarray:
+    """The round's sampled ids as logged: under Poisson sampling the unused slots (which hold a
+    padding client) read −1, so every round logs the same number of slots."""
+    sampled = np.asarray(m["sampled"])
+    return np.where(sampled < n_real, sampled, -1) if poisson else sampled
+
+
+def participants(sampled: np.ndarray) -> np.ndarray:
+    """The clients that took part: the logged ids without the −1 of empty slots."""
+    sampled = np.asarray(sampled)
+    return sampled[sampled >= 0]
+
+
+def round_row(round_number: int, m: dict, round_time: float,
+              n_real: int | None = None) -> dict[str, Any]:
+    """One metrics.jsonl row from a round's metrics; stops the run on a non-finite loss. With
+    `n_real` (Poisson sampling) the row counts the round's "participants", and its train_loss
+    is their mean (slots of padding clients excluded)."""
     sampled = np.asarray(m["sampled"])
     losses = np.asarray(m["train_loss"], np.float64)
+    extra: dict[str, Any] = {}
+    if n_real is not None and losses.shape == sampled.shape:
+        real = sampled < n_real
+        losses, sampled = losses[real], sampled[real]
+        extra["participants"] = int(real.sum())
     if not np.all(np.isfinite(losses)):
         trained = np.asarray(m.get("trained", sampled))  # TDPFed trains every client
         bad = trained[~np.isfinite(losses)].tolist()
         raise NonFiniteError(f"round {round_number}: clients {bad} have a non-finite training "
                              "loss; lower --lr or check the data")
-    row: dict[str, Any] = {"round": round_number, "train_loss": float(losses.mean()),
-                           "client_steps": int(m["client_steps"]), "round_time": round_time}
+    # A Poisson-sampled round may have no participant: its loss is no one's (null, not 0).
+    loss = float(losses.mean()) if losses.size else None
+    row: dict[str, Any] = {"round": round_number, "train_loss": loss,
+                           "client_steps": int(m["client_steps"]), "round_time": round_time,
+                           **extra}
     row.update(scalar_metrics(m))
     return row
 
@@ -165,7 +189,7 @@ def eval_ids(prep, sampled: np.ndarray, *, final: bool) -> np.ndarray | None:
     if final or prep.cfg.eval_clients == "all":
         return None
     if prep.cfg.eval_clients == "participants":
-        return np.asarray(sampled, np.int32)
+        return np.asarray(participants(sampled), np.int32)
     return prep.eval_ids
 
 
@@ -181,7 +205,7 @@ def record_evaluation(row: dict, evals: dict, ids, n_real: int, history, sampled
     row.update(core.summarize(client.correct, client.loss_sum, client.count,
                               loss_count=client.loss_count))
     row["eval_clients"] = int(np.sum(count > 0))
-    row.update(history.record_participants(accuracy, sampled))
+    row.update(history.record_participants(accuracy, participants(sampled)))
     for name, ev in evals.items():
         if name != "client":
             row.update(core.summarize(ev.correct, ev.loss_sum, ev.count, prefix=f"{name}_",

@@ -58,7 +58,8 @@ class ProgressBar(Callback):
 
     def on_round_end(self, event: RoundEnd) -> None:
         row = event.row
-        self.bar.set_postfix(loss=f"{row['train_loss']:.3f}",
+        loss = row["train_loss"]          # None: a Poisson-sampled round without participants
+        self.bar.set_postfix(loss="-" if loss is None else f"{loss:.3f}",
                              acc=f"{row['acc_mean']:.3f}" if "acc_mean" in row else "-",
                              refresh=False)
         self.bar.update(1)
