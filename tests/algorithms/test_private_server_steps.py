@@ -129,6 +129,8 @@ FEDDYN = dict(local_steps=2, batch_size=4, participation=0.5, alpha=0.1)
 
 def _feddyn_round(**dp):
     data = make_data([12, 30, 7, 19, 25, 3], feature_dim=5, num_classes=3, seed=1)
+    if dp.get("sampling") == "poisson":
+        data = data.pad_clients(1, minimum=1)       # the empty slots' client (core.Program's)
     plain = algorithms.get("feddyn", model=linear_model(), **FEDDYN)
     algo = algorithms.get("feddyn", model=linear_model(), **FEDDYN, **dp)
     state = jax.jit(plain.init)(jax.random.key(0), data)
@@ -148,16 +150,20 @@ def test_feddyn_without_clipping_or_noise_is_its_round():
 
 
 @pytest.mark.slow
-def test_feddyn_reads_h_and_the_model_from_one_clipped_mean_update():
+@pytest.mark.parametrize("sampling", ["fixed", "poisson"])
+def test_feddyn_reads_h_and_the_model_from_one_clipped_mean_update(sampling):
     """Lines 9–10 with the noisy mean update Δ̃: h' = h − α(M/N)Δ̃ and θ' = θ + Δ̃ − h'/α, so
-    Δ̃ = θ' − θ + h'/α is recovered here, of norm at most C, and h' − h = −α(M/N)Δ̃ exactly."""
+    Δ̃ = θ' − θ + h'/α is recovered here, of norm at most C·|S|/M, and h' − h = −α(M/N)Δ̃
+    exactly. Under Poisson sampling M is the expected q·N (here 3 of 6 either way), not the
+    round's K slots."""
     clip, alpha, share = 1e-3, FEDDYN["alpha"], 3 / 6
-    before, after, m = _feddyn_round(dp_clip=clip)
-    assert float(m["dp_clipped_fraction"]) == 1.0
+    before, after, m = _feddyn_round(dp_clip=clip, sampling=sampling)
+    took_part = int(np.sum(np.asarray(m["sampled"]) < 6))
+    assert took_part > 0 and float(m["dp_clipped_fraction"]) == 1.0
     update = [p1 - p0 + h1 / alpha for p1, p0, h1 in
               zip(_floats(after.params), _floats(before.params), _floats(after.h))]
     norm = np.sqrt(sum((u ** 2).sum() for u in update))
-    assert 0 < norm <= clip * (1 + 1e-3)
+    assert 0 < norm <= clip * took_part / 3 * (1 + 1e-3)
     for h1, h0, u in zip(_floats(after.h), _floats(before.h), update, strict=True):
         np.testing.assert_allclose(h1 - h0, -alpha * share * u, rtol=1e-3, atol=1e-9)
 
