@@ -47,9 +47,9 @@ def clipped_update_sum(models: Params, start: Params, clip: jax.Array | float,
     10 ms for clipped copies summed by a dot, 1.2 ms for the plain weighted mean, on 2 devices.)
     In float32 the subtraction costs about M·ε·|start| of absolute rounding per entry.
 
-    `mask` [M] bool: rows where it is False (a Poisson-sampled round's empty slots) count as
-    Δ = 0: their weight s_k is 0 and their rows are read as `start`, so they add exactly nothing
-    (not even a NaN of a client that took no step) and report norm 0."""
+    `mask` [M] bool: rows where it is False (a Poisson-sampled round's empty slots) are read as
+    `start`, Δ = 0: they add nothing (not even a NaN of a client that took no step) and report
+    norm 0."""
     leaves, treedef = jax.tree.flatten(models)
     starts = treedef.flatten_up_to(start)
     m = leaves[0].shape[0]
@@ -64,8 +64,6 @@ def clipped_update_sum(models: Params, start: Params, clip: jax.Array | float,
              for x, s in zip(flat, row, strict=True))
     norms = jnp.sqrt(sq)
     scale = jnp.where(norms > clip, clip / jnp.maximum(norms, jnp.finfo(jnp.float32).tiny), 1.0)
-    if mask is not None:
-        scale = jnp.where(mask, scale, 0.0)
     total = [(jnp.tensordot(scale.astype(x.dtype), x, axes=1)
               - jnp.sum(scale).astype(x.dtype) * s[0]).reshape(s0.shape)
              for x, s, s0 in zip(flat, row, starts, strict=True)]
