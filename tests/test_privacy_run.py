@@ -46,6 +46,9 @@ def test_a_run_at_a_target_epsilon_reports_epsilon_after_every_round(tmp_path):
     (["--dp-clip", "1", "--dp-delta", "2"], "--dp-delta must be in"),
     (["--algo", "pgfedmo", "--dp-clip", "1"], "pgfedmo does not privatise its uplink"),
     (["--sampling", "poisson"], "--sampling poisson needs --dp-clip"),
+    (["--dp-clip-quantile", "0.5"], "needs --dp-clip"),
+    (["--dp-clip", "1", "--dp-clip-quantile", "0.5", "--dp-noise-multiplier", "2"],
+     "must exceed z/2"),
     (["--dp-clip", "1", "--dp-accountant", "pld"], "use rdp, or --sampling poisson"),
     (["--dp-clip", "1", "--sampling", "poisson", "--data-placement", "host"],
      "device placement only"),
@@ -109,3 +112,28 @@ def test_a_poisson_sampled_run(tmp_path):
     assert [int((r >= 0).sum()) for r in logged] == [row["participants"] for row in rows]
     for row in rows:
         assert row["eval_clients"] == (10 if row["round"] == 3 else row["participants"])
+
+
+@pytest.mark.slow
+def test_adaptive_clipping_with_poisson_sampling_resumes_exactly(tmp_path):
+    """The clip norm is server state: a run stopped at its round-2 checkpoint and resumed writes
+    the rows of the uninterrupted run (each row's clip C_t among them), with Poisson sampling;
+    the summary records C_0 and the noise split z_Δ, σ_b that the accounted z stands for."""
+    flags = ["--dp-clip", "0.05", "--dp-clip-quantile", "0.5", "--dp-noise-multiplier", "0.3",
+             "--sampling", "poisson", "--checkpoint-every", "2"]
+    full = runner.run(_config(tmp_path / "full", *flags, "--rounds", "4"))
+    runner.run(_config(tmp_path / "resumed", *flags, "--rounds", "2"))
+    runner.run(_config(tmp_path / "resumed", *flags, "--rounds", "4", "--resume"))
+
+    def rows(out):
+        return [{k: v for k, v in json.loads(line).items() if k != "round_time"}
+                for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    assert rows(tmp_path / "resumed") == rows(tmp_path / "full")
+    clips = [row["dp_clip"] for row in rows(tmp_path / "full")]
+    assert clips[0] == pytest.approx(0.05) and len(set(clips)) == 4
+    adaptive = full["privacy"]["adaptive_clip"]
+    sigma = 0.5 * 10 / 20                                    # D/20, D = q·N = 5
+    assert adaptive["count_noise"] == pytest.approx(sigma)
+    assert (adaptive["update_noise_multiplier"] ** -2 + (2 * sigma) ** -2) ** -0.5 == \
+        pytest.approx(0.3, rel=1e-5)

@@ -10,9 +10,12 @@ from helpers import make_data
 
 
 @pytest.mark.slow
-def test_vmapped_private_runs_equal_separate_private_runs():
+@pytest.mark.parametrize("more", [{}, {"sampling": "poisson", "dp_clip_quantile": 0.5,
+                                       "dp_count_noise": 1.5}], ids=["fixed", "poisson-adaptive"])
+def test_vmapped_private_runs_equal_separate_private_runs(more):
+    """Also with Poisson sampling and adaptive clipping (the clip traced as its C_0, then state)."""
     data = make_data([7, 23, 12, 9, 15, 11], feature_dim=6)
-    hp = {"batch_size": 4, "participation": 0.5}
+    hp = {"batch_size": 4, "participation": 0.5, **more}
     traced = [(("dp_clip", 0.05), ("dp_noise_multiplier", 0.0)),
               (("dp_clip", 0.05), ("dp_noise_multiplier", 2.0)),
               (("dp_clip", 1.0), ("dp_noise_multiplier", 0.5))]

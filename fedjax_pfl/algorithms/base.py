@@ -253,6 +253,18 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
            "z: Gaussian noise of standard deviation z·C on the sum of the clipped updates "
            "(with --dp-clip; --target-epsilon computes it)",
            check=NON_NEGATIVE),
+    HParam("dp_clip_quantile", float, None,
+           "adaptive clipping (Andrew et al., NeurIPS 2021): the clip norm, starting at "
+           "--dp-clip, follows this quantile γ of the clients' update norms, learnt from a noised "
+           "count each round (C ← C·exp(−η(b̃ − γ))); unset: a fixed clip",
+           check=Check(lambda v: 0 < v < 1, "in (0, 1)")),
+    HParam("dp_clip_lr", float, 0.2,
+           "η: the step of the adaptive clip's geometric update (with --dp-clip-quantile)",
+           check=POSITIVE),
+    HParam("dp_count_noise", float, None,
+           "σ_b: the noise standard deviation on the adaptive clip's count of unclipped updates "
+           "(with --dp-clip-quantile); default: the expected clients per round / 20",
+           check=POSITIVE),
     HParam("sampling", str, "fixed",
            "how a round's clients are drawn: 'fixed' (M = ⌊N·rate⌋ distinct clients, uniformly) "
            "or 'poisson' (each client independently with probability rate; the round holds "
@@ -287,6 +299,9 @@ class EngineConfig:
     eval_batch_size: int = 0      # test samples per evaluation batch; 0: automatic
     dp_clip: float | None = None  # C: clip each client's uplink update (None: no privacy)
     dp_noise_multiplier: float = 0.0  # z: noise of std z·C on the sum of clipped updates
+    dp_clip_quantile: float | None = None  # γ: adapt the clip to this quantile (None: fixed C)
+    dp_clip_lr: float = 0.2       # η: the adaptive clip's geometric step
+    dp_count_noise: float | None = None  # σ_b: noise on the count of unclipped updates (None: D/20)
     sampling: str = "fixed"       # 'fixed': M of N without replacement; 'poisson': each w.p. rate
 
     @classmethod
@@ -360,6 +375,11 @@ class AlgorithmSpec:
             raise ValueError("--sampling poisson needs --dp-clip (use --dp-clip inf for no "
                              "clipping): a round's empty slots are masked out by the private "
                              "server step only")
+        if config.dp_clip_quantile is not None:
+            from fedjax_pfl.algorithms import _adaptive_clip
+
+            return _adaptive_clip.adaptive_clipping(
+                lambda c: self.factory(model, c, **own), config)
         return self.factory(model, config, **own)
 
 

@@ -11,6 +11,10 @@ Per-round ε is RDP's (one RDP vector, scaled per round). With --dp-accountant p
 sampling only) the summary's ε after the last round is PLD's, usually tighter; the rows keep
 RDP's, and the record names both (`accountant`, `rows_accountant`). Poisson sampling truncated to
 the round's K slots adds `core.poisson.truncation_delta` to δ; the record reports it.
+
+With --dp-clip-quantile (adaptive clipping, `algorithms._adaptive_clip`) the accounted z covers
+the noised updates and the noised count together; the record gives the update noise z_Δ and the
+count noise σ_b that make it up, and `dp_clip` is then the initial clip norm C_0.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class PrivacyPlan:
     target_epsilon: float | None = None
     rate: float | None = None            # Poisson sampling: each client's probability q
     slots: int | None = None             # Poisson sampling: the round's capacity K
+    adaptive: dict[str, Any] | None = None  # --dp-clip-quantile: γ, η, σ_b and z_Δ
 
     def record(self, rounds_done: int) -> dict[str, Any]:
         """The summary's privacy record after `rounds_done` rounds."""
@@ -44,6 +49,8 @@ class PrivacyPlan:
                "accountant": self.accountant, "sampling": self.sampling,
                "clients": self.clients, "clients_per_round": self.clients_per_round,
                "target_epsilon": self.target_epsilon}
+        if self.adaptive is not None:
+            rec["adaptive_clip"] = self.adaptive
         if self.sampling != "poisson":
             return rec
         if self.accountant == "pld" and rounds_done > 0 and eps is not None:
@@ -94,10 +101,21 @@ def plan(cfg, hparams: dict[str, Any], num_clients: int) -> tuple[dict[str, Any]
         z = accounting.noise_multiplier_for(cfg.target_epsilon, rounds=cfg.rounds,
                                             accountant=cfg.dp_accountant, **common)
         hparams = {**hparams, "dp_noise_multiplier": z}
+    adaptive = None
+    if hparams.get("dp_clip_quantile") is not None:
+        from fedjax_pfl.algorithms import EngineConfig, _adaptive_clip
+
+        config, _ = EngineConfig.split({**hparams, "dp_noise_multiplier": z})
+        _adaptive_clip.check(config, num_clients)
+        sigma = float(_adaptive_clip.count_noise(config, num_clients))
+        adaptive = {"quantile": hparams["dp_clip_quantile"], "lr": hparams["dp_clip_lr"],
+                    "count_noise": sigma,
+                    "update_noise_multiplier": float(
+                        _adaptive_clip.update_noise_multiplier(z, sigma))}
     epsilons = accounting.epsilons(z, rounds=cfg.rounds, accountant="rdp", **common)
     # No noise bounds nothing: ε = ∞, written as null (JSON has no infinity).
     finite = tuple(float(e) if math.isfinite(e) else None for e in epsilons)
     return hparams, PrivacyPlan(float(z), float(clip), float(delta), cfg.dp_accountant,
                                 common["sampling"], num_clients, m, finite, cfg.target_epsilon,
                                 rate=float(q) if poisson else None,
-                                slots=m if poisson else None)
+                                slots=m if poisson else None, adaptive=adaptive)

@@ -1,0 +1,161 @@
+"""Adaptive clipping (`--dp-clip-quantile γ`, algorithms/_adaptive_clip.py; Andrew et al.,
+NeurIPS 2021, Algorithm 1): C_{t+1} = C_t·exp(−η(b̃_t − γ)) with b̃_t = (Σ_k 1[‖Δ_k‖ ≤ C_t] +
+N(0, σ_b²))/D; the updates noised with z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2), so that z, the accounted
+noise multiplier, covers both releases."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_pfl import algorithms
+from fedjax_pfl.algorithms import _adaptive_clip
+from helpers import linear_model, make_data
+
+SIZES = [12, 30, 7, 19, 25, 3, 40, 11, 9, 22]
+HP = dict(participation=0.5, batch_size=4, lr=0.1, local_steps=2)
+
+
+def _algo(**hp):
+    return algorithms.get("fedavg", model=linear_model(), **{**HP, **hp})
+
+
+def test_the_clip_follows_the_count_of_unclipped_updates():
+    """Without noise (z = 0, so σ_b = 0): b_t is the share of the M participants whose update
+    norm, computed here in float64 from each client trained alone, is within C_t."""
+    data = make_data(SIZES)
+    algo = _algo(dp_clip=0.2, dp_clip_quantile=0.3, dp_clip_lr=0.7)
+    state = jax.jit(algo.init)(jax.random.key(0), data)
+    key = jax.random.key(3)
+    after, metrics = jax.jit(algo.round_fn)(state, data, key)
+    ids = jnp.asarray(metrics["sampled"])
+    engine = algorithms.base.Engine(linear_model(), algorithms.base.EngineConfig(**HP))
+    trained = engine.train(data, ids, state.inner.params,
+                           engine.opt_states_for(None, ids, state.inner.params),
+                           jax.random.split(key)[1], shared_start=True)
+    norms = np.sqrt(sum(((np.asarray(rows, np.float64) - np.asarray(start, np.float64)) ** 2)
+                        .reshape(len(ids), -1).sum(axis=1)
+                        for rows, start in zip(jax.tree.leaves(trained.params),
+                                               jax.tree.leaves(state.inner.params))))
+    b = np.mean(norms <= 0.2)
+    assert 0 < b < 1                                  # the case tells the update apart
+    assert float(metrics["dp_clip"]) == pytest.approx(0.2)
+    assert float(metrics["dp_unclipped_noisy"]) == pytest.approx(b)
+    assert float(after.clip) == pytest.approx(0.2 * math.exp(-0.7 * (b - 0.3)), rel=1e-6)
+
+
+@pytest.mark.parametrize("clip, factor", [(1e-6, math.exp(0.2 * 0.5)),      # all clipped: b = 0
+                                          (1e6, math.exp(-0.2 * 0.5))])     # none: b = 1
+def test_the_geometric_step_in_closed_form(clip, factor):
+    data = make_data(SIZES)
+    algo = _algo(dp_clip=clip, dp_clip_quantile=0.5)
+    state = jax.jit(algo.init)(jax.random.key(0), data)
+    step = jax.jit(algo.round_fn)
+    clips = []
+    for r in range(3):
+        state, _ = step(state, data, jax.random.key(r))
+        clips.append(float(state.clip))
+    np.testing.assert_allclose(clips, clip * factor ** np.arange(1, 4), rtol=1e-5)
+
+
+def test_the_count_noise_has_standard_deviation_sigma_b():
+    """σ_b = D/20 by default (D = M = 5 here): b̃·D − Σ 1[‖Δ‖ ≤ C] over 2,000 keys has standard
+    deviation σ_b, within 5 standard errors (σ·5/√(2n))."""
+    data = make_data(SIZES)
+    algo = _algo(dp_clip=0.4, dp_clip_quantile=0.5, dp_noise_multiplier=0.1)
+    state = jax.jit(algo.init)(jax.random.key(0), data)
+    keys = jax.random.split(jax.random.key(9), 2000)
+    _, m = jax.jit(jax.vmap(algo.round_fn, in_axes=(None, None, 0)))(state, data, keys)
+    within = np.round((1 - np.asarray(m["dp_clipped_fraction"], np.float64)) * 5)
+    noise = np.asarray(m["dp_unclipped_noisy"], np.float64) * 5 - within
+    sigma = 5 / 20
+    assert abs(noise.mean()) <= 5 * sigma / math.sqrt(len(keys))
+    assert abs(noise.std() - sigma) <= 5 * sigma / math.sqrt(2 * len(keys))
+
+
+def test_a_round_is_the_fixed_clip_round_at_its_clip_with_the_update_noise():
+    """Round t of the adaptive algorithm equals the fixed-clip private round at C_t with noise
+    multiplier z_Δ (to float rounding: z_Δ is computed in float32 inside the round); and z_Δ
+    with σ_b gives back the accounted z."""
+    data = make_data(SIZES)
+    z, sigma = 0.2, 5 / 20
+    z_delta = (z ** -2 - (2 * sigma) ** -2) ** -0.5
+    assert (z_delta ** -2 + (2 * sigma) ** -2) ** -0.5 == pytest.approx(z)
+    assert float(_adaptive_clip.update_noise_multiplier(z, sigma)) == pytest.approx(z_delta)
+    adaptive = _algo(dp_clip=0.4, dp_clip_quantile=0.5, dp_noise_multiplier=z)
+    state = jax.jit(adaptive.init)(jax.random.key(0), data)
+    state, _ = jax.jit(adaptive.round_fn)(state, data, jax.random.key(1))
+    clip = float(state.clip)
+    fixed = _algo(dp_clip=clip, dp_noise_multiplier=float(np.float32(z_delta)))
+    after, _ = jax.jit(adaptive.round_fn)(state, data, jax.random.key(2))
+    want, _ = jax.jit(fixed.round_fn)(state.inner, data, jax.random.key(2))
+    for a, b in zip(jax.tree.leaves(after.inner.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("hp, words", [
+    ({"dp_clip_quantile": 0.5}, "needs --dp-clip"),
+    ({"dp_clip": float("inf"), "dp_clip_quantile": 0.5}, "finite --dp-clip"),
+    ({"dp_clip": 1.0, "dp_clip_quantile": 1.5}, "in \\(0, 1\\)"),
+])
+def test_adaptive_clipping_settings_that_cannot_apply_are_refused(hp, words):
+    with pytest.raises(ValueError, match=words):
+        _algo(**hp)
+
+
+def test_the_count_noise_must_exceed_half_the_noise_multiplier():
+    algo = _algo(dp_clip=1.0, dp_clip_quantile=0.5, dp_noise_multiplier=1.0)   # σ_b = 5/20
+    with pytest.raises(ValueError, match="must exceed z/2"):
+        algo.init(jax.random.key(0), make_data(SIZES))
+    ok = _algo(dp_clip=1.0, dp_clip_quantile=0.5, dp_noise_multiplier=1.0, dp_count_noise=0.6)
+    ok.init(jax.random.key(0), make_data(SIZES))
+
+
+def test_evaluation_is_the_wrapped_algorithms():
+    """Ditto's evaluation (split into the rows a round changes and the rest) of the wrapped
+    state: the inner algorithm's evaluation of its own state, entry for entry."""
+    data = make_data(SIZES)
+    plain = algorithms.get("ditto", model=linear_model(), **HP, dp_clip=0.2)
+    algo = algorithms.get("ditto", model=linear_model(), **HP, dp_clip=0.2, dp_clip_quantile=0.5)
+    state = jax.jit(algo.init)(jax.random.key(0), data)
+    state, _ = jax.jit(algo.round_fn)(state, data, jax.random.key(1))
+    want = plain.evaluate(state.inner, data)
+    parts = algo.evaluate_parts
+    for got in (algo.evaluate(state, data),
+                {**parts.rows(state, data), **parts.rest(state, data)}):
+        assert set(got) == set(want)
+        for name in want:
+            for a, b in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name]), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_client_state_on_the_host_gives_the_same_run(tmp_path):
+    """The wrapper keeps the algorithm's declaration that it touches client rows only at the
+    round's participants: Ditto with adaptive clipping and --state-placement host writes the
+    rows of device placement."""
+    import json
+
+    from fedjax_pfl import runner
+
+    rows = {}
+    for placement in ("device", "host"):
+        out = tmp_path / placement
+        cfg = runner.RunConfig(algo="ditto", rounds=3, eval_every=3, out=str(out),
+                               progress=False, state_placement=placement,
+                               hparams={"dp_clip": 0.5, "dp_clip_quantile": 0.5,
+                                        "dp_noise_multiplier": 0.1})
+        runner.run(cfg, log=lambda *_: None)
+        rows[placement] = [{k: v for k, v in json.loads(line).items() if k != "round_time"}
+                           for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # To float rounding: at the suite's fast-compile XLA settings (tests/conftest.py) the two
+    # placements' programs round differently by an ulp, plain Ditto's too; they agree bit for
+    # bit at XLA's defaults (tests/core/test_hoststate.py compares them there).
+    for host, device in zip(rows["host"], rows["device"], strict=True):
+        assert set(host) == set(device)
+        for k, v in device.items():
+            if k != "round_time":
+                assert host[k] == (pytest.approx(v, rel=1e-6) if isinstance(v, float) else v), k
+    assert len({r["dp_clip"] for r in rows["device"]}) == 3
