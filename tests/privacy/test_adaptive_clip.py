@@ -22,15 +22,20 @@ def _algo(**hp):
     return algorithms.get("fedavg", model=linear_model(), **{**HP, **hp})
 
 
-def test_the_clip_follows_the_count_of_unclipped_updates():
-    """Without noise (z = 0, so σ_b = 0): b_t is the share of the M participants whose update
-    norm, computed here in float64 from each client trained alone, is within C_t."""
-    data = make_data(SIZES)
-    algo = _algo(dp_clip=0.2, dp_clip_quantile=0.3, dp_clip_lr=0.7)
+@pytest.mark.parametrize("sampling", ["fixed", "poisson"])
+def test_the_clip_follows_the_count_of_unclipped_updates(sampling):
+    """Without noise (z = 0, so σ_b = 0): b_t is the number of participants whose update norm,
+    computed here in float64 from each client trained alone, is within C_t, over D (M, or q·N
+    under Poisson sampling, whose empty slots count for nothing)."""
+    data = make_data(SIZES).pad_clients(1, minimum=1)
+    algo = _algo(dp_clip=0.2, dp_clip_quantile=0.3, dp_clip_lr=0.7, sampling=sampling)
     state = jax.jit(algo.init)(jax.random.key(0), data)
     key = jax.random.key(3)
     after, metrics = jax.jit(algo.round_fn)(state, data, key)
-    ids = jnp.asarray(metrics["sampled"])
+    ids = np.asarray(metrics["sampled"])
+    if sampling == "poisson":
+        assert np.sum(ids >= len(SIZES)) > 0              # empty slots in this round
+    ids = jnp.asarray(ids[ids < len(SIZES)])
     engine = algorithms.base.Engine(linear_model(), algorithms.base.EngineConfig(**HP))
     trained = engine.train(data, ids, state.inner.params,
                            engine.opt_states_for(None, ids, state.inner.params),
@@ -39,8 +44,9 @@ def test_the_clip_follows_the_count_of_unclipped_updates():
                         .reshape(len(ids), -1).sum(axis=1)
                         for rows, start in zip(jax.tree.leaves(trained.params),
                                                jax.tree.leaves(state.inner.params))))
-    b = np.mean(norms <= 0.2)
-    assert 0 < b < 1                                  # the case tells the update apart
+    within = np.sum(norms <= 0.2)
+    assert 0 < within < len(ids)                      # the case tells the update apart
+    b = within / (HP["participation"] * len(SIZES))   # D = M = q·N = 5 here
     assert float(metrics["dp_clip"]) == pytest.approx(0.2)
     assert float(metrics["dp_unclipped_noisy"]) == pytest.approx(b)
     assert float(after.clip) == pytest.approx(0.2 * math.exp(-0.7 * (b - 0.3)), rel=1e-6)
