@@ -216,3 +216,17 @@ def assert_evaluations_equal(a, b):
             np.testing.assert_allclose(x, y, rtol=4 * np.finfo(x.dtype).eps, atol=0)
         else:
             np.testing.assert_array_equal(x, y)
+
+
+def shared_floats(tree, mask) -> list[np.ndarray]:
+    """The float leaves of a state that are not per-client (`core.client_mask` False), in float64:
+    what the server holds."""
+    return [np.asarray(x, np.float64) for x, c in zip(jax.tree.leaves(tree), jax.tree.leaves(mask))
+            if not c and jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+
+
+def client_rows(tree, mask) -> list[np.ndarray]:
+    """The per-client leaves of a state (`core.client_mask` True) as NumPy arrays (PRNG keys as
+    their key data)."""
+    return [host_array(jnp.asarray(x)) for x, c in zip(jax.tree.leaves(tree), jax.tree.leaves(mask))
+            if c]

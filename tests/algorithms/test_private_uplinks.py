@@ -7,7 +7,6 @@ without noise. The clipping norm and the noise multiplier are traced (as a sweep
 the runs with and without noise are one compiled program."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -54,17 +53,6 @@ def _rounds(name, data):
     return jax.device_get(before), plain, jit(private), core.client_mask(before)
 
 
-def _shared_floats(tree, mask):
-    return [np.asarray(x, np.float64) for x, c in zip(jax.tree.leaves(tree), jax.tree.leaves(mask))
-            if not c and jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
-
-
-def _client_rows(tree, mask):
-    return [np.asarray(jax.random.key_data(x) if jnp.issubdtype(jnp.asarray(x).dtype,
-                                                                jax.dtypes.prng_key) else x)
-            for x, c in zip(jax.tree.leaves(tree), jax.tree.leaves(mask)) if c]
-
-
 @pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow)
                                   for n in PRIVATE])
 def test_privacy_acts_on_the_uplink_only(name):
@@ -81,11 +69,12 @@ def test_privacy_acts_on_the_uplink_only(name):
         np.testing.assert_array_equal(m["train_loss"], plain["train_loss"])
     assert float(m_quiet["dp_clipped_fraction"]) == 1.0       # every update is longer than C
     # No noise: the shared state moved at most C (Σ of M updates of norm C, over M).
+    shared, rows = helpers.shared_floats, helpers.client_rows
     step = np.sqrt(sum(((a - b) ** 2).sum() for a, b in
-                       zip(_shared_floats(quiet, mask), _shared_floats(before, mask))))
+                       zip(shared(quiet, mask), shared(before, mask))))
     assert 0 < step <= clip * (1 + 1e-4) or (name in OWN_BOUND and step > 0)
     # Noise: the shared state differs, every client row is untouched by it.
     assert any(not np.array_equal(a, b) for a, b in
-               zip(_shared_floats(noisy, mask), _shared_floats(quiet, mask)))
-    for a, b in zip(_client_rows(noisy, mask), _client_rows(quiet, mask), strict=True):
+               zip(shared(noisy, mask), shared(quiet, mask)))
+    for a, b in zip(rows(noisy, mask), rows(quiet, mask), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -14,6 +14,7 @@ import pytest
 
 from fedjax_pfl import algorithms, core
 from fedjax_pfl.ops import dp
+import helpers
 from helpers import linear_model, make_data
 
 
@@ -157,17 +158,6 @@ OVERRIDES = {"fedper": {"head": "^b$"}}     # as in test_private_uplinks: a non-
 OWN_BOUND = ("feddyn",)                     # θ also moves by −h/α (test_private_server_steps)
 
 
-def _shared(tree, mask):
-    return [np.asarray(x, np.float64) for x, c in zip(jax.tree.leaves(tree), jax.tree.leaves(mask))
-            if not c and jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
-
-
-def _rows(tree, mask):
-    return [np.asarray(jax.random.key_data(x) if jnp.issubdtype(jnp.asarray(x).dtype,
-                                                                jax.dtypes.prng_key) else x)
-            for x, c in zip(jax.tree.leaves(tree), jax.tree.leaves(mask)) if c]
-
-
 @pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow)
                                   for n in PRIVATE])
 def test_every_private_algorithm_under_poisson_sampling(name):
@@ -200,17 +190,18 @@ def test_every_private_algorithm_under_poisson_sampling(name):
     for leaf in jax.tree.leaves(quiet):
         if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
             assert np.all(np.isfinite(np.asarray(leaf)[:n_real] if leaf.ndim else leaf))
+    shared, rows = helpers.shared_floats, helpers.client_rows
     step = math.sqrt(sum(((a - b) ** 2).sum() for a, b in
-                         zip(_shared(quiet, mask), _shared(before, mask))))
+                         zip(shared(quiet, mask), shared(before, mask))))
     bound = clip * len(took_part) / (hp["participation"] * n_real)
     assert 0 < step <= bound * (1 + 1e-4) or (name in OWN_BOUND and step > 0)
     untouched = np.setdiff1d(np.arange(n_real), np.concatenate([took_part, trained]))
     assert len(untouched) > 0 or len(trained) >= n_real
-    for a, b in zip(_rows(quiet, mask), _rows(before, mask), strict=True):
+    for a, b in zip(rows(quiet, mask), rows(before, mask), strict=True):
         np.testing.assert_array_equal(a[untouched], b[untouched])
     assert any(not np.array_equal(a, b) for a, b in
-               zip(_shared(noisy, mask), _shared(quiet, mask)))
-    for a, b in zip(_rows(noisy, mask), _rows(quiet, mask), strict=True):
+               zip(shared(noisy, mask), shared(quiet, mask)))
+    for a, b in zip(rows(noisy, mask), rows(quiet, mask), strict=True):
         np.testing.assert_array_equal(a[:n_real], b[:n_real])
 
 
