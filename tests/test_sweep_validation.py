@@ -98,8 +98,8 @@ BAD = [
     (["--algos", "fedavg", "pgfed", "--grid", "lam=1"],
      "no chosen algorithm (fedavg, pgfed) has a hyperparameter 'lam'; they take participation, "
      "local_epochs, local_steps, batch_size, lr, momentum, momentum_buffer, drop_last, backend, "
-     "chunk_size, eval_batch_size, dp_clip, dp_noise_multiplier (all) and their own (fedavg: "
-     "(none); pgfed: mu, alpha_lr)"),
+     "chunk_size, eval_batch_size, dp_clip, dp_noise_multiplier, dp_clip_quantile, dp_clip_lr, "
+     "dp_count_noise, sampling (all) and their own (fedavg: (none); pgfed: mu, alpha_lr)"),
     (["--grid", "rounds=3"], "--grid rounds: --rounds is a run setting, not an algorithm "
                              "hyperparameter; set it in --common"),
     (["--grid", "lr=0.1", "--grid", "lr=0.2"], "--grid lr is given twice"),
