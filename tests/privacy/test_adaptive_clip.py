@@ -150,10 +150,11 @@ def test_client_state_on_the_host_gives_the_same_run(tmp_path):
     for placement in ("device", "host"):
         out = tmp_path / placement
         cfg = runner.RunConfig(algo="ditto", rounds=3, eval_every=3, out=str(out),
-                               progress=False, state_placement=placement,
-                               hparams={"dp_clip": 0.5, "dp_clip_quantile": 0.5,
-                                        "dp_noise_multiplier": 0.1})
-        runner.run(cfg, log=lambda *_: None)
+                               progress=False, state_placement=placement, model="logreg",
+                               memory_check=False,
+                               hparams={**HP, "dp_clip": 0.2, "dp_clip_quantile": 0.5,
+                                        "dp_noise_multiplier": 0.1, "dp_count_noise": 1.0})
+        runner.run(cfg, data=make_data(SIZES), data_info={}, log=lambda *_: None)
         rows[placement] = [{k: v for k, v in json.loads(line).items() if k != "round_time"}
                            for line in (out / "metrics.jsonl").read_text().splitlines()]
     # To float rounding: at the suite's fast-compile XLA settings (tests/conftest.py) the two
