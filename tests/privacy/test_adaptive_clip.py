@@ -14,6 +14,9 @@ from fedjax_pfl import algorithms
 from fedjax_pfl.algorithms import _adaptive_clip
 from helpers import linear_model, make_data
 
+# The quick suite keeps the clip's update against the update norms (fixed sampling) and the
+# refusals; the full suite runs every test.
+
 SIZES = [12, 30, 7, 19, 25, 3, 40, 11, 9, 22]
 HP = dict(participation=0.5, batch_size=4, lr=0.1, local_steps=2)
 
@@ -22,7 +25,7 @@ def _algo(**hp):
     return algorithms.get("fedavg", model=linear_model(), **{**HP, **hp})
 
 
-@pytest.mark.parametrize("sampling", ["fixed", "poisson"])
+@pytest.mark.parametrize("sampling", ["fixed", pytest.param("poisson", marks=pytest.mark.slow)])
 def test_the_clip_follows_the_count_of_unclipped_updates(sampling):
     """Without noise (z = 0, so σ_b = 0): b_t is the number of participants whose update norm,
     computed here in float64 from each client trained alone, is within C_t, over D (M, or q·N
@@ -52,6 +55,7 @@ def test_the_clip_follows_the_count_of_unclipped_updates(sampling):
     assert float(after.clip) == pytest.approx(0.2 * math.exp(-0.7 * (b - 0.3)), rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip, factor", [(1e-6, math.exp(0.2 * 0.5)),      # all clipped: b = 0
                                           (1e6, math.exp(-0.2 * 0.5))])     # none: b = 1
 def test_the_geometric_step_in_closed_form(clip, factor):
@@ -66,6 +70,7 @@ def test_the_geometric_step_in_closed_form(clip, factor):
     np.testing.assert_allclose(clips, clip * factor ** np.arange(1, 4), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_count_noise_has_standard_deviation_sigma_b():
     """σ_b = D/20 by default (D = M = 5 here): b̃·D − Σ 1[‖Δ‖ ≤ C] over 2,000 keys has standard
     deviation σ_b, within 5 standard errors (σ·5/√(2n))."""
@@ -81,6 +86,7 @@ def test_the_count_noise_has_standard_deviation_sigma_b():
     assert abs(noise.std() - sigma) <= 5 * sigma / math.sqrt(2 * len(keys))
 
 
+@pytest.mark.slow
 def test_a_round_is_the_fixed_clip_round_at_its_clip_with_the_update_noise():
     """Round t of the adaptive algorithm equals the fixed-clip private round at C_t with noise
     multiplier z_Δ (to float rounding: z_Δ is computed in float32 inside the round); and z_Δ
@@ -119,6 +125,7 @@ def test_the_count_noise_must_exceed_half_the_noise_multiplier():
     ok.init(jax.random.key(0), make_data(SIZES))
 
 
+@pytest.mark.slow
 def test_evaluation_is_the_wrapped_algorithms():
     """Ditto's evaluation (split into the rows a round changes and the rest) of the wrapped
     state: the inner algorithm's evaluation of its own state, entry for entry."""
