@@ -285,10 +285,11 @@ def test_the_memory_plan_of_host_state():
 
 
 @pytest.mark.slow
-def test_resume_across_state_placements(tmp_path):
+def test_resume_across_state_placements(tmp_path, no_figures):
     """--resume may change --state-placement: a checkpoint written with the client rows on the
     devices restores into a host store holding exactly those rows, and one written from a host
-    store restores into the device state exactly."""
+    store restores into the device state exactly. (No PNGs: drawing them was a third of this
+    test's time, and they do not depend on where the state is; tests/conftest.py `no_figures`.)"""
     from fedjax_pfl import checkpoint, runner
     from fedjax_pfl.runner import checkpoints
 
@@ -357,7 +358,8 @@ SCRIPT = textwrap.dedent('''
     one = make_data([12, 30, 7, 19, 25, 3, 40, 11, 9, 22])
     for name in names:                                  # one device, one round a call
         hp = {"participation": 0.3, "batch_size": 4, "lr": 0.05, **algorithms.spec(name).test_hparams}
-        algo = algorithms.get(name, model=linear_model(), **hp)
+        with core.single_device_clients():   # (else the mapper splits clients over both devices)
+            algo = algorithms.get(name, model=linear_model(), **hp)
         same(run(algo, one, None, 1, "device", "device"), run(algo, one, None, 1, "host", "device"))
     two = make_data([12, 30, 7, 19, 25, 3, 40, 11, 9])      # N = 9, padded to 10
     for name, data_placement in (("ditto", "device"), ("pgfedmo", "host")):
