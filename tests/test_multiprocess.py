@@ -5,8 +5,10 @@ host's devices against this host's memory; host data placement, host state place
 and resumed) and experiments/sweep.py over two processes equal one process; a run whose process 1
 is interrupted resumes exactly."""
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,14 +27,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cli(tmp, name, extra, devices="1", fusion_emitters=False):
+def _env(devices="1"):
+    """The subprocesses' environment: this session's XLA flags (less a forced device count) and
+    compilation cache (tests/conftest.py)."""
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": devices, "PYTHONPATH": str(ROOT)}
     env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
+    return env
+
+
+@contextlib.contextmanager
+def _ctrl_c_for_children():
+    """Children start with Ctrl-C's default disposition, unblocked (as tests/test_interrupts.py's
+    do): an ignored or blocked SIGINT in the pytest process (a script's background job) is
+    inherited across exec, and process 1 would then not stop at the Ctrl-C below."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _cli(tmp, name, extra, devices="1", fusion_emitters=False):
+    env = _env(devices)
     if fusion_emitters:     # (see tests/core/test_hoststate.py::test_host_state_at_default_settings)
         env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split()
                                     if not f.startswith("--xla_cpu_use_fusion_emitters"))
-    argv = [sys.executable, str(ROOT / "tests" / "run_no_figures.py"), "--algo", "fedavg",
-            "--rounds", "2", "--clients", "6", "--participation", "0.5", "--quiet",
+    argv = [sys.executable, str(ROOT / "tests" / "run_no_figures.py"), "--algo",
+            "fedavg", "--rounds", "2", "--clients", "6", "--participation", "0.5", "--quiet",
             "--out", str(tmp / name), *extra]         # later flags (--algo, --rounds) win
     return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -119,19 +142,18 @@ def test_a_sweep_over_two_processes_equals_one_process(tmp_path):
     """experiments/sweep.py with --coordinator: both processes run the sweep (one vmapped group of
     two seeds and a second algorithm), process 0 alone prints and writes results.md / .json;
     the results equal a one-process sweep on two devices."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
-    sweep = [sys.executable, str(ROOT / "experiments" / "sweep.py"), "--algos", "fedavg", "pgfedmo",
-             "--seeds", "0", "1", "--common", "--rounds 2 --clients 6 --participation 0.5"]
+    sweep = [sys.executable, str(ROOT / "experiments" / "sweep.py"), "--algos", "fedavg",
+             "pgfedmo", "--seeds", "0", "1", "--common",
+             "--rounds 2 --clients 6 --participation 0.5"]
     port = _free_port()
     procs = [subprocess.Popen(sweep + ["--out", str(tmp_path / "two"), "--coordinator",
                                        f"127.0.0.1:{port}", "--num-processes", "2",
                                        "--process-id", str(i)],
-                              env={**env, "FEDJAX_PFL_CPU_DEVICES": "1"}, cwd=ROOT,
+                              env=_env("1"), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in (0, 1)]
     single = subprocess.Popen(sweep + ["--out", str(tmp_path / "one")],
-                              env={**env, "FEDJAX_PFL_CPU_DEVICES": "2"}, cwd=ROOT,
+                              env=_env("2"), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     outputs = []
     for p in procs + [single]:
@@ -150,19 +172,18 @@ def test_an_interrupted_process_leaves_a_resumable_run(tmp_path):
     Ctrl-C to process 1 after round 2's checkpoint
     (process 0, its peer gone, is then ended as a launcher ends the group); `--resume` with two
     processes continues from round 2 and reports an uninterrupted run's metrics."""
-    import signal
-
     algo = ["--algo", "pgfedmo", "--checkpoint-every", "1"]
     _two(tmp_path, "whole", algo + ["--rounds", "4"])
-    env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "1", "PYTHONPATH": str(ROOT)}
-    env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
+    env = _env("1")
     port = _free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "pause_run.py"), "2", "--rounds", "4",
-         "--clients", "6", "--participation", "0.5", "--quiet", "--out", str(tmp_path / "parts"),
-         *algo, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in (0, 1)]
+    with _ctrl_c_for_children():
+        procs = [subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "pause_run.py"), "2", "--rounds", "4",
+             "--clients", "6", "--participation", "0.5", "--quiet", "--out",
+             str(tmp_path / "parts"), *algo, "--coordinator", f"127.0.0.1:{port}",
+             "--num-processes", "2", "--process-id", str(i)],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in (0, 1)]
     seen = []                                           # process 0: round 2 and its checkpoint
     while not any("paused after round 2" in s for s in seen):
         line = procs[0].stdout.readline()
