@@ -58,6 +58,7 @@ def test_privacy_flags_that_cannot_apply_are_refused(tmp_path, flags, words):
         runner.prepare(_config(tmp_path, *flags))
 
 
+@pytest.mark.slow
 def test_clipping_without_noise_bounds_nothing_and_the_files_stay_strict_json(tmp_path):
     """--dp-clip inf (no clipping) and no noise: ε is unbounded, written as null (JSON has no
     infinity), and the files parse as strict JSON."""

@@ -80,13 +80,12 @@ def test_each_client_independently_with_probability_q():
 
 def test_an_overflow_keeps_a_uniformly_chosen_capacity_of_the_included():
     n, q, capacity, rounds = 20, 0.5, 3, 3000
-    key = jax.random.key(1)
-    keys = jax.random.split(key, rounds)
+    keys = jax.random.split(jax.random.key(1), rounds)
     slots = _draws(n, q, capacity, rounds, seed=1)
+    # The inclusion draws (u_i < q, the first of each key's two streams), recomputed here.
+    draws = jax.vmap(lambda k: jax.random.uniform(jax.random.split(k)[0], (n,)))(keys)
     counts = np.zeros(n)
-    for k, row in zip(keys, slots):
-        # The inclusion draws (u_i < q, the first of the key's two streams), recomputed here.
-        included = np.asarray(jax.random.uniform(jax.random.split(k)[0], (n,)) < q)
+    for included, row in zip(np.asarray(draws) < q, slots):
         real = row[row < n]
         assert len(real) == min(included.sum(), capacity)
         assert included[real].all()
