@@ -121,6 +121,7 @@ SIZES = [12, 30, 7, 19, 25, 3, 40, 11, 9, 22]
 HP = dict(participation=0.3, batch_size=4, lr=0.1, local_steps=2, sampling="poisson")
 
 
+@pytest.mark.slow
 def test_the_private_mean_divides_the_participants_updates_by_q_n():
     """FedAvg at C = ∞, z = 0: θ' = θ + Σ_{k∈S} (θ_k − θ)/(q·N), each θ_k trained from θ."""
     data = make_data(SIZES).pad_clients(1, minimum=1)
