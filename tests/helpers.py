@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -230,3 +232,17 @@ def client_rows(tree, mask) -> list[np.ndarray]:
     their key data)."""
     return [host_array(jnp.asarray(x)) for x, c in zip(jax.tree.leaves(tree), jax.tree.leaves(mask))
             if c]
+
+
+@contextlib.contextmanager
+def ctrl_c_for_children():
+    """Children started within start with Ctrl-C's default disposition, unblocked, as from an
+    interactive shell, whatever the pytest worker has (an ignored or blocked SIGINT is inherited
+    across exec, as by a script's background jobs, and then Ctrl-C cannot stop the child)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)

@@ -3,7 +3,6 @@ k and resumed from its directory ends exactly as a run that was never stopped; C
 moment (start-up, compilation, rounds) exits 130 without a traceback and leaves a consistent
 record. Two CPU devices, so the client state is sharded; bfloat16 state and fused rounds too."""
 
-import contextlib
 import json
 import os
 import signal
@@ -34,22 +33,8 @@ def _env(**extra):
             "FEDJAX_PFL_CPU_DEVICES": "2", **extra}
 
 
-@contextlib.contextmanager
-def _ctrl_c_for_children():
-    """Children start with Ctrl-C's default disposition, unblocked, as from an interactive shell,
-    whatever the pytest worker has (an ignored or blocked SIGINT is inherited across exec, as by a
-    script's background jobs, and then Ctrl-C cannot stop the child)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
 def _run(argv, script=SCRIPT, **env):
-    with _ctrl_c_for_children():
+    with helpers.ctrl_c_for_children():
         proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True,
                               env=_env(**env), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -58,7 +43,7 @@ def _run(argv, script=SCRIPT, **env):
 
 def _start(argv, pause_after=None, **env):
     script = [SCRIPT] if pause_after is None else [PAUSE_SCRIPT, str(pause_after)]
-    with _ctrl_c_for_children():
+    with helpers.ctrl_c_for_children():
         return subprocess.Popen([sys.executable, *script, *argv], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=_env(**env))
 

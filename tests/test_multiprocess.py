@@ -5,7 +5,6 @@ host's devices against this host's memory; host data placement, host state place
 and resumed) and experiments/sweep.py over two processes equal one process; a run whose process 1
 is interrupted resumes exactly."""
 
-import contextlib
 import json
 import os
 import signal
@@ -33,20 +32,6 @@ def _env(devices="1"):
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": devices, "PYTHONPATH": str(ROOT)}
     env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
     return env
-
-
-@contextlib.contextmanager
-def _ctrl_c_for_children():
-    """Children start with Ctrl-C's default disposition, unblocked (as tests/test_interrupts.py's
-    do): an ignored or blocked SIGINT in the pytest process (a script's background job) is
-    inherited across exec, and process 1 would then not stop at the Ctrl-C below."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _cli(tmp, name, extra, devices="1", fusion_emitters=False):
@@ -176,7 +161,7 @@ def test_an_interrupted_process_leaves_a_resumable_run(tmp_path):
     _two(tmp_path, "whole", algo + ["--rounds", "4"])
     env = _env("1")
     port = _free_port()
-    with _ctrl_c_for_children():
+    with helpers.ctrl_c_for_children():
         procs = [subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "pause_run.py"), "2", "--rounds", "4",
              "--clients", "6", "--participation", "0.5", "--quiet", "--out",
