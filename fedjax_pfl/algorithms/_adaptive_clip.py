@@ -50,17 +50,10 @@ class AdaptiveClipState(NamedTuple):
     clip: jax.Array          # () float32
 
 
-def expected_clients(config: base.EngineConfig, num_real: int) -> float:
-    """D: M, or q·N under Poisson sampling (as `Engine.expected_clients`)."""
-    if config.sampling == "poisson":
-        return config.participation * num_real
-    return float(core.num_sampled_clients(num_real, config.participation))
-
-
 def count_noise(config: base.EngineConfig, num_real: int):
     """σ_b: `--dp-count-noise`, or D/20; 0 without noise (z = 0)."""
     sigma = (config.dp_count_noise if config.dp_count_noise is not None
-             else expected_clients(config, num_real) / 20.0)
+             else base.expected_clients(config, num_real) / 20.0)
     z = config.dp_noise_multiplier
     if isinstance(z, jax.core.Tracer):                  # (swept)
         return jnp.where(z > 0, sigma, 0.0)
@@ -124,7 +117,7 @@ def adaptive_clipping(build: Callable[[base.EngineConfig], base.Algorithm],
         within = jnp.round((1.0 - metrics["dp_clipped_fraction"]) * took_part)   # Σ 1[‖Δ‖ ≤ C]
         sigma = count_noise(config, data.num_real_clients)
         noise = sigma * jax.random.normal(jax.random.fold_in(key, DP_COUNT_NOISE), ())
-        fraction = (within + noise) / expected_clients(config, data.num_real_clients)   # b̃_t
+        fraction = (within + noise) / base.expected_clients(config, data.num_real_clients)   # b̃_t
         clip = state.clip * jnp.exp(-config.dp_clip_lr * (fraction - config.dp_clip_quantile))
         metrics = {**metrics, "dp_clip": state.clip, "dp_unclipped_noisy": fraction}
         return AdaptiveClipState(inner, clip.astype(jnp.float32)), metrics

@@ -418,6 +418,15 @@ def get(name: str, *, model: Model, **hparams: Any) -> Algorithm:
     return algo._replace(name=name, hparams=resolved)
 
 
+def expected_clients(config: EngineConfig, num_real: int) -> float:
+    """The clients expected per round among `num_real`: M = ⌊N·rate⌋, or q·N under Poisson
+    sampling (the private mean's fixed denominator D, the share M/N of SCAFFOLD's and FedDyn's
+    server steps, the adaptive clip's D)."""
+    if config.sampling == "poisson":
+        return config.participation * num_real
+    return core.num_sampled_clients(num_real, config.participation)
+
+
 # ----------------------------------------------------------------------------------------------
 # The shared engine pieces an algorithm is assembled from
 
@@ -468,11 +477,8 @@ class Engine:
         return core.num_sampled_clients(data.num_real_clients, self.participation)
 
     def expected_clients(self, data: FederatedData) -> float:
-        """The clients expected per round: M, or q·N under Poisson sampling (the private mean's
-        fixed denominator, and the share M/N of SCAFFOLD's and FedDyn's server steps)."""
-        if self.poisson:
-            return self.participation * data.num_real_clients
-        return self.num_sampled(data)
+        """`expected_clients` of this engine's configuration."""
+        return expected_clients(self.config, data.num_real_clients)
 
     def participating(self, idx: jax.Array, data: FederatedData) -> jax.Array:
         """[slots] bool: which of a round's slots hold a real client (all of them unless
