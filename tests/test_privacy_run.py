@@ -81,6 +81,9 @@ def test_a_poisson_round_row_counts_its_participants_only():
     assert runner.round_row(1, m, 0.1)["train_loss"] == 1.0
     empty = runner.round_row(1, {**m, "sampled": [10, 10, 10, 10]}, 0.1, n_real=10)
     assert empty["participants"] == 0 and empty["train_loss"] is None   # strict JSON: null
+    # TDPFed and pFedMe report every client's loss ("trained"), the padding client's among them.
+    everyone = {**m, "trained": list(range(11)), "train_loss": [2.0] * 10 + [0.0]}
+    assert runner.round_row(1, everyone, 0.1, n_real=10)["train_loss"] == 2.0
     logged = runner.round_slots(m, 10, poisson=True)
     assert logged.tolist() == [3, 7, -1, -1]
     assert runner.participants(logged).tolist() == [3, 7]

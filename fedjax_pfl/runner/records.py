@@ -165,13 +165,13 @@ def round_row(round_number: int, m: dict, round_time: float,
     is their mean (slots of padding clients excluded)."""
     sampled = np.asarray(m["sampled"])
     losses = np.asarray(m["train_loss"], np.float64)
+    trained = np.asarray(m.get("trained", sampled))   # TDPFed and pFedMe train every client
     extra: dict[str, Any] = {}
-    if n_real is not None and losses.shape == sampled.shape:
-        real = sampled < n_real
-        losses, sampled = losses[real], sampled[real]
-        extra["participants"] = int(real.sum())
+    if n_real is not None:       # the padding client's slots (or, trained, its row) do not count
+        real = trained < n_real
+        losses, trained = losses[real], trained[real]
+        extra["participants"] = int(np.sum(sampled < n_real))
     if not np.all(np.isfinite(losses)):
-        trained = np.asarray(m.get("trained", sampled))  # TDPFed trains every client
         bad = trained[~np.isfinite(losses)].tolist()
         raise NonFiniteError(f"round {round_number}: clients {bad} have a non-finite training "
                              "loss; lower --lr or check the data")
