@@ -23,7 +23,6 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fedjax_pfl import algorithms, core
 
@@ -174,6 +173,7 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
 
         bar = tqdm(total=cfg.rounds, desc="rounds", unit="round", dynamic_ncols=True)
     compile_time = None
+    n_real, poisson = data.num_real_clients, hparams["sampling"] == "poisson"
     for r in range(cfg.rounds):
         t1 = time.perf_counter()
         state, metrics = program.run_round(state, r)
@@ -183,7 +183,6 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
         evals = None
         if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
             evals = program.evaluate(state)
-        n_real, poisson = data.num_real_clients, hparams["sampling"] == "poisson"
         for v, m in enumerate(metrics):
             row = runner.round_row(r + 1, m, round_time / len(runs), n_real if poisson else None)
             if plans[v] is not None:
