@@ -119,7 +119,7 @@ def pfedsop(
         rows = ClientState(kept, delta, jnp.zeros(m, bool))                            # C11
         clients = core.scatter(state.clients, idx, rows)
         # S3, eq. 13: (1/M) Σ Δ_i; under --dp-clip DP-FedAvg's noisy mean of the clipped Δ_i.
-        zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), delta)
+        zero = ops.tree_zeros_like(base.first_row(delta))
         delta_glob, dp_metrics = engine.aggregate(zero, delta, None, key, data, idx=idx)
         returning = ~c.is_new
         n_ret = jnp.sum(returning)

@@ -101,7 +101,7 @@ def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
         if engine.private:
             # DP-FedAvg on the joint upload (Δy_i, Δc_i) under one L2 norm, uniform weights over
             # the fixed denominator M: x ← x + η_g Δ̃y, c ← c + (M/N) Δ̃c.
-            zero = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), (delta_y, delta_c))
+            zero = ops.tree_zeros_like(base.first_row((delta_y, delta_c)))
             (mean_dy, mean_dc), dp_metrics = engine.private_update(zero, (delta_y, delta_c), key,
                                                                    data, idx=idx)
             params = jax.tree.map(lambda xs, dy: xs + server_lr * dy, x, mean_dy)
