@@ -1,5 +1,6 @@
 """Shared fixtures (helper functions live in tests/helpers.py, importable as `helpers`)."""
 
+import gc
 import importlib.metadata
 import os
 import shutil
@@ -33,15 +34,45 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # settings they may differ by an ulp. Subprocesses that tests start inherit the flags.
 # XLA from jaxlib 0.11 has no elemental-emitter switch and aborts on the unknown flag, so it is
 # set only for older jaxlibs.
-_FAST_COMPILE = ("--xla_backend_optimization_level=0",)
+# XLA:CPU also splits each program's LLVM module into parts compiled in parallel; on two cores
+# shared by two test workers that buys nothing and costs each part its own target machine set-up
+# (`--xla_cpu_parallel_codegen_split_count=1`: about 5 % of the suite's CPU time, measured with the
+# other settings below in `benchmarks/suite_settings.py`).
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1")
 if tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
     _FAST_COMPILE += ("--xla_cpu_use_fusion_emitters=false",)
 for _flag in _FAST_COMPILE:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
+# glibc's malloc was about 14 % of the suite's CPU time (`perf`: _int_malloc, malloc_consolidate,
+# unlink_chunk while JAX traces, lowers and XLA compiles); jemalloc cuts the suite's CPU by 9–14 %.
+# Set here, in the pytest process that starts the xdist workers, so that the workers and every
+# subprocess a test starts load it (the dynamic loader reads LD_PRELOAD when a process starts, so
+# the first process itself keeps glibc's). Used when Debian's libjemalloc2 (or the same library
+# elsewhere) is installed: `.ci/run` installs it; FEDJAX_PFL_TEST_MALLOC=system turns it off.
+_JEMALLOC = ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+             "/usr/lib64/libjemalloc.so.2", "/usr/lib/libjemalloc.so.2")
+if os.environ.get("FEDJAX_PFL_TEST_MALLOC", "jemalloc") == "jemalloc" and "jemalloc" not in os.environ.get(
+        "LD_PRELOAD", ""):
+    _found = next((p for p in _JEMALLOC if os.path.exists(p)), None)
+    if _found:
+        os.environ["LD_PRELOAD"] = " ".join(filter(None, (os.environ.get("LD_PRELOAD"), _found)))
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+import fedjax_pfl  # noqa: E402, F401
+
+# Python's cyclic garbage collector was about 5 % of the suite's CPU time: JAX's tracing allocates
+# many short-lived containers, and each full collection walked every object the imports made.
+# Those are frozen out of the collector's view, and it runs a young-generation pass every 20,000
+# net allocations instead of 700 (5–6 % less CPU, `benchmarks/suite_settings.py`;
+# FEDJAX_PFL_TEST_GC=default keeps Python's settings).
+if os.environ.get("FEDJAX_PFL_TEST_GC") != "default":
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
 
 from helpers import make_data  # noqa: E402
 
