@@ -16,6 +16,7 @@ here instead of by conftest.py, which can set LD_PRELOAD only for the processes 
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import os
 import statistics
 import subprocess
@@ -25,8 +26,6 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ("tests/algorithms/test_pgfed.py", "tests/algorithms/test_fedavg.py",
          "tests/core/test_program.py", "tests/privacy/test_adaptive_clip.py")
-JEMALLOC = ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
-            "/usr/lib64/libjemalloc.so.2", "/usr/lib/libjemalloc.so.2")
 # How to turn each setting off (conftest.py leaves a flag the environment already names alone).
 OFF = {
     "malloc": {"FEDJAX_PFL_TEST_MALLOC": "system"},
@@ -40,7 +39,7 @@ def configuration(off: tuple[str, ...]) -> dict[str, str]:
     for name in off:
         env.update(OFF[name])
     if "malloc" not in off:
-        lib = next((p for p in JEMALLOC if os.path.exists(p)), None)
+        lib = ctypes.util.find_library("jemalloc")      # what tests/conftest.py preloads
         if lib is None:
             sys.exit("jemalloc is not installed (Debian: apt-get install libjemalloc2)")
         env["LD_PRELOAD"] = lib

@@ -1,5 +1,6 @@
 """Shared fixtures (helper functions live in tests/helpers.py, importable as `helpers`)."""
 
+import ctypes.util
 import gc
 import importlib.metadata
 import os
@@ -49,15 +50,13 @@ for _flag in _FAST_COMPILE:
 # unlink_chunk while JAX traces, lowers and XLA compiles); jemalloc cuts the suite's CPU by 7–13 %.
 # Set here, in the pytest process that starts the xdist workers, so that the workers and every
 # subprocess a test starts load it (the dynamic loader reads LD_PRELOAD when a process starts, so
-# the first process itself keeps glibc's). Used when Debian's libjemalloc2 (or the same library
-# elsewhere) is installed: `.ci/run` installs it; FEDJAX_PFL_TEST_MALLOC=system turns it off.
-_JEMALLOC = ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
-             "/usr/lib64/libjemalloc.so.2", "/usr/lib/libjemalloc.so.2")
-# A preload the user set (another allocator, a sanitizer) is left as it is.
+# the first process itself keeps glibc's). Used when the system's library search finds jemalloc
+# (Debian's libjemalloc2: `.ci/run` installs it); FEDJAX_PFL_TEST_MALLOC=system turns it off. A
+# preload the user set (another allocator, a sanitizer) is left as it is.
 if os.environ.get("FEDJAX_PFL_TEST_MALLOC", "jemalloc") == "jemalloc" and not os.environ.get("LD_PRELOAD"):
-    _found = next((p for p in _JEMALLOC if os.path.exists(p)), None)
-    if _found:
-        os.environ["LD_PRELOAD"] = _found
+    _jemalloc = ctypes.util.find_library("jemalloc")     # a soname; ld.so searches it as for any library
+    if _jemalloc:
+        os.environ["LD_PRELOAD"] = _jemalloc
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
