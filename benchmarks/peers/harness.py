@@ -92,8 +92,23 @@ def ensure_venv(name: str, venv_dir: str, torch_wheel: str | None) -> str:
     return python
 
 
+def generator_of(path: str) -> str | None:
+    """The synthetic generator a prepared job was written with (None: before it was recorded)."""
+    import numpy as np
+
+    with np.load(path, allow_pickle=False) as z:
+        return json.loads(str(z["meta"])).get("generator")
+
+
 def prepare(job: str, rounds: int, seed: int, smoke: bool, work: str) -> str:
+    """The job's .npz in `work`, written by prepare.py unless there already, with the current
+    synthetic generator (prepare.GENERATOR: a job written by an older one is written again)."""
     path = os.path.join(work, f"{'smoke_' if smoke else ''}{job}_r{rounds}_s{seed}.npz")
+    from prepare import GENERATOR as current       # (prepare.py imports only NumPy at the top)
+
+    if os.path.exists(path) and generator_of(path) != current:
+        log(f"{path}: written by another synthetic generator; preparing it again ({current})")
+        os.remove(path)
     if not os.path.exists(path):
         cmd = [sys.executable, os.path.join(HERE, "prepare.py"), job, "--rounds", str(rounds),
                "--seed", str(seed), "--out", path] + (["--smoke"] if smoke else [])
@@ -123,6 +138,8 @@ def run_side(framework: str, opts: dict, job_path: str, rounds: int, pythons: di
         cmd += ["--algo", opts["algo"]]
         if opts.get("devices"):
             cmd += ["--devices", str(opts["devices"])]
+        cmd += ["--state-placement", args.state_placement, "--chunk-size", str(args.chunk_size),
+                "--memory-margin", repr(args.memory_margin)]
     elif framework == "pfl-research":
         cmd += ["--threads", str(args.threads)]
     else:
@@ -244,6 +261,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="run pfl-research with this interpreter (it has pfl and torch) instead of a venv")
     parser.add_argument("--python-flower", metavar="PYTHON",
                         help="run Flower with this interpreter (it has flwr[simulation] and torch) instead of a venv")
+    parser.add_argument("--state-placement", default="auto", choices=("auto", "device", "host"),
+                        help="fedjax_pfl's client state placement (run_fedjax.py; default auto: on "
+                             "the devices unless the plan does not fit, e.g. PGFedMo on cifar10)")
+    parser.add_argument("--chunk-size", type=int, default=0,
+                        help="fedjax_pfl's clients per vectorised chunk (default 0: automatic)")
+    parser.add_argument("--memory-margin", type=float, default=0.5,
+                        help="fedjax_pfl runs only if planned within this share of the available "
+                             "memory (default 0.5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="one round on tiny data, quiet only: do all three still run?")
     parser.add_argument("--venv-dir", default=os.path.join(HERE, ".venvs"))
@@ -309,9 +334,12 @@ def main(argv: list[str] | None = None) -> int:
                         results.append(r)
                         with open(out_json, "a") as f:
                             f.write(json.dumps(r) + "\n")
+                        mem = r["settings"].get("memory") if fw == "fedjax_pfl" else None
+                        where = (f", client state on the {mem['state_placement']} (plan "
+                                 f"{mem['planned_mb']:,.0f} MB)" if mem else "")
                         log(f"{job} {variant} rep {rep + 1}: {label}: start-up {r['startup_s']:.1f} s, "
                             f"rounds {[round(t, 2) for t in r['round_s']]}, steps {r['steps']}, "
-                            f"accuracy {100 * r['accuracy']:.2f} %, load {r['load_before'][0]}")
+                            f"accuracy {100 * r['accuracy']:.2f} %, load {r['load_before'][0]}{where}")
             finally:
                 for b in burners:
                     b.send_signal(signal.SIGTERM)

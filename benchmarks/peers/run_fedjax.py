@@ -17,6 +17,24 @@ cuda` on JAX's GPU backend (JAX_PLATFORMS=cuda, one GPU: the engine's mesh holds
 The job's initial weights were made on XLA:CPU (`prepare.py`); on a GPU the engine's own
 initial weights are compared with them (the same draws, computed by another backend)
 rather than bit for bit (to 1e-5 relative), and the largest difference is reported.
+
+Memory. The run starts only if its memory plan (`Program.memory_plan`, after compiling: client
+state, data, the larger of the round's and the evaluation's working sets) needs at most
+--memory-margin of the available memory. PGFedMo keeps a model and an auxiliary vector per
+client: on the cifar10 job (1,000 clients) 6.2 GB a device. Its round's working set is 1.2 GB a
+device (the same at 250, 500 and 1,000 clients), but its evaluation of every client's
+personalised model compiles to 9.3 GB of temporaries a device, 1.5× the client state at 250, 500
+and 1,000 clients and the same with chunks of 1, 5 and the automatic size (three copies of every
+client's model, likely because the chunked map gathers all its rows in cost order before mapping
+them): 31.9 GB planned on 2 devices against 22 GB. `--state-placement auto` (default) then keeps
+the client state on the host (`core.Program(state_placement="host")`, the CLI's
+`--state-placement host`: a copy-on-write store holding the rows of the clients some round has
+written; each round moves its participants' rows to the devices and back, with the same results;
+evaluation in groups of 64 clients): planned 5.3 GB for 2 rounds, including 12.4 MB of host rows
+per client trained. FedAvg has no client state and stays on the devices. The chosen placement,
+the plan and the engine's automatic chunk sizes (clients mapped → chunk; `--chunk-size` fixes
+one) are in the result's settings. On host placement the pre-clock evaluation is one group of
+clients (its program compiled with the round), not all.
 """
 
 from __future__ import annotations
@@ -33,35 +51,70 @@ sys.path.insert(0, HERE)
 import common  # noqa: E402
 
 
-def scheduled(algo, schedule):
+def scheduled(algo, schedule, round_keys=None):
     """`algo` whose rounds train `schedule[state.round]` (ids [R, M]) instead of sampling.
 
     The wrapper puts the traced round counter where the patched `core.sample_clients` (called by
-    `Engine.sample`, which keeps its device-balancing order) can read it while the round traces."""
+    `Engine.sample`, which keeps its device-balancing order) can read it while the round traces.
+    With `round_keys` (host state placement) the round is found from the round's key instead,
+    `fold_in(round_keys, r)` for r < R: the program then also asks `Algorithm.participants` which
+    clients' rows to move to the devices, probing the round with a stand-in state of zeros whose
+    counter reads 0 in every round, while the key is the round's own."""
+    import jax
     import jax.numpy as jnp
 
     from fedjax_pfl import core
 
     table = jnp.asarray(schedule, jnp.int32)
+    rounds = table.shape[0]
+    keys = None
+    if round_keys is not None:
+        keys = jnp.stack([jax.random.key_data(jax.random.fold_in(round_keys, r)).reshape(-1)
+                          for r in range(rounds)])                            # [R, key words]
     current = {}
-    draw = core.sample_clients
+    draw = getattr(core.sample_clients, "unpatched", core.sample_clients)   # one patch per process
 
     def sample_clients(key, num_clients, num_sampled):
         if "round" not in current:
             return draw(key, num_clients, num_sampled)
         if num_sampled != table.shape[1]:
             raise ValueError(f"the engine samples {num_sampled} clients a round, the schedule {table.shape[1]}")
-        return table[jnp.minimum(current["round"], table.shape[0] - 1)]
+        return table[jnp.minimum(current["round"], rounds - 1)]
+
+    def round_of(state, key):
+        if keys is None:
+            return state.round
+        match = jnp.all(keys == jax.random.key_data(key).reshape(1, -1), axis=1)
+        return jnp.where(jnp.any(match), jnp.argmax(match), state.round)
 
     def round_fn(state, data, key):
-        current["round"] = state.round
+        current["round"] = round_of(state, key)
         try:
             return algo.round_fn(state, data, key)
         finally:
             current.pop("round", None)
 
+    sample_clients.unpatched = draw
     core.sample_clients = sample_clients
     return algo._replace(round_fn=round_fn)
+
+
+def recording_chunk_sizes() -> list:
+    """(clients mapped, automatic chunk size) of every client map the engine sizes itself
+    (`MapperCache.auto_chunk`, the `--chunk-size 0` path), recorded while the program compiles."""
+    from fedjax_pfl.core import execution
+
+    seen: list = []
+    auto_chunk = execution.MapperCache.auto_chunk
+
+    def recorded(self, fn, key, specs, rows):
+        width = auto_chunk(self, fn, key, specs, rows)
+        if (rows, width) not in seen:
+            seen.append((int(rows), int(width)))
+        return width
+
+    execution.MapperCache.auto_chunk = recorded
+    return seen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-margin", type=float, default=0.5,
                         help="start only if the memory plan needs at most this share of the "
                              "available memory (default 0.5)")
+    parser.add_argument("--state-placement", default="auto", choices=("auto", "device", "host"),
+                        help="where the per-client state waits between rounds (core.Program): "
+                             "'device' (sharded over the XLA devices), 'host' (a host store; each "
+                             "round moves its participants' rows), 'auto' (default): device, "
+                             "unless the device plan would exceed --memory-margin and the "
+                             "algorithm can keep its client state on the host")
+    parser.add_argument("--chunk-size", type=int, default=0,
+                        help="clients per vectorised chunk (the CLI's --chunk-size; default 0: the "
+                             "engine's automatic size, reported in the result)")
     args = parser.parse_args(argv)
     t_launch = common.launch_time()
     load_start = common.loadavg()
@@ -107,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
              "--local-epochs", str(m["local_epochs"]), "--batch-size", str(m["batch_size"]),
              "--lr", repr(m["lr"]), "--momentum", repr(m["momentum"]), "--momentum-buffer", "reset",
              "--rounds", str(args.rounds), "--seed", str(m["seed"]), "--quiet", "--no-memory-check",
-             "--no-compile-cache"]
+             "--no-compile-cache", "--chunk-size", str(args.chunk_size)]
     if args.algo == "pgfedmo":
         flags += ["--pgfed-mu", "0.1", "--pgfed-alpha-lr", "0.01"]     # the pgfed_paper preset's
     cfg = cli.config_from_args(cli.parse(flags))
@@ -119,20 +181,66 @@ def main(argv: list[str] | None = None) -> int:
                                      num_classes=m["num_classes"], input_scale=m["input_scale"],
                                      input_shift=m["input_shift"], name=m["job"])
     model = models.get(m["model"], data.input_shape, data.num_classes, conv=cfg.model_conv)
-    algo = scheduled(algorithms.get(args.algo, model=model, **hparams), job.schedule)
-    program = core.Program(algo, data, mesh=core.client_mesh(), jit=True)
     root = jax.random.key(m["seed"])
     round_keys = jax.random.fold_in(root, 1)
+    chunks = recording_chunk_sizes()
+    # Clients whose rows the host store holds after the run (host placement: copy-on-write).
+    written = len(np.unique(job.schedule[:args.rounds]))
+
+    def build(placement):
+        algo = scheduled(algorithms.get(args.algo, model=model, **hparams), job.schedule,
+                         round_keys if placement == "host" else None)
+        return core.Program(algo, data, mesh=core.client_mesh(), jit=True, state_placement=placement)
+
+    def needs(plan):
+        """Bytes the run needs from the available memory: the plan, and with host placement the
+        store's rows of the clients the run's rounds write (the plan counts only the rows a
+        round moves to the devices)."""
+        store = written * plan.host_row_bytes if plan.state_placement == "host" else 0
+        return plan.total + store
+
+    def too_big(plan):
+        return not plan.fits() or (plan.available > 0 and needs(plan) > args.memory_margin * plan.available)
+
+    placement, declined = args.state_placement, []
+    program = build("device" if placement == "auto" else placement)
+    if placement == "auto":
+        # Before compiling the plan has no working set; an evaluation's temporaries can exceed
+        # the client state (PGFedMo on the cifar10 job: 9.3 GB a device beside 6.2 GB of state),
+        # so count it at least twice here and skip a device compile that would not be used.
+        guess = program.memory_plan()
+        guess.working_set = guess.client_state_per_device
+        host_ok = getattr(program.algo, "host_state", False)
+        placement = "host" if host_ok and too_big(guess) else "device"
+        if placement == "host":
+            program = build("host")
     compile_s = program.compile(round_keys)         # (allocates no state)
     # The plan after compiling: before, it has no working set. PGFedMo on the cifar10 job (1,000
     # clients) was planned before compiling at 13.4 GB of 20.4 GB and peaked at 21.6 GB (killed
     # by the OOM killer on 2026-11-25). XLA's compiler itself holds ~0.8 GB more than the plan
     # (pgfedmo, 300 clients: plan 6.4 GB, growth 7.2 GB), hence the margin.
     plan = program.memory_plan()
-    if not plan.fits() or (plan.available > 0 and plan.total > args.memory_margin * plan.available):
+    if (args.state_placement == "auto" and placement == "device" and too_big(plan)
+            and getattr(program.algo, "host_state", False)):
+        declined.append(dict(placement="device", compile_s=compile_s, needs_mb=needs(plan) / 2**20))
+        placement = "host"
+        program = build("host")
+        compile_s = program.compile(round_keys)
+        plan = program.memory_plan()
+    if too_big(plan):
         common.emit(dict(framework="fedjax_pfl", algo=args.algo, job=m["job"], rounds=args.rounds,
                          skipped=" ".join(plan.describe().split())))
         return 0
+    chunk_sizes = ([dict(clients=r, chunk=w) for r, w in chunks] if args.chunk_size == 0
+                   else [dict(chunk=args.chunk_size)])
+    memory = dict(state_placement=placement, planned_mb=round(needs(plan) / 2**20, 1),
+                  available_mb=round(plan.available / 2**20, 1), margin=args.memory_margin,
+                  working_set_mb=round(max(plan.working_set, plan.eval_working_set) / 2**20, 1),
+                  declined=declined)
+    print(f"fedjax_pfl {args.algo}: client state on the {placement}"
+          f"{' (auto: the device plan would not fit)' if placement == 'host' and args.state_placement == 'auto' else ''}"
+          f"; plan {memory['planned_mb']:,.0f} MB of {memory['available_mb']:,.0f} MB available; "
+          f"chunk sizes {chunk_sizes}", flush=True)
     state = program.init(jax.random.fold_in(root, 0))
     init_diff = 0.0
     if args.algo == "fedavg":       # the peers load the same initial weights (prepare.py)
@@ -145,7 +253,12 @@ def main(argv: list[str] | None = None) -> int:
             if not same:
                 raise SystemExit(f"the engine's initial {key} differs from the job's "
                                  f"(max |diff| {init_diff:.3g})")
-    jax.block_until_ready(program.evaluate(state))         # compiled before the clock starts
+    # The evaluation runs once before the clock starts (compiled then on device placement). On
+    # host placement `compile` has compiled it for one group of clients; one group's evaluation
+    # warms the rest (moving the group's rows), where all 1,000 clients' would take ~40 s.
+    warm = program.evaluate(state) if placement == "device" else program.evaluate(
+        state, np.sort(job.schedule[0]).astype(np.int32))
+    jax.block_until_ready(warm)
     jax.block_until_ready(state)
     t_ready = time.time()
 
@@ -161,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         if sampled != sorted(int(i) for i in job.schedule[r]):
             raise SystemExit(f"round {r}: the engine trained {sampled}, the schedule says {job.schedule[r].tolist()}")
         steps.append(int(metrics[0]["client_steps"]))
+    store = getattr(state, "store", None)          # host placement: the rows the rounds wrote
+    host_store_mb = round(store.nbytes() / 2**20, 1) if store is not None else 0.0
     t0 = time.time()
     result = program.evaluate(state)["client"]
     correct, count = int(np.sum(result.correct)), int(np.sum(result.count))
@@ -171,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                      eval_s=eval_s, load_start=load_start, load_end=common.loadavg(),
                      settings=dict(device=args.device, device_kind=jax.devices()[0].device_kind,
                                    xla_devices=len(jax.devices()), requested_devices=devices,
-                                   init_max_abs_diff=init_diff,
+                                   init_max_abs_diff=init_diff, memory=memory,
+                                   chunk_sizes=chunk_sizes, host_store_mb=host_store_mb,
                                    xla_flags=os.environ.get("XLA_FLAGS", ""),
                                    hparams={k: hparams[k] for k in ("lr", "momentum", "momentum_buffer",
                                             "drop_last", "local_epochs", "batch_size") if k in hparams},
