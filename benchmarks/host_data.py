@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Host against device data placement on a FEMNIST-shaped set (issue 33, item 8).
+"""Host and sharded against device data placement on a FEMNIST-shaped set (issue 33, item 8).
 
     python benchmarks/host_data.py                                   # M = 10 and 50, 3 repeats
     python benchmarks/host_data.py --clients-per-round 10 --repeats 5 --rounds 4
@@ -9,12 +9,15 @@ of mean ≈ 226, 28×28 uint8, 62 classes), converted once into a cache, `femnis
 batch 10 and one local epoch on 2 XLA:CPU devices, participation M / N. Three programs are
 compiled in one process: device placement (the dataset replicated on both devices), host
 placement with the prefetch (the next round's participants gathered and transferred in the
-background) and host placement without it (each round stages its own participants first).
+background), host placement without it (each round stages its own participants first) and
+sharded placement (each device holds half the clients; a round's participants' samples move
+between the devices, `core.sharded`).
 They then run interleaved: each repeat runs `--rounds` rounds of each program, in turn, and the
 median round time of each is taken; ratios are per repeat, then the median (range) over repeats.
 
-Also reported: the time to stage one round alone (participants probe, host gather, transfer), and
-what the prefetch hides: 1 − (host − device) / (host without prefetch − device).
+Also reported: the time to stage one round alone (participants probe, host gather, transfer; for
+sharded: the probe and the exchange between the devices), and what the prefetch hides:
+1 − (host − device) / (host without prefetch − device).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def main() -> None:
         algo = algorithms.get("fedavg", model=model, participation=m / args.clients, batch_size=10,
                               local_epochs=1)
         programs = {}
-        for name, placement in (("device", "device"), ("host", "host"), ("host_no_prefetch", "host")):
+        for name, placement in (("device", "device"), ("host", "host"), ("host_no_prefetch", "host"),
+                                ("sharded", "sharded")):
             prog = core.Program(algo, host_data, mesh=core.client_mesh(), data_placement=placement)
             if name == "host_no_prefetch":
                 prog.stream.prefetch_enabled = False
@@ -66,13 +70,14 @@ def main() -> None:
             state = prog.init(jax.random.key(0))
             state, _ = prog.run_rounds(state, keys, 0, 1)          # warm: first call
             programs[name] = [prog, state, 1, time.perf_counter() - t0]
-        stage_s = []
-        host = programs["host"][0]
+        stage_s, exchange_s = [], []
+        host, sharded = programs["host"][0], programs["sharded"][0]
         for r in range(5):
-            t0 = time.perf_counter()
-            staged = host.stream.stage(keys, 100 + r, 1)
-            jax.block_until_ready(staged.data.x)
-            stage_s.append(time.perf_counter() - t0)
+            for prog, out in ((host, stage_s), (sharded, exchange_s)):
+                t0 = time.perf_counter()
+                staged = prog.stream.stage(keys, 100 + r, 1)
+                jax.block_until_ready(staged.data.x.rows)
+                out.append(time.perf_counter() - t0)
         times = {name: [] for name in programs}
         loads = []
         for rep in range(args.repeats):
@@ -90,20 +95,30 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         ratio = [h / d for h, d in zip(times["host"], times["device"])]
         ratio_np = [h / d for h, d in zip(times["host_no_prefetch"], times["device"])]
+        ratio_sh = [h / d for h, d in zip(times["sharded"], times["device"])]
         exposed = med["host_no_prefetch"] - med["device"]
         hidden = 1 - (med["host"] - med["device"]) / exposed if exposed > 0 else float("nan")
         row = {"m": m, "clients": args.clients, "devices": kind, "round_s": med,
                "round_s_range": {k: (min(v), max(v)) for k, v in times.items()},
                "host_over_device": statistics.median(ratio), "host_over_device_range": (min(ratio), max(ratio)),
                "no_prefetch_over_device": statistics.median(ratio_np),
+               "sharded_over_device": statistics.median(ratio_sh),
+               "sharded_over_device_range": (min(ratio_sh), max(ratio_sh)),
                "stage_s": statistics.median(stage_s), "hidden_fraction": hidden,
-               "buffer_rows": host.stream.round_rows,
+               "exchange_s": statistics.median(exchange_s),
+               "buffer_rows": host.stream.round_rows, "block_rows": host.stream.block_rows,
+               "range_rows": sharded.stream.layout.rows,
+               "data_per_device": {k: v[0].memory_plan().data for k, v in programs.items()},
                "load": (min(loads), max(loads)), "repeats": args.repeats, "rounds": args.rounds}
         print(f"M = {m}: round s device {med['device']:.3f}, host {med['host']:.3f}, host without "
               f"prefetch {med['host_no_prefetch']:.3f}; host/device {row['host_over_device']:.3f} "
               f"({min(ratio):.3f}–{max(ratio):.3f}), without prefetch "
               f"{row['no_prefetch_over_device']:.3f}; staging one round {row['stage_s'] * 1e3:.1f} ms "
-              f"({host.stream.round_rows} rows); prefetch hides {hidden:.0%}; load "
+              f"({host.stream.block_rows} rows a device); prefetch hides {hidden:.0%}; sharded "
+              f"{med['sharded']:.3f}, sharded/device {row['sharded_over_device']:.3f} "
+              f"({min(ratio_sh):.3f}–{max(ratio_sh):.3f}), exchange one round "
+              f"{row['exchange_s'] * 1e3:.1f} ms; data per device MB "
+              f"{ {k: round(v / 2**20, 1) for k, v in row['data_per_device'].items()} }; load "
               f"{min(loads):.1f}–{max(loads):.1f}", flush=True)
         if args.json:
             with open(args.json, "a") as f:

@@ -110,12 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="storage of per-client float state (bfloat16 halves its memory; "
                         "arithmetic stays float32)")
-    g.add_argument("--data-placement", default="auto", choices=("device", "host", "auto"),
+    g.add_argument("--data-placement", default="auto", choices=("device", "host", "sharded", "auto"),
                    help="where the clients' samples wait between rounds: 'device' (on every "
                         "device), 'host' (in host memory; each round's participants moved to the "
-                        "devices, the next round's in the background: the same results bit for "
-                        "bit), 'auto' (device when the data and client state fit in 80%% of the "
-                        "memory, else host)")
+                        "devices, the next round's in the background), 'sharded' (each device "
+                        "holds its own range of clients, each process reads only its devices' "
+                        "ranges; a round's participants' samples move between the devices), "
+                        "all with the same results bit for bit; 'auto' (device when the data and "
+                        "client state fit in 80%% of the memory, else sharded when a 1/D share "
+                        "does, else host)")
     g.add_argument("--state-placement", default="auto", choices=("device", "host", "auto"),
                    help="where the clients' state rows wait between rounds: 'device' (sharded "
                         "over the devices), 'host' (a copy-on-write host store: each call's "

@@ -2,8 +2,8 @@
 each): `--seeds 0 1` (the vmapped sweep path, whose results are sharded over both processes'
 devices) gives the one-process results; only process 0 prints; the memory plan counts this
 host's devices against this host's memory; host data placement, host state placement (stopped
-and resumed) and experiments/sweep.py over two processes equal one process; a run whose process 1
-is interrupted resumes exactly."""
+and resumed) and experiments/sweep.py over two processes equal one process; a run with its data
+sharded over the processes whose process 1 is interrupted resumes exactly."""
 
 import json
 import os
@@ -153,12 +153,15 @@ def test_a_sweep_over_two_processes_equals_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_an_interrupted_process_leaves_a_resumable_run(tmp_path):
-    """Two processes, checkpoints every round (pgfedmo: per-client state rows on both processes):
-    Ctrl-C to process 1 after round 2's checkpoint
+    """Two processes, checkpoints every round (pgfedmo: per-client state rows on both processes),
+    the data sharded over them (`--data-placement sharded`: each process holds its own range of
+    clients): Ctrl-C to process 1 after round 2's checkpoint
     (process 0, its peer gone, is then ended as a launcher ends the group); `--resume` with two
-    processes continues from round 2 and reports an uninterrupted run's metrics."""
+    processes continues from round 2 and reports the metrics of an uninterrupted run with the
+    data on every device."""
     algo = ["--algo", "pgfedmo", "--checkpoint-every", "1"]
-    _two(tmp_path, "whole", algo + ["--rounds", "4"])
+    _two(tmp_path, "whole", algo + ["--rounds", "4", "--data-placement", "device"])
+    algo += ["--data-placement", "sharded"]
     env = _env("1")
     port = _free_port()
     with helpers.ctrl_c_for_children():

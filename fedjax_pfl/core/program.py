@@ -40,6 +40,7 @@ from fedjax_pfl.core.placement import (cast_client_leaves, client_mask, client_s
                                        client_state_bytes, put_replicated, replicate)
 from fedjax_pfl.core import blocks, hoststate
 from fedjax_pfl.core.hoststate import STATE_PLACEMENTS, HostClients, HostState
+from fedjax_pfl.core.sharded import ShardedStream
 from fedjax_pfl.core.streaming import DATA_PLACEMENTS, Stream, key_bytes, in_groups
 
 Params = Any
@@ -124,9 +125,14 @@ class MemoryPlan:
             lines.append(f"  data on the host ({mb(self.data_whole)}); on each device only the "
                          f"streamed buffers ({mb(self.data)}: this round's and the next round's "
                          "participants, or one evaluation group)")
+        elif self.data_placement == "sharded":
+            lines.append(f"  data sharded over the devices ({mb(self.data_whole)} in all); on "
+                         f"each device {mb(self.data)}: its clients' samples, the round's block "
+                         "of participants and the exchange's buffers")
         elif self.data_whole:
-            lines.append(f"  data on every device ({mb(self.data_whole)}); --data-placement host "
-                         "would keep it on the host and move each round's participants")
+            lines.append(f"  data on every device ({mb(self.data_whole)}); --data-placement "
+                         "sharded would keep 1/D of it on each device, host would keep it on the "
+                         "host, each moving only a round's participants' samples to the devices")
         if self.available > 0:
             limit = self.max_clients()
             lines.append(f"  needs {mb(self.total)} of {mb(self.available)} available"
@@ -174,8 +180,13 @@ class Program:
         every device (`prepare_data`), so any device can train any client. "host": in host
         memory (`data.x` / `data.y` may be NumPy or memory-mapped arrays), each round's
         participants' samples moved to the devices, the next call's gathered and transferred
-        in the background (`core.streaming`); bit for bit the rounds of "device". "auto": device
-        when the dataset and the client state fit in 80 % of the available memory, else host.
+        in the background (`core.streaming`); bit for bit the rounds of "device". "sharded":
+        each device holds only its own range of clients' samples (each process reads only its
+        devices' ranges) and each round's participants' samples move between the devices, on
+        them, to the devices that train them (`core.sharded`); bit for bit the rounds of
+        "device"; "device" with one device. "auto": device when the dataset and the client state
+        fit in 80 % of the available memory, else sharded when a 1/D share does (several
+        devices), else host.
       state_placement: where the per-client state rows wait. "device": sharded over the devices.
         "host": a host store (`core.hoststate`), for algorithms that declare
         `Algorithm.host_state`; bit for bit the rounds of "device". "auto": host when allowed
@@ -194,17 +205,28 @@ class Program:
         if data_placement not in DATA_PLACEMENTS:
             raise ValueError(f"--data-placement must be one of {list(DATA_PLACEMENTS)}, "
                              f"got {data_placement!r}")
-        if data_placement == "host" and not jit:
-            raise ValueError("--data-placement host needs a vectorised --backend (not loop)")
+        if data_placement in ("host", "sharded") and not jit:
+            raise ValueError(f"--data-placement {data_placement} needs a vectorised --backend "
+                             "(not loop)")
         if state_placement not in STATE_PLACEMENTS:
             raise ValueError(f"--state-placement must be one of {list(STATE_PLACEMENTS)}, "
                              f"got {state_placement!r}")
         self.data_whole_bytes = _nbytes((data.x, data.y))
         poisson = (algo.hparams or {}).get("sampling") == "poisson"
-        if poisson and "host" in (data_placement, state_placement):
+        if poisson and ("host" in (data_placement, state_placement)
+                        or data_placement == "sharded"):
             raise ValueError("--sampling poisson runs with device placement only (its rounds "
-                             "hold empty slots that host placement's prefetch does not expect): "
-                             "use --data-placement device --state-placement device")
+                             "hold empty slots that host and sharded placement's per-round "
+                             "staging does not expect): use --data-placement device "
+                             "--state-placement device")
+        several = mesh is not None and mesh.size > 1
+        if data_placement == "sharded" and several and not getattr(algo, "data_blocks", True):
+            raise ValueError(f"--data-placement sharded: {algo.name} reads client samples in "
+                             "another order than it trains its clients (Algorithm.data_blocks is "
+                             "False), so each device needs every sample: use --data-placement "
+                             "device or host")
+        if data_placement == "sharded" and not several:
+            data_placement = "device"        # one device holds every client's samples anyway
         # Poisson-sampled rounds fill their unused slots with an empty padding client.
         data = data.pad_clients(mesh.size if mesh is not None else 1, minimum=int(poisson))
         key_spec = jax.eval_shape(lambda: jax.random.key(0))
@@ -219,12 +241,17 @@ class Program:
                                                   jit)
         if data_placement == "auto":
             state_bytes = 0 if abstract is None or state_placement == "host" else _nbytes(abstract)
-            fits = _device_data_fits(data, state_bytes, mesh)
-            data_placement = "host" if jit and not fits else "device"
+            if _device_data_fits(data, state_bytes, mesh) or not jit:
+                data_placement = "device"
+            elif (several and getattr(algo, "data_blocks", True)
+                  and _device_data_fits(data, state_bytes, mesh, share=mesh.size)):
+                data_placement = "sharded"
+            else:
+                data_placement = "host"
         self.state_placement = state_placement
         self.data_placement = data_placement
         self.stream: Stream | None = None
-        if data_placement == "host":
+        if data_placement in ("host", "sharded"):
             data = dataclasses.replace(data, x=_on_host(data.x), y=_on_host(data.y),
                                        clients=replicate(data.clients, mesh))
         else:
@@ -244,10 +271,13 @@ class Program:
         self._update_shardings()
         self.eval_group = min(default_eval_group(algo, data), self.num_clients)
         self.host: HostClients | None = None
-        self._probe = self._jitted_probe() if "host" in (data_placement, state_placement) else None
+        streamed = data_placement in ("host", "sharded")
+        self._probe = self._jitted_probe() if streamed or state_placement == "host" else None
         if data_placement == "host":
             self.stream = Stream(data, self._probe, mesh, eval_group=self.eval_group,
                                  blocks=getattr(algo, "data_blocks", True))
+        elif data_placement == "sharded":
+            self.stream = ShardedStream(data, self._probe, mesh, eval_group=self.eval_group)
         if state_placement == "host":
             self.host = HostClients(self.abstract_state, client_mask(self.abstract_state))
         self._clients_per_round: int | None = None
@@ -853,17 +883,17 @@ def default_eval_group(algo, data) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def _device_data_fits(data, state_bytes: int, mesh: Mesh | None) -> bool:
-    """"auto" placement: the dataset on every device of this host plus the client state
-    (`state_bytes`; 0 for an untraceable init, judged by the data alone) within 80 % of the
-    available memory, before anything is compiled."""
+def _device_data_fits(data, state_bytes: int, mesh: Mesh | None, share: int = 1) -> bool:
+    """"auto" placement: the dataset (1/`share` of it: sharded placement) on every device of this
+    host plus the client state (`state_bytes`; 0 for an untraceable init, judged by the data
+    alone) within 80 % of the available memory, before anything is compiled."""
     devices = 1 if mesh is None else mesh.size
     platform = jax.local_devices()[0].platform
     available = available_memory(platform)
     if available <= 0:
         return True
     sharing = min(devices, jax.local_device_count()) if platform == "cpu" else 1
-    return (_nbytes((data.x, data.y)) * sharing + state_bytes) <= 0.8 * available
+    return (_nbytes((data.x, data.y)) * sharing / share + state_bytes) <= 0.8 * available
 
 
 def _choose_state_placement(placement: str, algo, abstract, data, mesh, jit: bool) -> str:

@@ -47,7 +47,7 @@ from fedjax_pfl.core.blocks import DeviceBlocks
 from fedjax_pfl.core.placement import balanced_order, put_replicated, replicated_sharding
 
 Params = Any
-DATA_PLACEMENTS = ("device", "host", "auto")
+DATA_PLACEMENTS = ("device", "host", "sharded", "auto")
 
 
 def top_sum(counts: np.ndarray, m: int) -> int:
@@ -230,10 +230,22 @@ class Stream:
     def _stage_blocks(self, ids: np.ndarray, with_test: bool = False, rows: int | None = None,
                       clients=None):
         """Data of [K, M] participants in per-device blocks: x / y `DeviceBlocks` of
-        [(K,) D·R, ...], each process gathering only its own devices' blocks
-        (`make_array_from_callback`)."""
+        [(K,) D·R, ...] (`_block_arrays`), starts relative to each client's block."""
         count = ids.shape[0]
         rows = self.block_rows if rows is None else rows
+        x, y = self._block_arrays(ids, with_test, rows)
+        layouts = [self._block_layout(ids[k], with_test) for k in range(count)]
+        train_start, test_start, owner = self._put(
+            tuple(np.stack(a) if count > 1 else a[0] for a in zip(*layouts)))
+        return self._as_data(DeviceBlocks(x, owner), DeviceBlocks(y, owner), train_start,
+                             test_start, clients=clients if clients is not None else
+                             self._clients_for(count))
+
+    def _block_arrays(self, ids: np.ndarray, with_test: bool, rows: int):
+        """x / y [(K,) D·R, ...] of [K, M] participants' blocks, sharded over the clients axis,
+        each process gathering from the host only its own devices' blocks
+        (`make_array_from_callback`)."""
+        count = ids.shape[0]
         lead = (count,) if count > 1 else ()
         dealt = [self._dealt(ids[k]) for k in range(count)]
         built: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -258,13 +270,7 @@ class Stream:
 
             return jax.make_array_from_callback(shape, self._block_sharding(count), provide)
 
-        x, y = array(0, self.x), array(1, self.y)
-        layouts = [self._block_layout(ids[k], with_test) for k in range(count)]
-        train_start, test_start, owner = self._put(
-            tuple(np.stack(a) if count > 1 else a[0] for a in zip(*layouts)))
-        return self._as_data(DeviceBlocks(x, owner), DeviceBlocks(y, owner), train_start,
-                             test_start, clients=clients if clients is not None else
-                             self._clients_for(count))
+        return array(0, self.x), array(1, self.y)
 
     def _abstract(self, rows: int, count: int = 1):
         """Shapes of staged data of `rows` buffer rows (a leading axis of `count` rounds when

@@ -7,7 +7,8 @@
   schedule (`fold_in(round_keys, r)`, its first split, `core.sample_clients`);
 - host placement gives the rounds and evaluations of device placement bit for bit (state,
   metrics, evaluation) for fedavg, pgfedmo, ditto, fedpc and fedrep (a split model); on two
-  devices and with two rounds per call (`--rounds-per-call 2`) in a subprocess;
+  devices and with two rounds per call (`--rounds-per-call 2`) in a subprocess, where sharded
+  placement (`core.sharded`: each device its own range of clients) gives them too;
 - the prefetched buffer is used only for the keys and rounds it was made for: a changed key
   schedule or another first round discards it, and a round that trains clients outside its
   buffer stops with an error.
@@ -184,31 +185,75 @@ SCRIPT = textwrap.dedent('''
     # Each device's block holds exactly the training samples of the participants it trains:
     # the round's participants (in the mapper's order) dealt in contiguous blocks of ceil(M/2),
     # one client after another, zeros after them; starts relative to the block; owner = block.
+    # Host placement gathers the blocks on the host; sharded placement moves them between the
+    # devices from each device's own range of clients.
     algo = algorithms.get("fedavg", model=linear_model(), participation=0.4, batch_size=4)
-    program = core.Program(algo, data, mesh=core.client_mesh(), data_placement="host")
-    staged = program.stream.stage(jax.random.key(1), 0, 1)
-    ids = staged.ids[0]
-    assert program.stream.blocks and isinstance(staged.data.x, DeviceBlocks)
-    x, y, train, *_ = make_raw(SIZES)
-    rows = sorted(SIZES)[-1] + sorted(SIZES)[-2]                 # the 2 largest clients together
-    assert program.stream.block_rows == rows
-    owner = np.asarray(staged.data.x.owner)
-    start = np.asarray(staged.data.clients.train_start)
+    x, y, train, test, *_ = make_raw(SIZES)
     by_start = lambda a: sorted(a.addressable_shards, key=lambda s: s.index[0].start or 0)
-    for d, (xs, ys) in enumerate(zip(by_start(staged.data.x.rows), by_start(staged.data.y.rows))):
-        mine = ids[2 * d:2 * d + 2]
-        want_x = np.concatenate([x[train[i]] for i in mine])
-        want_y = np.concatenate([y[train[i]] for i in mine])
+    for placement in ("host", "sharded"):
+        program = core.Program(algo, data, mesh=core.client_mesh(), data_placement=placement)
+        staged = program.stream.stage(jax.random.key(1), 0, 1)
+        ids = staged.ids[0]
+        assert program.stream.blocks and isinstance(staged.data.x, DeviceBlocks)
+        rows = sorted(SIZES)[-1] + sorted(SIZES)[-2]             # the 2 largest clients together
+        assert program.stream.block_rows == rows
+        owner = np.asarray(staged.data.x.owner)
+        start = np.asarray(staged.data.clients.train_start)
+        for d, (xs, ys) in enumerate(zip(by_start(staged.data.x.rows), by_start(staged.data.y.rows))):
+            mine = ids[2 * d:2 * d + 2]
+            want_x = np.concatenate([x[train[i]] for i in mine])
+            want_y = np.concatenate([y[train[i]] for i in mine])
+            got_x, got_y = np.asarray(xs.data), np.asarray(ys.data)
+            assert got_x.shape[0] == rows and xs.device == jax.devices()[d]
+            np.testing.assert_array_equal(got_x[:len(want_x)], want_x)
+            np.testing.assert_array_equal(got_y[:len(want_y)], want_y)
+            assert not got_x[len(want_x):].any() and not got_y[len(want_y):].any()
+            assert owner[mine].tolist() == [d] * len(mine)
+            assert start[mine].tolist() == [0, SIZES[mine[0]]][:len(mine)]
+        assert (owner[np.setdiff1d(np.arange(10), ids)] == -1).all()
+        with pytest.raises(TypeError, match="per-device blocks"):
+            staged.data.inputs(np.arange(3))          # not an array outside the client mapper
+
+    # Sharded placement: clients 0-8 (and the padding client 9) in two contiguous ranges of
+    # about equal samples. Train + test samples: 16 40 9 25 33 4 53 14 12, 206 in all; client i
+    # goes to the device whose half holds the middle of its samples: 8, 36, 60.5, 77.5, 106.5
+    # (device 1 from 103), so 0-3 on device 0 (90 samples) and 4-9 on device 1 (116). Each
+    # device holds its clients' training then test samples, one client after another.
+    stream = program.stream
+    assert stream.layout.owner.tolist() == [0] * 4 + [1] * 6 and stream.layout.rows == 116
+    for d, (xs, ys) in enumerate(zip(by_start(stream.owned_x), by_start(stream.owned_y))):
+        mine = range(0, 4) if d == 0 else range(4, 9)
+        order = np.concatenate([np.concatenate([train[i], test[i]]) for i in mine])
         got_x, got_y = np.asarray(xs.data), np.asarray(ys.data)
-        assert got_x.shape[0] == rows and xs.device == jax.devices()[d]
-        np.testing.assert_array_equal(got_x[:len(want_x)], want_x)
-        np.testing.assert_array_equal(got_y[:len(want_y)], want_y)
-        assert not got_x[len(want_x):].any() and not got_y[len(want_y):].any()
-        assert owner[mine].tolist() == [d] * len(mine)
-        assert start[mine].tolist() == [0, SIZES[mine[0]]][:len(mine)]
-    assert (owner[np.setdiff1d(np.arange(10), ids)] == -1).all()
-    with pytest.raises(TypeError, match="per-device blocks"):
-        staged.data.inputs(np.arange(3))          # not an array outside the client mapper
+        assert got_x.shape[0] == 116 and xs.device == jax.devices()[d]
+        np.testing.assert_array_equal(got_x[:len(order)], x[order])
+        np.testing.assert_array_equal(got_y[:len(order)], y[order])
+        assert not got_x[len(order):].any()
+    assert stream.bytes_read == (x[:1].nbytes + 4) * 206     # each sample once (int32 labels)
+    # An evaluation group dealt to the devices: each block its clients' training samples, then
+    # their test samples.
+    group = np.array([6, 2, 0, 5])
+    ev = stream.evaluation_data(group)
+    for d, xs in enumerate(by_start(ev.x.rows)):
+        mine = group[2 * d:2 * d + 2]
+        order = np.concatenate([train[i] for i in mine] + [test[i] for i in mine])
+        np.testing.assert_array_equal(np.asarray(xs.data)[:len(order)], x[order])
+        assert not np.asarray(xs.data)[len(order):].any()
+    with pytest.raises(ValueError, match="data_blocks"):
+        core.Program(algorithms.get("fedfomo", model=linear_model(), participation=0.4,
+                                    batch_size=4), data, mesh=core.client_mesh(),
+                     data_placement="sharded")
+    # auto: device while the dataset fits on both devices (with the client state, in 80 % of the
+    # memory), sharded while half of it does, host below that.
+    from fedjax_pfl.core import program as program_module
+    whole, measured = data.x.nbytes + data.y.nbytes, program_module.available_memory
+    for available, want in ((4 * whole, "device"), (int(1.5 * whole / 0.8), "sharded"),
+                            (int(0.9 * whole / 0.8), "host")):
+        program_module.available_memory = lambda platform, a=available: a
+        assert core.Program(algo, data, mesh=core.client_mesh(),
+                            data_placement="auto").data_placement == want, (available, want)
+    program_module.available_memory = measured
+    program = core.Program(algo, data, mesh=core.client_mesh(), data_placement="host")
 
     # A probe answering the round's clients in another order (the blocks then hold other
     # clients than the devices train) stops the run; nothing is read silently.
@@ -238,7 +283,7 @@ SCRIPT = textwrap.dedent('''
         hp = {"participation": 0.4, "batch_size": 4, **algorithms.spec(name).test_hparams}
         algo = algorithms.get(name, model=linear_model(), **hp)
         out = {}
-        for placement in ("device", "host"):
+        for placement in ("device", "host", "sharded"):
             program = core.Program(algo, data, mesh=core.client_mesh(), data_placement=placement,
                                    rounds_per_call=per_call)
             state = program.init(jax.random.key(0))
@@ -248,11 +293,12 @@ SCRIPT = textwrap.dedent('''
                 ms += m
             out[placement] = (jax.tree.leaves((jax.device_get(state), ms)),
                               program.evaluate(state))
-        for a, b in zip(out["device"][0], out["host"][0], strict=True):
-            if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-                a, b = jax.random.key_data(a), jax.random.key_data(b)
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        helpers.assert_evaluations_equal(out["device"][1], out["host"][1])
+        for other in ("host", "sharded"):
+            for a, b in zip(out["device"][0], out[other][0], strict=True):
+                if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+                    a, b = jax.random.key_data(a), jax.random.key_data(b)
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            helpers.assert_evaluations_equal(out["device"][1], out[other][1])
     print("OK")
 ''')
 
@@ -260,8 +306,10 @@ SCRIPT = textwrap.dedent('''
 @pytest.mark.slow
 def test_host_placement_on_two_devices_equals_device_placement():
     """Two devices: each device's block holds exactly the samples of the participants it trains
-    (checked against the raw arrays), a misdealt round stops with an error; and the rounds equal
-    device placement's bit for bit (fedrep one round a call; pgfedmo two rounds per call, a scan
+    (checked against the raw arrays), whether gathered on the host (host placement) or moved
+    between the devices from each device's own range of clients (sharded placement, whose ranges
+    are checked too); a misdealt round stops with an error; and the rounds of host and sharded
+    placement equal device placement's bit for bit (fedrep one round a call; pgfedmo two rounds per call, a scan
     over the staged rounds' blocks against a scan over the whole dataset). At XLA's default settings, as users run: at the suite's -O0 (tests/conftest.py)
     the two scans differ by an ulp, one-round calls do not."""
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2"}
@@ -303,28 +351,34 @@ SHARE_SCRIPT = textwrap.dedent('''
     from helpers import linear_model, make_data
     data = make_data(%r)
     algo = algorithms.get("fedavg", model=linear_model(), participation=0.5, batch_size=4)
-    program = core.Program(algo, data, mesh=core.client_mesh(), data_placement="host")
-    program.stream.prefetch_enabled = False    # (what a round reads, not when: no round 4 staged)
-    state = program.init(jax.random.key(0))
-    for r in range(3):
-        state, _ = program.run_rounds(state, jax.random.key(1), r, 1)
-    ids = [program.stream.participants(jax.random.key(1), r, 1)[0].tolist() for r in range(3)]
-    plain = jax.tree.map(lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(
-        a.dtype, jax.dtypes.prng_key) else a, state)
-    leaves = [np.asarray(a).tolist() for a in jax.tree.leaves(core.to_host(plain))]
-    read = int(program.stream.bytes_read)
-    evals = [np.asarray(a).tolist() for a in jax.tree.leaves(program.evaluate(state))]
-    print(json.dumps({"read": read, "ids": ids, "state": leaves, "process": jax.process_index(),
-                      "evals": evals, "eval_read": int(program.stream.bytes_read) - read}))
+    out = {"process": jax.process_index()}
+    for placement in ("host", "sharded"):
+        program = core.Program(algo, data, mesh=core.client_mesh(), data_placement=placement)
+        program.stream.prefetch_enabled = False    # (what a round reads, not when: no round 4 staged)
+        placed = int(program.stream.bytes_read)    # sharded: each device's range, read once
+        state = program.init(jax.random.key(0))
+        for r in range(3):
+            state, _ = program.run_rounds(state, jax.random.key(1), r, 1)
+        ids = [program.stream.participants(jax.random.key(1), r, 1)[0].tolist() for r in range(3)]
+        plain = jax.tree.map(lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(
+            a.dtype, jax.dtypes.prng_key) else a, state)
+        leaves = [np.asarray(a).tolist() for a in jax.tree.leaves(core.to_host(plain))]
+        read = int(program.stream.bytes_read)
+        evals = [np.asarray(a).tolist() for a in jax.tree.leaves(program.evaluate(state))]
+        out[placement] = {"placed": placed, "read": read - placed, "ids": ids, "state": leaves,
+                          "evals": evals, "eval_read": int(program.stream.bytes_read) - read}
+    print(json.dumps(out))
 ''' % (SIZES,))
 
 
 @pytest.mark.slow
 def test_each_process_reads_only_the_samples_of_the_clients_its_devices_train(tmp_path):
     """Two processes of one device each against one process of two devices: the rounds end in
-    the same state, bit for bit, and each process reads from the dataset only the training
-    samples of the participants dealt to its own device (ceil(M/2) of each round's M, in the
-    mapper's order): about half of what the one process reads, and together exactly that."""
+    the same state, bit for bit. Host placement: each process reads from the dataset only the
+    training samples of the participants dealt to its own device (ceil(M/2) of each round's M,
+    in the mapper's order): about half of what the one process reads, and together exactly
+    that. Sharded placement: each process reads only its device's range of clients, once, and
+    nothing during the rounds and the evaluation; the same state and evaluation."""
     import socket
 
     with socket.socket() as sock:
@@ -350,26 +404,50 @@ def test_each_process_reads_only_the_samples_of_the_clients_its_devices_train(tm
         assert p.returncode == 0, err[-3000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
     two, one = results[:2], results[2]
-    for r in two:
-        for a, b in zip(r["state"], one["state"], strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     x, y, *_ = make_raw(SIZES)
     row = x[0].nbytes + 4                             # float32 features and an int32 label
+
+    # Host placement: each process reads, round by round, only its device's participants.
+    h2, h1 = [r["host"] for r in two], one["host"]
+    for r in h2:
+        for a, b in zip(r["state"], h1["state"], strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     per_device = [0, 0]
-    assert two[0]["ids"] == two[1]["ids"] == one["ids"]
-    for ids in one["ids"]:                            # the 3 rounds' participants, mapper order
+    assert h2[0]["ids"] == h2[1]["ids"] == h1["ids"]
+    for ids in h1["ids"]:                             # the 3 rounds' participants, mapper order
         width = -(-len(ids) // 2)
         for d in (0, 1):
             per_device[d] += row * sum(SIZES[i] for i in ids[d * width:(d + 1) * width])
-    assert one["read"] == sum(per_device)
-    assert sorted((r["process"], r["read"]) for r in two) == [(0, per_device[0]),
-                                                               (1, per_device[1])]
-    assert all(0.3 < r["read"] / one["read"] < 0.7 for r in two)
+    assert h1["read"] == sum(per_device)
+    assert sorted((r["process"], r["host"]["read"]) for r in two) == [(0, per_device[0]),
+                                                                      (1, per_device[1])]
+    assert all(0.3 < r["read"] / h1["read"] < 0.7 for r in h2)
     # Evaluation (groups of 8 clients, dealt to the devices by samples): the same results, and
     # each process reads only its devices' clients, together what the one process reads (every
     # client's training and test samples, plus the last group's filler clients).
-    for r in two:
-        for a, b in zip(r["evals"], one["evals"], strict=True):
+    for r in h2:
+        for a, b in zip(r["evals"], h1["evals"], strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert sum(r["eval_read"] for r in two) == one["eval_read"] >= row * x.shape[0]
-    assert all(0.3 < r["eval_read"] / one["eval_read"] < 0.7 for r in two)
+    assert sum(r["eval_read"] for r in h2) == h1["eval_read"] >= row * x.shape[0]
+    assert all(0.3 < r["eval_read"] / h1["eval_read"] < 0.7 for r in h2)
+
+    # Sharded placement: each process reads its device's range of clients once, when the
+    # program is built, and nothing after (rounds and evaluation move samples between the
+    # devices); the same state and evaluation as host placement. The ranges: client i to the
+    # device whose half of all samples holds the middle of its own.
+    sizes = [n + max(1, n // 3) for n in SIZES]       # training + test samples
+    half, before, owned = sum(sizes) / 2, 0, [0, 0]
+    for n in sizes:
+        owned[min(int((before + n / 2) // half), 1)] += n
+        before += n
+    assert owned == [123, 112]
+    s2, s1 = [r["sharded"] for r in two], one["sharded"]
+    assert s1["placed"] == row * sum(sizes)
+    assert sorted((r["process"], r["sharded"]["placed"]) for r in two) == [(0, row * owned[0]),
+                                                                          (1, row * owned[1])]
+    for r in s2 + [s1]:
+        assert r["read"] == r["eval_read"] == 0 and r["ids"] == h1["ids"]
+        for a, b in zip(r["state"], h1["state"], strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(r["evals"], h1["evals"], strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,0 +1,196 @@
+"""Client data sharded over the devices by owner (`--data-placement sharded`).
+
+With `device` placement every device holds every client's samples (`prepare_data`), so any device
+can train any client, and every process of a multi-process run places the whole dataset. With
+`sharded` placement the clients are split into D contiguous ranges of about equal samples
+(training plus test), one range per device (`owner_layout`). Device d holds only its range's
+samples: [S] rows, client after client, each client's training samples then its test samples,
+zero-padded to the largest range. In a run of several processes each process reads from the
+host dataset only the ranges of its own devices (`jax.make_array_from_callback`), once, when the
+program is built.
+
+A round still trains its participants where the client mapper deals them (contiguous blocks of
+⌈M/D⌉ in `Engine.sample`'s device-balanced order), so their samples move once per round, on the
+devices, from the devices that own them to the devices that train them, before the round runs:
+
+  1. the round's participants come from its key (`Algorithm.participants`, the program's probe,
+     as for host placement);
+  2. on the host, for each trainer t and each row p of t's block (its clients' samples one after
+     another, as `core.streaming` lays them out): the device that owns the sample and its row in
+     that device's range (`Routes`);
+  3. on the devices (`exchange`, one jitted `shard_map`): every device d gathers, for each trainer
+     t, the rows of t's block that d owns (zeros elsewhere); one `all_to_all` over the clients axis
+     swaps the D × R rows; trainer t keeps each row from its owner.
+
+The result is the per-device block layout of host placement on several devices (`core.blocks`):
+x / y `DeviceBlocks` of [D·R] rows with block-relative starts. So the rounds compute bit for bit
+what they compute with device (or host) placement, and the client mapper checks every row it
+reads against its block. Evaluation moves each group's clients (training and test samples) the
+same way. Only the exchange's rows cross between devices; the host reads nothing after the start.
+
+There is no background prefetch: the exchange is a collective on the devices that run the
+rounds, and in a run of several processes every process must issue its collectives in the same
+order, which a second thread would not guarantee. JAX dispatches it asynchronously, just before
+the round.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from fedjax_pfl.core.placement import put_replicated
+from fedjax_pfl.core.streaming import Stream
+
+
+class Layout(NamedTuple):
+    """Where each client's samples live: `owner` [N] its device, `train_start` / `test_start` [N]
+    its splits' first rows within that device's range, `rows` S the rows of every range."""
+
+    owner: np.ndarray
+    train_start: np.ndarray
+    test_start: np.ndarray
+    rows: int
+
+
+def owner_layout(train_count: np.ndarray, test_count: np.ndarray, devices: int) -> Layout:
+    """Contiguous client ranges of about equal samples: client i goes to device
+    ⌊D · (c_i + n_i / 2) / T⌋, c_i the samples of clients before it, n_i its own, T the total
+    (the device whose share holds the middle of its samples), so the ranges are contiguous and
+    each holds T/D samples up to one client's."""
+    train_count = np.asarray(train_count, np.int64)
+    test_count = np.asarray(test_count, np.int64)
+    sizes = train_count + test_count
+    total = int(sizes.sum())
+    if total == 0:
+        owner = np.arange(sizes.size) * devices // max(1, sizes.size)
+    else:
+        middle = np.cumsum(sizes) - sizes / 2.0
+        owner = np.minimum((devices * middle / total).astype(np.int64), devices - 1)
+    train_start = np.zeros(sizes.size, np.int32)
+    test_start = np.zeros(sizes.size, np.int32)
+    rows = 1
+    for d in range(devices):
+        at = 0
+        for i in np.flatnonzero(owner == d):
+            train_start[i] = at
+            test_start[i] = at + train_count[i]
+            at += int(sizes[i])
+        rows = max(rows, at)
+    return Layout(owner.astype(np.int32), train_start, test_start, rows)
+
+
+class Routes(NamedTuple):
+    """For each trainer t, call round k and row p of t's block: `source` [D, K, R] the device
+    that owns the sample (−1: a padding row), `row` [D, K, R] its row in that device's range."""
+
+    source: np.ndarray
+    row: np.ndarray
+
+
+def exchange(x: jax.Array, y: jax.Array, source: jax.Array, row: jax.Array, mesh) -> tuple:
+    """Inside a jit: the blocks of [D·S] owned rows `x` / `y` (sharded over the clients axis)
+    that `Routes` (replicated [D, K, R]) describe, as [K, D·R] arrays sharded over axis 1 (each
+    device its own block; [D·R] when K = 1). One `all_to_all` of D·K·R rows per device; every row is copied, never
+    summed, so the samples arrive bit for bit (zeros in padding rows)."""
+    devices, k, r = source.shape
+
+    def per_device(x, y, source, row):
+        here = jax.lax.axis_index("clients")
+        mine = source[here]                                         # [K, R]: who owns my rows
+        take = jnp.clip(mine, 0, devices - 1)
+
+        def move(a):
+            rows = a[jnp.clip(row, 0, a.shape[0] - 1)]              # [D, K, R, ...]
+            owned = (source == here).reshape(source.shape + (1,) * (a.ndim - 1))
+            send = jnp.where(owned, rows, jnp.zeros((), a.dtype))
+            got = jax.lax.all_to_all(send, "clients", 0, 0)        # [D sources, K, R, ...]
+            out = got[take, jnp.arange(k)[:, None], jnp.arange(r)[None, :]]
+            valid = (mine >= 0).reshape(mine.shape + (1,) * (a.ndim - 1))
+            out = jnp.where(valid, out, jnp.zeros((), a.dtype))
+            return out[0] if k == 1 else out
+
+        return move(x), move(y)
+
+    block = P("clients") if k == 1 else P(None, "clients")
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(P("clients"), P("clients"), P(), P()),
+                         out_specs=(block, block), check_vma=False)(x, y, source, row)
+
+
+class ShardedStream(Stream):
+    """`core.streaming.Stream` whose blocks come from the devices' own ranges (`exchange`)
+    instead of the host: what `Program` uses for `--data-placement sharded`. See the module
+    docstring."""
+
+    def __init__(self, data, participants, mesh, eval_group: int):
+        if mesh is None or mesh.size < 2:
+            raise ValueError("--data-placement sharded needs several devices")
+        super().__init__(data, participants, mesh, eval_group, prefetch=False, blocks=True)
+        self.layout = owner_layout(self.train_count, self.test_count, self.devices)
+        self.owned_x, self.owned_y = self._place_ranges()
+        self._exchange = jax.jit(lambda x, y, s, r: exchange(x, y, s, r, mesh))
+
+    def _place_ranges(self) -> tuple[jax.Array, jax.Array]:
+        """Each device's range on it; a process reads only its own devices' clients."""
+        rows = self.layout.rows
+        built: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+        def block(d: int):
+            if d not in built:
+                # a client's training samples, then its test samples (owner_layout's order)
+                segments = [s for i in np.flatnonzero(self.layout.owner == d)
+                            for s in ((self.train_start[i], self.train_count[i]),
+                                      (self.test_start[i], self.test_count[i]))]
+                built[d] = self._gather(segments, rows)
+            return built[d]
+
+        sharding = NamedSharding(self.mesh, P("clients"))
+
+        def array(which: int, source):
+            def provide(index):
+                d = (index[0].start or 0) // rows
+                return block(d)[which][(slice(None),) + tuple(index[1:])]
+
+            return jax.make_array_from_callback((self.devices * rows,) + source.shape[1:],
+                                                sharding, provide)
+
+        return array(0, self.x), array(1, self.y)
+
+    def routes(self, ids: np.ndarray, with_test: bool, rows: int) -> Routes:
+        """`Routes` of one call's participants `ids` [K, M] (mapper order), blocks of `rows`."""
+        count = ids.shape[0]
+        source = np.full((self.devices, count, rows), -1, np.int32)
+        row = np.zeros((self.devices, count, rows), np.int32)
+        lay = self.layout
+        for k in range(count):
+            for t, part in enumerate(self._dealt(ids[k])):
+                segments = [(lay.owner[i], lay.train_start[i], self.train_count[i]) for i in part]
+                if with_test:
+                    segments += [(lay.owner[i], lay.test_start[i], self.test_count[i])
+                                 for i in part]
+                at = 0
+                for owner, start, n in segments:
+                    source[t, k, at:at + n] = owner
+                    row[t, k, at:at + n] = start + np.arange(n)
+                    at += int(n)
+                if at > rows:
+                    raise RuntimeError(f"device {t}'s clients {part.tolist()[:8]} hold {at} "
+                                       f"samples, more than the {rows} rows of its block")
+        return Routes(source, row)
+
+    def _block_arrays(self, ids: np.ndarray, with_test: bool, rows: int):
+        source, row = put_replicated(self.routes(ids, with_test, rows), self.mesh)
+        return self._exchange(self.owned_x, self.owned_y, source, row)
+
+    def bytes_on_device(self) -> int:
+        """Per device: its range, plus one round's block (or an evaluation group's) and the
+        exchange's send and receive buffers (D blocks each), plus the routes and starts."""
+        row = int(np.prod(self.x.shape[1:])) * self.x.dtype.itemsize + \
+            int(np.prod(self.y.shape[1:])) * self.y.dtype.itemsize
+        block = max(self.block_rows or 0, self.eval_block_rows)
+        return row * (self.layout.rows + (2 * self.devices + 1) * block) + \
+            8 * self.devices * block + 20 * self.num_clients
