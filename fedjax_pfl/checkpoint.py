@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 import zipfile
@@ -49,6 +50,8 @@ import numpy as np
 FORMAT = 1
 _META = "meta.json"
 _HOST = "host.npz"
+_HOST_PART = "host-{:05d}.npz"          # one per process of a multi-process run (`host_local`)
+_HOST_PART_RE = r"host-\d{5}\.npz"
 _ARRAYS = "arrays"
 _MANIFEST = "manifest.json"
 _HASH_CHUNK = 1 << 20          # bytes read at a time when hashing a file
@@ -59,7 +62,8 @@ class CheckpointError(ValueError):
 
 
 def save(path: str, state: Any, *, metadata: dict | None = None,
-         host: dict[str, np.ndarray] | None = None) -> str:
+         host: dict[str, np.ndarray] | None = None,
+         host_local: dict[str, np.ndarray] | None = None) -> str:
     """Writes `state` (a pytree of arrays) to the directory `path`, atomically.
 
     Args:
@@ -67,7 +71,12 @@ def save(path: str, state: Any, *, metadata: dict | None = None,
       state: any pytree whose leaves are jax arrays (sharded or not, PRNG keys included), numpy
         arrays or Python scalars.
       metadata: JSON-serialisable dict stored in meta.json (read back by `read_metadata`).
-      host: numpy arrays stored in host.npz (read back by `read_host`).
+      host: numpy arrays stored in host.npz (read back by `read_host`); in a multi-process
+        run, process 0's.
+      host_local: this process's own numpy arrays (e.g. the client rows it holds): in a
+        multi-process run every process writes its own to host-K.npz (K its process index), and
+        `read_host` returns them merged with `host` (keys must differ across processes); in a
+        single process they join host.npz.
     Returns:
       The absolute path written.
     """
@@ -103,10 +112,15 @@ def save(path: str, state: Any, *, metadata: dict | None = None,
         _barrier(multi, f"checkpoint {name}: directory")
         checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
         checkpointer.save(os.path.join(tmp, _ARRAYS), args=ocp.args.StandardSave(arrays))
+        if multi and host_local:      # before the barrier: process 0's manifest lists them all
+            with open(os.path.join(tmp, _HOST_PART.format(jax.process_index())), "wb") as f:
+                np.savez(f, **host_local)
+                _flush(f)
         _barrier(multi, f"checkpoint {name}: arrays")
         if not primary:
             _barrier(multi, f"checkpoint {name}: committed")
             return path
+        host = {**(host or {}), **({} if multi else host_local or {})}
         if host:
             with open(os.path.join(tmp, _HOST), "wb") as f:
                 np.savez(f, **host)
@@ -216,17 +230,24 @@ def read_metadata(path: str) -> dict:
 
 
 def read_host(path: str) -> dict[str, np.ndarray]:
-    """The `host` arrays saved with the checkpoint ({} if none; verified first: `verify`)."""
+    """The `host` and `host_local` arrays saved with the checkpoint, every process's merged ({}
+    if none; verified first: `verify`)."""
     verify(path)
-    file = os.path.join(path, _HOST)
-    if not os.path.exists(file):
-        return {}
-    try:
-        with np.load(file, allow_pickle=False) as z:   # never unpickle: plain arrays only
-            return {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise CheckpointError(f"checkpoint {path}: file {_HOST} is unreadable ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())})") from None
+    out: dict[str, np.ndarray] = {}
+    parts = sorted(n for n in os.listdir(path) if re.fullmatch(_HOST_PART_RE, n))
+    for name in ([_HOST] if os.path.exists(os.path.join(path, _HOST)) else []) + parts:
+        try:
+            with np.load(os.path.join(path, name), allow_pickle=False) as z:   # plain arrays only
+                arrays = {k: z[k] for k in z.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+            raise CheckpointError(f"checkpoint {path}: file {name} is unreadable "
+                                  f"({type(e).__name__}: {' '.join(str(e).split())})") from None
+        clash = sorted(set(out) & set(arrays))
+        if clash:
+            raise CheckpointError(f"checkpoint {path}: {name} holds arrays that another host file "
+                                  f"holds too ({clash[:3]}): the checkpoint is damaged")
+        out.update(arrays)
+    return out
 
 
 def load_numpy(path: str) -> dict[str, np.ndarray]:

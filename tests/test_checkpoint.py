@@ -45,6 +45,29 @@ def _assert_same(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_host_arrays_of_every_process_are_read_back_together(tmp_path):
+    """One process: `host_local` joins host.npz. Several: each process's part is its own
+    host-K.npz (written here by hand in that layout, listed in the manifest), read back merged
+    with process 0's `host`; two parts holding the same name are refused."""
+    path = str(tmp_path / "c")
+    checkpoint.save(path, {"w": np.arange(2)}, host={"a": np.arange(3)},
+                    host_local={"store/ids": np.array([4])})
+    assert os.listdir(path).count("host.npz") == 1 and not any(
+        n.startswith("host-") for n in os.listdir(path))
+    back = checkpoint.read_host(path)
+    assert sorted(back) == ["a", "store/ids"] and back["store/ids"].tolist() == [4]
+    for k, ids in ((0, [1, 2]), (1, [7])):
+        np.savez(os.path.join(path, f"host-{k:05d}.npz"), **{f"store.p{k}/ids": np.array(ids)})
+    checkpoint._write_manifest(path)
+    back = checkpoint.read_host(path)
+    assert sorted(back) == ["a", "store.p0/ids", "store.p1/ids", "store/ids"]
+    assert back["store.p0/ids"].tolist() == [1, 2] and back["store.p1/ids"].tolist() == [7]
+    np.savez(os.path.join(path, "host-00002.npz"), **{"store.p1/ids": np.array([0])})
+    checkpoint._write_manifest(path)
+    with pytest.raises(checkpoint.CheckpointError, match="another host file holds too"):
+        checkpoint.read_host(path)
+
+
 def test_round_trip_is_exact(tmp_path):
     state = _state()
     checkpoint.save(str(tmp_path / "c"), state, metadata={"round": 7}, host={"a": np.arange(3)})

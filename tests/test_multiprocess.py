@@ -7,12 +7,14 @@ sharded over the processes whose process 1 is interrupted resumes exactly."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import helpers
@@ -100,26 +102,47 @@ def _two(tmp, name, extra, **kwargs):
 def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path):
     """--data-placement host and --state-placement host over two processes: each stages the
     round's participants from its host copy and provides its own device's replica of the buffer;
-    every process holds the same host store of client rows and moves each call's rows to its own
-    device. Stopped after round 2's checkpoint (the store saved by process 0) and resumed with two
-    processes, the run ends with the metrics of one process holding the dataset and the client
+    each process's host store holds only its own range of clients' rows (checked in the
+    checkpoint, where each process saves its part), and each call's rows are assembled on the
+    devices from both. Stopped after round 2's checkpoint and resumed with two processes, or
+    with one, the run ends with the metrics of one process holding the dataset and the client
     state on both of its devices (pgfedmo: per-client rows, the α matrix by rows). XLA's fusion
     emitters are on: with them off and LLVM at -O0 together (the suite's settings) host and device
     state placement differ by an ulp even in one process (tests/core/test_hoststate.py)."""
     algo = ["--algo", "pgfedmo", "--checkpoint-every", "2"]
     host = algo + ["--data-placement", "host", "--state-placement", "host"]
     _two(tmp_path, "host", host + ["--rounds", "2"], fusion_emitters=True)
+    # Each process's store holds only its own range of clients (6 clients: 0-2 on process 0,
+    # 3-5 on process 1), and saves them in its own part of the checkpoint: together exactly
+    # the clients that rounds 1 and 2 trained.
+    from fedjax_pfl import checkpoint
+
+    saved = tmp_path / "host" / "checkpoints" / "round_000002"
+    parts = {}
+    for k in (0, 1):
+        with np.load(saved / f"host-{k:05d}.npz") as z:
+            parts[k] = set(z[f"store.p{k}/ids"].tolist())
+    assert parts[0] <= {0, 1, 2} and parts[1] <= {3, 4, 5}
+    trained = set(np.concatenate(checkpoint.read_host(str(saved))["sampled"]).tolist())
+    assert parts[0] | parts[1] == trained and parts[0] and parts[1]
+    shutil.copytree(tmp_path / "host", tmp_path / "host_one")
     _two(tmp_path, "host", host + ["--rounds", "3", "--resume"], fusion_emitters=True)
+    # The two processes' checkpoint resumed by one process (both parts of the store read).
+    one_of_two = _cli(tmp_path, "host_one", host + ["--rounds", "3", "--resume"], devices="2",
+                      fusion_emitters=True)
     single = _cli(tmp_path, "one", algo + ["--rounds", "3", "--data-placement", "device",
                                            "--state-placement", "device"],
                   devices="2", fusion_emitters=True)
-    _, err = single.communicate(timeout=600)
-    assert single.returncode == 0, err[-3000:]
-    got, want = _rows(tmp_path / "host" / "metrics.jsonl"), _rows(tmp_path / "one" / "metrics.jsonl")
-    assert [r["round"] for r in got] == [1, 2, 3]
-    for a, b in zip(got, want, strict=True):
-        for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
-            assert a[key] == b[key], (a["round"], key, a[key], b[key])
+    for p in (one_of_two, single):
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    want = _rows(tmp_path / "one" / "metrics.jsonl")
+    for run in ("host", "host_one"):
+        got = _rows(tmp_path / run / "metrics.jsonl")
+        assert [r["round"] for r in got] == [1, 2, 3]
+        for a, b in zip(got, want, strict=True):
+            for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
+                assert a[key] == b[key], (run, a["round"], key, a[key], b[key])
 
 
 @pytest.mark.slow

@@ -24,6 +24,12 @@ The store is copy-on-write: one initial row per leaf (every client's, checked at
 rows of the clients some round has written, so a run's host memory grows with the clients that
 took part, not with N: a personalised model per client at N = 342,477 costs what its sampled
 clients' models cost.
+
+In a run of several processes each process's store holds only its own range of clients' rows
+(`row_owners`): a call's world rows are gathered by every process from its own store, and the
+devices take each client's row from a device of the process that holds it (`Program._put_rows`);
+after the call each process writes back only its own clients' rows, and a checkpoint holds one
+part per process (`store_prefix`), merged again on restore whatever the new process count.
 """
 
 from __future__ import annotations
@@ -180,34 +186,58 @@ class ClientStore:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def to_arrays(self) -> dict[str, np.ndarray]:
-        """The store as named host arrays (the written clients' rows only, in slot order)."""
-        out = {"store/ids": self.ids.copy()}
+    def to_arrays(self, prefix: str = "store") -> dict[str, np.ndarray]:
+        """The store as named host arrays (the written clients' rows only, in slot order), named
+        `prefix`/… (each process of a multi-process run its own prefix: `store_prefix`)."""
+        out = {f"{prefix}/ids": self.ids.copy()}
         written = self.gather(self.ids)
         for j, (init, rows) in enumerate(zip(self.initial, written)):
-            out[f"store/{j}/initial"] = _savable(init)
-            out[f"store/{j}/values"] = _savable(rows)
+            out[f"{prefix}/{j}/initial"] = _savable(init)
+            out[f"{prefix}/{j}/values"] = _savable(rows)
         return out
 
     @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray], like: "ClientStore") -> "ClientStore":
-        """The store saved by `to_arrays`, with `like`'s dtypes and row shapes (checked)."""
+    def from_arrays(cls, arrays: dict[str, np.ndarray], like: "ClientStore",
+                    keep: np.ndarray | None = None) -> "ClientStore":
+        """The store saved by `to_arrays` — by every process that saved a part of it (all the
+        prefixes `saved_prefixes` finds) — with `like`'s dtypes and row shapes (checked), holding
+        only the clients that `keep` ([N] bool; None: all) marks."""
         store = cls(like.initial, like.num_clients)
-        ids = np.asarray(arrays["store/ids"], np.int64)
-        for j, init in enumerate(like.initial):
-            saved = _restored(arrays[f"store/{j}/initial"], init.dtype)
-            if saved.shape != init.shape:
-                raise ValueError(f"checkpoint: client-state leaf {j} has rows {saved.shape}, "
-                                 f"this run {init.shape}")
-            store.initial[j] = saved
-        values = [_restored(arrays[f"store/{j}/values"], init.dtype)
-                  for j, init in enumerate(like.initial)]
-        for j, (v, init) in enumerate(zip(values, like.initial)):
-            if v.shape != (ids.size,) + init.shape:
-                raise ValueError(f"checkpoint: client-state leaf {j} holds rows {v.shape}, not "
-                                 f"{(ids.size,) + init.shape} for its {ids.size} clients")
-        store.put(ids, values)
+        for prefix in saved_prefixes(arrays):
+            ids = np.asarray(arrays[f"{prefix}/ids"], np.int64)
+            for j, init in enumerate(like.initial):
+                saved = _restored(arrays[f"{prefix}/{j}/initial"], init.dtype)
+                if saved.shape != init.shape:
+                    raise ValueError(f"checkpoint: client-state leaf {j} has rows {saved.shape}, "
+                                     f"this run {init.shape}")
+                store.initial[j] = saved
+            values = [_restored(arrays[f"{prefix}/{j}/values"], init.dtype)
+                      for j, init in enumerate(like.initial)]
+            for j, (v, init) in enumerate(zip(values, like.initial)):
+                if v.shape != (ids.size,) + init.shape:
+                    raise ValueError(f"checkpoint: client-state leaf {j} holds rows {v.shape}, not "
+                                     f"{(ids.size,) + init.shape} for its {ids.size} clients")
+            mine = np.ones(ids.size, bool) if keep is None else keep[ids]
+            store.put(ids[mine], [v[mine] for v in values])
         return store
+
+
+def store_prefix(process: int, processes: int) -> str:
+    """The names a process's store part is saved under: "store" in a single process (the format
+    of earlier checkpoints), "store.pK" for process K of several."""
+    return "store" if processes == 1 else f"store.p{process}"
+
+
+def saved_prefixes(arrays: dict[str, np.ndarray]) -> list[str]:
+    """The store parts in a checkpoint's host arrays (one, or one per process that wrote it)."""
+    return sorted(k[:-len("/ids")] for k in arrays
+                  if k.endswith("/ids") and (k == "store/ids" or k.startswith("store.p")))
+
+
+def row_owners(num_clients: int, processes: int) -> np.ndarray:
+    """[N] the process whose host store holds each client's rows (multi-process host state
+    placement): client i to process ⌊i·P/N⌋, contiguous ranges of about N/P clients."""
+    return (np.arange(num_clients, dtype=np.int64) * processes // max(1, num_clients)).astype(np.int32)
 
 
 def _savable(a: np.ndarray) -> np.ndarray:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 from typing import Any, Callable
 
@@ -278,8 +279,15 @@ class Program:
                                  blocks=getattr(algo, "data_blocks", True))
         elif data_placement == "sharded":
             self.stream = ShardedStream(data, self._probe, mesh, eval_group=self.eval_group)
+        # Host state over several processes: each process's store holds only its range of
+        # clients' rows (`hoststate.row_owners`); a call's world rows are assembled on the
+        # devices from every process's (`_put_rows`).
+        self._rows_here: np.ndarray | None = None
         if state_placement == "host":
             self.host = HostClients(self.abstract_state, client_mask(self.abstract_state))
+            if jax.process_count() > 1:
+                self._rows_here = (hoststate.row_owners(self.num_clients, jax.process_count())
+                                   == jax.process_index())
         self._clients_per_round: int | None = None
         # Host state: the next call's rows gathered in the background while a call runs. On CPU
         # the gather competes with the round for the same cores (host ÷ device 1.19 with it,
@@ -445,10 +453,32 @@ class Program:
     def _world_size(self, count: int) -> int:
         return min(count * self._clients_per_round, self.num_clients)
 
-    def _put_rows(self, rows: list[np.ndarray]) -> list:
+    def _put_rows(self, rows: list[np.ndarray], world: np.ndarray) -> list:
         """A world's host rows on the devices (whole on each: they are few). With several
-        processes every process holds the same store and provides its own devices' copies."""
-        return put_replicated(rows, self.mesh)
+        processes each process's store holds only its clients' rows (the others read as the
+        initial row there): every device receives its process's rows, and one jitted gather
+        takes each client's row from a device of the process that holds it (`_assemble_rows`),
+        so the rows are copied, never combined arithmetically."""
+        if self._rows_here is None:
+            return put_replicated(rows, self.mesh)
+        owners = hoststate.row_owners(self.num_clients, jax.process_count())
+        first = {}
+        for d, device in enumerate(self.mesh.devices.flat):
+            first.setdefault(device.process_index, d)
+        source = np.asarray([first[owners[i]] if i < self.num_clients else 0 for i in world],
+                            np.int32)
+        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("clients"))
+        parts = [jax.make_array_from_callback((self.mesh.size,) + r.shape, sharding,
+                                              lambda index, r=r: r[None])
+                 for r in rows]
+        return self._assemble_rows(parts, put_replicated(source, self.mesh))
+
+    @functools.cached_property
+    def _assemble_rows(self) -> Callable:
+        def assemble(parts, source):
+            return [p[source, jnp.arange(source.shape[0])] for p in parts]
+
+        return jax.jit(assemble, out_shardings=self._replicated())
 
     def _host_init(self, key: jax.Array) -> HostState:
         """The device leaves of the initial state, and a store whose initial rows are every
@@ -532,7 +562,7 @@ class Program:
         ids = staged.ids if staged is not None else self._call_participants(round_keys, first, count)
         self._clients_per_round = int(ids.shape[-1])
         world = hoststate.world(ids, self._world_size(count), self.num_clients)
-        rows = self._put_rows(self._take_rows(state.store, round_keys, first, count, world))
+        rows = self._put_rows(self._take_rows(state.store, round_keys, first, count, world), world)
         fn = self._host_round_function(count)
         data = staged.data if staged is not None else self.data
         before = blocks.misdealt_count()
@@ -548,6 +578,8 @@ class Program:
         self._check_rows(miss, f"rounds {first + 1}-{first + count}")
         self._check_sampled(per_round, ids, first)
         real = world < self.num_clients
+        if self._rows_here is not None:           # this process keeps its own clients' rows
+            real &= self._rows_here[np.minimum(world, self.num_clients - 1)]
         new_rows = [np.asarray(r)[real] for r in to_host(rows)]
         if self._rows_pending is not None:         # the store is read there: wait before writing
             concurrent.futures.wait([self._rows_pending])
@@ -614,7 +646,7 @@ class Program:
 
         def group(data, padded: jax.Array):
             world = hoststate.world(np.asarray(padded), self.eval_group, self.num_clients)
-            rows = self._put_rows(state.store.gather(world))
+            rows = self._put_rows(state.store.gather(world), world)
             out, miss = run(state.device, rows, jnp.asarray(world), data, padded)
             self._check_rows(miss, "evaluation")
             return to_host(out)
@@ -632,7 +664,8 @@ class Program:
         itself, or under host state placement its device leaves and its store's arrays."""
         if self.host is None:
             return state, {}
-        return state.device, state.store.to_arrays()
+        return state.device, state.store.to_arrays(
+            hoststate.store_prefix(jax.process_index(), jax.process_count()))
 
     def _splitter(self) -> HostClients:
         return self.host or HostClients(self.abstract_state, client_mask(self.abstract_state))
@@ -642,33 +675,38 @@ class Program:
         under host state placement (it holds a store), else the whole state (`like`, or the
         abstract sharded state)."""
         full = self.abstract_sharded_state() if like is None or isinstance(like, HostState) else like
-        if "store/ids" in host_arrays:
+        if hoststate.saved_prefixes(host_arrays):
             return self._splitter().split(jax.tree.leaves(full))[0]
         return full
 
     def restored(self, tree, host_arrays: dict[str, np.ndarray]):
         """The state from a checkpoint's parts (`checkpoint_parts`), in this program's state
         placement whichever placement wrote it (the rows are the same)."""
-        saved_host = "store/ids" in host_arrays
+        saved_host = bool(hoststate.saved_prefixes(host_arrays))
         if self.host is None and not saved_host:
             return tree
         splitter = self._splitter()
         if saved_host:
             like = hoststate.ClientStore(self._host_rows_abstract(1, zeros=True, splitter=splitter),
                                          self.num_clients)
+            if self.host is not None:      # (every process's part read; this one's rows kept)
+                return HostState(list(tree), hoststate.ClientStore.from_arrays(
+                    host_arrays, like, keep=self._rows_here))
             store = hoststate.ClientStore.from_arrays(host_arrays, like)
-            if self.host is not None:
-                return HostState(list(tree), store)
             # Written with the rows on the host, resumed with them on the devices.
             state = splitter.treedef.unflatten(
                 splitter.join(list(tree), store.gather(np.arange(self.num_clients))))
             return jax.device_put(state, self.shardings) if self.shardings is not None else \
                 jax.device_put(state)
-        # Written with the rows on the devices, resumed with them on the host: every row is kept.
+        # Written with the rows on the devices, resumed with them on the host: every row is kept
+        # (by the process that holds it).
         dev, host = splitter.split(jax.tree.leaves(tree))
         host = [np.asarray(a) for a in to_host(host)]
         store = hoststate.ClientStore([a[0] for a in host], self.num_clients)
-        store.put(np.arange(self.num_clients), host)
+        mine = np.arange(self.num_clients)
+        if self._rows_here is not None:
+            mine = mine[self._rows_here]
+        store.put(mine, [a[mine] for a in host])
         return HostState(list(dev), store)
 
     def _host_rows_abstract(self, size: int, zeros: bool = False,

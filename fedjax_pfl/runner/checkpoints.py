@@ -88,11 +88,11 @@ def save(cfg, out: str, state, prog: Progress, prep, wall: float) -> str:
         "config": config_record(cfg, prep.hparams, prep.model_name, {}),
     }
     # Under --state-placement host the client rows wait in a host store: they are saved as host
-    # arrays beside the device leaves (`Program.checkpoint_parts`).
+    # arrays beside the device leaves (`Program.checkpoint_parts`), each process its own rows.
     tree, store = prep.program.checkpoint_parts(state)
     with deferred_signals():
         compute(checkpoint.save, path, tree, metadata=metadata,
-                host={**prog.host_arrays(prep.data.num_real_clients), **store})
+                host=prog.host_arrays(prep.data.num_real_clients), host_local=store)
         prog.checkpoint_round = prog.round
         if jax.process_index() == 0:
             for old in completed(out)[:-KEEP]:

@@ -136,6 +136,30 @@ def test_the_store_is_copy_on_write_and_round_trips():
         store.put(np.array([1000]), [np.zeros((1, 2, 3), np.float32), np.zeros(1, bool)])
 
 
+def test_each_process_keeps_its_range_of_rows_and_a_checkpoint_merges_the_parts():
+    """Several processes: client i's rows belong to process ⌊i·P/N⌋ (contiguous ranges);
+    each process saves its part under its own prefix, and a store restored from all the parts
+    keeps the rows of the clients asked for (`keep`), from whichever part holds them."""
+    assert hoststate.row_owners(10, 3).tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert hoststate.row_owners(7, 1).tolist() == [0] * 7
+    assert hoststate.store_prefix(0, 1) == "store" and hoststate.store_prefix(2, 3) == "store.p2"
+    init = [np.zeros(2, np.float32)]
+    parts = {}
+    for k, ids in ((0, [1, 3]), (1, [6, 5])):
+        part = hoststate.ClientStore(init, num_clients=8)
+        part.put(np.array(ids), [np.array([[i, -i] for i in ids], np.float32)])
+        parts.update(part.to_arrays(hoststate.store_prefix(k, 2)))
+    assert hoststate.saved_prefixes({**parts, "sampled": np.zeros(1)}) == ["store.p0", "store.p1"]
+    whole = hoststate.ClientStore.from_arrays(parts, hoststate.ClientStore(init, 8))
+    assert sorted(whole.ids.tolist()) == [1, 3, 5, 6]
+    np.testing.assert_array_equal(whole.gather(np.array([5, 3, 0]))[0],
+                                  [[5, -5], [3, -3], [0, 0]])
+    keep = hoststate.row_owners(8, 2) == 1                   # process 1 of 2: clients 4-7
+    mine = hoststate.ClientStore.from_arrays(parts, hoststate.ClientStore(init, 8), keep=keep)
+    assert sorted(mine.ids.tolist()) == [5, 6]
+    np.testing.assert_array_equal(mine.gather(np.array([6, 1]))[0], [[6, -6], [0, 0]])
+
+
 def test_gather_and_scatter_by_client_id_match_a_dense_array():
     rng = np.random.default_rng(0)
     dense = rng.normal(size=(50, 4)).astype(np.float32)
