@@ -9,6 +9,8 @@ Layout of a checkpoint directory `path`:
     arrays/      orbax (OCDBT) with one entry per pytree leaf, named by its flat index
     meta.json    format version, number of leaves, each leaf's path/shape/dtype, `metadata`
     host.npz     optional host-side numpy arrays (`host=`), e.g. a run's per-round logs
+    host-K.npz   multi-process runs: process K's own host arrays (`host_local=`, e.g. the client
+                 rows its host store holds); `read_host` merges them with host.npz
     manifest.json  every other file of the checkpoint with its size in bytes and its SHA-256,
                  written last (see "Verification")
 
@@ -234,7 +236,12 @@ def read_host(path: str) -> dict[str, np.ndarray]:
     if none; verified first: `verify`)."""
     verify(path)
     out: dict[str, np.ndarray] = {}
-    parts = sorted(n for n in os.listdir(path) if re.fullmatch(_HOST_PART_RE, n))
+    try:                                  # the parts the manifest lists (others are ignored)
+        with open(os.path.join(path, _MANIFEST), "rb") as f:
+            names = list(json.loads(f.read().decode("utf-8"))["files"])
+    except FileNotFoundError:             # written before manifests
+        names = os.listdir(path)
+    parts = sorted(n for n in names if re.fullmatch(_HOST_PART_RE, n))
     for name in ([_HOST] if os.path.exists(os.path.join(path, _HOST)) else []) + parts:
         try:
             with np.load(os.path.join(path, name), allow_pickle=False) as z:   # plain arrays only

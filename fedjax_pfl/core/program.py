@@ -938,8 +938,8 @@ def _choose_state_placement(placement: str, algo, abstract, data, mesh, jit: boo
     """"host" or "device" for --state-placement `placement`. "host" needs a vectorised backend,
     a traceable init and an algorithm that declares `host_state` (ValueError naming the reason
     otherwise); "auto" picks "host" only where all of that holds and the client state alone
-    would take more than 80 % of the available memory. With several processes every process
-    holds the same host store (each moves the rows to its own devices)."""
+    would take more than 80 % of the available memory. With several processes each process's
+    store holds its own range of clients' rows (`hoststate.row_owners`)."""
     if placement == "device":
         return "device"
     reasons = []
