@@ -25,8 +25,13 @@ devices, from the devices that own them to the devices that train them, before t
 The result is the per-device block layout of host placement on several devices (`core.blocks`):
 x / y `DeviceBlocks` of [D·R] rows with block-relative starts. So the rounds compute bit for bit
 what they compute with device (or host) placement, and the client mapper checks every row it
-reads against its block. Evaluation moves each group's clients (training and test samples) the
-same way. Only the exchange's rows cross between devices; the host reads nothing after the start.
+reads against its block. Only the exchange's rows cross between devices; the host reads nothing
+after the start.
+
+Evaluation runs where the clients live: its groups take ⌈G/D⌉ clients from each device's range
+in turn and deal each client to its owner, so each device gathers its group's samples from its
+own range and nothing crosses (`exchange(local=True)`), except where the ranges hold unequal
+numbers of clients, and for the last group's fillers.
 
 There is no background prefetch: the exchange is a collective on the devices that run the
 rounds, and in a run of several processes every process must issue its collectives in the same
@@ -92,11 +97,14 @@ class Routes(NamedTuple):
     row: np.ndarray
 
 
-def exchange(x: jax.Array, y: jax.Array, source: jax.Array, row: jax.Array, mesh) -> tuple:
+def exchange(x: jax.Array, y: jax.Array, source: jax.Array, row: jax.Array, mesh,
+             local: bool = False) -> tuple:
     """Inside a jit: the blocks of [D·S] owned rows `x` / `y` (sharded over the clients axis)
     that `Routes` (replicated [D, K, R]) describe, as [K, D·R] arrays sharded over axis 1 (each
     device its own block; [D·R] when K = 1). One `all_to_all` of D·K·R rows per device; every row is copied, never
-    summed, so the samples arrive bit for bit (zeros in padding rows)."""
+    summed, so the samples arrive bit for bit (zeros in padding rows). `local`: every row's
+    owner is the device that needs it (an evaluation group dealt by owner): each device gathers
+    from its own range and nothing crosses between devices."""
     devices, k, r = source.shape
 
     def per_device(x, y, source, row):
@@ -105,6 +113,11 @@ def exchange(x: jax.Array, y: jax.Array, source: jax.Array, row: jax.Array, mesh
         take = jnp.clip(mine, 0, devices - 1)
 
         def move(a):
+            if local:
+                out = a[jnp.clip(row[here], 0, a.shape[0] - 1)]
+                valid = (mine >= 0).reshape(mine.shape + (1,) * (a.ndim - 1))
+                out = jnp.where(valid, out, jnp.zeros((), a.dtype))
+                return out[0] if k == 1 else out
             rows = a[jnp.clip(row, 0, a.shape[0] - 1)]              # [D, K, R, ...]
             owned = (source == here).reshape(source.shape + (1,) * (a.ndim - 1))
             send = jnp.where(owned, rows, jnp.zeros((), a.dtype))
@@ -132,7 +145,9 @@ class ShardedStream(Stream):
         super().__init__(data, participants, mesh, eval_group, prefetch=False, blocks=True)
         self.layout = owner_layout(self.train_count, self.test_count, self.devices)
         self.owned_x, self.owned_y = self._place_ranges()
-        self._exchange = jax.jit(lambda x, y, s, r: exchange(x, y, s, r, mesh))
+        self._exchange = jax.jit(lambda x, y, s, r, local: exchange(x, y, s, r, mesh, local),
+                                 static_argnums=4)
+        self.moved_rows = 0          # sample rows that crossed between devices so far
 
     def _place_ranges(self) -> tuple[jax.Array, jax.Array]:
         """Each device's range on it; a process reads only its own devices' clients."""
@@ -183,8 +198,55 @@ class ShardedStream(Stream):
         return Routes(source, row)
 
     def _block_arrays(self, ids: np.ndarray, with_test: bool, rows: int):
-        source, row = put_replicated(self.routes(ids, with_test, rows), self.mesh)
-        return self._exchange(self.owned_x, self.owned_y, source, row)
+        routes = self.routes(ids, with_test, rows)
+        here = np.arange(self.devices)[:, None, None]
+        crossing = int(np.sum((routes.source >= 0) & (routes.source != here)))
+        self.moved_rows += crossing
+        source, row = put_replicated(routes, self.mesh)
+        return self._exchange(self.owned_x, self.owned_y, source, row, crossing == 0)
+
+    # -- evaluation where the clients live -------------------------------------------------------
+
+    def evaluate(self, run, ids):
+        """`Stream.evaluate` with groups arranged so that each device evaluates the clients
+        whose samples it holds: the clients taken ⌈G/D⌉ at a time from each device's range in
+        turn (`_by_owner`), and each group dealt by owner (`eval_order`). Then the samples stay
+        where they are (`exchange(local=True)`), except where the ranges hold unequal numbers of
+        clients and a filler of the last group; the results come back in the order of `ids`."""
+        want = np.arange(self.num_clients) if ids is None else np.asarray(ids, np.int64)
+        uniq, back = np.unique(want, return_inverse=True)
+        if uniq.size < want.size:                   # (each distinct client once, as Stream does)
+            out = self.evaluate(run, uniq)
+            return jax.tree.map(lambda a: np.asarray(a)[back], out)
+        order = self._by_owner(want)
+        out = super().evaluate(run, want[order])
+        inverse = np.argsort(order)
+        return jax.tree.map(lambda a: np.asarray(a)[inverse], out)
+
+    def _by_owner(self, want: np.ndarray) -> np.ndarray:
+        width = -(-self.eval_group // self.devices)
+        queues = [list(np.flatnonzero(self.layout.owner[want] == d)) for d in range(self.devices)]
+        order: list[int] = []
+        while any(queues):
+            for d in range(self.devices):
+                order += queues[d][:width]
+                queues[d] = queues[d][width:]
+        return np.asarray(order, np.int64)
+
+    def eval_order(self, ids: np.ndarray) -> np.ndarray:
+        """A group's clients in blocks of ⌈G/D⌉ (the last short), each client in its owner's
+        block where it has room, the others in the blocks left with room."""
+        n = len(ids)
+        width = -(-n // self.devices)
+        room = [min(width, max(0, n - d * width)) for d in range(self.devices)]
+        slots: list[list[int]] = [[] for _ in range(self.devices)]
+        rest = []
+        for j, o in enumerate(self.layout.owner[np.asarray(ids, np.int64)]):
+            (slots[o] if len(slots[o]) < room[o] else rest).append(j)
+        for d in range(self.devices):
+            while len(slots[d]) < room[d]:
+                slots[d].append(rest.pop(0))
+        return np.asarray([j for s in slots for j in s], np.int64)
 
     def bytes_on_device(self) -> int:
         """Per device: its range, plus one round's block (or an evaluation group's) and the

@@ -132,7 +132,7 @@ def test_program_refuses_a_data_placement_it_does_not_have():
     data = make_data([4, 4], num_classes=3)
     algo = algorithms.get("fedavg", model=linear_model(), batch_size=4)
     with pytest.raises(ValueError, match=r"--data-placement must be one of \['device', 'host', "
-                                         r"'auto'\], got 'disk'"):
+                                         r"'sharded', 'auto'\], got 'disk'"):
         core.Program(algo, data, mesh=None, data_placement="disk")
     assert core.Program(algo, data, mesh=None).data_placement == "device"
 

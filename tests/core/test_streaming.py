@@ -239,6 +239,13 @@ SCRIPT = textwrap.dedent('''
         order = np.concatenate([train[i] for i in mine] + [test[i] for i in mine])
         np.testing.assert_array_equal(np.asarray(xs.data)[:len(order)], x[order])
         assert not np.asarray(xs.data)[len(order):].any()
+    # Evaluation runs where the clients live: groups of ceil(G/D) = 2 clients from each range,
+    # [0 1 | 4 5], [2 3 | 6 7], [8 9 | two fillers], each client dealt to its own device. The
+    # fillers are the smallest other clients, 5 (3 + 1 samples) and 2; 8, 9 and 5 are all
+    # device 1's, so 5 goes to device 0 beside 2: its 4 samples are the only rows that cross.
+    moved = stream.moved_rows
+    program.evaluate(program.init(jax.random.key(0)))
+    assert stream.moved_rows - moved == 4
     with pytest.raises(ValueError, match="data_blocks"):
         core.Program(algorithms.get("fedfomo", model=linear_model(), participation=0.4,
                                     batch_size=4), data, mesh=core.client_mesh(),
