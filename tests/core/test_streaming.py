@@ -286,26 +286,34 @@ SCRIPT = textwrap.dedent('''
     assert not core.Program(fomo, data, mesh=core.client_mesh(), data_placement="host").stream.blocks
 
     # (pgfedmo on two devices one round a call: tests/test_multiprocess.py, two processes)
-    for name, per_call in (("fedrep", 1), ("pgfedmo", 2)):
+    # Placements as (data, client state); ditto with its data sharded and its client rows on
+    # the host; fedpc, whose init reads every client's samples (eagerly, from the host copy).
+    both = [("host", "device"), ("sharded", "device")]
+    for name, per_call, placements in (("fedrep", 1, both), ("pgfedmo", 2, both),
+                                       ("ditto", 1, [("sharded", "host")]),
+                                       ("fedpc", 1, [("sharded", "device")])):
         hp = {"participation": 0.4, "batch_size": 4, **algorithms.spec(name).test_hparams}
         algo = algorithms.get(name, model=linear_model(), **hp)
         out = {}
-        for placement in ("device", "host", "sharded"):
-            program = core.Program(algo, data, mesh=core.client_mesh(), data_placement=placement,
-                                   rounds_per_call=per_call)
+        for placement in [("device", "device")] + placements:
+            program = core.Program(algo, data, mesh=core.client_mesh(), data_placement=placement[0],
+                                   state_placement=placement[1], rounds_per_call=per_call)
+            assert (program.data_placement, program.state_placement) == placement
             state = program.init(jax.random.key(0))
             ms = []
             for r in range(0, 4, per_call):
                 state, m = program.run_rounds(state, jax.random.key(1), r, per_call)
                 ms += m
-            out[placement] = (jax.tree.leaves((jax.device_get(state), ms)),
-                              program.evaluate(state))
-        for other in ("host", "sharded"):
-            for a, b in zip(out["device"][0], out[other][0], strict=True):
-                if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-                    a, b = jax.random.key_data(a), jax.random.key_data(b)
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-            helpers.assert_evaluations_equal(out["device"][1], out[other][1])
+            out[placement] = (jax.tree.leaves(ms), program.evaluate(state))
+            if placement[1] == "device":
+                out[placement] += (jax.tree.leaves(jax.device_get(state)),)
+        for other in placements:
+            for i in ((0, 2) if other[1] == "device" else (0,)):
+                for a, b in zip(out[("device", "device")][i], out[other][i], strict=True):
+                    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+                        a, b = jax.random.key_data(a), jax.random.key_data(b)
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            helpers.assert_evaluations_equal(out[("device", "device")][1], out[other][1])
     print("OK")
 ''')
 
@@ -316,7 +324,8 @@ def test_host_placement_on_two_devices_equals_device_placement():
     (checked against the raw arrays), whether gathered on the host (host placement) or moved
     between the devices from each device's own range of clients (sharded placement, whose ranges
     are checked too); a misdealt round stops with an error; and the rounds of host and sharded
-    placement equal device placement's bit for bit (fedrep one round a call; pgfedmo two rounds per call, a scan
+    placement equal device placement's bit for bit (sharded also with ditto's client state on
+    the host, and with fedpc) (fedrep one round a call; pgfedmo two rounds per call, a scan
     over the staged rounds' blocks against a scan over the whole dataset). At XLA's default settings, as users run: at the suite's -O0 (tests/conftest.py)
     the two scans differ by an ulp, one-round calls do not."""
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2"}
