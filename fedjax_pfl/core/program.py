@@ -275,7 +275,12 @@ class Program:
         streamed = data_placement in ("host", "sharded")
         self._probe = self._jitted_probe() if streamed or state_placement == "host" else None
         if data_placement == "host":
+            # The next call's samples staged in the background while a call runs: on
+            # accelerators. On CPU the thread competes with the round for the same cores (FEMNIST
+            # shape, 2 devices, quiet: host ÷ device 1.23 with it and 1.16 without at M = 10,
+            # 1.07 and 1.06 at M = 50; benchmarks/RESULTS.md §19), as for the rows below.
             self.stream = Stream(data, self._probe, mesh, eval_group=self.eval_group,
+                                 prefetch=jax.local_devices()[0].platform != "cpu",
                                  blocks=getattr(algo, "data_blocks", True))
         elif data_placement == "sharded":
             self.stream = ShardedStream(data, self._probe, mesh, eval_group=self.eval_group)

@@ -13,7 +13,8 @@ ones) and a round sees only its participants':
      `train_start` point into it (every client keeps its counts: weights and sampling read them).
 
 The buffer of the next call's rounds is gathered and transferred by a background thread while the
-current call trains (`Stream.prefetch`); it is used only if that call has the same round keys and
+current call trains (`Stream.prefetch`; `core.Program` turns it on for accelerators only: on CPU
+the thread competes with the round for the same cores); it is used only if that call has the same round keys and
 rounds, otherwise it is rebuilt. A round reads a client's rows start … start + count − 1 (and,
 masked out, positions past the end, which hold other clients' or padding samples in either
 placement), so the round computes bit for bit what it computes with device placement; after each

@@ -52,6 +52,8 @@ def _leaves_equal(a, b):
 def _run(algo, data, placement, *, rounds=4, per_call=1, keys=None):
     program = core.Program(algo, data, mesh=None, data_placement=placement,
                            rounds_per_call=per_call)
+    if program.stream is not None:         # (off by default on CPU; its bookkeeping is tested)
+        program.stream.prefetch_enabled = True
     state = program.init(jax.random.key(0))
     keys = jax.random.key(1) if keys is None else keys
     program.compile(keys)
@@ -114,6 +116,8 @@ def test_a_prefetch_for_other_keys_or_rounds_is_never_used():
 
     def run(placement):
         program = core.Program(algo, data, mesh=None, data_placement=placement)
+        if program.stream is not None:     # (off by default on CPU)
+            program.stream.prefetch_enabled = True
         state = program.init(jax.random.key(0))
         out = []
         for keys, r in schedule:
@@ -148,6 +152,7 @@ def test_auto_placement_and_the_memory_plan():
     auto = core.Program(algo, data, mesh=None, data_placement="auto")
     assert auto.data_placement == "device"                  # a tiny dataset fits on the device
     host = core.Program(algo, data, mesh=None, data_placement="host")
+    assert not host.stream.prefetch_enabled      # on CPU: the thread would compete for the cores
     early = host.memory_plan()                      # before compile: no working set yet, said so
     assert not early.compiled and early.working_set == 0
     assert "working set not known yet" in early.describe()
