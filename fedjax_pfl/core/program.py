@@ -38,7 +38,7 @@ from fedjax_pfl.core.clients import num_sampled_clients
 from fedjax_pfl.core.execution import ClientError
 from fedjax_pfl.core.placement import (cast_client_leaves, client_mask, client_shardings, to_host,
                                        client_state_bytes, replicate)
-from fedjax_pfl.core import blocks, hoststate
+from fedjax_pfl.core import blocks
 from fedjax_pfl.core.hoststate import STATE_PLACEMENTS, HostClients
 from fedjax_pfl.core.program_host import HostStateCalls, _per_round
 from fedjax_pfl.core.sharded import ShardedStream
@@ -214,14 +214,14 @@ class Program(HostStateCalls):
                              f"got {state_placement!r}")
         self.data_whole_bytes = _nbytes((data.x, data.y))
         poisson = (algo.hparams or {}).get("sampling") == "poisson"
-        if poisson and ("host" in (data_placement, state_placement)
-                        or data_placement == "sharded"):
+        if poisson and (data_placement in ("host", "sharded") or state_placement == "host"):
             raise ValueError("--sampling poisson runs with device placement only (its rounds "
                              "hold empty slots that host and sharded placement's per-round "
                              "staging does not expect): use --data-placement device "
                              "--state-placement device")
         several = mesh is not None and mesh.size > 1
-        if data_placement == "sharded" and several and not getattr(algo, "data_blocks", True):
+        data_blocks = getattr(algo, "data_blocks", True)
+        if data_placement == "sharded" and several and not data_blocks:
             raise ValueError(f"--data-placement sharded: {algo.name} reads client samples in "
                              "another order than it trains its clients (Algorithm.data_blocks is "
                              "False), so each device needs every sample: use --data-placement "
@@ -244,7 +244,7 @@ class Program(HostStateCalls):
             state_bytes = 0 if abstract is None or state_placement == "host" else _nbytes(abstract)
             if _device_data_fits(data, state_bytes, mesh) or not jit:
                 data_placement = "device"
-            elif (several and getattr(algo, "data_blocks", True)
+            elif (several and data_blocks
                   and _device_data_fits(data, state_bytes, mesh, share=mesh.size)):
                 data_placement = "sharded"
             else:
@@ -281,18 +281,17 @@ class Program(HostStateCalls):
             # 1.07 and 1.06 at M = 50; benchmarks/RESULTS.md §19), as for the rows below.
             self.stream = Stream(data, self._probe, mesh, eval_group=self.eval_group,
                                  prefetch=jax.local_devices()[0].platform != "cpu",
-                                 blocks=getattr(algo, "data_blocks", True))
+                                 blocks=data_blocks)
         elif data_placement == "sharded":
             self.stream = ShardedStream(data, self._probe, mesh, eval_group=self.eval_group)
         # Host state over several processes: each process's store holds only its range of
-        # clients' rows (`hoststate.row_owners`); a call's world rows are assembled on the
-        # devices from every process's (`_put_rows`).
+        # clients' rows (`_row_ownership`); a call's world rows are assembled on the devices
+        # from every process's (`_put_rows`).
         self._rows_here: np.ndarray | None = None
         if state_placement == "host":
             self.host = HostClients(self.abstract_state, client_mask(self.abstract_state))
             if jax.process_count() > 1:
-                self._rows_here = (hoststate.row_owners(self.num_clients, jax.process_count())
-                                   == jax.process_index())
+                self._rows_here, self._row_device = self._row_ownership()
         self._clients_per_round: int | None = None
         # Host state: the next call's rows gathered in the background while a call runs. On CPU
         # the gather competes with the round for the same cores (host ÷ device 1.19 with it,

@@ -53,17 +53,23 @@ class HostStateCalls:
         so the rows are copied, never combined arithmetically."""
         if self._rows_here is None:
             return put_replicated(rows, self.mesh)
-        owners = hoststate.row_owners(self.num_clients, jax.process_count())
-        first = {}
-        for d, device in enumerate(self.mesh.devices.flat):
-            first.setdefault(device.process_index, d)
-        source = np.asarray([first[owners[i]] if i < self.num_clients else 0 for i in world],
-                            np.int32)
+        source = self._row_device[np.asarray(world)]
         sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("clients"))
         parts = [jax.make_array_from_callback((self.mesh.size,) + r.shape, sharding,
                                               lambda index, r=r: r[None])
                  for r in rows]
         return self._assemble_rows(parts, put_replicated(source, self.mesh))
+
+    def _row_ownership(self) -> tuple[np.ndarray, np.ndarray]:
+        """Several processes: ([N] whether this process's store holds each client's rows,
+        [N + 1] int32 the mesh position of a device of the process that holds them; the padding
+        id N reads device 0, whose process holds its initial row like every other)."""
+        owners = hoststate.row_owners(self.num_clients, jax.process_count())
+        first: dict[int, int] = {}
+        for d, device in enumerate(self.mesh.devices.flat):
+            first.setdefault(device.process_index, d)
+        device = np.asarray([first[p] for p in range(jax.process_count())], np.int32)[owners]
+        return owners == jax.process_index(), np.append(device, np.int32(0))
 
     @functools.cached_property
     def _assemble_rows(self) -> Callable:

@@ -113,18 +113,15 @@ def exchange(x: jax.Array, y: jax.Array, source: jax.Array, row: jax.Array, mesh
         take = jnp.clip(mine, 0, devices - 1)
 
         def move(a):
-            if local:
+            expand = lambda m: m.reshape(m.shape + (1,) * (a.ndim - 1))
+            if local:                                               # from this device's range
                 out = a[jnp.clip(row[here], 0, a.shape[0] - 1)]
-                valid = (mine >= 0).reshape(mine.shape + (1,) * (a.ndim - 1))
-                out = jnp.where(valid, out, jnp.zeros((), a.dtype))
-                return out[0] if k == 1 else out
-            rows = a[jnp.clip(row, 0, a.shape[0] - 1)]              # [D, K, R, ...]
-            owned = (source == here).reshape(source.shape + (1,) * (a.ndim - 1))
-            send = jnp.where(owned, rows, jnp.zeros((), a.dtype))
-            got = jax.lax.all_to_all(send, "clients", 0, 0)        # [D sources, K, R, ...]
-            out = got[take, jnp.arange(k)[:, None], jnp.arange(r)[None, :]]
-            valid = (mine >= 0).reshape(mine.shape + (1,) * (a.ndim - 1))
-            out = jnp.where(valid, out, jnp.zeros((), a.dtype))
+            else:
+                rows = a[jnp.clip(row, 0, a.shape[0] - 1)]          # [D, K, R, ...]
+                send = jnp.where(expand(source == here), rows, jnp.zeros((), a.dtype))
+                got = jax.lax.all_to_all(send, "clients", 0, 0)    # [D sources, K, R, ...]
+                out = got[take, jnp.arange(k)[:, None], jnp.arange(r)[None, :]]
+            out = jnp.where(expand(mine >= 0), out, jnp.zeros((), a.dtype))
             return out[0] if k == 1 else out
 
         return move(x), move(y)
@@ -175,30 +172,28 @@ class ShardedStream(Stream):
 
         return array(0, self.x), array(1, self.y)
 
-    def routes(self, ids: np.ndarray, with_test: bool, rows: int) -> Routes:
-        """`Routes` of one call's participants `ids` [K, M] (mapper order), blocks of `rows`."""
+    def routes(self, ids: np.ndarray, with_test: bool, rows: int, layouts: list) -> Routes:
+        """`Routes` of one call's participants `ids` [K, M] (mapper order), blocks of `rows`,
+        where each round's `layouts[k]` (`Stream._block_layout`, the starts the round reads)
+        places each client's samples in its block."""
         count = ids.shape[0]
         source = np.full((self.devices, count, rows), -1, np.int32)
         row = np.zeros((self.devices, count, rows), np.int32)
         lay = self.layout
-        for k in range(count):
-            for t, part in enumerate(self._dealt(ids[k])):
-                segments = [(lay.owner[i], lay.train_start[i], self.train_count[i]) for i in part]
-                if with_test:
-                    segments += [(lay.owner[i], lay.test_start[i], self.test_count[i])
-                                 for i in part]
-                at = 0
-                for owner, start, n in segments:
-                    source[t, k, at:at + n] = owner
-                    row[t, k, at:at + n] = start + np.arange(n)
-                    at += int(n)
-                if at > rows:
-                    raise RuntimeError(f"device {t}'s clients {part.tolist()[:8]} hold {at} "
-                                       f"samples, more than the {rows} rows of its block")
+        for k, (train_at, test_at, block) in enumerate(layouts):
+            segments = [(i, train_at[i], lay.train_start[i], self.train_count[i]) for i in ids[k]]
+            if with_test:
+                segments += [(i, test_at[i], lay.test_start[i], self.test_count[i]) for i in ids[k]]
+            for i, at, start, n in segments:
+                if at + n > rows:
+                    raise RuntimeError(f"device {block[i]}'s clients hold more samples than the "
+                                       f"{rows} rows of its block (client {i})")
+                source[block[i], k, at:at + n] = lay.owner[i]
+                row[block[i], k, at:at + n] = start + np.arange(n)
         return Routes(source, row)
 
-    def _block_arrays(self, ids: np.ndarray, with_test: bool, rows: int):
-        routes = self.routes(ids, with_test, rows)
+    def _block_arrays(self, ids: np.ndarray, with_test: bool, rows: int, layouts: list):
+        routes = self.routes(ids, with_test, rows, layouts)
         here = np.arange(self.devices)[:, None, None]
         crossing = int(np.sum((routes.source >= 0) & (routes.source != here)))
         self.moved_rows += crossing
@@ -251,8 +246,6 @@ class ShardedStream(Stream):
     def bytes_on_device(self) -> int:
         """Per device: its range, plus one round's block (or an evaluation group's) and the
         exchange's send and receive buffers (D blocks each), plus the routes and starts."""
-        row = int(np.prod(self.x.shape[1:])) * self.x.dtype.itemsize + \
-            int(np.prod(self.y.shape[1:])) * self.y.dtype.itemsize
         block = max(self.block_rows or 0, self.eval_block_rows)
-        return row * (self.layout.rows + (2 * self.devices + 1) * block) + \
+        return self.row_bytes() * (self.layout.rows + (2 * self.devices + 1) * block) + \
             8 * self.devices * block + 20 * self.num_clients

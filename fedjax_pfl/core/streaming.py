@@ -234,18 +234,18 @@ class Stream:
         [(K,) D·R, ...] (`_block_arrays`), starts relative to each client's block."""
         count = ids.shape[0]
         rows = self.block_rows if rows is None else rows
-        x, y = self._block_arrays(ids, with_test, rows)
         layouts = [self._block_layout(ids[k], with_test) for k in range(count)]
+        x, y = self._block_arrays(ids, with_test, rows, layouts)
         train_start, test_start, owner = self._put(
             tuple(np.stack(a) if count > 1 else a[0] for a in zip(*layouts)))
         return self._as_data(DeviceBlocks(x, owner), DeviceBlocks(y, owner), train_start,
                              test_start, clients=clients if clients is not None else
                              self._clients_for(count))
 
-    def _block_arrays(self, ids: np.ndarray, with_test: bool, rows: int):
-        """x / y [(K,) D·R, ...] of [K, M] participants' blocks, sharded over the clients axis,
-        each process gathering from the host only its own devices' blocks
-        (`make_array_from_callback`)."""
+    def _block_arrays(self, ids: np.ndarray, with_test: bool, rows: int, layouts: list):
+        """x / y [(K,) D·R, ...] of [K, M] participants' blocks (`layouts`: each round's
+        `_block_layout`), sharded over the clients axis, each process gathering from the host
+        only its own devices' blocks (`make_array_from_callback`)."""
         count = ids.shape[0]
         lead = (count,) if count > 1 else ()
         dealt = [self._dealt(ids[k]) for k in range(count)]
@@ -392,11 +392,15 @@ class Stream:
         return in_groups(group, ids, self.num_clients, self.eval_group,
                          fill=self._fill_blocks if self.blocks else None)
 
+    def row_bytes(self) -> int:
+        """Bytes of one sample (its x and y rows)."""
+        return int(np.prod(self.x.shape[1:])) * self.x.dtype.itemsize + \
+            int(np.prod(self.y.shape[1:])) * self.y.dtype.itemsize
+
     def bytes_on_device(self) -> int:
         """The streamed buffers' bytes per device: the round being trained and the next one, or
         an evaluation group, whichever is more."""
-        row = int(np.prod(self.x.shape[1:])) * self.x.dtype.itemsize + \
-            int(np.prod(self.y.shape[1:])) * self.y.dtype.itemsize
+        row = self.row_bytes()
         if self.blocks:
             return row * max(2 * (self.block_rows or 0), self.eval_block_rows) + \
                 20 * self.num_clients
