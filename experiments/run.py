@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-placement", default="auto", choices=("device", "host", "sharded", "auto"),
                    help="where the clients' samples wait between rounds: 'device' (on every "
                         "device), 'host' (in host memory; each round's participants moved to the "
-                        "devices, the next round's in the background), 'sharded' (each device "
+                        "devices, on accelerators the next round's in the background), 'sharded' (each device "
                         "holds its own range of clients, each process reads only its devices' "
                         "ranges; a round's participants' samples move between the devices), "
                         "all with the same results bit for bit; 'auto' (device when the data and "
