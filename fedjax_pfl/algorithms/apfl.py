@@ -110,8 +110,9 @@ def apfl(model: Model, config: base.EngineConfig, *, alpha: float, alpha_lr: flo
                        alpha_min=jnp.min(new_state.alpha[:real]),
                        alpha_max=jnp.max(new_state.alpha[:real]))
         d = ops.tree_size(params)
-        metrics.update(base.communication(up_clients=m, up_floats_per_client=d,
-                                          down_clients=m, down_floats_per_client=d))
+        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
+        metrics.update(base.communication(up_clients=sent, up_floats_per_client=d,
+                                          down_clients=sent, down_floats_per_client=d))
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:

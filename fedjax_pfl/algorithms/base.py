@@ -485,6 +485,13 @@ class Engine:
         Poisson sampling left some empty)."""
         return idx < data.num_real_clients
 
+    def num_participants(self, idx: jax.Array, data: FederatedData) -> jax.Array | int:
+        """How many clients a round's slots hold: M, or under Poisson sampling the round's |S|
+        (its empty slots send and receive nothing; the `comm_*` metrics count these)."""
+        if not self.poisson:
+            return idx.shape[0]               # (a constant: the fixed-size program is unchanged)
+        return jnp.sum(self.participating(idx, data), dtype=jnp.int32)
+
     def sample(self, key: jax.Array, data: FederatedData) -> jax.Array:
         """This round's client ids, deterministic in `key`: M of them, sorted ascending, or, when
         clients are split over several devices, in the order that gives every device an equal
@@ -709,8 +716,9 @@ def split_fedavg(name: str, model: Model, config: EngineConfig, mask: Any) -> Al
             body, core.scatter(state.heads, idx, heads),                           # keep h_i
             engine.store_opt_states(state.opt_state, idx, result.opt_state), state.round + 1)
         metrics = {**train_metrics(result, idx), **private}
-        metrics.update(communication(up_clients=m, up_floats_per_client=body_size,
-                                     down_clients=m, down_floats_per_client=body_size))
+        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
+        metrics.update(communication(up_clients=sent, up_floats_per_client=body_size,
+                                     down_clients=sent, down_floats_per_client=body_size))
         return new_state, metrics
 
     def evaluate(state: SplitModelState, data, ids=None) -> dict[str, core.ClientEval]:

@@ -53,8 +53,9 @@ def fedavg(model: Model, config: base.EngineConfig, *, ft_epochs: int | None = N
         metrics = {**base.train_metrics(result, idx), **private}
         opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
         d = ops.tree_size(params)
-        metrics.update(base.communication(up_clients=idx.shape[0], up_floats_per_client=d,
-                                          down_clients=idx.shape[0], down_floats_per_client=d))
+        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
+        metrics.update(base.communication(up_clients=sent, up_floats_per_client=d,
+                                          down_clients=sent, down_floats_per_client=d))
         return State(params, opt_state, state.round + 1, state.rng), metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:

@@ -107,6 +107,9 @@ def fedavg_sar(model: Model, config: base.EngineConfig, *, cr: float, mask_fill:
         params, metrics = engine.aggregate(state.params, received, weights, key, data, idx=idx)
         client_params = core.scatter(state.client_params, idx, result.params) if keep else None
         metrics.update(base.train_metrics(result, idx))
+        if engine.poisson:                        # a Poisson round's empty slots send nothing
+            sent = engine.participating(idx, data)
+            up_floats, down_floats = (jnp.where(sent, f, 0) for f in (up_floats, down_floats))
         metrics.update(base.communication(up_clients=1, up_floats_per_client=jnp.sum(up_floats),
                                           down_clients=1, down_floats_per_client=jnp.sum(down_floats)))
         return (State(params, client_params,

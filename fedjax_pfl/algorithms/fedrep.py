@@ -134,8 +134,9 @@ def fedrep(model: Model, config: base.EngineConfig, *, head: str, head_epochs: i
                 / jnp.maximum(sum(steps), 1).astype(results[0].loss.dtype))
         metrics = {"sampled": idx, "train_loss": loss, "client_steps": jnp.sum(sum(steps)),
                    **private}
-        metrics.update(base.communication(up_clients=m, up_floats_per_client=body_size,
-                                          down_clients=m, down_floats_per_client=body_size))
+        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
+        metrics.update(base.communication(up_clients=sent, up_floats_per_client=body_size,
+                                          down_clients=sent, down_floats_per_client=body_size))
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:

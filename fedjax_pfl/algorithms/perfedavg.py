@@ -95,15 +95,15 @@ def perfedavg(model: Model, config: base.EngineConfig, *, variant: str, alpha: f
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
         sample_key, train_key = jax.random.split(key)
         idx = engine.sample(sample_key, data)
-        m = idx.shape[0]
         opt = engine.opt_states_for(state.opt_state, idx, state.params)
         result = engine.train(data, idx, state.params, opt, train_key, shared_start=True)
         weights = core.gather(data.clients.train_count, idx)
         params, private = engine.aggregate(state.params, result.params, weights, key, data, idx=idx)
         metrics = {**base.train_metrics(result, idx), **private}
         d = ops.tree_size(params)
-        metrics.update(base.communication(up_clients=m, up_floats_per_client=d,
-                                          down_clients=m, down_floats_per_client=d))
+        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
+        metrics.update(base.communication(up_clients=sent, up_floats_per_client=d,
+                                          down_clients=sent, down_floats_per_client=d))
         return State(params, engine.store_opt_states(state.opt_state, idx, result.opt_state),
                      state.round + 1, state.rng), metrics
 

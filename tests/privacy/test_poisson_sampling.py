@@ -154,7 +154,8 @@ def test_the_private_mean_divides_the_participants_updates_by_q_n():
 
 PRIVATE = [n for n in algorithms.names() if algorithms.spec(n).private_uplink]
 QUICK = ("scaffold",)                      # (its empty slots' Δc = 0/0 must not leak)
-OVERRIDES = {"fedper": {"head": "^b$"}}     # as in test_private_uplinks: a non-empty uplink
+OVERRIDES = {"fedper": {"head": "^b$"},     # as in test_private_uplinks: a non-empty uplink
+             "fedavg_sar": {"mask": "fixed"}}  # the same uplink floats for every client
 OWN_BOUND = ("feddyn",)                     # θ also moves by −h/α (test_private_server_steps)
 
 
@@ -164,7 +165,7 @@ def test_every_private_algorithm_under_poisson_sampling(name):
     """No noise, every update clipped to C: the shared state moves at most C·|S|/(q·N) and stays
     finite (an empty slot's client took no step: SCAFFOLD's Δc would be 0/0); the rows of
     clients that neither took part nor trained are unchanged bit for bit; noise changes the
-    shared state and no client row."""
+    shared state and no client row; the comm_* metrics count the participants, not the slots."""
     data = make_data(SIZES).pad_clients(1, minimum=1)
     n_real = len(SIZES)
     hp = {"participation": 0.3, "batch_size": 4, "lr": 0.1,
@@ -203,6 +204,19 @@ def test_every_private_algorithm_under_poisson_sampling(name):
                zip(shared(noisy, mask), shared(quiet, mask)))
     for a, b in zip(rows(noisy, mask), rows(quiet, mask), strict=True):
         np.testing.assert_array_equal(a[:n_real], b[:n_real])
+    # The comm_* metrics count the participants, not the K slots: a round of another |S| (same
+    # program, another key) sends the same floats per participant (FedAvg-s.a.r.'s "fixed" masks
+    # keep as many coordinates for every client); the downlink of those that train every client
+    # is unchanged. (pFedSOP reports no comm_* metrics.)
+    took = lambda m: int(np.sum(np.asarray(m["sampled"]) < n_real))
+    other = next(m for m in (jax.device_get(private(clip, 0.0, before, jax.random.key(s)))[1]
+                             for s in range(6, 40)) if 0 < took(m) != len(took_part))
+    for name_, scale in (("comm_up_floats", took(other) / len(took_part)),
+                         ("comm_down_floats", 1.0 if len(trained) else took(other) / len(took_part))):
+        if name == "pfedsop":
+            break
+        assert float(m_quiet[name_]) > 0
+        np.testing.assert_allclose(float(other[name_]), float(m_quiet[name_]) * scale, rtol=1e-6)
 
 
 def test_poisson_sampling_needs_the_private_step_and_a_padding_client():
