@@ -94,3 +94,47 @@ def cached_tensors(path: str, device: str = "cpu"):
         _TENSORS[path, device] = (job, torch.from_numpy(job.normalised_nchw()).to(device),
                                   torch.from_numpy(job.y).to(device))
     return _TENSORS[path, device]
+
+
+class Orders:
+    """A batch-order file (`orders.py`): in round r (0-based), client i visits its n_i training
+    samples in epoch e in the order `of(r, i, e)` (indices into its own training rows; batch k
+    = entries kB … kB + B − 1, the last batch partial)."""
+
+    def __init__(self, path: str):
+        with np.load(path, allow_pickle=False) as z:
+            self.order = z["order"].astype(np.int64)
+            self.offset = z["offset"].astype(np.int64)             # [R, M]
+            self.schedule = z["schedule"].astype(np.int64)         # [R, M]
+            self.train_counts = z["train_counts"].astype(np.int64)
+            self.meta = json.loads(str(z["meta"]))
+        self.path = path
+
+    def check_job(self, job: Job, rounds: int) -> None:
+        """The file was written for this job's schedule and sizes, for at least `rounds` rounds."""
+        if (self.schedule.shape[0] < rounds or not np.array_equal(self.schedule[:rounds], job.schedule[:rounds])
+                or not np.array_equal(self.train_counts, job.train_counts)
+                or self.meta["local_epochs"] != job.meta["local_epochs"]):
+            raise SystemExit(f"{self.path}: batch orders written for another job or fewer rounds")
+
+    def of(self, r: int, client: int, epoch: int) -> np.ndarray:
+        hits = np.flatnonzero(self.schedule[r] == client)
+        if hits.size != 1:
+            raise KeyError(f"client {client} is not scheduled in round {r}")
+        n = int(self.train_counts[client])
+        start = int(self.offset[r, hits[0]]) + epoch * n
+        return self.order[start:start + n]
+
+    def describe(self) -> str:
+        s = self.meta.get("shuffle_seed")
+        return self.meta["mode"] + ("" if s is None else f", shuffle seed {s}")
+
+
+_ORDERS: dict = {}
+
+
+def cached_orders(path: str) -> Orders:
+    """The batch-order file, loaded once per process (a Ray worker keeps it, as the tensors)."""
+    if path not in _ORDERS:
+        _ORDERS[path] = Orders(path)
+    return _ORDERS[path]

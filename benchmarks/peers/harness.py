@@ -19,7 +19,14 @@ What it does (README.md beside this file has the details):
    fedjax_pfl the contended variant also runs with one XLA device (--contended-devices).
 4. Refuses the comparison (exit status 1, "REFUSED") if any side's local steps per round differ from the others'.
 5. Prints medians with ranges: start-up (process start to round 1), round 1, steady seconds
-   per round (median of rounds 2..R), accuracy after R rounds, and the load average.
+   per round (median of rounds 2..R), accuracy after R rounds, the largest difference of the
+   final model's logits on the job's probe images from our FedAvg's, and the load average.
+
+Batch order (README.md, "Batch order"): `--batch-order own` (default) lets each side order its
+batches itself; `engine` makes every side visit each client's samples in the order our engine
+draws in that round (`orders.py` writes them; ours is checked to read exactly them); `in-order`
+in stored order on every side (pfl-research's own). `--shuffle-seeds S ...` runs once per seed,
+another draw of orders independent of --seed (data, split, schedule, initial weights).
 
 `--device cuda` runs every side on the GPU with its own GPU settings: ours on JAX's GPU
 backend, pfl-research's PyTorch backend on cuda (one process per GPU, the job's samples resident
@@ -118,10 +125,38 @@ def prepare(job: str, rounds: int, seed: int, smoke: bool, work: str) -> str:
     return path
 
 
+def order_settings(args, job: str, path: str) -> list[tuple[str, dict]]:
+    """(tag, extra runner arguments per framework) of every batch order to run on `job`:
+    --batch-order own gives each side its own order (with --shuffle-seeds: ours and Flower
+    shuffle with each seed; pfl-research has only its stored order); engine and in-order write
+    one orders file per seed (orders.py, on XLA:CPU) that every side reads."""
+    seeds = args.shuffle_seeds or [None]
+    if args.batch_order == "in-order":
+        seeds = [None]
+    out = []
+    for s in seeds:
+        seed_tag = "" if s is None else f", shuffle seed {s}"
+        if args.batch_order == "own":
+            extra = {} if s is None else {"fedjax_pfl": ["--shuffle-seed", str(s)],
+                                          "flower": ["--shuffle-seed", str(s)]}
+            out.append(("" if s is None else f"own order{seed_tag}", extra))
+            continue
+        stem = os.path.splitext(path)[0]
+        file = f"{stem}.orders-{args.batch_order}{'' if s is None else f'-s{s}'}-r{args.rounds}.npz"
+        cmd = [sys.executable, os.path.join(HERE, "orders.py"), path, "--rounds", str(args.rounds),
+               "--batch-order", args.batch_order, "--out", file]
+        if s is not None:
+            cmd += ["--shuffle-seed", str(s)]
+        subprocess.run(cmd, check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        name = {"engine": "engine order", "in-order": "stored order"}[args.batch_order]
+        out.append((f"{name}{seed_tag}", {fw: ["--orders", file] for fw in RUNNERS}))
+    return out
+
+
 def side_list(args, variant: str) -> list[tuple[str, str, dict]]:
     """(label, framework, options) of every side run in `variant`."""
     sides = [("fedjax_pfl fedavg", "fedjax_pfl", {"algo": "fedavg"})]
-    if "pgfedmo" in args.algos:
+    if "pgfedmo" in args.algos and args.batch_order == "own":       # (orders files: FedAvg's keys)
         sides.append(("fedjax_pfl pgfedmo", "fedjax_pfl", {"algo": "pgfedmo"}))
     if variant == "contended" and args.device == "cpu":       # XLA:CPU device counts
         for d in args.contended_devices:
@@ -131,9 +166,10 @@ def side_list(args, variant: str) -> list[tuple[str, str, dict]]:
     return [s for s in sides if s[1] in args.frameworks]
 
 
-def run_side(framework: str, opts: dict, job_path: str, rounds: int, pythons: dict, args) -> dict:
+def run_side(framework: str, opts: dict, job_path: str, rounds: int, pythons: dict, args,
+             extra: list[str] = ()) -> dict:
     cmd = [pythons[framework], os.path.join(HERE, RUNNERS[framework]), job_path, "--rounds", str(rounds),
-           "--device", args.device]
+           "--device", args.device, *extra]
     if framework == "fedjax_pfl":
         cmd += ["--algo", opts["algo"]]
         if opts.get("devices"):
@@ -196,9 +232,22 @@ def check_steps(results: list[dict]) -> None:
                     f"round, {rs[0]['label']} {ref}: the sides did not do the same work")
 
 
+def logit_gap(r: dict, results: list[dict]) -> float | None:
+    """max |final logit − our FedAvg's| on the job's probe images, against our FedAvg run of the
+    same job, variant and repeat (None where either has no logits)."""
+    ours = [b for b in results if (b["job"], b["variant"], b.get("repeat"), b["label"]) ==
+            (r["job"], r["variant"], r.get("repeat"), "fedjax_pfl fedavg")]
+    if not ours or r.get("probe_logits") is None or ours[0].get("probe_logits") is None:
+        return None
+    import numpy as np
+
+    return float(np.max(np.abs(np.asarray(r["probe_logits"]) - np.asarray(ours[0]["probe_logits"]))))
+
+
 def table(results: list[dict]) -> str:
     rows = ["| job | variant | side | start-up s | round 1 s | steady s/round | ms/step | "
-            "time ÷ our FedAvg's | accuracy | steps/round | load (1-min) |", "|" + "---|" * 11]
+            "time ÷ our FedAvg's | accuracy | max abs Δlogit vs our FedAvg | steps/round | "
+            "load (1-min) |", "|" + "---|" * 12]
     keys = []
     for r in results:
         k = (r["job"], r["variant"], r["label"])
@@ -211,11 +260,13 @@ def table(results: list[dict]) -> str:
         if base and label != "fedjax_pfl fedavg":
             ratio = f"{statistics.median(steady(r) for r in rs) / statistics.median(steady(b) for b in base):.2f}×"
         loads = [r["load_before"][0] for r in rs] + [r["load_end"][0] for r in rs]
+        gaps = [g for g in (logit_gap(r, results) for r in rs) if g is not None]
+        gap = "–" if label == "fedjax_pfl fedavg" or not gaps else spread(gaps, "{:.2g}")
         rows.append(
             f"| {job} | {variant} | {label} | {spread([r['startup_s'] for r in rs], '{:.1f}')} | "
             f"{spread([r['round_s'][0] for r in rs])} | {spread([steady(r) for r in rs])} | "
             f"{spread([ms_per_step(r) for r in rs])} | {ratio} | "
-            f"{spread([100 * r['accuracy'] for r in rs])} % | {'/'.join(str(n) for n in rs[0]['steps'])} | "
+            f"{spread([100 * r['accuracy'] for r in rs])} % | {gap} | {'/'.join(str(n) for n in rs[0]['steps'])} | "
             f"{min(loads):.2f}–{max(loads):.2f} |")
     return "\n".join(rows)
 
@@ -269,7 +320,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-margin", type=float, default=0.5,
                         help="fedjax_pfl runs only if planned within this share of the available "
                              "memory (default 0.5)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the job's seed: data, split, schedule, initial weights, and our and "
+                             "Flower's batch orders unless --shuffle-seeds (default 0)")
+    parser.add_argument("--batch-order", default="own", choices=("own", "engine", "in-order"),
+                        help="own (default): each side its own (ours and Flower shuffle every epoch, "
+                             "pfl-research in stored order); engine: every side visits each client's "
+                             "samples in the order our engine draws in that round (orders.py writes "
+                             "them, ours is checked to use them); in-order: every side in stored order. "
+                             "engine and in-order run our FedAvg only")
+    parser.add_argument("--shuffle-seeds", type=int, nargs="*", default=[],
+                        help="run once per seed: another draw of batch orders, independent of --seed "
+                             "(own: ours and Flower reshuffle, pfl-research unchanged; engine: the "
+                             "engine's orders under keys folded with the seed)")
     parser.add_argument("--smoke", action="store_true", help="one round on tiny data, quiet only: do all three still run?")
     parser.add_argument("--venv-dir", default=os.path.join(HERE, ".venvs"))
     parser.add_argument("--work-dir", default=os.path.join(HERE, "work"))
@@ -294,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.repeats, args.variants = 1, 1, ["quiet"]
     os.makedirs(args.work_dir, exist_ok=True)
     out_json = args.json or os.path.join(args.work_dir, "results.jsonl")
+    os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
 
     pythons = {"fedjax_pfl": sys.executable}
     given = {"pfl-research": args.python_pfl, "flower": args.python_flower}
@@ -308,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     jobs = {j: prepare(j, args.rounds, args.seed, args.smoke, args.work_dir) for j in args.jobs}
     for j, path in jobs.items():
         log(f"job {j}: {path}; data {common.Job(path).meta['data_source']}")
+    order_runs = {j: order_settings(args, j, path) for j, path in jobs.items()}
+    if args.batch_order != "own" and "pgfedmo" in args.algos and "fedjax_pfl" in args.frameworks:
+        log(f"--batch-order {args.batch_order}: our FedAvg only (the orders are FedAvg's)")
     log(f"machine: {machine()}; load {common.loadavg()}")
 
     results, skipped = [], {}
@@ -320,26 +387,29 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(2)
             try:
                 for job, path in jobs.items():
-                    sides = side_list(args, variant)
-                    k = rep % len(sides)
-                    for label, fw, opts in sides[k:] + sides[:k]:       # rotated each repeat
-                        r = run_side(fw, opts, path, args.rounds, pythons, args)
-                        r.update(label=label, variant=variant if args.device == "cpu" else f"{variant}, {args.device}",
-                                 device=args.device, repeat=rep, smoke=args.smoke)
-                        if "skipped" in r:
-                            skipped.setdefault(f"{job}: {label}", r["skipped"])
+                    for tag, extra in order_runs[job]:
+                        sides = side_list(args, variant)
+                        k = rep % len(sides)
+                        for label, fw, opts in sides[k:] + sides[:k]:       # rotated each repeat
+                            r = run_side(fw, opts, path, args.rounds, pythons, args, extra.get(fw, []))
+                            shown = variant if args.device == "cpu" else f"{variant}, {args.device}"
+                            r.update(label=label, variant=f"{shown}, {tag}" if tag else shown,
+                                     batch_order=tag or "own", device=args.device, repeat=rep,
+                                     smoke=args.smoke)
+                            if "skipped" in r:
+                                skipped.setdefault(f"{job}: {label}", r["skipped"])
+                                with open(out_json, "a") as f:
+                                    f.write(json.dumps(r) + "\n")
+                                continue
+                            results.append(r)
                             with open(out_json, "a") as f:
                                 f.write(json.dumps(r) + "\n")
-                            continue
-                        results.append(r)
-                        with open(out_json, "a") as f:
-                            f.write(json.dumps(r) + "\n")
-                        mem = r["settings"].get("memory") if fw == "fedjax_pfl" else None
-                        where = (f", client state on the {mem['state_placement']} (plan "
-                                 f"{mem['planned_mb']:,.0f} MB)" if mem else "")
-                        log(f"{job} {variant} rep {rep + 1}: {label}: start-up {r['startup_s']:.1f} s, "
-                            f"rounds {[round(t, 2) for t in r['round_s']]}, steps {r['steps']}, "
-                            f"accuracy {100 * r['accuracy']:.2f} %, load {r['load_before'][0]}{where}")
+                            mem = r["settings"].get("memory") if fw == "fedjax_pfl" else None
+                            where = (f", client state on the {mem['state_placement']} (plan "
+                                     f"{mem['planned_mb']:,.0f} MB)" if mem else "")
+                            log(f"{job} {r['variant']} rep {rep + 1}: {label}: start-up {r['startup_s']:.1f} s, "
+                                f"rounds {[round(t, 2) for t in r['round_s']]}, steps {r['steps']}, "
+                                f"accuracy {100 * r['accuracy']:.2f} %, load {r['load_before'][0]}{where}")
             finally:
                 for b in burners:
                     b.send_signal(signal.SIGTERM)

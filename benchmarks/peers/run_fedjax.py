@@ -12,6 +12,12 @@ every round's "sampled" metric is checked against the schedule. Start-up (proces
 first round: imports, data to device, compile of the round and evaluation, init) is reported
 apart from the rounds; the job's accuracy is evaluated once after the last round.
 
+Batch order: the engine's own (`core.local.epoch_permutation` under its keys) unless
+`--orders FILE` (orders.py: the file's orders, engine's with a shuffle seed folded in or stored
+order; the engine's `epoch_permutation` is patched for the run and every step's positions are
+checked against the file) or `--shuffle-seed S` (the engine's permutation, S folded into its
+keys). Either adds a host callback per local step: round times are then not comparable.
+
 `--device cpu` (default) runs on XLA:CPU with one device per core (or `--devices`); `--device
 cuda` on JAX's GPU backend (JAX_PLATFORMS=cuda, one GPU: the engine's mesh holds the local GPUs).
 The job's initial weights were made on XLA:CPU (`prepare.py`); on a GPU the engine's own
@@ -140,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-size", type=int, default=0,
                         help="clients per vectorised chunk (the CLI's --chunk-size; default 0: the "
                              "engine's automatic size, reported in the result)")
+    parser.add_argument("--orders", metavar="FILE",
+                        help="batch orders (orders.py): the engine's epoch orders become the "
+                             "file's (its mode: engine, with its shuffle seed folded into the keys, "
+                             "or in-order), and every step is checked against them (FedAvg only)")
+    parser.add_argument("--shuffle-seed", type=int, default=None,
+                        help="without --orders: fold this seed into the engine's epoch keys (another "
+                             "draw of batch orders; data, split and initial weights unchanged)")
     args = parser.parse_args(argv)
     t_launch = common.launch_time()
     load_start = common.loadavg()
@@ -164,6 +177,22 @@ def main(argv: list[str] | None = None) -> int:
     m = job.meta
     if args.rounds > job.schedule.shape[0]:
         raise SystemExit(f"the job schedules {job.schedule.shape[0]} rounds, asked for {args.rounds}")
+    # Batch order (orders.py): patch the engine's epoch_permutation before anything compiles.
+    orders, recorder, batch_order = None, None, "engine's own"
+    if args.orders:
+        if args.algo != "fedavg":
+            raise SystemExit("--orders: the orders are FedAvg's epoch keys; run --algo fedavg")
+        import orders as order_files
+
+        orders = common.Orders(args.orders)
+        orders.check_job(job, args.rounds)
+        recorder = order_files.patch_engine(orders.meta["mode"], orders.meta["shuffle_seed"])
+        batch_order = orders.describe()
+    elif args.shuffle_seed is not None:
+        import orders as order_files
+
+        recorder = order_files.patch_engine("engine", args.shuffle_seed)
+        batch_order = f"engine's own, shuffle seed {args.shuffle_seed}"
     flags = ["--algo", args.algo, "--model", m["model"], "--clients", str(job.num_clients),
              "--participation", repr(m["per_round"] / job.num_clients),
              "--local-epochs", str(m["local_epochs"]), "--batch-size", str(m["batch_size"]),
@@ -274,20 +303,30 @@ def main(argv: list[str] | None = None) -> int:
         if sampled != sorted(int(i) for i in job.schedule[r]):
             raise SystemExit(f"round {r}: the engine trained {sampled}, the schedule says {job.schedule[r].tolist()}")
         steps.append(int(metrics[0]["client_steps"]))
+    order_check = None
+    if orders is not None:
+        order_check = order_files.check_recorded(recorder, orders, args.rounds)
+    elif recorder is not None:
+        order_check = dict(calls=len(recorder.calls))
     store = getattr(state, "store", None)          # host placement: the rows the rounds wrote
     host_store_mb = round(store.nbytes() / 2**20, 1) if store is not None else 0.0
     t0 = time.time()
     result = program.evaluate(state)["client"]
     correct, count = int(np.sum(result.correct)), int(np.sum(result.count))
     eval_s = time.time() - t0
+    final_logits = None         # the global model's logits on the probe images (FedAvg)
+    if args.algo == "fedavg" and getattr(state, "params", None) is not None:
+        final_logits = np.asarray(model.apply(jax.device_get(state.params), job.probe_x)).astype(float).tolist()
     common.emit(dict(framework="fedjax_pfl", algo=args.algo, job=m["job"], rounds=args.rounds,
                      startup_s=t_ready - t_launch, compile_s=compile_s, round_s=round_s,
                      steps=steps, accuracy=common.weighted_accuracy(correct, count),
-                     eval_s=eval_s, load_start=load_start, load_end=common.loadavg(),
+                     probe_logits=final_logits, eval_s=eval_s, load_start=load_start,
+                     load_end=common.loadavg(),
                      settings=dict(device=args.device, device_kind=jax.devices()[0].device_kind,
                                    xla_devices=len(jax.devices()), requested_devices=devices,
                                    init_max_abs_diff=init_diff, memory=memory,
                                    chunk_sizes=chunk_sizes, host_store_mb=host_store_mb,
+                                   batch_order=batch_order, order_check=order_check,
                                    xla_flags=os.environ.get("XLA_FLAGS", ""),
                                    hparams={k: hparams[k] for k in ("lr", "momentum", "momentum_buffer",
                                             "drop_last", "local_epochs", "batch_size") if k in hparams},

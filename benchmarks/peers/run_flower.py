@@ -12,7 +12,9 @@ overridden to send round r's messages to the job's clients `schedule[r]`: client
 the p-th SuperNode (node ids sorted), and the message's config names p, whose data the client
 trains on. The client builds the network, loads the received arrays, and trains E epochs of
 batch B with a fresh `torch.optim.SGD` (lr, momentum from the job) over its data shuffled each
-epoch, the last batch partial (⌈n/B⌉ steps), and returns its arrays, "num-examples" and the
+epoch (`torch.randperm`, seeded by the job's seed or `--shuffle-seed`, the round and the client;
+with `--orders FILE` the file's order of that round, client and epoch: orders.py), the last
+batch partial (⌈n/B⌉ steps), and returns its arrays, "num-examples" and the
 steps it took. Federated evaluation is off (fraction_evaluate 0); the final arrays are evaluated
 once after the last round on every client's test samples.
 
@@ -67,8 +69,12 @@ def client_train(msg, context):
     loss_fn = torch.nn.CrossEntropyLoss()
     steps = 0
     gen = torch.Generator().manual_seed(int(config["seed"]))
-    for _ in range(m["local_epochs"]):
-        order = torch.randperm(len(ys), generator=gen).to(device)
+    orders = c.cached_orders(str(config["orders"])) if str(config["orders"]) else None
+    for epoch in range(m["local_epochs"]):
+        if orders is None:
+            order = torch.randperm(len(ys), generator=gen).to(device)
+        else:           # the orders file's: round r = server round − 1
+            order = torch.from_numpy(orders.of(int(config["server-round"]) - 1, p, epoch)).to(device)
         for j in range(0, len(ys), m["batch_size"]):
             idx = order[j:j + m["batch_size"]]
             opt.zero_grad()
@@ -76,6 +82,7 @@ def client_train(msg, context):
             opt.step()
             steps += 1
     metrics = MetricRecord({"num-examples": len(ys), "local-steps": steps, "data-loads": len(c._TENSORS),
+                            "ordered-epochs": m["local_epochs"] if orders is not None else 0,
                             "torch-threads": torch.get_num_threads(), "niceness": os.nice(0),
                             "pid": os.getpid(), "on-gpu": int(xs.is_cuda)})
     arrays = {k: v.detach().cpu() for k, v in net.state_dict().items()}
@@ -95,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="Ray num_gpus per client with --device cuda (default 0.25)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch.set_num_threads in each client (default: the client's CPUs)")
+    parser.add_argument("--orders", metavar="FILE",
+                        help="batch orders (orders.py): client i's epoch e of round r visits its "
+                             "samples in the file's order (default: torch.randperm each epoch)")
+    parser.add_argument("--shuffle-seed", type=int, default=None,
+                        help="without --orders: mix this seed into the clients' randperm seeds "
+                             "(another draw of batch orders; data and initial weights unchanged)")
     args = parser.parse_args(argv)
     t_launch = common.launch_time()
     load_start = common.loadavg()
@@ -111,8 +124,18 @@ def main(argv: list[str] | None = None) -> int:
 
     job = common.Job(os.path.abspath(args.job))
     m = job.meta
+    orders_path = os.path.abspath(args.orders) if args.orders else ""
+    if orders_path:
+        orders = common.Orders(orders_path)
+        orders.check_job(job, args.rounds)
+        batch_order = orders.describe()
+    else:
+        batch_order = "Flower client's own (torch.randperm each epoch" + (
+            f", shuffle seed {args.shuffle_seed})" if args.shuffle_seed is not None else ")")
+    # torch.Generator seed of client p's epochs in round t: the run's seed, or the shuffle seed.
+    shuffle_base = m["seed"] if args.shuffle_seed is None else 7_919 * (args.shuffle_seed + 1)
     threads = args.threads or max(1, int(args.client_cpus))
-    out: dict = {"round_s": [], "steps": [], "workers": set()}
+    out: dict = {"round_s": [], "steps": [], "workers": set(), "ordered_epochs": 0}
 
     class ScheduledFedAvg(FedAvg):
         """FedAvg whose round r trains the job's clients schedule[r − 1] (server rounds from 1)."""
@@ -128,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = ConfigRecord({"partition": int(p), "job": job_path, "peers_dir": HERE,
                                     "device": args.device,
                                     "threads": threads, "server-round": server_round,
-                                    "seed": int(m["seed"] * 1_000_003 + server_round * 10_007 + p)})
+                                    "orders": orders_path,
+                                    "seed": int(shuffle_base * 1_000_003 + server_round * 10_007 + p)})
                 messages.append(Message(RecordDict({"arrays": arrays, "config": cfg}),
                                         message_type="train", dst_node_id=nodes[int(p)]))
             return messages
@@ -141,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             result = super().aggregate_train(server_round, replies)
             metrics = [r.content["metrics"] for r in replies]
             out["steps"].append(int(sum(mm["local-steps"] for mm in metrics)))
+            out["ordered_epochs"] += int(sum(mm["ordered-epochs"] for mm in metrics))
             out["workers"].update((int(mm["pid"]), int(mm["torch-threads"]), int(mm["niceness"]),
                                    int(mm["on-gpu"])) for mm in metrics)
             now = time.time()
@@ -181,16 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     y = torch.from_numpy(job.y[job.test_rows()])
     correct, count = torch_models.accuracy(net, x, y)
     eval_s = time.time() - t0
+    final_logits = torch_models.probe_logits(net, job.probe_x)
     expected = [sum(job.steps_per_client(int(i)) for i in job.schedule[r]) for r in range(args.rounds)]
     workers = sorted(out["workers"])
+    if orders_path and out["ordered_epochs"] != m["local_epochs"] * args.rounds * job.schedule.shape[1]:
+        raise SystemExit(f"--orders: the clients batched {out['ordered_epochs']} epochs in the "
+                         "file's orders, expected every scheduled client's every epoch")
     common.emit(dict(framework="flower", algo="fedavg", job=m["job"], rounds=args.rounds,
                      startup_s=out["t_ready"] - t_launch, compile_s=0.0, round_s=out["round_s"],
                      steps=out["steps"], expected_steps=expected,
                      accuracy=common.weighted_accuracy(correct, count), eval_s=eval_s,
-                     load_start=load_start, load_end=common.loadavg(),
+                     probe_logits=final_logits, load_start=load_start, load_end=common.loadavg(),
                      settings=dict(device=args.device, client_gpus=gpus,
                                    device_name=(torch.cuda.get_device_name(0) if args.device == "cuda"
                                                 else "cpu"),
+                                   batch_order=batch_order, ordered_epochs=out["ordered_epochs"],
                                    client_cpus=args.client_cpus, ray_workers=len({w[0] for w in workers}),
                                    worker_torch_threads=sorted({w[1] for w in workers}),
                                    worker_niceness=sorted({w[2] for w in workers}),

@@ -11,7 +11,9 @@ job) and as the central optimizer with the server learning rate, `FederatedAvera
 clients are all of size 50, so pfl's default per-user weighting would be the same), a
 `FederatedDataset` whose user sampler returns the job's schedule in order, and
 `NNTrainHyperParams(local_num_epochs, local_learning_rate, local_batch_size)`. pfl batches each
-user's data in order, the last batch partial: ⌈n/B⌉ steps an epoch. Steps are counted in `loss`,
+user's data in order, the last batch partial: ⌈n/B⌉ steps an epoch; with `--orders FILE`
+(orders.py) a user's epoch e of round r visits its samples in the file's order instead (a
+`Dataset` whose e-th pass in batches of B is permuted; pfl calls `iter(B)` once an epoch). Steps are counted in `loss`,
 which pfl's SGD step calls once a batch. One process (pfl's multi-worker mode needs Horovod or
 torch.distributed; not used). A callback times each central iteration; the central model is
 evaluated once after the last one on every client's test samples.
@@ -46,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch.set_num_threads (default: the machine's cores)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="pfl's PyTorch device (default cpu)")
+    parser.add_argument("--orders", metavar="FILE",
+                        help="batch orders (orders.py): each user's epoch e of round r visits its "
+                             "samples in the file's order (default: pfl's, in stored order)")
     args = parser.parse_args(argv)
     t_launch = common.launch_time()
     load_start = common.loadavg()
@@ -105,13 +110,49 @@ def main(argv: list[str] | None = None) -> int:
                          central_optimizer=torch.optim.SGD(params, lr=m["server_lr"]))
 
     order = iter(job.schedule[:args.rounds].reshape(-1).tolist())
+    orders = None
+    if args.orders:
+        orders = common.Orders(args.orders)
+        orders.check_job(job, args.rounds)
+    batch = m["batch_size"]
+    served = [0]                  # epochs batched in the file's orders (checked at the end)
+
+    class OrderedDataset(Dataset):
+        """A user's data whose k-th pass in batches of B (pfl's local training calls `iter(B)`
+        once an epoch) visits the samples in the order of epoch k from the orders file; other
+        passes (evaluation, with the whole user as one batch) as pfl's Dataset."""
+
+        def __init__(self, raw_data, user_id, perms):
+            super().__init__(raw_data=raw_data, user_id=user_id)
+            self._perms, self._epoch = perms, 0
+
+        def iter(self, batch_size):  # noqa: A003 (pfl's name)
+            if batch_size != batch or len(self) <= batch:   # (n ≤ B: one batch, any order)
+                yield from super().iter(batch_size)
+                return
+            if self._epoch >= len(self._perms):
+                raise RuntimeError(f"user {self.user_id}: batched more than {len(self._perms)} epochs")
+            perm = self._perms[self._epoch]
+            self._epoch += 1
+            served[0] += 1
+            xs, ys = self.raw_data
+            for start in range(0, len(perm), batch):
+                idx = perm[start:start + batch]
+                yield [xs[idx], ys[idx]]
 
     trained: list[int] = []       # users pfl asked for, in order (checked against the schedule)
+    made = [0]                    # users made so far: the k-th is in round k // M
 
     def make_user(uid: int) -> Dataset:
         trained.append(int(uid))
+        r = made[0] // job.schedule.shape[1]
+        made[0] += 1
         rows = job.train_rows(uid)
-        return Dataset(raw_data=[x[rows], y[rows]], user_id=str(uid))
+        if orders is None:
+            return Dataset(raw_data=[x[rows], y[rows]], user_id=str(uid))
+        perms = [torch.from_numpy(orders.of(r, int(uid), e)).to(device)
+                 for e in range(m["local_epochs"])]
+        return OrderedDataset([x[rows], y[rows]], str(uid), perms)
 
     training = FederatedDataset(make_user, lambda: next(order),
                                 user_id_to_weight={i: int(c) for i, c in enumerate(job.train_counts)})
@@ -153,15 +194,24 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     correct, count = torch_models.accuracy(net, x[job.test_rows()], y[job.test_rows()])
     eval_s = time.time() - t0
+    final_logits = torch_models.probe_logits(net, job.probe_x)
     expected = [sum(job.steps_per_client(int(i)) for i in job.schedule[r]) for r in range(args.rounds)]
+    if orders is not None:
+        want = sum(m["local_epochs"] for r in range(args.rounds) for i in job.schedule[r]
+                   if job.train_counts[i] > batch)
+        if served[0] != want:
+            raise SystemExit(f"--orders: pfl batched {served[0]} user epochs in the file's orders, "
+                             f"expected {want}")
     common.emit(dict(framework="pfl-research", algo="fedavg", job=m["job"], rounds=args.rounds,
                      startup_s=timer.t_ready - t_launch, compile_s=0.0, round_s=timer.round_s,
                      steps=timer.steps, expected_steps=expected,
                      accuracy=common.weighted_accuracy(correct, count), eval_s=eval_s,
-                     load_start=load_start, load_end=common.loadavg(),
+                     probe_logits=final_logits, load_start=load_start, load_end=common.loadavg(),
                      settings=dict(device=args.device, pfl_device=str(pytorch_ops.get_default_device()),
                                    device_name=(torch.cuda.get_device_name(0) if args.device == "cuda"
                                                 else "cpu"), processes_per_gpu=1 if args.device == "cuda" else 0,
+                                   batch_order=orders.describe() if orders else "pfl's own (stored order)",
+                                   ordered_epochs=served[0],
                                    torch_threads=torch.get_num_threads(), niceness=os.nice(0),
                                    omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
                                    torch=torch.__version__, version=getattr(pfl, "__version__", "?"))))

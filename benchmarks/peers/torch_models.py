@@ -72,6 +72,16 @@ def make(job) -> nn.Module:
     return module
 
 
+def probe_logits(module: nn.Module, probe_x: np.ndarray) -> list:
+    """The module's logits on the job's probe images (NHWC, normalised), as nested lists: the
+    harness compares every side's final model through them."""
+    module.eval()
+    device = next(module.parameters()).device
+    with torch.no_grad():
+        x = torch.from_numpy(np.ascontiguousarray(np.transpose(probe_x, (0, 3, 1, 2)))).to(device)
+        return module(x).cpu().numpy().astype(float).tolist()
+
+
 def accuracy(module: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1000) -> tuple[int, int]:
     """(correct, count) of `module` on (x, y), in batches, without gradients."""
     module.eval()
