@@ -101,6 +101,9 @@ class ClientLoop(NamedTuple):
     step count K): no client can hold up the others, so the mapper compiles one stage instead of
     the staged execution for unequal clients (twice the compile time of a small PGFed round:
     `benchmarks/compile_stages.py`).
+    `large_carry` says that a client's carry is much larger than its result (an evaluation
+    carries the client's model and returns a few sums): the staged execution then never holds
+    every client's carry at once (`_run_capped`).
     `shared` is a tuple of arguments common to all clients (the dataset, a global model). Written
     this way, the mapper knows each client's cost before running it and can group clients of
     similar length, so a long client does not hold up a wide vectorised batch (`ClientMapper`).
@@ -111,6 +114,7 @@ class ClientLoop(NamedTuple):
     finish: Callable
     length: Callable
     uniform: bool = False
+    large_carry: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,6 +330,15 @@ def _vmap_rows(fn, shared, args):
     return jax.vmap(fn, in_axes=(None,) * len(shared) + (0,) * len(args))(*shared, *args)
 
 
+def _chunk_rows(m: int, chunk_size: int, order: jax.Array) -> jax.Array:
+    """[chunks, size] row indices: `order` cut into k equal chunks of at most chunk_size rows
+    (lax.map and scan then compile one body; a remainder chunk would compile a second one), the
+    at most k − 1 padding slots repeating the last row of `order`."""
+    chunks = -(-m // chunk_size)
+    size = -(-m // chunks)
+    return jnp.concatenate([order, jnp.full(chunks * size - m, order[m - 1])]).reshape(chunks, size)
+
+
 def _chunked_map(fn, shared, args, chunk_size, cost):
     m = _num_rows(args)
     if chunk_size >= m:  # one chunk: plain vmap, no sorting
@@ -432,10 +445,18 @@ def _run_capped(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array,
     stages take no steps; one client of 2,000 steps among 99 of 2 runs ~2,000 single-lane steps
     instead of 2,000 steps of every lane (`capped_work`). A lane whose client is done is masked
     (it still computes, which the narrow stages keep small). `width` = 1 runs clients one after
-    another with no masking at all.
+    another with no masking at all. A loop declared `large_carry` (an evaluation's carry holds
+    the client's model) keeps only the results and the k longest clients' carries from stage 1
+    (`_run_capped_keeping_results`).
     """
     m = _num_rows(rows)
     lengths = jnp.where(valid, jax.vmap(loop.length)(rows), 0).astype(jnp.int32)
+    if width <= 1 and loop.large_carry:
+        # One client after another, each gathering its own row inside the loop: no sorted copy
+        # of every client's row (for an evaluation, every client's model) is made.
+        one = _whole_loop(loop, masked=True)
+        return jax.lax.map(lambda i: one(*shared, *gather((rows, valid), i)),
+                           jnp.arange(m, dtype=jnp.int32))
     if width <= 1 or m <= 2 or loop.uniform:
         return _chunked_map(_whole_loop(loop, masked=True), shared, (rows, valid), width, lengths)
     ranked = jnp.sort(lengths)[::-1]                                   # longest first
@@ -451,7 +472,12 @@ def _run_capped(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array,
         *sh, t_carry, stop = args
         return _steps(loop, tuple(sh), t_carry, stop)
 
+    if loop.large_carry and 2 * (widths[0] + -(-m // -(-m // width))) <= m:
+        # (k carries and one chunk's held instead of m: worth it where they are at most half)
+        return _run_capped_keeping_results(loop, shared, rows, lengths, width, run_to, resume)
     stops = jnp.minimum(lengths, ranked[widths[0]])
+    # Local training: a carry is about its result (the trained model, which `finish` passes
+    # through without a copy), so stage 1 keeps every client's carry.
     t_carry = _chunked_map(run_to, shared, (rows, stops), width, stops)            # stage 1
     top = jnp.argsort(-lengths, stable=True)
     for i, k in enumerate(widths):                                                 # stages 2, 3
@@ -460,6 +486,45 @@ def _run_capped(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array,
         part = _vmap_rows(resume, shared, (gather(t_carry, ids), jnp.minimum(lengths[ids], stop)))
         t_carry = scatter(t_carry, ids, part)
     return jax.vmap(lambda c: loop.finish(shared, c))(t_carry[1])
+
+
+def _run_capped_keeping_results(loop, shared, rows, lengths, width, run_to, resume):
+    """`_run_capped` for a loop whose carry is much larger than its result (an evaluation
+    carries the client's model): stage 1 keeps each client's result and only the carries of the
+    k longest clients, which go on to stages 2 and 3, so the carries of all m clients are never
+    held at once (with N clients evaluated, they were 2× every client's model)."""
+    m = _num_rows(rows)
+    ranked = jnp.sort(lengths)[::-1]
+    widths = tail_widths(m)
+    k = widths[0]
+    order = jnp.argsort(-lengths, stable=True)         # longest first: its first k rows go on
+    stops = jnp.minimum(lengths, ranked[k])
+    idx = _chunk_rows(m, width, order)
+    size = idx.shape[1]
+    finish = lambda t_carry: _vmap_rows(lambda c: loop.finish(shared, c), (), (t_carry[1],))
+
+    def chunk(kept, c_ids):
+        c, ids = c_ids
+        t_carry = _vmap_rows(run_to, shared, gather((rows, stops), ids))
+        # Rows c·size … of the order; past the first k rows they land in the buffer's last
+        # `size` rows (dynamic_update_slice clamps the start to k).
+        kept = jax.tree.map(lambda b, x: jax.lax.dynamic_update_slice_in_dim(b, x, c * size, 0),
+                            kept, t_carry)
+        return kept, finish(t_carry)
+
+    one = jax.eval_shape(lambda r: (jnp.zeros((), jnp.int32), loop.init(shared, r)),
+                         gather(rows, 0))
+    kept = jax.tree.map(lambda x: jnp.zeros((k + size,) + x.shape, x.dtype), one)
+    kept, out = jax.lax.scan(chunk, kept, (jnp.arange(idx.shape[0], dtype=jnp.int32), idx))
+    out = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:])[:m], out)          # in `order`
+    t_top = jax.tree.map(lambda x: x[:k], kept)
+    for i, w in enumerate(widths):                                                 # stages 2, 3
+        stop = ranked[widths[i + 1]] if i + 1 < len(widths) else ranked[0]
+        part = _vmap_rows(resume, shared, (jax.tree.map(lambda x: x[:w], t_top),
+                                           jnp.minimum(lengths[order[:w]], stop)))
+        t_top = jax.tree.map(lambda x, y: x.at[:w].set(y), t_top, part)
+    out = jax.tree.map(lambda x, y: x.at[:k].set(y), out, finish(t_top))
+    return gather(out, jnp.argsort(order))
 
 
 def _steps(loop: ClientLoop, shared: tuple, t_carry, stop):

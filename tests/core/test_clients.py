@@ -154,6 +154,28 @@ def test_client_loops_take_each_clients_own_steps(backend, width):
     np.testing.assert_allclose(out["total"], 2.0 * np.arange(1, 12) * lengths)
 
 
+@pytest.mark.parametrize("width", [1, 3, 4])
+def test_a_large_carry_loop_keeps_each_clients_own_steps(width):
+    """`large_carry` (an evaluation's carry holds the client's model): stage 1 keeps only the
+    results and the k = m/16 longest clients' carries, which go on to stages 2 and 3 (width 1:
+    one client after another, each reading its own row, unsorted). Each
+    client still takes exactly its own steps (m = 45: k = 2 long clients, ties at the cap,
+    zero-step clients), and the results come back in row order."""
+    lengths = np.array([3, 0, 7, 1, 12, 0, 2, 5, 9, 4, 1, 30, 6, 6, 6, 8, 2, 0, 1, 3, 7, 25, 8,
+                        8, 4, 2, 9, 9, 1, 5, 0, 3, 11, 2, 6, 4, 7, 1, 2, 40, 3, 5, 9, 2, 1])
+    m = len(lengths)
+    rows = {"v": jnp.arange(1.0, m + 1.0), "n": jnp.asarray(lengths, jnp.int32),
+            "model": jnp.ones((m, 64))}              # (a carry much larger than the result)
+    loop = COUNTING._replace(
+        init=lambda shared, row: (row["v"], jnp.zeros(()), jnp.zeros((), jnp.int32), row["model"]),
+        step=lambda shared, c, t: (c[0], c[1] + c[0] * shared[0], c[2] + 1, c[3]),
+        large_carry=True)
+    out = jax.jit(lambda r: core.ClientMapper("chunked", width).run(
+        loop, r, shared=(jnp.asarray(2.0),)))(rows)
+    np.testing.assert_array_equal(out["steps"], lengths)
+    np.testing.assert_allclose(out["total"], 2.0 * np.arange(1, m + 1) * lengths)
+
+
 @pytest.mark.parametrize("backend,width,m,batched", [("chunked", 1, 4, False), ("chunked", 2, 4, True),
                                                      ("vmap", 0, 1, False), ("vmap", 0, 4, True)])
 def test_chunks_of_one_client_run_unbatched(backend, width, m, batched):

@@ -33,6 +33,34 @@ def test_personal_and_shared_evaluation(backend):
     np.testing.assert_allclose(personal.accuracy, personal.correct / np.array([7, 1, 12]))
 
 
+@pytest.mark.parametrize("width", [1, 4])
+def test_evaluating_every_clients_model_holds_a_few_of_them_at_once(width):
+    """Every client's personal model on its test split (N = 160, unequal test splits, lanes of
+    4, or one client at a time): the evaluation's temporaries stay below a quarter of all the
+    models (it held every model twice over: the stage-1 carries, which hold each client's model,
+    or a copy of all of them sorted by length); the results equal a float64 computation on the
+    raw rows."""
+    n = 160
+    test_sizes = [1 + (7 * i) % 23 for i in range(n)]
+    data = make_data([2] * n, test_sizes=test_sizes, feature_dim=64, num_classes=10)
+    x, y, _, test, _, _ = make_raw([2] * n, test_sizes=test_sizes, feature_dim=64, num_classes=10)
+    model = linear_model(64, 10)
+    ev = core.Evaluator(model, batch_size=8, mapper=core.client_mapper("chunked", width))
+    params = jax.vmap(model.init)(jax.random.split(jax.random.key(2), n))
+    run = jax.jit(lambda p: ev.personal(data, p))
+    models = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    assert run.lower(params).compile().memory_analysis().temp_size_in_bytes < models / 4
+    got = run(params)
+    w, b = np.asarray(params["w"], np.float64), np.asarray(params["b"], np.float64)
+    x = np.asarray(x, np.float64)
+    for i, rows in enumerate(test):
+        logits = x[rows] @ w[i] + b[i]
+        log_probs = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+        assert got.count[i] == len(rows) and got.correct[i] == np.sum(logits.argmax(1) == y[rows])
+        np.testing.assert_allclose(got.loss_sum[i], -log_probs[np.arange(len(rows)), y[rows]].sum(),
+                                   rtol=1e-5)
+
+
 def test_evaluating_a_subset_of_clients_and_the_batch_size():
     data = make_data([5, 9, 4, 6], test_sizes=[7, 1, 12, 3])
     model = linear_model()
