@@ -123,6 +123,8 @@ def test_new_client_at_a_later_round_and_returning_client(x64):
     np.testing.assert_array_equal(new.clients.x["x"][1], [0.0, 0.0])
     np.testing.assert_allclose(new.clients.delta["x"][1], [0.0, -1.0], rtol=1e-12)
     assert int(m["returning_clients"]) == 1 and not bool(new.clients.is_new.any())
+    # Each of the 2 participants sends its Δ_i and receives Δ: 2 floats each way per client.
+    assert (float(m["comm_up_floats"]), float(m["comm_down_floats"])) == (4.0, 4.0)
 
 
 @pytest.mark.slow
