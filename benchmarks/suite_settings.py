@@ -1,5 +1,6 @@
 """What the test suite's process settings (tests/conftest.py) save: jemalloc, the frozen garbage
-collector, one LLVM module per program.
+collector, one LLVM module per program, and zstd for the shared compilation cache's entries
+(`zstandard`, in the `test` extra; off: JAX falls back to zlib).
 
     python benchmarks/suite_settings.py                    # each setting off against all on
     python benchmarks/suite_settings.py --off malloc --repeats 3
@@ -31,13 +32,26 @@ OFF = {
     "malloc": {"FEDJAX_PFL_TEST_MALLOC": "system"},
     "gc": {"FEDJAX_PFL_TEST_GC": "default"},
     "split": {"XLA_FLAGS": "--xla_cpu_parallel_codegen_split_count=32"},
+    "zstd": {},             # (a sitecustomize that hides zstandard: `configuration`)
 }
+# JAX's compilation cache uses zstandard when it can import it: the "off" configuration puts a
+# sitecustomize first on the path that makes the import fail.
+NO_ZSTD = tempfile.mkdtemp(prefix="no_zstandard_")
+with open(os.path.join(NO_ZSTD, "sitecustomize.py"), "w") as _f:
+    _f.write("import sys\nsys.modules['zstandard'] = None\n")
 
 
 def configuration(off: tuple[str, ...]) -> dict[str, str]:
     env = dict(os.environ)
     for name in off:
         env.update(OFF[name])
+    if "zstd" in off:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (NO_ZSTD, env.get("PYTHONPATH")) if p)
+    else:
+        try:
+            import zstandard  # noqa: F401  (only whether it imports)
+        except ImportError:
+            sys.exit("zstandard is not installed (pip install -e '.[test]')")
     if "malloc" not in off:
         lib = ctypes.util.find_library("jemalloc")      # what tests/conftest.py preloads
         if lib is None:
