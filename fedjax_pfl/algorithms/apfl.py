@@ -110,9 +110,8 @@ def apfl(model: Model, config: base.EngineConfig, *, alpha: float, alpha_lr: flo
                        alpha_min=jnp.min(new_state.alpha[:real]),
                        alpha_max=jnp.max(new_state.alpha[:real]))
         d = ops.tree_size(params)
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=d,
-                                          down_clients=sent, down_floats_per_client=d))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
+                                            down_floats_per_client=d))
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:

@@ -492,6 +492,17 @@ class Engine:
             return idx.shape[0]               # (a constant: the fixed-size program is unchanged)
         return jnp.sum(self.participating(idx, data), dtype=jnp.int32)
 
+    def communication(self, idx: jax.Array, data: FederatedData, *, up_floats_per_client,
+                      down_floats_per_client, down_clients=None, **more) -> dict[str, jax.Array]:
+        """`communication` of a round whose slots are `idx`: each direction counts the round's
+        participants (`num_participants`: under Poisson sampling not its empty slots), or, for
+        the downlink, `down_clients` where it reaches other clients (pFedMe and TDPFed: every
+        client they train)."""
+        sent = self.num_participants(idx, data)
+        return communication(up_clients=sent, up_floats_per_client=up_floats_per_client,
+                             down_clients=sent if down_clients is None else down_clients,
+                             down_floats_per_client=down_floats_per_client, **more)
+
     def sample(self, key: jax.Array, data: FederatedData) -> jax.Array:
         """This round's client ids, deterministic in `key`: M of them, sorted ascending, or, when
         clients are split over several devices, in the order that gives every device an equal
@@ -628,7 +639,8 @@ def communication(*, up_clients, up_floats_per_client, down_clients,
 
     `comm_up_floats` (clients → server) and `comm_down_floats` (server → clients); `more` adds
     variants under `comm_<name>` (e.g. the downlink with a dense tensor). The runner sums every
-    `comm_*` metric over rounds into summary.json's "communication" totals.
+    `comm_*` metric over rounds into summary.json's "communication" totals. A round counts its
+    participants with `Engine.communication` (under Poisson sampling not the empty slots).
     """
     as_float = lambda v: jnp.asarray(v, jnp.float32)
     out = {"comm_up_floats": as_float(up_clients) * as_float(up_floats_per_client),
@@ -716,9 +728,8 @@ def split_fedavg(name: str, model: Model, config: EngineConfig, mask: Any) -> Al
             body, core.scatter(state.heads, idx, heads),                           # keep h_i
             engine.store_opt_states(state.opt_state, idx, result.opt_state), state.round + 1)
         metrics = {**train_metrics(result, idx), **private}
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(communication(up_clients=sent, up_floats_per_client=body_size,
-                                     down_clients=sent, down_floats_per_client=body_size))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=body_size,
+                                            down_floats_per_client=body_size))
         return new_state, metrics
 
     def evaluate(state: SplitModelState, data, ids=None) -> dict[str, core.ClientEval]:

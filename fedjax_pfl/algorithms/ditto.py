@@ -89,9 +89,8 @@ def ditto(model: Model, config: base.EngineConfig, *, lam: float, prox_step: str
         metrics["client_steps"] = metrics["client_steps"] + jnp.sum(mine.num_steps)
         metrics["personal_train_loss"] = mine.loss
         d = ops.tree_size(params)
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=d,
-                                          down_clients=sent, down_floats_per_client=d))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
+                                            down_floats_per_client=d))
         return new_state, metrics
 
     def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:

@@ -309,9 +309,8 @@ def fedala(model: Model, config: base.EngineConfig, *, layers: int, rand_percent
         metrics["ala_loss"] = (jnp.sum(jnp.where(ran, result.loss, 0.0))
                                / jnp.maximum(jnp.sum(ran), 1))          # over clients that ran ALA
         d = ops.tree_size(theta)
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=d,
-                                          down_clients=sent, down_floats_per_client=d))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
+                                            down_floats_per_client=d))
         return new_state, metrics
 
     def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:

@@ -53,9 +53,8 @@ def fedavg(model: Model, config: base.EngineConfig, *, ft_epochs: int | None = N
         metrics = {**base.train_metrics(result, idx), **private}
         opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
         d = ops.tree_size(params)
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=d,
-                                          down_clients=sent, down_floats_per_client=d))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
+                                            down_floats_per_client=d))
         return State(params, opt_state, state.round + 1, state.rng), metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:

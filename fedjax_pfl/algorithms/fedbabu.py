@@ -90,9 +90,8 @@ def fedbabu(model: Model, config: base.EngineConfig, *, head: str, finetune_epoc
         new_state = State(params, engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1, state.rng)
         metrics = {**base.train_metrics(result, idx), **private}
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=body_size,
-                                          down_clients=sent, down_floats_per_client=body_size))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=body_size,
+                                            down_floats_per_client=body_size))
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:

@@ -94,9 +94,8 @@ def feddyn(model: Model, config: base.EngineConfig, *, alpha: float) -> base.Alg
                           state.round + 1)
         metrics = {**base.train_metrics(result, idx), **dp_metrics}
         d = ops.tree_size(params)
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=d,
-                                          down_clients=sent, down_floats_per_client=d))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
+                                            down_floats_per_client=d))
         metrics["h_norm"] = ops.tree_norm(h)
         return new_state, metrics
 

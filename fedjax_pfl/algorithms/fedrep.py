@@ -134,9 +134,8 @@ def fedrep(model: Model, config: base.EngineConfig, *, head: str, head_epochs: i
                 / jnp.maximum(sum(steps), 1).astype(results[0].loss.dtype))
         metrics = {"sampled": idx, "train_loss": loss, "client_steps": jnp.sum(sum(steps)),
                    **private}
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=body_size,
-                                          down_clients=sent, down_floats_per_client=body_size))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=body_size,
+                                            down_floats_per_client=body_size))
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:

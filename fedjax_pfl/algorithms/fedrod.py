@@ -168,9 +168,8 @@ def fedrod(model: Model, config: base.EngineConfig, *, head: str) -> base.Algori
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1)
         metrics = {**base.train_metrics(result, idx), **private}  # train_loss: L_BSM + L_P
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=generic_size,
-                                          down_clients=sent, down_floats_per_client=generic_size))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=generic_size,
+                                            down_floats_per_client=generic_size))
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:

@@ -163,9 +163,8 @@ def moon(model: Model, config: base.EngineConfig, *, mu: float = 1.0, tau: float
         metrics["contrastive_loss"] = (jnp.sum(jnp.where(took_steps, per_client, 0.0))
                                        / jnp.maximum(jnp.sum(took_steps), 1))
         d = ops.tree_size(params)
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=d,
-                                          down_clients=sent, down_floats_per_client=d))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
+                                            down_floats_per_client=d))
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:

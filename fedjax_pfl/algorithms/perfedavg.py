@@ -101,9 +101,8 @@ def perfedavg(model: Model, config: base.EngineConfig, *, variant: str, alpha: f
         params, private = engine.aggregate(state.params, result.params, weights, key, data, idx=idx)
         metrics = {**base.train_metrics(result, idx), **private}
         d = ops.tree_size(params)
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=d,
-                                          down_clients=sent, down_floats_per_client=d))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
+                                            down_floats_per_client=d))
         return State(params, engine.store_opt_states(state.opt_state, idx, result.opt_state),
                      state.round + 1, state.rng), metrics
 

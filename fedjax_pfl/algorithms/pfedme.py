@@ -100,9 +100,8 @@ def pfedme(model: Model, config: base.EngineConfig, *, lam: float, personal_lr: 
         d = ops.tree_size(state.params)
         metrics.update(base.train_metrics(result, idx))
         metrics["trained"] = everyone
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=d,
-                                          down_clients=k, down_floats_per_client=d))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=d, down_clients=k,
+                                            down_floats_per_client=d))
         return State(theta, params, result.opt_state if persist else None, state.round + 1), metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:

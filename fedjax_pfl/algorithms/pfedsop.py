@@ -131,9 +131,9 @@ def pfedsop(
                        delta_glob_norm=ops.tree_norm(delta_glob))
         # Uplink Δ_i, downlink the global Δ (d floats each way per participant; a new client's
         # start x0, the common initialisation, is not counted, as no algorithm counts its θ_0).
-        sent, d = engine.num_participants(idx, data), ops.tree_size(state.x0)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=d,
-                                          down_clients=sent, down_floats_per_client=d))
+        d = ops.tree_size(state.x0)
+        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
+                                            down_floats_per_client=d))
         return State(clients, delta_glob, state.x0, state.round + 1), metrics
 
     def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:

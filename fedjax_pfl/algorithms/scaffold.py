@@ -119,9 +119,8 @@ def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
                           state.round + 1)
         metrics = {**base.train_metrics(result, idx), **dp_metrics}
         d = ops.tree_size(params)
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(up_clients=sent, up_floats_per_client=2 * d,
-                                          down_clients=sent, down_floats_per_client=2 * d))
+        metrics.update(engine.communication(idx, data, up_floats_per_client=2 * d,
+                                            down_floats_per_client=2 * d))
         metrics.update(control_norm=ops.tree_norm(control),
                        client_control_norm_mean=jnp.mean(jax.vmap(ops.tree_norm)(c_plus)),
                        correction_norm_mean=jnp.mean(jax.vmap(ops.tree_norm)(correction)))

@@ -213,11 +213,9 @@ def tdpfed(
         metrics["trained"] = everyone
         # Downlink: AFM clients rebuild ⟦A⟧ from the factors; ACT's ω̃ ≠ ⟦A⟧ must be sent dense.
         down = factor_floats + (dense_floats if aggregate == "act" else 0)
-        sent = engine.num_participants(idx, data)   # (Poisson: not the empty slots)
-        metrics.update(base.communication(
-            up_clients=sent, up_floats_per_client=factor_floats,
-            down_clients=k, down_floats_per_client=down,
-            down_floats_factors_only=k * factor_floats,
+        metrics.update(engine.communication(
+            idx, data, up_floats_per_client=factor_floats, down_clients=k,
+            down_floats_per_client=down, down_floats_factors_only=k * factor_floats,
             down_floats_with_tensor=k * (factor_floats + dense_floats)))
         return new_state, metrics
 
