@@ -7,6 +7,7 @@ training and 1–29 test samples each, seeded) with the 784-100-10 MLP:
 
     python benchmarks/eval_memory.py --algo ditto --clients 1000            # the machine's cores
     FEDJAX_PFL_CPU_DEVICES=1 python benchmarks/eval_memory.py --algo ditto --clients 1000
+    python benchmarks/eval_memory.py --algo ditto --clients 1000 --skewed   # unequal devices
 
 Run it from two checkouts (PYTHONPATH=...) to compare code versions; the printed sums of correct
 predictions and losses must agree.
@@ -25,6 +26,9 @@ def main() -> None:
     parser.add_argument("--participation", type=float, default=0.05)
     parser.add_argument("--chunk-size", type=int, default=0, help="0: automatic")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skewed", action="store_true",
+                        help="test splits growing with the client id (1 to 59 samples): the "
+                             "last devices' clients hold the most test samples")
     args = parser.parse_args()
     fedjax_pfl.use_cpu_cores()
     import jax
@@ -35,6 +39,8 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     train, test = rng.integers(5, 40, args.clients), rng.integers(1, 30, args.clients)
+    if args.skewed:
+        test = np.linspace(1, 59, args.clients).astype(int)
     n = int(train.sum() + test.sum())
     x = rng.normal(size=(n, 28, 28, 1)).astype(np.float32)
     y = rng.integers(0, 10, n).astype(np.int32)
