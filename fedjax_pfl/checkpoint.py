@@ -10,7 +10,8 @@ Layout of a checkpoint directory `path`:
     meta.json    format version, number of leaves, each leaf's path/shape/dtype, `metadata`
     host.npz     optional host-side numpy arrays (`host=`), e.g. a run's per-round logs
     host-K.npz   multi-process runs: process K's own host arrays (`host_local=`, e.g. the client
-                 rows its host store holds); `read_host` merges them with host.npz
+                 rows its host store holds); `read_host` merges them with host.npz, reading a
+                 part's arrays only when they are asked for
     manifest.json  every other file of the checkpoint with its size in bytes and its SHA-256,
                  written last (see "Verification")
 
@@ -37,6 +38,7 @@ one) is accepted as before: it is only checked for meta.json and arrays/ (`is_co
 
 from __future__ import annotations
 
+import collections.abc
 import hashlib
 import json
 import os
@@ -231,11 +233,13 @@ def read_metadata(path: str) -> dict:
     return _read_meta(path)["metadata"]
 
 
-def read_host(path: str) -> dict[str, np.ndarray]:
-    """The `host` and `host_local` arrays saved with the checkpoint, every process's merged ({}
-    if none; verified first: `verify`)."""
+def read_host(path: str) -> "HostArrays":
+    """The `host` and `host_local` arrays saved with the checkpoint, every process's merged
+    (empty if none; verified first: `verify`). host.npz's arrays are read at once; those of the
+    processes' parts (host-K.npz) only when asked for (`HostArrays`), so that a process resuming a
+    multi-process run reads only the client rows it holds."""
     verify(path)
-    out: dict[str, np.ndarray] = {}
+    out = HostArrays(path)
     try:                                  # the parts the manifest lists (others are ignored)
         with open(os.path.join(path, _MANIFEST), "rb") as f:
             names = list(json.loads(f.read().decode("utf-8"))["files"])
@@ -243,18 +247,66 @@ def read_host(path: str) -> dict[str, np.ndarray]:
         names = os.listdir(path)
     parts = sorted(n for n in names if re.fullmatch(_HOST_PART_RE, n))
     for name in ([_HOST] if os.path.exists(os.path.join(path, _HOST)) else []) + parts:
-        try:
-            with np.load(os.path.join(path, name), allow_pickle=False) as z:   # plain arrays only
-                arrays = {k: z[k] for k in z.files}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-            raise CheckpointError(f"checkpoint {path}: file {name} is unreadable "
-                                  f"({type(e).__name__}: {' '.join(str(e).split())})") from None
+        with _open_npz(path, name) as z:                    # plain arrays only
+            arrays = ({k: _read_npz(path, name, z, k) for k in z.files} if name == _HOST
+                      else dict.fromkeys(z.files, name))
         clash = sorted(set(out) & set(arrays))
         if clash:
             raise CheckpointError(f"checkpoint {path}: {name} holds arrays that another host file "
                                   f"holds too ({clash[:3]}): the checkpoint is damaged")
-        out.update(arrays)
+        for key, value in arrays.items():
+            if name == _HOST:
+                out._values[key] = value
+            else:
+                out._files[key] = value
     return out
+
+
+class HostArrays(collections.abc.Mapping):
+    """A checkpoint's host arrays by name (`read_host`): those of host.npz in memory, those of
+    the processes' parts (host-K.npz) read from their file when first asked for and then kept.
+    `read_from_parts` names the part arrays read so far."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._values: dict[str, np.ndarray] = {}
+        self._files: dict[str, str] = {}             # a part's array -> its file, until read
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self._values:
+            name = self._files[key]                   # KeyError for a name no file holds
+            with _open_npz(self.path, name) as z:
+                self._values[key] = _read_npz(self.path, name, z, key)
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(sorted(set(self._values) | set(self._files)))
+
+    def __len__(self) -> int:
+        return len(set(self._values) | set(self._files))
+
+    @property
+    def read_from_parts(self) -> list[str]:
+        return sorted(k for k in self._files if k in self._values)
+
+
+def _open_npz(path: str, name: str):
+    try:
+        return np.load(os.path.join(path, name), allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise _unreadable(path, name, e) from None
+
+
+def _read_npz(path: str, name: str, z, key: str) -> np.ndarray:
+    try:
+        return z[key]
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise _unreadable(path, name, e) from None
+
+
+def _unreadable(path: str, name: str, e: BaseException) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path}: file {name} is unreadable "
+                           f"({type(e).__name__}: {' '.join(str(e).split())})")
 
 
 def load_numpy(path: str) -> dict[str, np.ndarray]:

@@ -6,6 +6,9 @@ matplotlib and drawing the two figures took ~1.5 s of CPU a run directory (tests
 `no_figures` does the same in-process). Tests that check that a run writes its figures
 (tests/test_cli.py, tests/test_interrupts.py's stopped runs) use the real script.
 
+With FEDJAX_PFL_TEST_HOST_READS=DIR set, each process writes DIR/reads-K.json (K its process
+index): the arrays of the checkpoints' per-process host parts it read (`HostArrays.read_from_parts`).
+
 Exits as experiments/run.py's `__main__` does (130/143 without interpreter teardown)."""
 
 import os
@@ -20,8 +23,28 @@ from fedjax_pfl import plots  # noqa: E402
 plots.plot_label_distribution = lambda *args, **kwargs: None
 plots.plot_learning_curves = lambda *args, **kwargs: None
 
+_host_reads = []
+if os.environ.get("FEDJAX_PFL_TEST_HOST_READS"):
+    from fedjax_pfl import checkpoint
+
+    _read_host = checkpoint.read_host
+    checkpoint.read_host = lambda path: _host_reads.append(_read_host(path)) or _host_reads[-1]
+
+
+def _write_host_reads():
+    import json
+
+    import jax
+
+    out = os.path.join(os.environ["FEDJAX_PFL_TEST_HOST_READS"], f"reads-{jax.process_index()}.json")
+    with open(out, "w") as f:
+        json.dump(sorted({k for arrays in _host_reads for k in arrays.read_from_parts}), f)
+
+
 if __name__ == "__main__":
     status = run.main(sys.argv[1:])
+    if os.environ.get("FEDJAX_PFL_TEST_HOST_READS"):
+        _write_host_reads()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status) if status in (130, 143) else sys.exit(status)

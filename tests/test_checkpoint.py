@@ -48,7 +48,8 @@ def _assert_same(a, b):
 def test_host_arrays_of_every_process_are_read_back_together(tmp_path):
     """One process: `host_local` joins host.npz. Several: each process's part is its own
     host-K.npz (written here by hand in that layout, listed in the manifest), read back merged
-    with process 0's `host`; two parts holding the same name are refused."""
+    with process 0's `host`, each part's arrays only when asked for; two parts holding the same
+    name are refused."""
     path = str(tmp_path / "c")
     checkpoint.save(path, {"w": np.arange(2)}, host={"a": np.arange(3)},
                     host_local={"store/ids": np.array([4])})
@@ -61,7 +62,11 @@ def test_host_arrays_of_every_process_are_read_back_together(tmp_path):
     checkpoint._write_manifest(path)
     back = checkpoint.read_host(path)
     assert sorted(back) == ["a", "store.p0/ids", "store.p1/ids", "store/ids"]
-    assert back["store.p0/ids"].tolist() == [1, 2] and back["store.p1/ids"].tolist() == [7]
+    # A part's arrays are read when first asked for (a process reads only the parts it needs).
+    assert back.read_from_parts == []
+    assert back["store.p1/ids"].tolist() == [7] and back.read_from_parts == ["store.p1/ids"]
+    assert back["store.p0/ids"].tolist() == [1, 2]
+    assert back.read_from_parts == ["store.p0/ids", "store.p1/ids"]
     np.savez(os.path.join(path, "host-00002.npz"), **{"store.p1/ids": np.array([0])})
     checkpoint._write_manifest(path)
     with pytest.raises(checkpoint.CheckpointError, match="another host file holds too"):

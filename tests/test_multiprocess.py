@@ -36,8 +36,10 @@ def _env(devices="1"):
     return env
 
 
-def _cli(tmp, name, extra, devices="1", fusion_emitters=False):
+def _cli(tmp, name, extra, devices="1", fusion_emitters=False, host_reads=None):
     env = _env(devices)
+    if host_reads is not None:                       # (tests/run_no_figures.py)
+        env["FEDJAX_PFL_TEST_HOST_READS"] = str(host_reads)
     if fusion_emitters:     # (see tests/core/test_hoststate.py::test_host_state_at_default_settings)
         env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split()
                                     if not f.startswith("--xla_cpu_use_fusion_emitters"))
@@ -106,7 +108,10 @@ def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path
     checkpoint, where each process saves its part), and each call's rows are assembled on the
     devices from both. Stopped after round 2's checkpoint and resumed with two processes, or
     with one, the run ends with the metrics of one process holding the dataset and the client
-    state on both of its devices (pgfedmo: per-client rows, the α matrix by rows). XLA's fusion
+    state on both of its devices (pgfedmo: per-client rows, the α matrix by rows); so do the
+    two-process host checkpoint resumed with the rows on the devices (each process reading only
+    its own part of it) and the one-process device checkpoint resumed by two processes with the
+    rows on the host. XLA's fusion
     emitters are on: with them off and LLVM at -O0 together (the suite's settings) host and device
     state placement differ by an ulp even in one process (tests/core/test_hoststate.py)."""
     algo = ["--algo", "pgfedmo", "--checkpoint-every", "2"]
@@ -126,7 +131,24 @@ def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path
     trained = set(np.concatenate(checkpoint.read_host(str(saved))["sampled"]).tolist())
     assert parts[0] | parts[1] == trained and parts[0] and parts[1]
     shutil.copytree(tmp_path / "host", tmp_path / "host_one")
+    shutil.copytree(tmp_path / "host", tmp_path / "host_dev")
     _two(tmp_path, "host", host + ["--rounds", "3", "--resume"], fusion_emitters=True)
+    # Resumed by two processes with the rows on the devices: each process reads the rows of
+    # only the part that holds its device's clients (0-2 on process 0's device, 3-5 on process
+    # 1's); of the other part, its client ids (and, for process 1, the shared initial rows, which
+    # come from the first part).
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    _two(tmp_path, "host_dev", algo + ["--rounds", "3", "--resume", "--data-placement", "device",
+                                       "--state-placement", "device"],
+         fusion_emitters=True, host_reads=reads)
+    for k in (0, 1):
+        got = json.loads((reads / f"reads-{k}.json").read_text())
+        other = f"store.p{1 - k}/"
+        assert got and all(n.startswith(f"store.p{k}/") or n == other + "ids" or
+                           (k == 1 and n.startswith(other) and n.endswith("/initial"))
+                           for n in got), (k, got)
+        assert any(n.startswith(f"store.p{k}/") and n.endswith("/values") for n in got), (k, got)
     # The two processes' checkpoint resumed by one process (both parts of the store read).
     one_of_two = _cli(tmp_path, "host_one", host + ["--rounds", "3", "--resume"], devices="2",
                       fusion_emitters=True)
@@ -136,8 +158,13 @@ def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path
     for p in (one_of_two, single):
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
+    # The one-process run's round-2 checkpoint (its rows on the devices) resumed by two
+    # processes with the rows on the host: each keeps its own range from its device's shards.
+    shutil.copytree(tmp_path / "one", tmp_path / "dev_host")
+    shutil.rmtree(tmp_path / "dev_host" / "checkpoints" / "round_000003")
+    _two(tmp_path, "dev_host", host + ["--rounds", "3", "--resume"], fusion_emitters=True)
     want = _rows(tmp_path / "one" / "metrics.jsonl")
-    for run in ("host", "host_one"):
+    for run in ("host", "host_one", "host_dev", "dev_host"):
         got = _rows(tmp_path / run / "metrics.jsonl")
         assert [r["round"] for r in got] == [1, 2, 3]
         for a, b in zip(got, want, strict=True):

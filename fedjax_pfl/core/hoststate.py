@@ -201,23 +201,28 @@ class ClientStore:
                     keep: np.ndarray | None = None) -> "ClientStore":
         """The store saved by `to_arrays` — by every process that saved a part of it (all the
         prefixes `saved_prefixes` finds) — with `like`'s dtypes and row shapes (checked), holding
-        only the clients that `keep` ([N] bool; None: all) marks."""
+        only the clients that `keep` ([N] bool; None: all) marks. Of a part that holds none of them
+        (but the first) only the ids are read (`checkpoint.HostArrays` reads lazily)."""
         store = cls(like.initial, like.num_clients)
-        for prefix in saved_prefixes(arrays):
+        for k, prefix in enumerate(saved_prefixes(arrays)):
             ids = np.asarray(arrays[f"{prefix}/ids"], np.int64)
-            for j, init in enumerate(like.initial):
+            mine = np.ones(ids.size, bool) if keep is None else keep[ids]
+            if k and not mine.any():
+                continue            # (a lazily read checkpoint's other parts stay unread)
+            for j, init in enumerate(like.initial):      # (every part saves the same ones)
                 saved = _restored(arrays[f"{prefix}/{j}/initial"], init.dtype)
                 if saved.shape != init.shape:
                     raise ValueError(f"checkpoint: client-state leaf {j} has rows {saved.shape}, "
                                      f"this run {init.shape}")
                 store.initial[j] = saved
+            if not mine.any():
+                continue
             values = [_restored(arrays[f"{prefix}/{j}/values"], init.dtype)
                       for j, init in enumerate(like.initial)]
             for j, (v, init) in enumerate(zip(values, like.initial)):
                 if v.shape != (ids.size,) + init.shape:
                     raise ValueError(f"checkpoint: client-state leaf {j} holds rows {v.shape}, not "
                                      f"{(ids.size,) + init.shape} for its {ids.size} clients")
-            mine = np.ones(ids.size, bool) if keep is None else keep[ids]
             store.put(ids[mine], [v[mine] for v in values])
         return store
 

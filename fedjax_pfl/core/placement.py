@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +91,87 @@ def to_host(tree: Params) -> Params:
         return np.asarray(a)
 
     return jax.tree.map(one, tree)
+
+
+def rows_held(shape: tuple, sharding: jax.sharding.Sharding, process: int | None = None,
+              process_of=None) -> np.ndarray:
+    """[shape[0]] bool: the rows of an array of `shape` under `sharding` that the devices of
+    `process` (this one by default) hold."""
+    me = jax.process_index() if process is None else process
+    process_of = process_of or (lambda device: device.process_index)
+    held = np.zeros(shape[0], bool)
+    rows = np.arange(shape[0])
+    for device, index in sharding.devices_indices_map(tuple(shape)).items():
+        if process_of(device) == me:
+            held[rows[index[0]]] = True
+    return held
+
+
+def put_rows_from(shape: tuple, dtype, sharding: jax.sharding.Sharding,
+                  rows: Callable[[np.ndarray], np.ndarray]) -> jax.Array:
+    """A [N, ...] array under `sharding` built shard by shard from host rows: `rows(ids)` is
+    called only for the rows this process's devices hold (once per distinct shard), so no process
+    ever holds all N rows on the host."""
+    made: dict[tuple, np.ndarray] = {}
+    ids = np.arange(shape[0])
+
+    def shard(index):
+        first = index[0]
+        key = (first.start, first.stop, first.step)
+        if key not in made:
+            made[key] = np.asarray(rows(ids[first]), dtype)
+        return made[key][(slice(None),) + tuple(index[1:])]
+
+    return jax.make_array_from_callback(tuple(shape), sharding, shard)
+
+
+def rows_to_exchange(shape: tuple, sharding: jax.sharding.Sharding, owners: np.ndarray,
+                     process_of=None) -> np.ndarray:
+    """The rows (ids, ascending) that some process owns (`owners`: [N] process of each row) but
+    whose devices do not hold under `sharding`: what `owned_rows` gathers by a collective."""
+    owners = np.asarray(owners)
+    lacking = np.zeros(shape[0], bool)
+    for q in np.unique(owners):
+        lacking |= (owners == q) & ~rows_held(shape, sharding, int(q), process_of)
+    return np.flatnonzero(lacking)
+
+
+def owned_rows(a: jax.Array, owners: np.ndarray, process: int | None = None,
+               process_of=None) -> np.ndarray:
+    """a[owners == process] as a host NumPy array, for a [N, ...] array sharded over the
+    processes' devices: the rows this process's devices hold are copied from its shards; the
+    rows that some process owns but its devices do not hold are gathered, for every process at
+    once, by one collective (every process must call this with the same `a` and `owners`). No
+    process receives every row, as `to_host` would give it.
+
+    `process_of(device)` is the process a device belongs to (`device.process_index`; tests of one
+    process pretend otherwise)."""
+    me = jax.process_index() if process is None else process
+    process_of = process_of or (lambda device: device.process_index)
+    owners = np.asarray(owners)
+    n = a.shape[0]
+    wanted = np.flatnonzero(owners == me)
+    position = np.full(n, -1, np.int64)
+    position[wanted] = np.arange(wanted.size)
+    out = np.empty((wanted.size,) + a.shape[1:], a.dtype)
+    ids = np.arange(n)
+    for device, index in a.sharding.devices_indices_map(a.shape).items():
+        if process_of(device) != me:
+            continue
+        rows = ids[index[0]]
+        take = position[rows] >= 0
+        if take.any():
+            data = np.asarray(next(s.data for s in a.addressable_shards if s.device == device))
+            out[(position[rows[take]],) + tuple(index[1:])] = data[take]
+    missing = rows_to_exchange(a.shape, a.sharding, owners, process_of)
+    if missing.size:
+        spec = jax.sharding.PartitionSpec()
+        replicated = (NamedSharding(a.sharding.mesh, spec) if isinstance(a.sharding, NamedSharding)
+                      else jax.sharding.SingleDeviceSharding(next(iter(a.sharding.device_set))))
+        got = np.asarray(jax.jit(lambda x: x[missing], out_shardings=replicated)(a))
+        mine = position[missing] >= 0
+        out[position[missing[mine]]] = got[mine]
+    return out
 
 
 def _is_state_class(node: Any) -> bool:

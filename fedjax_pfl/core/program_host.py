@@ -22,7 +22,8 @@ import numpy as np
 
 from fedjax_pfl.core import blocks, hoststate
 from fedjax_pfl.core.hoststate import HostClients, HostState
-from fedjax_pfl.core.placement import client_mask, put_replicated, to_host
+from fedjax_pfl.core.placement import (client_mask, owned_rows, put_replicated, put_rows_from,
+                                      rows_held, to_host)
 from fedjax_pfl.core.streaming import key_bytes, in_groups
 
 
@@ -287,25 +288,50 @@ class HostStateCalls:
         if saved_host:
             like = hoststate.ClientStore(self._host_rows_abstract(1, zeros=True, splitter=splitter),
                                          self.num_clients)
-            if self.host is not None:      # (every process's part read; this one's rows kept)
+            if self.host is not None:      # (each process reads the parts that hold its rows)
                 return HostState(list(tree), hoststate.ClientStore.from_arrays(
                     host_arrays, like, keep=self._rows_here))
-            store = hoststate.ClientStore.from_arrays(host_arrays, like)
-            # Written with the rows on the host, resumed with them on the devices.
-            state = splitter.treedef.unflatten(
-                splitter.join(list(tree), store.gather(np.arange(self.num_clients))))
-            return jax.device_put(state, self.shardings) if self.shardings is not None else \
-                jax.device_put(state)
-        # Written with the rows on the devices, resumed with them on the host: every row is kept
-        # (by the process that holds it).
+            return self._device_state_from_store(list(tree), host_arrays, like, splitter)
+        # Written with the rows on the devices, resumed with them on the host: each process keeps
+        # the rows its store holds (`hoststate.row_owners`), copied from its own devices' shards
+        # where they are there (`placement.owned_rows`).
         dev, host = splitter.split(jax.tree.leaves(tree))
-        host = [np.asarray(a) for a in to_host(host)]
-        store = hoststate.ClientStore([a[0] for a in host], self.num_clients)
-        mine = np.arange(self.num_clients)
-        if self._rows_here is not None:
-            mine = mine[self._rows_here]
-        store.put(mine, [a[mine] for a in host])
+        n = self.num_clients
+        owners = (np.zeros(n, np.int32) if self._rows_here is None
+                  else hoststate.row_owners(n, jax.process_count()))
+        me = 0 if self._rows_here is None else jax.process_index()
+        rows = [owned_rows(a, owners, me) if isinstance(a, jax.Array) else np.asarray(a)
+                for a in host]
+        mine = np.flatnonzero(owners == me)
+        store = hoststate.ClientStore([r[0] for r in rows], n)
+        store.put(mine, rows)
         return HostState(list(dev), store)
+
+    def _device_state_from_store(self, dev: list, host_arrays, like: hoststate.ClientStore,
+                                 splitter: HostClients):
+        """A checkpoint written with the client rows on the host, resumed with them on the
+        devices: each process reads from the checkpoint, and places, only the rows its own
+        devices hold (`placement.put_rows_from`); with no mesh, every row on the one device."""
+        abstract = splitter.split(jax.tree.leaves(self.abstract_sharded_state()))[1]
+        if self.shardings is None:
+            store = hoststate.ClientStore.from_arrays(host_arrays, like)
+            host = jax.device_put(store.gather(np.arange(self.num_clients)))
+            return splitter.treedef.unflatten(splitter.join(dev, host))
+        held = np.zeros(self.num_clients, bool)
+        for a in abstract:
+            held |= rows_held(a.shape, a.sharding)
+        store = hoststate.ClientStore.from_arrays(host_arrays, like, keep=held)
+        by_shard: dict[tuple, list] = {}
+
+        def rows(j, ids):
+            key = (int(ids[0]), ids.size) if ids.size else (0, 0)
+            if key not in by_shard:                  # every leaf of a shard from one gather
+                by_shard[key] = store.gather(ids)
+            return by_shard[key][j]
+
+        host = [put_rows_from(a.shape, a.dtype, a.sharding, functools.partial(rows, j))
+                for j, a in enumerate(abstract)]
+        return splitter.treedef.unflatten(splitter.join(dev, host))
 
     def _host_rows_abstract(self, size: int, zeros: bool = False,
                             splitter: HostClients | None = None) -> list:

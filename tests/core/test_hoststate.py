@@ -136,6 +136,18 @@ def test_the_store_is_copy_on_write_and_round_trips():
         store.put(np.array([1000]), [np.zeros((1, 2, 3), np.float32), np.zeros(1, bool)])
 
 
+class _Reads(dict):
+    """A dict that records which arrays were read."""
+
+    def __init__(self, arrays):
+        super().__init__(arrays)
+        self.asked = []
+
+    def __getitem__(self, key):
+        self.asked.append(key)
+        return super().__getitem__(key)
+
+
 def test_each_process_keeps_its_range_of_rows_and_a_checkpoint_merges_the_parts():
     """Several processes: client i's rows belong to process ⌊i·P/N⌋ (contiguous ranges);
     each process saves its part under its own prefix, and a store restored from all the parts
@@ -155,8 +167,16 @@ def test_each_process_keeps_its_range_of_rows_and_a_checkpoint_merges_the_parts(
     np.testing.assert_array_equal(whole.gather(np.array([5, 3, 0]))[0],
                                   [[5, -5], [3, -3], [0, 0]])
     keep = hoststate.row_owners(8, 2) == 1                   # process 1 of 2: clients 4-7
-    mine = hoststate.ClientStore.from_arrays(parts, hoststate.ClientStore(init, 8), keep=keep)
+    read = _Reads(parts)
+    mine = hoststate.ClientStore.from_arrays(read, hoststate.ClientStore(init, 8), keep=keep)
     assert sorted(mine.ids.tolist()) == [5, 6]
+    # Of the part holding none of them only the ids (and, as the first part, the shared initial
+    # rows) were read, as `checkpoint.HostArrays` reads them lazily.
+    assert sorted(k for k in read.asked if k.startswith("store.p0")) == ["store.p0/0/initial",
+                                                                       "store.p0/ids"]
+    read = _Reads(parts)
+    hoststate.ClientStore.from_arrays(read, hoststate.ClientStore(init, 8), keep=~keep)
+    assert sorted(k for k in read.asked if k.startswith("store.p1")) == ["store.p1/ids"]
     np.testing.assert_array_equal(mine.gather(np.array([6, 1]))[0], [[6, -6], [0, 0]])
 
 
@@ -392,6 +412,27 @@ SCRIPT = textwrap.dedent('''
         mesh = core.client_mesh()
         same(run(algo, two, mesh, 2, "device", data_placement),
              run(algo, two, mesh, 2, "host", data_placement))
+
+    # Rows moved between host and devices per process (resume across state placements), each
+    # device pretended to be its own process: rows 0-2 on "process" 0's device, 3-5 on 1's.
+    from fedjax_pfl.core import placement
+    mesh = core.client_mesh()
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
+    dense = np.arange(6 * 3, dtype=np.float32).reshape(6, 3)
+    a = jax.device_put(dense, sharding)
+    process_of = {d: i for i, d in enumerate(mesh.devices.flat)}.__getitem__
+    assert placement.rows_held(a.shape, sharding, 1, process_of).tolist() == [0, 0, 0, 1, 1, 1]
+    for owners, exchanged in (([0, 0, 0, 1, 1, 1], []), ([0, 0, 1, 1, 1, 0], [2, 5])):
+        owners = np.array(owners)
+        assert placement.rows_to_exchange(a.shape, sharding, owners, process_of).tolist() == exchanged
+        for p in (0, 1):
+            np.testing.assert_array_equal(placement.owned_rows(a, owners, p, process_of),
+                                          dense[owners == p])
+    asked = []
+    b = placement.put_rows_from(dense.shape, np.float32, sharding,
+                                lambda ids: asked.append(ids.tolist()) or dense[ids])
+    assert sorted(asked) == [[0, 1, 2], [3, 4, 5]] and b.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(b), dense)
     print("OK", len(names))
 ''')
 
