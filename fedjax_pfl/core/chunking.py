@@ -1,4 +1,5 @@
-"""How many clients one vectorised chunk holds on a CPU device: budgets and their calibration.
+"""How many clients one vectorised chunk holds: budgets on a CPU device and their calibration,
+and a memory bound on accelerators.
 
 The chunked backend (`core.execution`) runs the sampled clients W at a time. W comes from
 budgets on one client's temporaries, outputs and floating-point operations, read from XLA's
@@ -32,6 +33,27 @@ CHUNK_TEMP_BUDGET_BYTES = 16 * 2**20
 # chunks of 8-16 and gets 14, the FedAvg CNN at B = 10 (253 MFLOP) gets 1.
 CHUNK_FLOP_TARGET = 48e6
 CHUNK_MEMORY_BUDGET_BYTES = 2**30
+# Accelerators want the widest batch, so a chunk there is limited by memory alone: one chunk's
+# temporaries and outputs within this fraction of the device's memory. Without it, a mapper call
+# over every client (an evaluation of N personal models) vectorised all of them at once:
+# 3,400 clients × ~25 MB of a CNN's evaluation activations is more than any one GPU holds.
+ACCELERATOR_CHUNK_MEMORY_FRACTION = 0.25
+
+
+def on_cpu() -> bool:
+    """Whether computations run on XLA:CPU (the budgets above), not on an accelerator."""
+    return jax.default_backend() == "cpu"
+
+
+def device_memory_limit() -> int:
+    """Bytes of this process's first device's memory (0 where the backend reports none)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return int(stats.get("bytes_limit", 0))
+
+
+def accelerator_chunk_budget() -> int:
+    """Bytes one chunk's temporaries and outputs may take on an accelerator (0: no limit known)."""
+    return int(ACCELERATOR_CHUNK_MEMORY_FRACTION * device_memory_limit())
 
 
 def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
@@ -44,10 +66,16 @@ def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
     cost analyses of `one_client_fn`, compiled for a single client, report (shared inputs such as
     the dataset are not counted). The chunk keeps chunk·temp ≤ temp_budget,
     chunk·(temp + out) ≤ memory_budget and chunk·flops ≤ flop_target (rounded down, at least 1).
-    Accelerators get no limit (whole vmap): they want the widest batch.
+    Accelerators want the widest batch: there only chunk·(temp + out) ≤
+    `accelerator_chunk_budget()` (a quarter of the device's memory) limits it, and nothing where
+    the device reports no memory.
     """
-    if jax.default_backend() != "cpu":
-        return 1 << 30
+    accelerator = not on_cpu()
+    if accelerator:
+        memory_budget_bytes = accelerator_chunk_budget()
+        if memory_budget_bytes <= 0:
+            return 1 << 30
+        temp_budget_bytes, flop_target = 0, 0.0
     try:
         compiled = compiled_for_analysis(one_client_fn, *abstract_args)
         analysis = compiled.memory_analysis()
@@ -56,7 +84,7 @@ def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
         one_client = Bounds(analysis.temp_size_in_bytes, analysis.output_size_in_bytes,
                             float((cost or {}).get("flops", 0.0)))
     except Exception:  # no memory analysis on this backend: a conservative fixed chunk
-        return 32
+        return 1 << 30 if accelerator else 32
     return _chunk_within(one_client, temp_budget_bytes, memory_budget_bytes, flop_target)
 
 
@@ -67,6 +95,11 @@ def traced_chunk_size(one_client_fn: Callable, *abstract_args: Any,
     """A chunk size no larger than `auto_chunk_size`'s, without compiling: the same budgets
     applied to upper bounds of one client's temporaries, outputs and flops read off its traced
     program (`analysis.traced_bounds`). 0 where no bound is known."""
+    if not on_cpu():
+        memory_budget_bytes = accelerator_chunk_budget()
+        if memory_budget_bytes <= 0:
+            return 1 << 30
+        temp_budget_bytes, flop_target = 0, 0.0
     bounds = traced_bounds(one_client_fn, *abstract_args)
     if bounds is None:
         return 0
@@ -75,11 +108,13 @@ def traced_chunk_size(one_client_fn: Callable, *abstract_args: Any,
 
 def _chunk_within(one_client: Bounds, temp_budget_bytes: int, memory_budget_bytes: int,
                   flop_target: float) -> int:
+    """The chunk within the budgets (a budget of 0: none of that kind)."""
     temp, flops = one_client.temp_bytes, one_client.flops
     total = temp + one_client.output_bytes
-    by_speed = temp_budget_bytes // temp if temp > 0 else 1 << 30
-    by_work = flop_target // flops if flops > 0 else 1 << 30
-    return max(1, int(min(by_speed, by_work, memory_budget_bytes // max(total, 1))))
+    by_speed = temp_budget_bytes // temp if temp > 0 and temp_budget_bytes > 0 else 1 << 30
+    by_work = flop_target // flops if flops > 0 and flop_target > 0 else 1 << 30
+    by_memory = memory_budget_bytes // total if total > 0 and memory_budget_bytes > 0 else 1 << 30
+    return max(1, int(min(by_speed, by_work, by_memory, 1 << 30)))
 
 
 def abstract_row(tree: Params) -> Params:

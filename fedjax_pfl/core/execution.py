@@ -75,11 +75,10 @@ class MapperCache:
         if full_key in self._auto_chunk:
             return self._auto_chunk[full_key]
         shared, row = specs
-        if jax.default_backend() == "cpu":
-            if full_key not in self._traced_chunk:
-                self._traced_chunk[full_key] = traced_chunk_size(fn, *shared, *row)
-            if rows <= self._traced_chunk[full_key]:
-                return rows
+        if full_key not in self._traced_chunk:
+            self._traced_chunk[full_key] = traced_chunk_size(fn, *shared, *row)
+        if rows <= self._traced_chunk[full_key]:
+            return rows
         self._auto_chunk[full_key] = auto_chunk_size(fn, *shared, *row)
         return self._auto_chunk[full_key]
 

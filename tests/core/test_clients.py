@@ -105,6 +105,37 @@ def test_automatic_chunk_size_follows_the_working_set():
     np.testing.assert_allclose(out, jax.vmap(lambda r: r.sum() * r)(rows))
 
 
+def test_on_an_accelerator_only_memory_limits_a_chunk(monkeypatch):
+    """Accelerators want the widest chunk, so there only a quarter of the device's memory bounds
+    it: chunk · (temporaries + outputs) ≤ bytes_limit / 4. A function of one client returning a
+    [1000] float32 row (4,000 bytes, no temporaries) on a device of 4 · 7 · 4,000 + 100 bytes
+    gets chunks of 7, which the automatic mapper then runs; with no memory reported, the whole
+    vmap as before."""
+    from fedjax_pfl.core import chunking
+
+    fn = lambda row: row * 2.0
+    spec = jax.ShapeDtypeStruct((1000,), jnp.float32)
+    big = lambda row: jnp.sum(jax.lax.optimization_barrier(
+        jnp.sin(row[:, None, None] * row[None, :, None] * row)), axis=0)
+    small = jax.ShapeDtypeStruct((64,), jnp.float32)
+    assert chunking.auto_chunk_size(big, small) <= 16                 # this CPU's budgets
+    monkeypatch.setattr(chunking, "on_cpu", lambda: False)
+    monkeypatch.setattr(chunking, "device_memory_limit", lambda: 4 * 7 * 4000 + 100)
+    assert chunking.auto_chunk_size(fn, spec) == 7
+    assert 1 <= chunking.traced_chunk_size(fn, spec) <= 7          # (an upper bound of the bytes)
+    rows = jnp.arange(20 * 1000, dtype=jnp.float32).reshape(20, 1000)
+    mapper = core.client_mapper("chunked", 0)
+    assert mapper.resolved(fn, (), (rows,)).chunk_size == 7
+    np.testing.assert_array_equal(mapper(fn, rows), 2.0 * np.arange(20 * 1000).reshape(20, 1000))
+    # Speed budgets (temporaries near the cache, flops per step) are the CPU's alone: a function
+    # with 1 MB of temporaries per client, one client per chunk under the CPU's 16 MB budget at
+    # most 16, gets chunks of about 1 GB / 1 MB on a 4 GB device.
+    monkeypatch.setattr(chunking, "device_memory_limit", lambda: 4 << 30)
+    assert 512 <= chunking.auto_chunk_size(big, small) <= 1024
+    monkeypatch.setattr(chunking, "device_memory_limit", lambda: 0)
+    assert chunking.auto_chunk_size(fn, spec) == chunking.traced_chunk_size(fn, spec) == 1 << 30
+
+
 def test_sparse_sampling_is_uniform_over_subsets():
     """The O(M log M) path (first M distinct ids of iid draws): all C(6, 3) = 20 subsets of 6
     clients equally likely over 8,000 keys (chi-square, 19 degrees of freedom)."""
