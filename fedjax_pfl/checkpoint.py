@@ -164,13 +164,19 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, _META)) and os.path.isdir(os.path.join(path, _ARRAYS))
 
 
-def verify(path: str) -> None:
+def verify(path: str, *, shared: bool = False) -> None:
     """Checks the checkpoint at `path` against its manifest before anything is loaded.
 
     Every file the manifest lists must exist with the listed size (all sizes are compared first:
     cheap, and a truncated or deleted file is found without reading any data) and the listed
     SHA-256. A checkpoint without a manifest, written before manifests existed, passes when it
     is complete (`is_complete`); one whose meta.json says it has a manifest does not.
+
+    `shared=True` in a run of several processes (every process must call it, for the same
+    checkpoint): each process hashes only its share of the files (`verify_shares`, about 1/P of
+    the bytes) and the processes exchange their findings, so that between them they read the
+    checkpoint once and all reach the same verdict (the first damaged file in the manifest's
+    order, whichever process hashed it).
 
     Raises:
       CheckpointError: one line naming the checkpoint and the missing or damaged file.
@@ -205,18 +211,50 @@ def verify(path: str) -> None:
             raise CheckpointError(f"checkpoint {path}: file {name} has {actual} bytes, the "
                                   f"manifest says {size} (truncated or damaged)")
     signature = _signature(path, [_MANIFEST] + [name for name, _, _ in listed])
-    if _VERIFIED.get(os.path.abspath(path)) == signature:
+    processes = jax.process_count() if shared else 1
+    if processes == 1 and _VERIFIED.get(os.path.abspath(path)) == signature:
         return                                    # hashed already, and no file changed since
-    for name, _, digest in listed:
+    mine = (range(len(listed)) if processes == 1 else
+            verify_shares([size for _, size, _ in listed], processes)[jax.process_index()])
+    problems = {}                                 # manifest position -> the error's wording
+    for i in mine:
+        name, _, digest = listed[i]
         try:
             actual = _sha256(os.path.join(path, *name.split("/")))
         except OSError as e:
-            raise CheckpointError(f"checkpoint {path}: file {name} cannot be read ({e.strerror})"
-                                  ) from None
+            problems[i] = f"file {name} cannot be read ({e.strerror})"
+            break
         if actual != digest:
-            raise CheckpointError(f"checkpoint {path}: file {name} does not match its SHA-256 in "
-                                  "the manifest (damaged)")
+            problems[i] = f"file {name} does not match its SHA-256 in the manifest (damaged)"
+            break
+    first = min(problems, default=len(listed))
+    if processes > 1:        # every process's first damaged file; all raise for the earliest
+        from jax.experimental import multihost_utils
+
+        unreadable = "cannot be read" in problems.get(first, "")
+        found = np.asarray(multihost_utils.process_allgather(np.asarray([first, int(unreadable)])))
+        first, unreadable = (int(v) for v in found[np.argmin(found[:, 0])])
+        if first < len(listed) and first not in problems:
+            name = listed[first][0]
+            problems[first] = (f"file {name} cannot be read (by another process)" if unreadable
+                               else f"file {name} does not match its SHA-256 in the manifest "
+                               "(damaged)")
+    if first < len(listed):
+        raise CheckpointError(f"checkpoint {path}: {problems[first]}")
     _VERIFIED[os.path.abspath(path)] = signature
+
+
+def verify_shares(sizes: list[int], processes: int) -> list[list[int]]:
+    """The files (positions in `sizes`) each of `processes` processes hashes in
+    `verify(shared=True)`: largest first, each to the process with the fewest bytes so far (ties:
+    the lowest index); each share in ascending order."""
+    shares: list[list[int]] = [[] for _ in range(processes)]
+    load = [0] * processes
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        k = min(range(processes), key=lambda k: (load[k], k))
+        shares[k].append(i)
+        load[k] += sizes[i]
+    return [sorted(share) for share in shares]
 
 
 def is_intact(path: str) -> bool:

@@ -167,6 +167,16 @@ def _no_array_reads(monkeypatch):
     monkeypatch.setattr(ocp.Checkpointer, "restore", forbidden)
 
 
+def test_processes_verify_a_checkpoint_in_shares_of_about_equal_bytes():
+    """`verify(shared=True)` over P processes: each hashes the files of its share, largest first
+    to the process with the fewest bytes. Sizes 5, 1, 9, 3, 3 over two processes: 9 → p0, 5 → p1,
+    3 → p1 (5 < 9), 3 → p1 (8 < 9), 1 → p0 (9 < 11): shares {1, 2} (10 bytes) and {0, 3, 4}
+    (11 bytes); one process hashes every file."""
+    assert checkpoint.verify_shares([5, 1, 9, 3, 3], 2) == [[1, 2], [0, 3, 4]]
+    assert checkpoint.verify_shares([5, 1, 9, 3, 3], 1) == [[0, 1, 2, 3, 4]]
+    assert checkpoint.verify_shares([2], 3) == [[0], [], []]
+
+
 def test_manifest_lists_every_file_with_size_and_sha256(tmp_path):
     import hashlib
     import json

@@ -95,9 +95,12 @@ def _two(tmp, name, extra, **kwargs):
     port = _free_port()
     flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", *extra]
     procs = [_cli(tmp, name, flags + ["--process-id", str(i)], **kwargs) for i in (0, 1)]
+    outputs = []
     for p in procs:
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
+        outputs.append(out)
+    return outputs
 
 
 @pytest.mark.slow
@@ -206,9 +209,11 @@ def test_an_interrupted_process_leaves_a_resumable_run(tmp_path):
     """Two processes, checkpoints every round (pgfedmo: per-client state rows on both processes),
     the data sharded over them (`--data-placement sharded`: each process holds its own range of
     clients): Ctrl-C to process 1 after round 2's checkpoint
-    (process 0, its peer gone, is then ended as a launcher ends the group); `--resume` with two
-    processes continues from round 2 and reports the metrics of an uninterrupted run with the
-    data on every device."""
+    (process 0, its peer gone, is then ended as a launcher ends the group); a byte of round 2's
+    checkpoint damaged in a file only process 1 hashes (the processes verify a checkpoint
+    together, each a share of its files); `--resume` with two processes then continues from
+    round 1 in both and reports the metrics of an uninterrupted run with the data on every
+    device."""
     algo = ["--algo", "pgfedmo", "--checkpoint-every", "1"]
     _two(tmp_path, "whole", algo + ["--rounds", "4", "--data-placement", "device"])
     algo += ["--data-placement", "sharded"]
@@ -234,7 +239,22 @@ def test_an_interrupted_process_leaves_a_resumable_run(tmp_path):
     # Both processes wrote their shards of the client state into each checkpoint that process 0
     # committed (the round-3 one, if started, never was).
     assert {"round_000001", "round_000002"} <= set(os.listdir(tmp_path / "parts" / "checkpoints"))
-    _two(tmp_path, "parts", algo + ["--rounds", "4", "--resume"])
+    # One byte of round 2's checkpoint changed, in a file that process 1 alone hashes when the
+    # two verify it together (`checkpoint.verify_shares`): both find the damage and resume from
+    # round 1.
+    from fedjax_pfl import checkpoint
+
+    newest = tmp_path / "parts" / "checkpoints" / "round_000002"
+    files = json.loads((newest / "manifest.json").read_text())["files"]
+    names = list(files)
+    share = checkpoint.verify_shares([files[n]["size"] for n in names], 2)
+    victim = newest / next(names[i] for i in share[1] if files[names[i]]["size"] > 0)
+    damaged = bytearray(victim.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    victim.write_bytes(bytes(damaged))
+    out = _two(tmp_path, "parts", algo + ["--rounds", "4", "--resume"])[0]
+    assert f"round_000002 is damaged (checkpoint {newest}: file {victim.relative_to(newest)} " \
+        "does not match its SHA-256" in " ".join(out.split()), out[-2000:]
     whole, parts = _rows(tmp_path / "whole" / "metrics.jsonl"), _rows(tmp_path / "parts" / "metrics.jsonl")
     assert [r["round"] for r in parts] == [1, 2, 3, 4]
     for a, b in zip(parts, whole, strict=True):
