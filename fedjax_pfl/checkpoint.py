@@ -27,7 +27,8 @@ rebuilt; bfloat16 leaves stay bfloat16.
 
 Verification: `verify(path)` checks the manifest before any array is read: every listed file must
 exist, have the listed size (sizes first: a truncated file is found without reading anything)
-and the listed SHA-256 (FIPS 180-4; one sequential read of the checkpoint). It raises
+and the listed SHA-256 (FIPS 180-4; one sequential read of the checkpoint, shared out between
+the processes of a multi-process resume). It raises
 `CheckpointError` with one line naming the damaged or missing file; `is_intact(path)` is the
 same check as a bool. `restore`, `load_numpy`, `read_metadata` and `read_host` verify first, so a
 truncated array file or host.npz is reported as such instead of as an orbax/TensorStore or zip
@@ -173,21 +174,83 @@ def verify(path: str, *, shared: bool = False) -> None:
     is complete (`is_complete`); one whose meta.json says it has a manifest does not.
 
     `shared=True` in a run of several processes (every process must call it, for the same
-    checkpoint): each process hashes only its share of the files (`verify_shares`, about 1/P of
-    the bytes) and the processes exchange their findings, so that between them they read the
-    checkpoint once and all reach the same verdict (the first damaged file in the manifest's
-    order, whichever process hashed it).
+    checkpoint): each process hashes only its share of the files (`verify_shares`: whole files,
+    of about equal bytes where no one file dominates) and the processes exchange their findings,
+    so that between them they read the checkpoint once and all reach the same verdict: each
+    process joins the exchange whatever it found, and all raise for the earliest finding (the
+    manifest, then the files in its order), whichever process made it.
 
     Raises:
       CheckpointError: one line naming the checkpoint and the missing or damaged file.
     """
+    processes = jax.process_count() if shared else 1
+    if processes == 1:
+        signature = _check(path, None)
+        if signature is not None:
+            _VERIFIED[os.path.abspath(path)] = signature
+        return
+    # Several processes: whatever each finds, even before hashing (a file that one host's view of
+    # a shared file system lacks), every process joins the one exchange, and all raise for the
+    # earliest finding: the manifest itself first, then the files in the manifest's order.
+    from jax.experimental import multihost_utils
+
+    error, signature, where = None, None, _NOTHING
+    try:
+        signature = _check(path, (jax.process_index(), processes))
+    except (CheckpointError, OSError, ValueError) as e:     # (none may skip the exchange)
+        error = e if isinstance(e, CheckpointError) else _finding(
+            f"checkpoint {path}: {type(e).__name__}: {' '.join(str(e).split())}")
+        where = getattr(error, "position", -1)
+    kind = getattr(error, "kind", "")
+    found = np.asarray(multihost_utils.process_allgather(
+        np.asarray([where, _KINDS.index(kind)], np.int32))).reshape(processes, 2)
+    by = int(np.argmin(found[:, 0]))
+    first, kind = int(found[by, 0]), _KINDS[int(found[by, 1])]
+    if first == _NOTHING:
+        if signature is not None:
+            _VERIFIED[os.path.abspath(path)] = signature
+        return
+    if where == first:
+        raise error
+    names = [name for name, _, _, _ in signature or ()][1:]        # (less the manifest)
+    what = (f"file {names[first]}" if 0 <= first < len(names)
+            else "its manifest" if first < 0 else f"file {first + 1} of its manifest")
+    raise CheckpointError(f"checkpoint {path}: {what} {kind or 'is damaged'} (found by process {by})")
+
+
+_NOTHING = np.iinfo(np.int32).max          # (no finding, in `verify`'s exchange: int32, as JAX
+                                           # holds it without x64)
+
+
+# What `verify`'s exchange tells the other processes about a file (its position in the manifest
+# goes with it).
+_KINDS = ("", "is missing", "has the wrong size (truncated or damaged)", "cannot be read",
+          "does not match its SHA-256 in the manifest (damaged)")
+
+
+def _finding(message: str, position: int = -1, kind: str = "") -> CheckpointError:
+    """A CheckpointError that knows where in the checkpoint it was found (-1: the manifest or
+    meta.json; i: the manifest's i-th file) and what was wrong (one of `_KINDS`)."""
+    error = CheckpointError(message)
+    error.position, error.kind = position, kind
+    return error
+
+
+def _check(path: str, share: tuple[int, int] | None) -> tuple | None:
+    """`verify`'s checks, hashing every file (`share` None; a checkpoint hashed already and
+    unchanged since is not hashed again) or only process k's share of P (`share` = (k, P)).
+    Returns the checkpoint's `_signature` taken before hashing (None: a checkpoint from before
+    manifests, which has none)."""
     manifest_file = os.path.join(path, _MANIFEST)
     if not os.path.isfile(manifest_file):
-        meta = _read_meta(path, check=False)      # names a missing or unreadable meta.json
+        try:
+            meta = _read_meta(path, check=False)      # names a missing or unreadable meta.json
+        except CheckpointError as e:
+            raise _finding(str(e)) from None
         if meta.get("manifest"):
-            raise CheckpointError(f"checkpoint {path}: {_MANIFEST} is missing (meta.json says it "
-                                  "was written): the checkpoint is damaged")
-        return                                    # written before manifests: accepted as is
+            raise _finding(f"checkpoint {path}: {_MANIFEST} is missing (meta.json says it "
+                           "was written): the checkpoint is damaged")
+        return None                               # written before manifests: accepted as is
     try:
         with open(manifest_file, "rb") as f:
             manifest = json.loads(f.read().decode("utf-8"))
@@ -195,53 +258,43 @@ def verify(path: str, *, shared: bool = False) -> None:
         listed = [(str(name), int(entry["size"]), str(entry["sha256"]))
                   for name, entry in files.items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"checkpoint {path}: {_MANIFEST} is unreadable ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())}): the checkpoint is damaged") from None
+        raise _finding(f"checkpoint {path}: {_MANIFEST} is unreadable ({type(e).__name__}: "
+                       f"{' '.join(str(e).split())}): the checkpoint is damaged") from None
     for name, _, _ in listed:
         parts = name.split("/")
         if os.path.isabs(name) or ".." in parts or "" in parts:
-            raise CheckpointError(f"checkpoint {path}: {_MANIFEST} lists {name!r}, which is not a "
-                                  "file inside the checkpoint: the manifest is damaged")
-    for name, size, _ in listed:                  # sizes first: no file is read yet
+            raise _finding(f"checkpoint {path}: {_MANIFEST} lists {name!r}, which is not a "
+                           "file inside the checkpoint: the manifest is damaged")
+    for i, (name, size, _) in enumerate(listed):  # sizes first: no file is read yet
         file = os.path.join(path, *name.split("/"))
         if not os.path.isfile(file):
-            raise CheckpointError(f"checkpoint {path}: file {name} is missing")
+            raise _finding(f"checkpoint {path}: file {name} is missing", i, _KINDS[1])
         actual = os.path.getsize(file)
         if actual != size:
-            raise CheckpointError(f"checkpoint {path}: file {name} has {actual} bytes, the "
-                                  f"manifest says {size} (truncated or damaged)")
-    signature = _signature(path, [_MANIFEST] + [name for name, _, _ in listed])
-    processes = jax.process_count() if shared else 1
-    if processes == 1 and _VERIFIED.get(os.path.abspath(path)) == signature:
-        return                                    # hashed already, and no file changed since
-    mine = (range(len(listed)) if processes == 1 else
-            verify_shares([size for _, size, _ in listed], processes)[jax.process_index()])
-    problems = {}                                 # manifest position -> the error's wording
+            raise _finding(f"checkpoint {path}: file {name} has {actual} bytes, the "
+                           f"manifest says {size} (truncated or damaged)", i, _KINDS[2])
+    try:
+        signature = _signature(path, [_MANIFEST] + [name for name, _, _ in listed])
+    except OSError as e:                          # (a file gone since the sizes were compared)
+        raise _finding(f"checkpoint {path}: a file cannot be read ({e.strerror})") from None
+    if share is None:
+        if _VERIFIED.get(os.path.abspath(path)) == signature:
+            return signature                      # hashed already, and no file changed since
+        mine = range(len(listed))
+    else:
+        k, processes = share
+        mine = verify_shares([size for _, size, _ in listed], processes)[k]
     for i in mine:
         name, _, digest = listed[i]
         try:
             actual = _sha256(os.path.join(path, *name.split("/")))
         except OSError as e:
-            problems[i] = f"file {name} cannot be read ({e.strerror})"
-            break
+            raise _finding(f"checkpoint {path}: file {name} cannot be read ({e.strerror})",
+                           i, _KINDS[3]) from None
         if actual != digest:
-            problems[i] = f"file {name} does not match its SHA-256 in the manifest (damaged)"
-            break
-    first = min(problems, default=len(listed))
-    if processes > 1:        # every process's first damaged file; all raise for the earliest
-        from jax.experimental import multihost_utils
-
-        unreadable = "cannot be read" in problems.get(first, "")
-        found = np.asarray(multihost_utils.process_allgather(np.asarray([first, int(unreadable)])))
-        first, unreadable = (int(v) for v in found[np.argmin(found[:, 0])])
-        if first < len(listed) and first not in problems:
-            name = listed[first][0]
-            problems[first] = (f"file {name} cannot be read (by another process)" if unreadable
-                               else f"file {name} does not match its SHA-256 in the manifest "
-                               "(damaged)")
-    if first < len(listed):
-        raise CheckpointError(f"checkpoint {path}: {problems[first]}")
-    _VERIFIED[os.path.abspath(path)] = signature
+            raise _finding(f"checkpoint {path}: file {name} does not match its SHA-256 in the "
+                           "manifest (damaged)", i, _KINDS[4])
+    return signature
 
 
 def verify_shares(sizes: list[int], processes: int) -> list[list[int]]:
@@ -316,6 +369,9 @@ class HostArrays(collections.abc.Mapping):
             with _open_npz(self.path, name) as z:
                 self._values[key] = _read_npz(self.path, name, z, key)
         return self._values[key]
+
+    def __contains__(self, key) -> bool:          # (without reading the array)
+        return key in self._values or key in self._files
 
     def __iter__(self):
         return iter(sorted(set(self._values) | set(self._files)))

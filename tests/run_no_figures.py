@@ -7,7 +7,8 @@ matplotlib and drawing the two figures took ~1.5 s of CPU a run directory (tests
 (tests/test_cli.py, tests/test_interrupts.py's stopped runs) use the real script.
 
 With FEDJAX_PFL_TEST_HOST_READS=DIR set, each process writes DIR/reads-K.json (K its process
-index): the arrays of the checkpoints' per-process host parts it read (`HostArrays.read_from_parts`).
+index): the arrays of the checkpoints' per-process host parts it read
+(`HostArrays.read_from_parts`) and the files it hashed to verify checkpoints.
 
 Exits as experiments/run.py's `__main__` does (130/143 without interpreter teardown)."""
 
@@ -23,12 +24,13 @@ from fedjax_pfl import plots  # noqa: E402
 plots.plot_label_distribution = lambda *args, **kwargs: None
 plots.plot_learning_curves = lambda *args, **kwargs: None
 
-_host_reads = []
+_host_reads, _hashed = [], []
 if os.environ.get("FEDJAX_PFL_TEST_HOST_READS"):
     from fedjax_pfl import checkpoint
 
-    _read_host = checkpoint.read_host
+    _read_host, _sha256 = checkpoint.read_host, checkpoint._sha256
     checkpoint.read_host = lambda path: _host_reads.append(_read_host(path)) or _host_reads[-1]
+    checkpoint._sha256 = lambda file: _hashed.append(file) or _sha256(file)
 
 
 def _write_host_reads():
@@ -38,7 +40,8 @@ def _write_host_reads():
 
     out = os.path.join(os.environ["FEDJAX_PFL_TEST_HOST_READS"], f"reads-{jax.process_index()}.json")
     with open(out, "w") as f:
-        json.dump(sorted({k for arrays in _host_reads for k in arrays.read_from_parts}), f)
+        json.dump({"parts": sorted({k for arrays in _host_reads for k in arrays.read_from_parts}),
+                   "hashed": _hashed}, f)
 
 
 if __name__ == "__main__":

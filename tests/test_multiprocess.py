@@ -146,7 +146,7 @@ def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path
                                        "--state-placement", "device"],
          fusion_emitters=True, host_reads=reads)
     for k in (0, 1):
-        got = json.loads((reads / f"reads-{k}.json").read_text())
+        got = json.loads((reads / f"reads-{k}.json").read_text())["parts"]
         other = f"store.p{1 - k}/"
         assert got and all(n.startswith(f"store.p{k}/") or n == other + "ids" or
                            (k == 1 and n.startswith(other) and n.endswith("/initial"))
@@ -252,9 +252,19 @@ def test_an_interrupted_process_leaves_a_resumable_run(tmp_path):
     damaged = bytearray(victim.read_bytes())
     damaged[len(damaged) // 2] ^= 0xFF
     victim.write_bytes(bytes(damaged))
-    out = _two(tmp_path, "parts", algo + ["--rounds", "4", "--resume"])[0]
-    assert f"round_000002 is damaged (checkpoint {newest}: file {victim.relative_to(newest)} " \
-        "does not match its SHA-256" in " ".join(out.split()), out[-2000:]
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    out = _two(tmp_path, "parts", algo + ["--rounds", "4", "--resume"], host_reads=reads)[0]
+    assert (f"round_000002 is damaged (checkpoint {newest}: file {victim.relative_to(newest)} "
+            "does not match its SHA-256 in the manifest (damaged) (found by process 1)"
+            ) in " ".join(out.split()), out[-2000:]
+    # Each process hashed only its own share of round 2's files (process 1 up to the damaged one).
+    mine = [[names[i] for i in share[0]], [names[i] for i in share[1]]]
+    mine[1] = mine[1][:mine[1].index(str(victim.relative_to(newest))) + 1]
+    for k in (0, 1):
+        hashed = [os.path.relpath(f, newest) for f in json.loads(
+            (reads / f"reads-{k}.json").read_text())["hashed"] if f.startswith(str(newest) + os.sep)]
+        assert hashed == mine[k], (k, hashed, mine[k])
     whole, parts = _rows(tmp_path / "whole" / "metrics.jsonl"), _rows(tmp_path / "parts" / "metrics.jsonl")
     assert [r["round"] for r in parts] == [1, 2, 3, 4]
     for a, b in zip(parts, whole, strict=True):

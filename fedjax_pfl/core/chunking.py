@@ -9,9 +9,11 @@ program, `core.analysis`, which need no compilation).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from fedjax_pfl.core.analysis import Bounds, compiled_for_analysis, traced_bounds
 
@@ -45,10 +47,20 @@ def on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
+@functools.lru_cache(maxsize=1)
 def device_memory_limit() -> int:
-    """Bytes of this process's first device's memory (0 where the backend reports none)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return int(stats.get("bytes_limit", 0))
+    """Bytes of memory of the smallest device this run computes on (0 where the backend reports
+    none): this process's devices, and in a run of several processes every process's, agreed by
+    one exchange at the first call, since every process must build the same program and so the
+    same chunks (every process reaches the first call at the same point of the same trace)."""
+    limits = [int((d.memory_stats() or {}).get("bytes_limit", 0)) for d in jax.local_devices()]
+    limit = min(limits) if limits else 0
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        every = np.asarray(multihost_utils.process_allgather(np.asarray([limit // 2**20], np.int32)))
+        limit = int(every.min()) * 2**20                  # (in MiB: JAX holds int32 without x64)
+    return limit
 
 
 def accelerator_chunk_budget() -> int:
@@ -68,7 +80,7 @@ def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
     chunk·(temp + out) ≤ memory_budget and chunk·flops ≤ flop_target (rounded down, at least 1).
     Accelerators want the widest batch: there only chunk·(temp + out) ≤
     `accelerator_chunk_budget()` (a quarter of the device's memory) limits it, and nothing where
-    the device reports no memory.
+    the device reports no memory; the budget arguments are the CPU's and are not used there.
     """
     accelerator = not on_cpu()
     if accelerator:
@@ -83,7 +95,9 @@ def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         one_client = Bounds(analysis.temp_size_in_bytes, analysis.output_size_in_bytes,
                             float((cost or {}).get("flops", 0.0)))
-    except Exception:  # no memory analysis on this backend: a conservative fixed chunk
+    except Exception:
+        # No memory analysis on this backend: a conservative fixed chunk on a CPU; on an
+        # accelerator, whose analysis did not work either, the whole vmap as before.
         return 1 << 30 if accelerator else 32
     return _chunk_within(one_client, temp_budget_bytes, memory_budget_bytes, flop_target)
 

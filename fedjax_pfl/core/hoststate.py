@@ -151,13 +151,15 @@ class ClientStore:
             where = page == p
             yield int(p), where, offset[where]
 
-    def gather(self, ids: np.ndarray) -> list[np.ndarray]:
-        """Each leaf's rows of clients `ids` ([C]; the id N reads the initial row)."""
+    def gather(self, ids: np.ndarray, leaves: list[int] | None = None) -> list[np.ndarray]:
+        """Each leaf's rows of clients `ids` ([C]; the id N reads the initial row); only the
+        leaves `leaves` (positions) when given."""
         ids = np.asarray(ids, np.int64)
         slots = self.slot[ids]
         own = np.flatnonzero(slots >= 0)
         out = []
-        for init, pages in zip(self.initial, self.pages):
+        which = range(len(self.initial)) if leaves is None else leaves
+        for init, pages in ((self.initial[j], self.pages[j]) for j in which):
             rows = np.empty((ids.size,) + init.shape, init.dtype)
             rows[...] = init
             for p, where, offset in self._by_page(slots[own]):
@@ -201,22 +203,22 @@ class ClientStore:
                     keep: np.ndarray | None = None) -> "ClientStore":
         """The store saved by `to_arrays` — by every process that saved a part of it (all the
         prefixes `saved_prefixes` finds) — with `like`'s dtypes and row shapes (checked), holding
-        only the clients that `keep` ([N] bool; None: all) marks. Of a part that holds none of them
-        (but the first) only the ids are read (`checkpoint.HostArrays` reads lazily)."""
+        only the clients that `keep` ([N] bool; None: all) marks. The initial rows are the first
+        part's; of a part that holds none of the kept clients only the ids are read
+        (`checkpoint.HostArrays` reads lazily)."""
         store = cls(like.initial, like.num_clients)
         for k, prefix in enumerate(saved_prefixes(arrays)):
+            if k == 0:         # the initial rows: the first part's, whoever reads the checkpoint
+                for j, init in enumerate(like.initial):
+                    saved = _restored(arrays[f"{prefix}/{j}/initial"], init.dtype)
+                    if saved.shape != init.shape:
+                        raise ValueError(f"checkpoint: client-state leaf {j} has rows "
+                                         f"{saved.shape}, this run {init.shape}")
+                    store.initial[j] = saved
             ids = np.asarray(arrays[f"{prefix}/ids"], np.int64)
             mine = np.ones(ids.size, bool) if keep is None else keep[ids]
-            if k and not mine.any():
-                continue            # (a lazily read checkpoint's other parts stay unread)
-            for j, init in enumerate(like.initial):      # (every part saves the same ones)
-                saved = _restored(arrays[f"{prefix}/{j}/initial"], init.dtype)
-                if saved.shape != init.shape:
-                    raise ValueError(f"checkpoint: client-state leaf {j} has rows {saved.shape}, "
-                                     f"this run {init.shape}")
-                store.initial[j] = saved
             if not mine.any():
-                continue
+                continue            # (a lazily read checkpoint's rows of other clients stay unread)
             values = [_restored(arrays[f"{prefix}/{j}/values"], init.dtype)
                       for j, init in enumerate(like.initial)]
             for j, (v, init) in enumerate(zip(values, like.initial)):

@@ -300,8 +300,8 @@ class HostStateCalls:
         owners = (np.zeros(n, np.int32) if self._rows_here is None
                   else hoststate.row_owners(n, jax.process_count()))
         me = 0 if self._rows_here is None else jax.process_index()
-        rows = [owned_rows(a, owners, me) if isinstance(a, jax.Array) else np.asarray(a)
-                for a in host]
+        rows = [owned_rows(a, owners, me) if isinstance(a, jax.Array)
+                else np.asarray(a)[owners == me] for a in host]
         mine = np.flatnonzero(owners == me)
         store = hoststate.ClientStore([r[0] for r in rows], n)
         store.put(mine, rows)
@@ -321,15 +321,9 @@ class HostStateCalls:
         for a in abstract:
             held |= rows_held(a.shape, a.sharding)
         store = hoststate.ClientStore.from_arrays(host_arrays, like, keep=held)
-        by_shard: dict[tuple, list] = {}
-
-        def rows(j, ids):
-            key = (int(ids[0]), ids.size) if ids.size else (0, 0)
-            if key not in by_shard:                  # every leaf of a shard from one gather
-                by_shard[key] = store.gather(ids)
-            return by_shard[key][j]
-
-        host = [put_rows_from(a.shape, a.dtype, a.sharding, functools.partial(rows, j))
+        # (one leaf at a time: a host copy of one leaf's rows beside the store, not of all)
+        host = [put_rows_from(a.shape, a.dtype, a.sharding,
+                              lambda ids, j=j: store.gather(ids, leaves=[j])[0])
                 for j, a in enumerate(abstract)]
         return splitter.treedef.unflatten(splitter.join(dev, host))
 
