@@ -790,6 +790,28 @@ def test_synthetic_deterministic():
     assert a.x.shape != c.x.shape or not np.array_equal(a.x, c.x)
 
 
+def test_synthetic_equals_the_generative_process_drawn_in_float64():
+    """Synthetic(α = 0.5, β = 2) for 4 clients of d = 5, written out here from the docstring's
+    process in one seed's draw order (every count first, then per client u_k, B_k, W_k, b_k, v_k,
+    the samples), in float64, labels argmax(W_k x + b_k) of the float64 samples: the generator's
+    float32 samples are these rounded once, its labels these exactly."""
+    rng = np.random.default_rng(11)
+    counts = np.minimum(rng.lognormal(4.0, 2.0, size=4).astype(np.int64) + 50, 1000)
+    xs, ys = [], []
+    for n in counts:
+        u, b_mean = np.sqrt(0.5) * rng.standard_normal(), np.sqrt(2.0) * rng.standard_normal()
+        w, b = u + rng.standard_normal((10, 5)), u + rng.standard_normal(10)
+        v = b_mean + rng.standard_normal(5)
+        x = v + np.arange(1, 6) ** -0.6 * rng.standard_normal((n, 5))
+        xs.append(x)
+        ys.append([int(np.argmax(w @ row + b)) for row in x])
+    ds = _synthetic(seed=11, synthetic_alpha=0.5, synthetic_beta=2.0, synthetic_clients=4,
+                    synthetic_dim=5)
+    np.testing.assert_array_equal(ds.x, np.concatenate(xs).astype(np.float32))
+    np.testing.assert_array_equal(ds.y, np.concatenate(ys))
+    np.testing.assert_array_equal(np.bincount(ds.client_ids), counts)
+
+
 def test_synthetic_sample_counts_follow_lognormal():
     # n_k - 50 = int(lognormal(4, 2)): its median is e^4 ≈ 54.6, so about half the clients have
     # fewer than 104 samples; the cap truncates those above 1000 (P(lognormal > 950) ≈ 0.07).
