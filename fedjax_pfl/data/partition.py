@@ -257,7 +257,11 @@ def natural(client_ids: np.ndarray, num_clients: int | None = None) -> list[np.n
             f"this dataset has {count} natural clients; --clients {num_clients} does not match "
             "(for synthetic data set --synthetic-clients instead)"
         )
-    return [np.flatnonzero(client_ids == k) for k in range(count)]
+    # One stable sort instead of a scan of every sample per client (20,000 clients of 4.75
+    # million samples took 25 s that way): each client's sample indices, ascending.
+    ids = client_ids[client_ids >= 0]
+    order = np.flatnonzero(client_ids >= 0)[np.argsort(ids, kind="stable")]
+    return np.split(order, np.cumsum(np.bincount(ids, minlength=count))[:-1])
 
 
 def split_train_test(

@@ -170,3 +170,19 @@ def test_clustered_limits_and_build_info():
         expected = np.zeros(10, bool)
         expected[np.array_split(np.arange(10), 4)[info["clusters"][k]]] = True
         np.testing.assert_array_equal(present[k], expected)
+
+
+def test_natural_clients_hold_exactly_the_samples_with_their_id():
+    """Client k holds the indices i with client_ids[i] == k, ascending (checked against that
+    definition, sample by sample); an id with no samples gives an empty client, negative ids
+    none; a --clients count other than the dataset's is refused."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(-1, 9, size=500)
+    ids[ids == 4] = 5                                       # client 4: no samples
+    parts = P.natural(ids)
+    assert len(parts) == 9 and parts[4].size == 0
+    for k, part in enumerate(parts):
+        assert part.tolist() == [i for i in range(500) if ids[i] == k], k
+    assert sum(p.size for p in parts) == int((ids >= 0).sum())
+    with pytest.raises(P.PartitionError, match="9 natural clients; --clients 8"):
+        P.natural(ids, 8)
