@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 from typing import Any, Callable
 
 import jax
@@ -59,10 +60,48 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicate(tree: Params, mesh: Mesh | None) -> Params:
     """Places `tree` on every device of `mesh` once (a no-op without a mesh), so jitted rounds do
-    not copy the dataset between devices on every call."""
+    not copy the dataset between devices on every call.
+
+    With several processes each process provides its own devices' copies from its own values
+    (`put_replicated`), which must be the same everywhere: a fingerprint of them is compared
+    between the processes (`fingerprint`). `jax.device_put` would check that by all-gathering
+    every value to every process: for a 1.1 GB dataset over two processes, 9 s and 3.4 GB more
+    memory in each."""
     if mesh is None:
         return tree
-    return jax.device_put(tree, replicated_sharding(mesh))
+    if jax.process_count() == 1:
+        return jax.device_put(tree, replicated_sharding(mesh))
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(fingerprint(tree), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+    differ = [k for k in range(len(every)) if not np.array_equal(every[k], every[0])]
+    if differ:
+        raise ValueError(f"processes {differ} hold other values than process 0 for what every "
+                         "device must hold the same of (the dataset: the same files and flags "
+                         "on every host?)")
+    return put_replicated(tree, mesh)
+
+
+FINGERPRINT_ROWS = 4096
+
+
+def fingerprint(tree: Params) -> bytes:
+    """SHA-256 of `tree`'s structure, shapes and dtypes and of up to `FINGERPRINT_ROWS` evenly
+    spaced rows of each leaf (the first and last among them): equal trees give equal
+    fingerprints; trees that differ anywhere in those rows, in a shape or in a dtype, different
+    ones."""
+    digest = hashlib.sha256(str(jax.tree.structure(tree)).encode())
+    for a in jax.tree.leaves(tree):
+        shape = tuple(np.shape(a))
+        digest.update(repr((shape, str(a.dtype))).encode())
+        if shape and shape[0]:
+            rows = np.unique(np.linspace(0, shape[0] - 1, min(shape[0], FINGERPRINT_ROWS))
+                             .astype(np.int64))
+            digest.update(np.ascontiguousarray(np.asarray(a[rows])).tobytes())
+        elif not shape:
+            digest.update(np.asarray(a).tobytes())
+    return digest.digest()
 
 
 def put_replicated(tree: Params, mesh: Mesh | None) -> Params:

@@ -51,3 +51,16 @@ def test_two_processes_equal_one(tmp_path):
         assert a["round"] == b["round"]
         for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (key, a[key], b[key])
+
+
+def test_processes_with_other_data_stop_before_running(tmp_path):
+    """Each process of a run provides its own devices' copy of the dataset, so all must hold the
+    same one: two processes given other partitions (here other --seed values) both stop at once,
+    naming the mismatch, instead of training on different data."""
+    port = _free_port()
+    flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    procs = [_cli(tmp_path, "two", flags + ["--process-id", str(i), "--seed", str(i)])
+             for i in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode != 0 and "hold other values than process 0" in err, err[-3000:]
