@@ -68,6 +68,13 @@ def accelerator_chunk_budget() -> int:
     return int(ACCELERATOR_CHUNK_MEMORY_FRACTION * device_memory_limit())
 
 
+def _accelerator_budgets() -> tuple[int, int, float] | None:
+    """(temp, memory, flop) budgets of a chunk on an accelerator: memory alone (0: no budget of
+    that kind); None where the device reports no memory (then the whole vmap)."""
+    memory = accelerator_chunk_budget()
+    return (0, memory, 0.0) if memory > 0 else None
+
+
 def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
                     temp_budget_bytes: int = CHUNK_TEMP_BUDGET_BYTES,
                     memory_budget_bytes: int = CHUNK_MEMORY_BUDGET_BYTES,
@@ -84,10 +91,10 @@ def auto_chunk_size(one_client_fn: Callable, *abstract_args: Any,
     """
     accelerator = not on_cpu()
     if accelerator:
-        memory_budget_bytes = accelerator_chunk_budget()
-        if memory_budget_bytes <= 0:
+        budgets = _accelerator_budgets()
+        if budgets is None:
             return 1 << 30
-        temp_budget_bytes, flop_target = 0, 0.0
+        temp_budget_bytes, memory_budget_bytes, flop_target = budgets
     try:
         compiled = compiled_for_analysis(one_client_fn, *abstract_args)
         analysis = compiled.memory_analysis()
@@ -110,10 +117,10 @@ def traced_chunk_size(one_client_fn: Callable, *abstract_args: Any,
     applied to upper bounds of one client's temporaries, outputs and flops read off its traced
     program (`analysis.traced_bounds`). 0 where no bound is known."""
     if not on_cpu():
-        memory_budget_bytes = accelerator_chunk_budget()
-        if memory_budget_bytes <= 0:
+        budgets = _accelerator_budgets()
+        if budgets is None:
             return 1 << 30
-        temp_budget_bytes, flop_target = 0, 0.0
+        temp_budget_bytes, memory_budget_bytes, flop_target = budgets
     bounds = traced_bounds(one_client_fn, *abstract_args)
     if bounds is None:
         return 0

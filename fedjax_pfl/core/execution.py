@@ -342,12 +342,11 @@ def _chunked_map(fn, shared, args, chunk_size, cost):
     m = _num_rows(args)
     if chunk_size >= m:  # one chunk: plain vmap, no sorting
         return _vmap_rows(fn, shared, args)
-    # k equal chunks of at most chunk_size rows: lax.map then compiles one body (a remainder
-    # chunk would compile a second one); the at most k − 1 padding rows repeat the cheapest row.
-    chunks = -(-m // chunk_size)
-    size = -(-m // chunks)
+    # k equal chunks of at most chunk_size rows (`_chunk_rows`): the padding rows repeat the
+    # cheapest row.
     order = jnp.arange(m) if cost is None else jnp.argsort(-cost, stable=True)
-    padded = jnp.concatenate([order, jnp.full(chunks * size - m, order[m - 1])])
+    idx = _chunk_rows(m, chunk_size, order)
+    size, padded = idx.shape[1], idx.reshape(-1)
     # Chunks of one client run unbatched: vmap over a single lane would still batch the
     # client's while-loop predicate (turning it into per-step selects of the whole carry) and
     # give every matmul a batch dimension (transposed copies of the weights on XLA:CPU). The

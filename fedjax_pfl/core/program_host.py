@@ -297,9 +297,7 @@ class HostStateCalls:
         # where they are there (`placement.owned_rows`).
         dev, host = splitter.split(jax.tree.leaves(tree))
         n = self.num_clients
-        owners = (np.zeros(n, np.int32) if self._rows_here is None
-                  else hoststate.row_owners(n, jax.process_count()))
-        me = 0 if self._rows_here is None else jax.process_index()
+        owners, me = hoststate.row_owners(n, jax.process_count()), jax.process_index()
         rows = [owned_rows(a, owners, me) if isinstance(a, jax.Array)
                 else np.asarray(a)[owners == me] for a in host]
         mine = np.flatnonzero(owners == me)
