@@ -36,13 +36,10 @@ def _env(devices="1"):
     return env
 
 
-def _cli(tmp, name, extra, devices="1", fusion_emitters=False, host_reads=None):
+def _cli(tmp, name, extra, devices="1", host_reads=None):
     env = _env(devices)
     if host_reads is not None:                       # (tests/run_no_figures.py)
         env["FEDJAX_PFL_TEST_HOST_READS"] = str(host_reads)
-    if fusion_emitters:     # (see tests/core/test_hoststate.py::test_host_state_at_default_settings)
-        env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split()
-                                    if not f.startswith("--xla_cpu_use_fusion_emitters"))
     argv = [sys.executable, str(ROOT / "tests" / "run_no_figures.py"), "--algo",
             "fedavg", "--rounds", "2", "--clients", "6", "--participation", "0.5", "--quiet",
             "--out", str(tmp / name), *extra]         # later flags (--algo, --rounds) win
@@ -114,12 +111,10 @@ def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path
     state on both of its devices (pgfedmo: per-client rows, the α matrix by rows); so do the
     two-process host checkpoint resumed with the rows on the devices (each process reading only
     its own part of it) and the one-process device checkpoint resumed by two processes with the
-    rows on the host. XLA's fusion
-    emitters are on: with them off and LLVM at -O0 together (the suite's settings) host and device
-    state placement differ by an ulp even in one process (tests/core/test_hoststate.py)."""
+    rows on the host."""
     algo = ["--algo", "pgfedmo", "--checkpoint-every", "2"]
     host = algo + ["--data-placement", "host", "--state-placement", "host"]
-    _two(tmp_path, "host", host + ["--rounds", "2"], fusion_emitters=True)
+    _two(tmp_path, "host", host + ["--rounds", "2"])
     # Each process's store holds only its own range of clients (6 clients: 0-2 on process 0,
     # 3-5 on process 1), and saves them in its own part of the checkpoint: together exactly
     # the clients that rounds 1 and 2 trained.
@@ -135,7 +130,7 @@ def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path
     assert parts[0] | parts[1] == trained and parts[0] and parts[1]
     shutil.copytree(tmp_path / "host", tmp_path / "host_one")
     shutil.copytree(tmp_path / "host", tmp_path / "host_dev")
-    _two(tmp_path, "host", host + ["--rounds", "3", "--resume"], fusion_emitters=True)
+    _two(tmp_path, "host", host + ["--rounds", "3", "--resume"])
     # Resumed by two processes with the rows on the devices: each process reads the rows of
     # only the part that holds its device's clients (0-2 on process 0's device, 3-5 on process
     # 1's); of the other part, its client ids (and, for process 1, the shared initial rows, which
@@ -143,8 +138,7 @@ def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path
     reads = tmp_path / "reads"
     reads.mkdir()
     _two(tmp_path, "host_dev", algo + ["--rounds", "3", "--resume", "--data-placement", "device",
-                                       "--state-placement", "device"],
-         fusion_emitters=True, host_reads=reads)
+                                       "--state-placement", "device"], host_reads=reads)
     for k in (0, 1):
         got = json.loads((reads / f"reads-{k}.json").read_text())["parts"]
         other = f"store.p{1 - k}/"
@@ -153,11 +147,10 @@ def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path
                            for n in got), (k, got)
         assert any(n.startswith(f"store.p{k}/") and n.endswith("/values") for n in got), (k, got)
     # The two processes' checkpoint resumed by one process (both parts of the store read).
-    one_of_two = _cli(tmp_path, "host_one", host + ["--rounds", "3", "--resume"], devices="2",
-                      fusion_emitters=True)
+    one_of_two = _cli(tmp_path, "host_one", host + ["--rounds", "3", "--resume"], devices="2")
     single = _cli(tmp_path, "one", algo + ["--rounds", "3", "--data-placement", "device",
                                            "--state-placement", "device"],
-                  devices="2", fusion_emitters=True)
+                  devices="2")
     for p in (one_of_two, single):
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
@@ -165,7 +158,7 @@ def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path
     # processes with the rows on the host: each keeps its own range from its device's shards.
     shutil.copytree(tmp_path / "one", tmp_path / "dev_host")
     shutil.rmtree(tmp_path / "dev_host" / "checkpoints" / "round_000003")
-    _two(tmp_path, "dev_host", host + ["--rounds", "3", "--resume"], fusion_emitters=True)
+    _two(tmp_path, "dev_host", host + ["--rounds", "3", "--resume"])
     want = _rows(tmp_path / "one" / "metrics.jsonl")
     for run in ("host", "host_one", "host_dev", "dev_host"):
         got = _rows(tmp_path / run / "metrics.jsonl")

@@ -26,9 +26,6 @@ OVERRIDES = {"fedper": {"head": "^b$"}}
 # Whose server state moves by more than the noisy mean update (FedDyn: θ also moves by −h/α):
 # their bounds are checked in tests/algorithms/test_private_server_steps.py.
 OWN_BOUND = ("feddyn",)
-# XLA's code at the suite's fast-compile settings (tests/conftest.py) for the plain and the private
-# program of these differs by an ulp in the clients' training: they are compared at XLA's defaults.
-AT_DEFAULT_SETTINGS = ("moon",)
 
 
 def _rounds(name, data):
@@ -40,7 +37,6 @@ def _rounds(name, data):
           **algorithms.spec(name).test_hparams, **OVERRIDES.get(name, {})}
     spec = algorithms.spec(name)
     assert {"dp_clip", "dp_noise_multiplier"} <= set(spec.traceable)
-    jit = helpers.product_jit if name in AT_DEFAULT_SETTINGS else jax.jit
     algo = algorithms.get(name, model=linear_model(), **hp)
     static = spec.resolve({**hp, "dp_clip": 1.0})
 
@@ -48,9 +44,9 @@ def _rounds(name, data):
         built = spec.build(linear_model(), {**static, "dp_clip": clip, "dp_noise_multiplier": z})
         return built.round_fn(state, data, key)
 
-    before = jit(algo.init)(jax.random.key(0), data)
-    plain = jit(algo.round_fn)
-    return jax.device_get(before), plain, jit(private), core.client_mask(before)
+    before = jax.jit(algo.init)(jax.random.key(0), data)
+    plain = jax.jit(algo.round_fn)
+    return jax.device_get(before), plain, jax.jit(private), core.client_mask(before)
 
 
 @pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow)

@@ -331,12 +331,10 @@ def test_host_placement_on_two_devices_equals_device_placement():
     are checked too); a misdealt round stops with an error; and the rounds of host and sharded
     placement equal device placement's bit for bit (sharded also with ditto's client state on
     the host, and with fedpc) (fedrep one round a call; pgfedmo two rounds per call, a scan
-    over the staged rounds' blocks against a scan over the whole dataset). At XLA's default settings, as users run: at the suite's -O0 (tests/conftest.py)
-    the two scans differ by an ulp, one-round calls do not."""
+    over the staged rounds' blocks against a scan over the whole dataset), at the suite's
+    fast-compile settings (tests/conftest.py)."""
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2"}
-    flags = helpers.without_device_count(env.get("XLA_FLAGS", "")).split()
-    env["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith(
-        ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")))
+    env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
                           cwd=root, timeout=600)
@@ -409,11 +407,7 @@ def test_each_process_reads_only_the_samples_of_the_clients_its_devices_train(tm
 
     def start(pid: int, nproc: int, devices: str):
         env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": devices, "PYTHONPATH": root}
-        flags = helpers.without_device_count(env.get("XLA_FLAGS", "")).split()
-        # (one device per process against two in one: equal bits need the fusion emitters on,
-        # as in tests/test_multiprocess.py)
-        env["XLA_FLAGS"] = " ".join(f for f in flags
-                                    if not f.startswith("--xla_cpu_use_fusion_emitters"))
+        env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
         return subprocess.Popen([sys.executable, "-c", SHARE_SCRIPT, port, str(pid), str(nproc)],
                                 env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
