@@ -4,6 +4,9 @@ CLI's default), against --no-compile-cache: compile seconds and wall seconds, as
 and the process report them.
 
     python benchmarks/compile_cache.py --algos fedavg pgfedmo --repeats 2
+    python benchmarks/compile_cache.py --algos pgfedmo -- --data-placement host
+
+Flags after `--` go to every run (`experiments/run.py`'s flags).
 
 Each repeat starts from an empty cache directory and runs, in fresh processes: the uncached run,
 the first cached run (which fills the cache) and the second (which reads it). The three alternate
@@ -42,15 +45,16 @@ def main() -> None:
     p.add_argument("--algos", nargs="+", default=["fedavg", "pgfedmo"])
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("extra", nargs="*", help="flags for experiments/run.py (after --)")
     args = p.parse_args()
     print(f"{'algo':<10} {'repeat':>6} {'no cache':>18} {'first (fills)':>18} {'second (reads)':>18}")
     print(f"{'':<10} {'':>6} {'compile / wall s':>18} {'compile / wall s':>18} {'compile / wall s':>18}")
     for algo in args.algos:
         for r in range(args.repeats):
             with tempfile.TemporaryDirectory() as cache:
-                off = one_run(algo, args.rounds, cache, ["--no-compile-cache"])
-                first = one_run(algo, args.rounds, cache, [])
-                second = one_run(algo, args.rounds, cache, [])
+                off = one_run(algo, args.rounds, cache, ["--no-compile-cache", *args.extra])
+                first = one_run(algo, args.rounds, cache, args.extra)
+                second = one_run(algo, args.rounds, cache, args.extra)
             cells = [f"{c:6.1f} / {w:6.1f}" for c, w in (off, first, second)]
             print(f"{algo:<10} {r:>6} {cells[0]:>18} {cells[1]:>18} {cells[2]:>18}", flush=True)
 

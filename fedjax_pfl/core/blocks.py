@@ -13,15 +13,21 @@ the block (device) holding client i's samples, −1 for a client not staged. Out
 mapper it is deliberately not an array: indexing it raises, since a read there would apply
 block-relative starts to the whole array. The client mapper (`core.execution`) hands each device
 its own block as a plain array and checks that every row it runs on device d belongs to a client
-of block d (`owner[ids] == d`). A row dealt to another device than its samples is counted
-(`note_miss`; the program collects the flags with `hoststate.counting_misses(MISSES)`) and the
-run stops with an error: a misdealt read is never silent.
+of block d (`owner[ids] == d`). Each mapper call returns, beside its results, each device's count
+of rows dealt to another device than their samples (`misdealt`). The counts are collected while
+a program traces (`collecting`), carried out of every jitted inner function
+(`jit_carrying_checks`) and scan body (`checked`) they arise in, and returned by the program
+(`core.Program`), which stops the run with an error where one is not zero: a misdealt read is
+never silent. (A host callback would be simpler, but JAX never writes a program holding one to its
+persistent compilation cache, so every run would compile its rounds again.)
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any
+import contextlib
+import contextvars
+import functools
+from typing import Any, Callable
 
 import numpy as np
 
@@ -29,13 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-# Rows run on a device without their client's samples, counted in this process since it started
-# (`note_miss`). A process-wide count, not a per-program one: a jitted inner function (local
-# training, a full-data pass) is traced once and its trace reused by every program with the same
-# shapes, so a per-program counter captured in one trace would receive another program's counts.
-# A program compares the count before and after each call (`misdealt_count`).
-_MISDEALT = [0]
-_LOCK = threading.Lock()
+# The misdealt counts of the mapper calls traced so far in the innermost `collecting` block.
+_FOUND: contextvars.ContextVar[list | None] = contextvars.ContextVar("dealt", default=None)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -127,21 +128,64 @@ def misdealt(owner: jax.Array, ids: jax.Array, valid: jax.Array, axis: str = "cl
     return jnp.sum(valid & (owner[ids] != here), dtype=jnp.int32)[None]
 
 
-def note_miss(count: jax.Array) -> None:
-    """Inside the shard_map: adds this device's `misdealt` count to the process's (a host
-    callback, so it works under any jit, scan or shard_map the mapper is called in)."""
-    jax.debug.callback(_add, count)
+@contextlib.contextmanager
+def collecting():
+    """Within one trace: collects the misdealt counts of the mapper calls traced (`note`)."""
+    found: list = []
+    token = _FOUND.set(found)
+    try:
+        yield found
+    finally:
+        _FOUND.reset(token)
 
 
-def _add(count) -> None:
-    n = int(np.sum(np.asarray(count)))
-    if n:
-        with _LOCK:
-            _MISDEALT[0] += n
+def total(found: list) -> jax.Array | None:
+    """The collected counts added up ([devices] int32), None where no call read blocks."""
+    return functools.reduce(jnp.add, found) if found else None
 
 
-def misdealt_count() -> int:
-    """Rows run on a device without their client's samples so far in this process (call
-    `jax.effects_barrier()` first so that the callbacks of finished calls have all run)."""
-    with _LOCK:
-        return _MISDEALT[0]
+def note(count: jax.Array | None) -> None:
+    """Adds a mapper call's (or an inner function's) misdealt counts to the enclosing
+    `collecting` block. Outside one, a concrete count is checked at once, and a traced one
+    refused: nothing would read it."""
+    if count is None:
+        return
+    found = _FOUND.get()
+    if found is not None:
+        found.append(count)
+    elif isinstance(count, jax.core.Tracer):
+        raise RuntimeError("client data in per-device blocks is read only inside the programs "
+                           "core.Program builds, which check that every client ran on the "
+                           "device holding its samples")
+    elif int(np.sum(np.asarray(count))):
+        raise RuntimeError(MISDEALT)
+
+
+MISDEALT = "a client ran on a device that does not hold its samples"
+
+
+def checked(fn: Callable) -> Callable:
+    """fn(*args) -> (fn's result, the misdealt counts collected while it traced, or None)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with collecting() as found:
+            out = fn(*args, **kwargs)
+        return out, total(found)
+
+    return run
+
+
+def jit_carrying_checks(fn: Callable, **jit_kwargs) -> Callable:
+    """`jax.jit(fn)` whose misdealt counts reach the caller's trace: the jitted function returns
+    them as one more output, and each call notes them again. (A jitted function is traced once
+    and its trace reused by every program that calls it, so what it collects must leave it as
+    an output, not through Python state.)"""
+    jitted = jax.jit(checked(fn), **jit_kwargs)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        out, count = jitted(*args, **kwargs)
+        note(count)
+        return out
+
+    return call

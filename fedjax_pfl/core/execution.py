@@ -248,7 +248,8 @@ class ClientMapper:
     def _sharded(self, per_device, shared, rows, extra, ids, m: int, pad: int):
         """shard_map of per_device(shared, rows, extra) over contiguous blocks of rows. With
         `ids` (data in per-device blocks, `core.blocks`): each device gets its own data block and
-        counts its rows whose clients' samples are elsewhere (`blocks.note_miss`)."""
+        counts its rows whose clients' samples are elsewhere (`blocks.misdealt`, noted for the
+        program to check: `blocks.note`)."""
         spec = jax.sharding.PartitionSpec("clients")
         if ids is None:
             out = jax.shard_map(per_device, mesh=self.mesh,
@@ -261,12 +262,13 @@ class ClientMapper:
         valid = jnp.arange(m + pad) < m
 
         def with_check(shared, rows, extra, ids, valid):
-            blocks.note_miss(blocks.misdealt(blocks.owner_of(shared), ids, valid))
-            return per_device(blocks.local(shared), rows, extra)
+            misdealt = blocks.misdealt(blocks.owner_of(shared), ids, valid)
+            return per_device(blocks.local(shared), rows, extra), misdealt
 
-        out = jax.shard_map(with_check, mesh=self.mesh,
-                            in_specs=(blocks.in_specs(shared), spec, spec, spec, spec),
-                            out_specs=spec, check_vma=False)(shared, rows, extra, ids, valid)
+        out, misdealt = jax.shard_map(
+            with_check, mesh=self.mesh, in_specs=(blocks.in_specs(shared), spec, spec, spec, spec),
+            out_specs=(spec, spec), check_vma=False)(shared, rows, extra, ids, valid)
+        blocks.note(misdealt)                        # ([devices]: one count per device)
         return jax.tree.map(lambda x: x[:m], out) if pad else out
 
     def resolved(self, fn: Callable, shared: tuple, args: tuple) -> "ClientMapper":
@@ -299,9 +301,13 @@ class ClientMapper:
 
 def jit_unless_loop(mapper: ClientMapper, fn: Callable, **jit_kwargs) -> Callable:
     """`jax.jit(fn)` for the vectorised backends (inlined under an outer jit, and fast when
-    called eagerly from a notebook); `fn` itself for the loop and debug backends, whose per-client calls are
-    jitted separately and which must see concrete arrays to loop over."""
-    return fn if mapper.backend in EAGER_BACKENDS else jax.jit(fn, **jit_kwargs)
+    called eagerly from a notebook), carrying the mapper's checks of client data in per-device
+    blocks out to its caller (`blocks.jit_carrying_checks`); `fn` itself for the loop and debug
+    backends, whose per-client calls are jitted separately and which must see concrete arrays to
+    loop over."""
+    if mapper.backend in EAGER_BACKENDS:
+        return fn
+    return blocks.jit_carrying_checks(fn, **jit_kwargs)
 
 
 def client_mapper(backend: str = "chunked", chunk_size: int = AUTO_CHUNK, shard: bool = True) -> ClientMapper:

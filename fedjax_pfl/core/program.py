@@ -36,9 +36,9 @@ from jax.sharding import Mesh
 
 from fedjax_pfl.core.clients import num_sampled_clients
 from fedjax_pfl.core.execution import ClientError
+from fedjax_pfl.core import blocks
 from fedjax_pfl.core.placement import (cast_client_leaves, client_mask, client_shardings, to_host,
                                        client_state_bytes, replicate)
-from fedjax_pfl.core import blocks
 from fedjax_pfl.core.hoststate import STATE_PLACEMENTS, HostClients
 from fedjax_pfl.core.program_host import HostStateCalls, _per_round
 from fedjax_pfl.core.sharded import ShardedStream
@@ -269,6 +269,7 @@ class Program(HostStateCalls):
         self.abstract_state = self._store(abstract) if abstract is not None else None
         self.shardings = None
         self._compiled: dict = {}
+        self._misdealt: list = []        # (`_Checked`: read by `_check_dealt`)
         self._update_shardings()
         self.eval_group = min(default_eval_group(algo, data), self.num_clients)
         self.host: HostClients | None = None
@@ -343,13 +344,13 @@ class Program(HostStateCalls):
         state, metrics = self.algo.round_fn(state, data, jax.random.fold_in(round_keys, r))
         return self._store(state), metrics
 
-    def _check_dealt(self, before: int, where: str) -> None:
+    def _check_dealt(self, where: str) -> None:
         """Raises if a call's rounds (or an evaluation) ran a client on a device that does not
-        hold its samples (data in per-device blocks: `core.blocks`)."""
-        if self.stream is None or not self.stream.blocks:
-            return
-        jax.effects_barrier()
-        if blocks.misdealt_count() != before:
+        hold its samples (data in per-device blocks: `core.blocks`): reads the misdealt counts
+        of the calls made since the last time (`_Checked`), which waits for them to finish."""
+        counts = list(self._misdealt)
+        self._misdealt.clear()
+        if any(np.any(to_host(c)) for c in counts):
             raise RuntimeError(
                 f"{where}: {self.algo.name} ran a client on a device "
                 "that does not hold its samples (its round reads them in another client order "
@@ -360,9 +361,14 @@ class Program(HostStateCalls):
         if self.stream is not None:       # each round its own staged data (leading axis K)
             def body(state, xs):
                 i, round_data = xs
-                return self._round(state, round_data, round_keys, first + i)
+                (state, m), misdealt = blocks.checked(self._round)(state, round_data, round_keys,
+                                                                   first + i)
+                return state, (m, misdealt)
 
-            return jax.lax.scan(body, state, (jnp.arange(count, dtype=jnp.int32), data))
+            state, (m, misdealt) = jax.lax.scan(body, state,
+                                                (jnp.arange(count, dtype=jnp.int32), data))
+            blocks.note(None if misdealt is None else jnp.sum(misdealt, axis=0))
+            return state, m
 
         def body(state, i):
             return self._round(state, data, round_keys, first + i)
@@ -371,7 +377,16 @@ class Program(HostStateCalls):
 
     def _jitted(self, name: str, fn: Callable, **kwargs) -> Callable:
         if name not in self._compiled:
-            self._compiled[name] = jax.jit(fn, **kwargs) if self.jit else fn
+            if not self.jit:
+                self._compiled[name] = fn
+            elif self.stream is not None and self.stream.blocks:
+                # The mapper calls' misdealt counts (`core.blocks`) as one more output.
+                if "out_shardings" in kwargs:
+                    kwargs["out_shardings"] = (kwargs["out_shardings"], None)
+                self._compiled[name] = _Checked(jax.jit(blocks.checked(fn), **kwargs),
+                                                self._misdealt)
+            else:
+                self._compiled[name] = jax.jit(fn, **kwargs)
         return self._compiled[name]
 
     def _state_out(self):
@@ -418,12 +433,11 @@ class Program(HostStateCalls):
 
     def _run_streamed(self, fn, state, round_keys, first: int, count: int):
         staged = self.stream.take(round_keys, first, count)
-        before = blocks.misdealt_count()
         state, m = fn(state, staged.data, round_keys, jnp.asarray(first, jnp.int32))
         # Stage the next call's rounds while these train (the last call's prefetch goes unused).
         self.stream.prefetch(round_keys, first + count, count)
         per_round = _per_round(to_host(m), count)
-        self._check_dealt(before, f"rounds {first + 1}-{first + count}")
+        self._check_dealt(f"rounds {first + 1}-{first + count}")
         self._check_sampled(per_round, staged.ids, first)
         return state, per_round
 
@@ -468,9 +482,8 @@ class Program(HostStateCalls):
             run = self._jitted(f"{name}_ids", lambda s, d, i: fn(s, d, i))
             if name == "evaluate" and getattr(self, "_eval_compiled_group", None) is not None:
                 run = self._eval_compiled_group
-            before = blocks.misdealt_count()
             out = self.stream.evaluate(lambda d, i: run(state, d, i), ids)
-            self._check_dealt(before, "evaluation")
+            self._check_dealt("evaluation")
             return out
         if ids is None:
             return to_host(self._jitted(name, lambda s, d: fn(s, d))(state, self.data))
@@ -701,3 +714,26 @@ def check_memory(plan: MemoryPlan, *, allow: bool = False) -> None:
         f"state per client); {fit}. Lower --clients, store "
         "client state in half the memory with --state-dtype bfloat16, use more devices, or lower "
         "--chunk-size / --eval-batch-size for a smaller working set")
+
+
+class _Checked:
+    """A jitted (or lowered, or compiled) program of `blocks.checked` form that returns what the
+    program itself returns and keeps its misdealt counts in `counts`, for `_check_dealt`."""
+
+    def __init__(self, fn, counts: list):
+        self._fn, self._counts = fn, counts
+
+    def __call__(self, *args):
+        out, misdealt = self._fn(*args)
+        if misdealt is not None:
+            self._counts.append(misdealt)
+        return out
+
+    def lower(self, *args, **kwargs) -> "_Checked":
+        return _Checked(self._fn.lower(*args, **kwargs), self._counts)
+
+    def compile(self, *args, **kwargs) -> "_Checked":
+        return _Checked(self._fn.compile(*args, **kwargs), self._counts)
+
+    def memory_analysis(self):
+        return self._fn.memory_analysis()

@@ -118,12 +118,14 @@ class HostStateCalls:
 
             def body(carry, xs):
                 i, round_data = xs if streamed else (xs, data)
-                dev, rows, m, miss = one(*carry, ids, round_data, round_keys, first + i)
-                return (dev, rows), (m, miss)
+                (dev, rows, m, miss), misdealt = blocks.checked(one)(*carry, ids, round_data,
+                                                                     round_keys, first + i)
+                return (dev, rows), (m, miss, misdealt)
 
             steps = jnp.arange(count, dtype=jnp.int32)
-            (dev, rows), (m, miss) = jax.lax.scan(body, (dev, rows),
-                                                  (steps, data) if streamed else steps)
+            (dev, rows), (m, miss, misdealt) = jax.lax.scan(body, (dev, rows),
+                                                            (steps, data) if streamed else steps)
+            blocks.note(None if misdealt is None else jnp.sum(misdealt, axis=0))
             return dev, rows, m, jnp.any(miss)
 
         return call
@@ -164,7 +166,6 @@ class HostStateCalls:
         rows = self._put_rows(self._take_rows(state.store, round_keys, first, count, world), world)
         fn = self._host_round_function(count)
         data = staged.data if staged is not None else self.data
-        before = blocks.misdealt_count()
         dev, rows, m, miss = fn(state.device, rows, jnp.asarray(world), data, round_keys,
                                 jnp.asarray(first, jnp.int32))
         # While these rounds run: the next call's data, and its rows from the store (the rows
@@ -173,7 +174,7 @@ class HostStateCalls:
             self.stream.prefetch(round_keys, first + count, count)
         self._prefetch_rows(state.store, round_keys, first + count, count)
         per_round = _per_round(to_host(m), count)
-        self._check_dealt(before, f"rounds {first + 1}-{first + count}")
+        self._check_dealt(f"rounds {first + 1}-{first + count}")
         self._check_rows(miss, f"rounds {first + 1}-{first + count}")
         self._check_sampled(per_round, ids, first)
         real = world < self.num_clients
@@ -251,9 +252,8 @@ class HostStateCalls:
             return to_host(out)
 
         if self.stream is not None:
-            before = blocks.misdealt_count()
             out = self.stream.evaluate(group, ids)
-            self._check_dealt(before, "evaluation")
+            self._check_dealt("evaluation")
             return out
         return in_groups(lambda padded: group(self.data, jnp.asarray(padded, jnp.int32)), ids,
                          self.num_clients, self.eval_group)

@@ -268,12 +268,18 @@ SCRIPT = textwrap.dedent('''
     program = core.Program(algo, data, mesh=core.client_mesh(), data_placement="host")
 
     # A probe answering the round's clients in another order (the blocks then hold other
-    # clients than the devices train) stops the run; nothing is read silently.
-    real = program.stream._participants
-    program.stream._participants = lambda *a: real(*a)[:, ::-1]
-    state = program.init(jax.random.key(0))
-    with pytest.raises(RuntimeError, match="does not hold its samples"):
-        program.run_rounds(state, jax.random.key(1), 0, 1)
+    # clients than the devices train) stops the run; nothing is read silently: one round a
+    # call, two (the count leaves a scan over the rounds), and with ditto's client rows on the
+    # host (the host-state program and its scan).
+    ditto = algorithms.get("ditto", model=linear_model(), participation=0.4, batch_size=4)
+    for a, per_call, state_placement in ((algo, 1, "device"), (algo, 2, "device"),
+                                         (ditto, 1, "host"), (ditto, 2, "host")):
+        wrong = core.Program(a, data, mesh=core.client_mesh(), data_placement="host",
+                             state_placement=state_placement, rounds_per_call=per_call)
+        real = wrong.stream._participants
+        wrong.stream._participants = lambda *args, real=real: real(*args)[:, ::-1]
+        with pytest.raises(RuntimeError, match="does not hold its samples"):
+            wrong.run_rounds(wrong.init(jax.random.key(0)), jax.random.key(1), 0, per_call)
     # Evaluating ids with repeats (CachedEvaluation pads that way): each client once, its rows
     # copied back, equal to device placement's.
     state = program.init(jax.random.key(0))
