@@ -38,7 +38,7 @@ from fedjax_pfl.core.clients import num_sampled_clients
 from fedjax_pfl.core.execution import ClientError
 from fedjax_pfl.core import blocks
 from fedjax_pfl.core.placement import (cast_client_leaves, client_mask, client_shardings, to_host,
-                                       client_state_bytes, replicate)
+                                       client_state_bytes, put_agreed, replicate)
 from fedjax_pfl.core.hoststate import STATE_PLACEMENTS, HostClients
 from fedjax_pfl.core.program_host import HostStateCalls, _per_round
 from fedjax_pfl.core.sharded import ShardedStream
@@ -330,7 +330,8 @@ class Program(HostStateCalls):
         self.abstract_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
         self._update_shardings()
         if self.shardings is not None:
-            state = jax.device_put(state, self.shardings)
+            # (every process ran the same init on the same data: each places its own shards)
+            state = put_agreed(state, self.shardings, f"{self.algo.name}'s initial state")
         return state
 
     # -- pieces ---------------------------------------------------------------------------------
