@@ -157,8 +157,13 @@ def note(count: jax.Array | None) -> None:
         raise RuntimeError("client data in per-device blocks is read only inside the programs "
                            "core.Program builds, which check that every client ran on the "
                            "device holding its samples")
-    elif int(np.sum(np.asarray(count))):
-        raise RuntimeError(MISDEALT)
+    else:
+        if isinstance(count, jax.Array) and not count.is_fully_addressable:
+            from jax.experimental import multihost_utils     # (spans other processes' devices)
+
+            count = multihost_utils.process_allgather(count, tiled=True)
+        if int(np.sum(np.asarray(count))):
+            raise RuntimeError(MISDEALT)
 
 
 MISDEALT = "a client ran on a device that does not hold its samples"
@@ -180,6 +185,8 @@ def jit_carrying_checks(fn: Callable, **jit_kwargs) -> Callable:
     them as one more output, and each call notes them again. (A jitted function is traced once
     and its trace reused by every program that calls it, so what it collects must leave it as
     an output, not through Python state.)"""
+    if "out_shardings" in jit_kwargs:
+        jit_kwargs = {**jit_kwargs, "out_shardings": (jit_kwargs["out_shardings"], None)}
     jitted = jax.jit(checked(fn), **jit_kwargs)
 
     @functools.wraps(fn)

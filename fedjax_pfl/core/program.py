@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Callable
 
@@ -351,7 +352,9 @@ class Program(HostStateCalls):
         of the calls made since the last time (`_Checked`), which waits for them to finish."""
         counts = list(self._misdealt)
         self._misdealt.clear()
-        if any(np.any(to_host(c)) for c in counts):
+        # (added up on the devices and read once: in a run of several processes each read of a
+        # count sharded over the devices is an all-gather)
+        if counts and np.any(to_host(functools.reduce(jnp.add, counts))):
             raise RuntimeError(
                 f"{where}: {self.algo.name} ran a client on a device "
                 "that does not hold its samples (its round reads them in another client order "
@@ -736,5 +739,7 @@ class _Checked:
     def compile(self, *args, **kwargs) -> "_Checked":
         return _Checked(self._fn.compile(*args, **kwargs), self._counts)
 
-    def memory_analysis(self):
-        return self._fn.memory_analysis()
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._fn, name)     # (memory_analysis, as_text, … of the wrapped stage)
