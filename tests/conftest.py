@@ -30,9 +30,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # pgfed`, each setting in a fresh process). The programs then run ~5x
 # slower (67 vs 12 ms a default PGFed round), which the suite's few-round tests never notice (the
 # default configurations' runs stop at their accuracy bar). Full suite: 1,116 s at -O1 with the
-# fusion emitters, 656 s at -O1 without, 440–669 s at -O0 without. Claims that two different
-# programs agree bit for bit are tested at XLA's defaults (`helpers.product_jit`): at other
-# settings they may differ by an ulp. Subprocesses that tests start inherit the flags.
+# fusion emitters, 656 s at -O1 without, 440–669 s at -O0 without. Two different programs may
+# then differ by an ulp where XLA's defaults agree: such claims are tested at XLA's defaults
+# (`helpers.product_jit`: PGFed with mu = 0 against FedAvg). The placements' claims (host against
+# device, two processes against one, private against plain uplinks) hold bit for bit at these
+# settings too and are tested here (rechecked 2026-11-28, jaxlib 0.10.2). Subprocesses that tests
+# start inherit the flags.
 # XLA from jaxlib 0.11 has no elemental-emitter switch and aborts on the unknown flag, so it is
 # set only for older jaxlibs.
 # XLA:CPU also splits each program's LLVM module into parts compiled in parallel; on two cores
