@@ -180,14 +180,25 @@ def checked(fn: Callable) -> Callable:
     return run
 
 
-def jit_carrying_checks(fn: Callable, **jit_kwargs) -> Callable:
-    """`jax.jit(fn)` whose misdealt counts reach the caller's trace: the jitted function returns
-    them as one more output, and each call notes them again. (A jitted function is traced once
-    and its trace reused by every program that calls it, so what it collects must leave it as
-    an output, not through Python state.)"""
+def note_each(counts: jax.Array | None) -> None:
+    """`note` for the counts of a scan's iterations ([iterations, devices], or None)."""
+    note(None if counts is None else jnp.sum(counts, axis=0))
+
+
+def jit_checked(fn: Callable, **jit_kwargs) -> Callable:
+    """`jax.jit(checked(fn))`: (fn's result, its misdealt counts); a given `out_shardings` is
+    fn's result's, the counts' left to XLA."""
     if "out_shardings" in jit_kwargs:
         jit_kwargs = {**jit_kwargs, "out_shardings": (jit_kwargs["out_shardings"], None)}
-    jitted = jax.jit(checked(fn), **jit_kwargs)
+    return jax.jit(checked(fn), **jit_kwargs)
+
+
+def jit_carrying_checks(fn: Callable, **jit_kwargs) -> Callable:
+    """`jax.jit(fn)` whose misdealt counts reach the caller's trace: the jitted function returns
+    them as one more output (`jit_checked`), and each call notes them again. (A jitted function
+    is traced once and its trace reused by every program that calls it, so what it collects must
+    leave it as an output, not through Python state.)"""
+    jitted = jit_checked(fn, **jit_kwargs)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

@@ -81,18 +81,31 @@ def put_agreed(tree: Params, shardings: Params, what: str = "") -> Params:
         return jax.device_put(tree, shardings)
     from jax.experimental import multihost_utils
 
-    is_key = lambda a: jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
-    host = jax.tree.map(lambda a: np.asarray(jax.random.key_data(a) if is_key(a) else a), tree)
+    host = _host_values(tree)
     mine = np.frombuffer(fingerprint(host), np.uint8)
     every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
     differ = [k for k in range(len(every)) if not np.array_equal(every[k], every[0])]
     if differ:
         raise ValueError(f"processes {differ} hold other values than process 0 for what every "
                          f"device must hold the same of{' (' + what + ')' if what else ''}")
+    return _provide(tree, host, shardings)
 
+
+def _is_key(a) -> bool:
+    return jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+
+
+def _host_values(tree: Params) -> Params:
+    """`tree` as NumPy arrays (PRNG keys as their key data)."""
+    return jax.tree.map(lambda a: np.asarray(jax.random.key_data(a) if _is_key(a) else a), tree)
+
+
+def _provide(tree: Params, host: Params, shardings: Params) -> Params:
+    """`tree` under `shardings`, this process providing its own devices' shards from `host`
+    (`_host_values(tree)`): no value crosses between processes."""
     def put(a, h, sharding):
         placed = jax.make_array_from_callback(h.shape, sharding, lambda index: h[index])
-        return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(a)) if is_key(a) else placed
+        return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(a)) if _is_key(a) else placed
 
     return jax.tree.map(put, tree, host, shardings)
 
@@ -126,8 +139,7 @@ def put_replicated(tree: Params, mesh: Mesh | None) -> Params:
     sharding = replicated_sharding(mesh)
     if jax.process_count() == 1:
         return jax.device_put(tree, sharding)
-    return jax.tree.map(lambda a: jax.make_array_from_callback(np.shape(a), sharding,
-                                                               lambda index: a[index]), tree)
+    return _provide(tree, _host_values(tree), jax.tree.map(lambda _: sharding, tree))
 
 
 def to_host(tree: Params) -> Params:

@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Any, Callable
 
@@ -354,7 +353,7 @@ class Program(HostStateCalls):
         self._misdealt.clear()
         # (added up on the devices and read once: in a run of several processes each read of a
         # count sharded over the devices is an all-gather)
-        if counts and np.any(to_host(functools.reduce(jnp.add, counts))):
+        if counts and np.any(to_host(blocks.total(counts))):
             raise RuntimeError(
                 f"{where}: {self.algo.name} ran a client on a device "
                 "that does not hold its samples (its round reads them in another client order "
@@ -371,7 +370,7 @@ class Program(HostStateCalls):
 
             state, (m, misdealt) = jax.lax.scan(body, state,
                                                 (jnp.arange(count, dtype=jnp.int32), data))
-            blocks.note(None if misdealt is None else jnp.sum(misdealt, axis=0))
+            blocks.note_each(misdealt)
             return state, m
 
         def body(state, i):
@@ -385,10 +384,7 @@ class Program(HostStateCalls):
                 self._compiled[name] = fn
             elif self.stream is not None and self.stream.blocks:
                 # The mapper calls' misdealt counts (`core.blocks`) as one more output.
-                if "out_shardings" in kwargs:
-                    kwargs["out_shardings"] = (kwargs["out_shardings"], None)
-                self._compiled[name] = _Checked(jax.jit(blocks.checked(fn), **kwargs),
-                                                self._misdealt)
+                self._compiled[name] = _Checked(blocks.jit_checked(fn, **kwargs), self._misdealt)
             else:
                 self._compiled[name] = jax.jit(fn, **kwargs)
         return self._compiled[name]

@@ -125,7 +125,7 @@ class HostStateCalls:
             steps = jnp.arange(count, dtype=jnp.int32)
             (dev, rows), (m, miss, misdealt) = jax.lax.scan(body, (dev, rows),
                                                             (steps, data) if streamed else steps)
-            blocks.note(None if misdealt is None else jnp.sum(misdealt, axis=0))
+            blocks.note_each(misdealt)
             return dev, rows, m, jnp.any(miss)
 
         return call
