@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfl.core.hoststate import ClientRows
+from fedjax_pfl.core.hoststate import put_leaves, take_leaves
 
 if TYPE_CHECKING:
     from fedjax_pfl.core.execution import ClientMapper
@@ -39,19 +39,15 @@ def gather(tree: Params, idx: jax.Array) -> Params:
     """[N, ...] -> [m, ...]: the rows of the clients in `idx`. Rows stored in bfloat16 (client
     state under --state-dtype bfloat16) come back as float32: computation stays in float32.
     A leaf held as `ClientRows` (client state on the host) is indexed by client id."""
-    def rows(x):
-        r = x.take(idx) if isinstance(x, ClientRows) else x[idx]
-        return r.astype(jnp.float32) if r.dtype == jnp.bfloat16 else r
-
-    return jax.tree.map(rows, tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten([r.astype(jnp.float32) if r.dtype == jnp.bfloat16 else r
+                              for r in take_leaves(leaves, idx)])
 
 
 def scatter(tree: Params, idx: jax.Array, rows: Params) -> Params:
     """Write `rows` [m, ...] into `tree` [N, ...] at `idx`; all other rows are unchanged bit for bit."""
-    def write(x, r):
-        return x.put(idx, r) if isinstance(x, ClientRows) else x.at[idx].set(r.astype(x.dtype))
-
-    return jax.tree.map(write, tree, rows)
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten(put_leaves(leaves, idx, treedef.flatten_up_to(rows)))
 
 
 def where_clients(mask: jax.Array, if_true: Params, if_false: Params) -> Params:

@@ -8,7 +8,9 @@ in a COMPACT CLIENT WORLD:
 
   1. the call's participants P (its rounds' `Algorithm.participants`, sorted, padded with the
      id N to a fixed count) are known before it starts;
-  2. their rows are gathered from the store and moved to the devices: [|P|, ...] per leaf;
+  2. their rows are gathered from the store and moved to the devices: [|P|, ...] per leaf, on
+     several devices dealt to them (`core.dealt`: each device holds only the rows of the
+     clients the mapper deals it);
   3. inside the round each such leaf is a `ClientRows(ids=P, rows)`, which `core.gather` and
      `core.scatter` index BY CLIENT ID (the position of id i in P), so the round's code, written
      for [N, ...] leaves and global ids, runs unchanged and computes the same bits;
@@ -42,26 +44,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pfl.core import dealt
+
 Params = Any
 STATE_PLACEMENTS = ("device", "host", "auto")
 
-# The misses of one trace: a list of scalar bool tracers (an id gathered or scattered that is
-# not among the rows present). The program sets it around the round and returns their "or".
+# What the row reads and writes of one trace found: a list of scalar int32 tracers, bit MISS (an
+# id gathered or scattered that is not among the rows present) and bit CROSSED (a dealt world's
+# device read or wrote rows held by another, `core.dealt`). The program sets it around the round
+# and returns their bitwise "or".
 _MISSES: contextvars.ContextVar[list | None] = contextvars.ContextVar("fedjax_pfl_row_misses",
                                                                      default=None)
+MISS, CROSSED = 1, 2
 
 
 class ClientRows:
     """The rows of one per-client leaf for the clients `ids` only ([C] int32, sorted ascending;
-    entries equal to N pad the world to a fixed size and are never asked for).
+    entries equal to N pad the world to a fixed size and are never asked for). With a `mesh`
+    the world is dealt to its devices (`core.dealt`): `ids` and `rows` are sharded over the
+    clients axis in blocks, each block sorted, and each device reads and writes its own rows.
 
     Stands where an [N, ...] leaf stands in a round's state; `core.gather` / `core.scatter` call
     `take` / `put`. It is deliberately not an array (no indexing, no arithmetic)."""
 
-    __slots__ = ("ids", "rows")
+    __slots__ = ("ids", "rows", "mesh")
 
-    def __init__(self, ids: jax.Array, rows: jax.Array):
-        self.ids, self.rows = ids, rows
+    def __init__(self, ids: jax.Array, rows: jax.Array, mesh: Any = None):
+        self.ids, self.rows, self.mesh = ids, rows, mesh
 
     @property
     def dtype(self):
@@ -74,30 +83,82 @@ class ClientRows:
     def _positions(self, idx: jax.Array) -> jax.Array:
         idx = jnp.asarray(idx)
         pos = jnp.clip(jnp.searchsorted(self.ids, idx), 0, self.ids.shape[0] - 1)
-        misses = _MISSES.get()
-        if misses is not None:
-            misses.append(jnp.any(self.ids[pos] != idx))
+        _note(jnp.any(self.ids[pos] != idx))
         return pos
 
     def take(self, idx: jax.Array) -> jax.Array:
         """rows of the clients `idx` (global ids): [len(idx), ...]."""
+        if self.mesh is not None:
+            return take_leaves([self], idx)[0]
         return self.rows[self._positions(idx)]
 
     def put(self, idx: jax.Array, values: jax.Array) -> "ClientRows":
         """These rows with the clients `idx` set to `values` (cast to the stored dtype)."""
+        if self.mesh is not None:
+            return put_leaves([self], idx, [values])[0]
         return ClientRows(self.ids, self.rows.at[self._positions(idx)].set(values.astype(self.dtype)))
 
     def astype(self, dtype) -> "ClientRows":
-        return ClientRows(self.ids, self.rows.astype(dtype))
+        return ClientRows(self.ids, self.rows.astype(dtype), self.mesh)
 
     def __repr__(self) -> str:
-        return f"ClientRows(ids={self.ids.shape}, rows={self.rows.shape} {self.rows.dtype})"
+        dealt_to = "" if self.mesh is None else f", dealt to {self.mesh.size} devices"
+        return f"ClientRows(ids={self.ids.shape}, rows={self.rows.shape} {self.rows.dtype}{dealt_to})"
+
+
+def _dealt_groups(leaves: list) -> list[list[int]]:
+    """Positions of the dealt `ClientRows` among `leaves`, grouped by world (one `core.dealt`
+    call reads or writes all the leaves of a world together)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, ClientRows) and x.mesh is not None:
+            groups.setdefault((id(x.ids), id(x.mesh)), []).append(i)
+    return list(groups.values())
+
+
+def take_leaves(leaves: list, idx: jax.Array) -> list:
+    """`core.gather` of a flattened tree: rows `idx` of each leaf ([N, ...] arrays by index,
+    `ClientRows` by client id; a dealt world's leaves in one `core.dealt.take`)."""
+    out = [x.take(idx) if isinstance(x, ClientRows) and x.mesh is None
+           else None if isinstance(x, ClientRows) else x[idx] for x in leaves]
+    for members in _dealt_groups(leaves):
+        first = leaves[members[0]]
+        rows, miss, crossed = dealt.take(first.mesh, first.ids, [leaves[i].rows for i in members],
+                                         idx)
+        _note(miss, crossed)
+        for i, r in zip(members, rows):
+            out[i] = r
+    return out
+
+
+def put_leaves(leaves: list, idx: jax.Array, values: list) -> list:
+    """`core.scatter` of a flattened tree: each leaf with rows `idx` set to its `values`, cast
+    to the leaf's dtype (a dealt world's leaves in one `core.dealt.put`)."""
+    out = [x.put(idx, v) if isinstance(x, ClientRows) and x.mesh is None
+           else None if isinstance(x, ClientRows) else x.at[idx].set(v.astype(x.dtype))
+           for x, v in zip(leaves, values, strict=True)]
+    for members in _dealt_groups(leaves):
+        first = leaves[members[0]]
+        rows, miss, crossed = dealt.put(first.mesh, first.ids, [leaves[i].rows for i in members],
+                                        idx, [values[i].astype(leaves[i].dtype) for i in members])
+        _note(miss, crossed)
+        for i, r in zip(members, rows):
+            out[i] = ClientRows(first.ids, r, first.mesh)
+    return out
+
+
+def _note(miss: jax.Array, crossed: jax.Array | None = None) -> None:
+    found = _MISSES.get()
+    if found is not None:
+        code = jnp.where(miss, MISS, 0)
+        found.append(code if crossed is None else code | jnp.where(crossed, CROSSED, 0))
 
 
 @contextlib.contextmanager
 def counting_misses():
-    """Within one trace: collects each `ClientRows` gather's / scatter's miss flag (an id not
-    among the rows present); `any_miss(found)` is their "or", a traced bool to return."""
+    """Within one trace: collects each `ClientRows` gather's / scatter's flags (`MISS`: an id
+    not among the rows present; `CROSSED`: rows read or written across a dealt world's devices);
+    `row_flags(found)` is their "or", a traced int32 to return."""
     found: list = []
     token = _MISSES.set(found)
     try:
@@ -106,8 +167,10 @@ def counting_misses():
         _MISSES.reset(token)
 
 
-def any_miss(found: list) -> jax.Array:
-    return jnp.any(jnp.stack(found)) if found else jnp.zeros((), bool)
+def row_flags(found: list) -> jax.Array:
+    """The bitwise "or" of the flags `counting_misses` collected (int32; 0 where none)."""
+    return (jax.lax.reduce_or(jnp.stack(found), (0,)) if found
+            else jnp.zeros((), jnp.int32))
 
 
 class ClientStore:
@@ -330,9 +393,10 @@ class HostClients:
         dev, host = iter(dev), iter(host)
         return [next(host) if h else next(dev) for h in self.on_host]
 
-    def wrap(self, dev: list, rows: list, ids: jax.Array) -> Params:
-        """The round's state: host leaves as `ClientRows(ids, rows)`."""
-        return self.treedef.unflatten(self.join(dev, [ClientRows(ids, r) for r in rows]))
+    def wrap(self, dev: list, rows: list, ids: jax.Array, mesh: Any = None) -> Params:
+        """The round's state: host leaves as `ClientRows(ids, rows, mesh)` (a `mesh`: the world
+        dealt to its devices, `core.dealt`)."""
+        return self.treedef.unflatten(self.join(dev, [ClientRows(ids, r, mesh) for r in rows]))
 
     def unwrap(self, state: Params, ids: jax.Array, where: str) -> tuple[list, list]:
         """(device leaves, host rows) of a state returned by the algorithm; its host leaves must

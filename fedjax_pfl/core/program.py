@@ -120,7 +120,8 @@ class MemoryPlan:
             lines.append(
                 f"  client state on the host: {mb(self.host_row_bytes)} per client that a round "
                 f"has written (copy-on-write: the others share one initial row); each call moves "
-                f"its participants' rows to every device ({self.world_rows} clients, "
+                f"its participants' rows to the devices, each device the rows of the clients it "
+                f"trains ({self.world_rows} clients a device, "
                 f"{mb(self.world_rows * self.host_row_bytes)}, counted in the client state above)")
         if self.data_placement == "host":
             lines.append(f"  data on the host ({mb(self.data_whole)}); on each device only the "
@@ -302,6 +303,7 @@ class Program(HostStateCalls):
         self._rows_pending = None
         self._rows_written = np.zeros(0, np.int64)
         self.rows_hits = self.rows_misses = 0
+        self.world_crossings = 0
 
     def _jitted_probe(self) -> Callable:
         """(clients, round_keys, first, count) -> [count, M] the rounds' participants
@@ -555,7 +557,9 @@ class Program(HostStateCalls):
                            for a in self.host.split(self.host.abstract)[1])
             per_client = int(per_client) - host_row
             world = max(self._world_size(self.rounds_per_call) if self._clients_per_round else 0,
-                        self.eval_group)
+                        self._eval_world_size())
+            if self._dealt_mesh is not None:     # each device holds its own block of the world
+                world //= devices
             client_per_device = int(per_client) * self.num_clients // devices + world * host_row
         local = devices if self.mesh is None else sum(
             d.process_index == jax.process_index() for d in self.mesh.devices.flat)

@@ -1,6 +1,7 @@
 """`Program`'s calls under host client-state placement (`--state-placement host`,
 `core.hoststate`): the per-client rows wait in a copy-on-write host store, and each call moves
-its participants' rows (its "world") to the devices and back.
+its participants' rows (its "world") to the devices and back. On several devices the world is
+dealt to them (`core.dealt`): each device receives the rows of the clients it trains.
 
 `HostStateCalls` is a mixin of `core.program.Program`: the program's state, shardings, stream
 and jitted-function cache are `Program`'s; these methods are the host-state half of its round,
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfl.core import blocks, hoststate
+from fedjax_pfl.core import blocks, dealt, hoststate
 from fedjax_pfl.core.hoststate import HostClients, HostState
 from fedjax_pfl.core.placement import (client_mask, owned_rows, put_replicated, put_rows_from,
                                       rows_held, to_host)
@@ -43,17 +44,49 @@ class HostStateCalls:
         return np.asarray(jax.device_get(self._probe(
             self.data.clients, round_keys, jnp.asarray(first, jnp.int32), count)), np.int64)
 
+    @property
+    def _dealt_mesh(self):
+        """The mesh a client world is dealt to (`core.dealt`: each device holds the rows of the
+        clients it trains), or None: one device, whose world is whole."""
+        return self.mesh if self.mesh is not None and self.mesh.size > 1 else None
+
     def _world_size(self, count: int) -> int:
+        if self._dealt_mesh is not None:      # count rounds' blocks of ⌈M/D⌉ on each device
+            d = self.mesh.size
+            return d * count * -(-self._clients_per_round // d)
         return min(count * self._clients_per_round, self.num_clients)
 
+    def _world(self, ids: np.ndarray, size: int, distinct: bool = True) -> np.ndarray:
+        """The client world of a call's participants ([rounds, M]) or of an evaluation group
+        ([G]; `distinct=False`: nothing is written, a client may sit on several devices)."""
+        if self._dealt_mesh is None:
+            return hoststate.world(ids, size, self.num_clients)
+        d = self.mesh.size
+        return dealt.world(ids, d, size // d, self.num_clients, distinct=distinct)
+
+    def _world_sharding(self):
+        if self._dealt_mesh is None:
+            return self._replicated()
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("clients"))
+
+    def _eval_world_size(self) -> int:
+        """An evaluation group's world: G entries, or ⌈G/D⌉ on each of D devices."""
+        if self._dealt_mesh is None:
+            return self.eval_group
+        d = self.mesh.size
+        return d * -(-self.eval_group // d)
+
     def _put_rows(self, rows: list[np.ndarray], world: np.ndarray) -> list:
-        """A world's host rows on the devices (whole on each: they are few). With several
-        processes each process's store holds only its clients' rows (the others read as the
-        initial row there): every device receives its process's rows, and one jitted gather
-        takes each client's row from a device of the process that holds it (`_assemble_rows`),
-        so the rows are copied, never combined arithmetically."""
+        """A world's host rows on the devices: each device its block where the world is dealt
+        (`core.dealt`), else whole on the one device. With several processes each process's
+        store holds only its clients' rows (the others read as the initial row there): every
+        device receives its process's rows, and one jitted gather takes each client's row from
+        a device of the process that holds it (`_assemble_rows`), so the rows are copied, never
+        combined arithmetically."""
         if self._rows_here is None:
-            return put_replicated(rows, self.mesh)
+            if self._dealt_mesh is None:
+                return put_replicated(rows, self.mesh)
+            return jax.device_put(rows, self._world_sharding())
         source = self._row_device[np.asarray(world)]
         sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("clients"))
         parts = [jax.make_array_from_callback((self.mesh.size,) + r.shape, sharding,
@@ -77,7 +110,7 @@ class HostStateCalls:
         def assemble(parts, source):
             return [p[source, jnp.arange(source.shape[0])] for p in parts]
 
-        return jax.jit(assemble, out_shardings=self._replicated())
+        return jax.jit(assemble, out_shardings=self._world_sharding())
 
     def _host_init(self, key: jax.Array) -> HostState:
         """The device leaves of the initial state, and a store whose initial rows are every
@@ -126,7 +159,7 @@ class HostStateCalls:
             (dev, rows), (m, miss, misdealt) = jax.lax.scan(body, (dev, rows),
                                                             (steps, data) if streamed else steps)
             blocks.note_each(misdealt)
-            return dev, rows, m, jnp.any(miss)
+            return dev, rows, m, jax.lax.reduce_or(miss, (0,))
 
         return call
 
@@ -137,15 +170,15 @@ class HostStateCalls:
 
         def one(dev, rows, ids, data, round_keys, r):
             with hoststate.counting_misses() as found:
-                state = host.wrap(dev, rows, ids)
+                state = host.wrap(dev, rows, ids, self._dealt_mesh)
                 state, metrics = self.algo.round_fn(state, data, jax.random.fold_in(round_keys, r))
                 dev, rows = host.unwrap(state, ids, name)
-            return self._store_device(dev), rows, metrics, hoststate.any_miss(found)
+            return self._store_device(dev), rows, metrics, hoststate.row_flags(found)
 
         kwargs = {}
         if self.mesh is not None:
             rep = self._replicated()
-            kwargs["out_shardings"] = (self._device_shardings(), rep, rep, rep)
+            kwargs["out_shardings"] = (self._device_shardings(), self._world_sharding(), rep, rep)
         return self._jitted(f"host_rounds{count}",
                             self._host_call(one, count, self.stream is not None and count > 1),
                             donate_argnums=(0, 1), **kwargs)
@@ -162,7 +195,7 @@ class HostStateCalls:
         staged = self.stream.take(round_keys, first, count) if self.stream is not None else None
         ids = staged.ids if staged is not None else self._call_participants(round_keys, first, count)
         self._clients_per_round = int(ids.shape[-1])
-        world = hoststate.world(ids, self._world_size(count), self.num_clients)
+        world = self._world(ids, self._world_size(count))
         rows = self._put_rows(self._take_rows(state.store, round_keys, first, count, world), world)
         fn = self._host_round_function(count)
         data = staged.data if staged is not None else self.data
@@ -189,8 +222,7 @@ class HostStateCalls:
 
     def _gather_rows(self, store, round_keys: jax.Array, first: int, count: int):
         """(tag, store, world, rows) of a call, gathered from the store (the prefetch's work)."""
-        world = hoststate.world(self._probe_ids(round_keys, first, count),
-                                self._world_size(count), self.num_clients)
+        world = self._world(self._probe_ids(round_keys, first, count), self._world_size(count))
         return (key_bytes(round_keys), first, count), store, world, store.gather(world)
 
     def _prefetch_rows(self, store, round_keys: jax.Array, first: int, count: int) -> None:
@@ -221,8 +253,13 @@ class HostStateCalls:
         self.rows_misses += 1
         return store.gather(world)
 
-    def _check_rows(self, miss, where: str) -> None:
-        if bool(to_host(miss)):
+    def _check_rows(self, flags, where: str) -> None:
+        """Stops on a row read or written outside the world; counts the calls whose rows
+        crossed a dealt world's devices (`world_crossings`: an algorithm that reads its rows in
+        another order than the mapper deals them; exact, with all-gathers)."""
+        flags = int(to_host(flags))
+        self.world_crossings += bool(flags & hoststate.CROSSED)
+        if flags & hoststate.MISS:
             raise RuntimeError(
                 f"{where}: {self.algo.name} read or wrote the client-state rows of a client that "
                 "was not among the participants moved to the devices; run it with "
@@ -235,8 +272,8 @@ class HostStateCalls:
 
         def run(dev, rows, world, data, ids):
             with hoststate.counting_misses() as found:
-                out = fn(host.wrap(dev, rows, world), data, ids)
-            return out, hoststate.any_miss(found)
+                out = fn(host.wrap(dev, rows, world, self._dealt_mesh), data, ids)
+            return out, hoststate.row_flags(found)
 
         return self._jitted(f"host_{name}", run)
 
@@ -245,7 +282,7 @@ class HostStateCalls:
         run = self._host_eval_function(name, fn)
 
         def group(data, padded: jax.Array):
-            world = hoststate.world(np.asarray(padded), self.eval_group, self.num_clients)
+            world = self._world(np.asarray(padded), self._eval_world_size(), distinct=False)
             rows = self._put_rows(state.store.gather(world), world)
             out, miss = run(state.device, rows, jnp.asarray(world), data, padded)
             self._check_rows(miss, "evaluation")
@@ -334,7 +371,7 @@ class HostStateCalls:
                 out.append(np.zeros(a.shape[1:], a.dtype))
             else:
                 out.append(jax.ShapeDtypeStruct((size,) + tuple(a.shape[1:]), a.dtype,
-                                                sharding=self._replicated()))
+                                                sharding=self._world_sharding()))
         return out
 
     def _compile_host(self, round_keys: jax.Array, abstract_dev: list) -> None:
@@ -346,12 +383,12 @@ class HostStateCalls:
         fn = self._host_round_function(k)
         self._round_compiled = fn.lower(abstract_dev, self._host_rows_abstract(size), world, data,
                                         round_keys, jax.ShapeDtypeStruct((), jnp.int32)).compile()
-        g = self.eval_group
+        g, size = self.eval_group, self._eval_world_size()
         ev = self._host_eval_function("evaluate", self.algo.evaluate)
         data = self.stream.abstract_evaluation() if self.stream is not None else self.data
         self._eval_compiled_group = ev.lower(
-            abstract_dev, self._host_rows_abstract(g),
-            jax.ShapeDtypeStruct((g,), jnp.int32, sharding=self._replicated()), data,
+            abstract_dev, self._host_rows_abstract(size),
+            jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self._replicated()), data,
             jax.ShapeDtypeStruct((g,), jnp.int32)).compile()
 
 

@@ -6,6 +6,10 @@
 - `ClientRows`: `core.gather` / `core.scatter` by client id equal the same operations on a dense
   [N, ...] array written here; an id outside the rows present is reported; direct indexing of a
   client leaf fails at trace time;
+- a world dealt to two devices (`core.dealt`): its blocks worked by hand; reads and writes in
+  the mapper's order and in others (the ring), repeated ids (the last write wins) and absent ids
+  against a dense array; each device holds exactly its dealt clients' rows; the calls whose rows
+  cross devices counted;
 - host state placement gives the rounds and evaluations of device placement bit for bit (state,
   metrics, evaluation, cached evaluation) for EVERY algorithm that declares `host_state` (the
   quick suite runs ditto and fedrep, the full suite all of them), with the data on the devices
@@ -190,7 +194,7 @@ def test_gather_and_scatter_by_client_id_match_a_dense_array():
             held = {"w": core.ClientRows(world, rows)}
             got = core.gather(held, idx)["w"]
             after = core.scatter(held, idx, {"w": new})["w"].rows
-        return got, after, hoststate.any_miss(found)
+        return got, after, hoststate.row_flags(found)
 
     got, after, miss = f(rows, world, idx, new)
     np.testing.assert_array_equal(got, dense[idx])
@@ -202,6 +206,27 @@ def test_gather_and_scatter_by_client_id_match_a_dense_array():
     assert bool(miss)
     with pytest.raises(TypeError):
         jax.jit(lambda r, w: core.ClientRows(w, r)[0])(rows, world)
+
+
+def test_a_world_is_dealt_as_the_mapper_deals_its_rows():
+    """`dealt.world`, worked by hand: blocks of ceil(M/D) of each round's order, sorted and
+    padded with N; a call that writes holds each client on the first device dealt it, an
+    evaluation group wherever it is asked for."""
+    from fedjax_pfl.core import dealt
+
+    n = 10
+    # M = 5 on 2 devices: positions 0-2 to device 0, 3-4 to device 1.
+    np.testing.assert_array_equal(dealt.world([[5, 2, 9, 7, 1]], 2, 3, n),
+                                  [2, 5, 9, 1, 7, n])
+    # Two rounds: round 2 deals 7 to device 0 and 5 to device 1, which already hold them
+    # elsewhere: they stay where round 1 put them.
+    np.testing.assert_array_equal(dealt.world([[5, 2, 9, 7], [7, 3, 5, 8]], 2, 4, n),
+                                  [2, 3, 5, n, 7, 8, 9, n])
+    # An evaluation group (nothing written): the repeated padding id 4 on both devices.
+    np.testing.assert_array_equal(dealt.world([4, 6, 1, 4], 2, 2, n, distinct=False),
+                                  [4, 6, 1, 4])
+    with pytest.raises(RuntimeError, match="4 clients dealt to device 0"):
+        dealt.world([[1, 2, 3, 4]], 1, 3, n)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -377,15 +402,25 @@ SCRIPT = textwrap.dedent('''
             return program.host.treedef.unflatten(program.host.join(jax.device_get(state.device), rows))
         return jax.device_get(state)
 
-    def run(algo, data, mesh, per_call, placement, data_placement):
+    def run(algo, data, mesh, per_call, placement, data_placement, worlds=None):
         program = core.Program(algo, data, mesh=mesh, rounds_per_call=per_call,
                                state_placement=placement, data_placement=data_placement)
+        if worlds is not None:   # each call's world, and the devices and lengths of its rows' shards
+            put = program._put_rows
+
+            def recorded(rows, world):
+                rows = put(rows, world)
+                shards = sorted(rows[0].addressable_shards, key=lambda s: s.index[0].start or 0)
+                worlds.append((world, [(s.device, s.data.shape[0]) for s in shards]))
+                return rows
+
+            program._put_rows = recorded
         state = program.init(jax.random.key(0))
         ms = []
         for r in range(0, 4, per_call):
             state, m = program.run_rounds(state, jax.random.key(1), r, per_call)
             ms += m
-        return jax.tree.leaves((whole(program, state), ms)), program.evaluate(state)
+        return jax.tree.leaves((whole(program, state), ms)), program.evaluate(state), program
 
     def same(a, b):
         for x, y in zip(a[0], b[0], strict=True):
@@ -395,12 +430,81 @@ SCRIPT = textwrap.dedent('''
         helpers.assert_evaluations_equal(a[1], b[1])
 
     two = make_data([12, 30, 7, 19, 25, 3, 40, 11, 9])      # N = 9, padded to 10
+    mesh = core.client_mesh()
     for name, data_placement in (("ditto", "device"), ("pgfedmo", "host")):
-        hp = {"participation": 0.4, "batch_size": 4, **algorithms.spec(name).test_hparams}
+        # (M = 5: each device's block of the sample is padded, and clients cross in both calls)
+        hp = {"participation": 0.6, "batch_size": 4, **algorithms.spec(name).test_hparams}
         algo = algorithms.get(name, model=linear_model(), **hp)
-        mesh = core.client_mesh()
-        same(run(algo, two, mesh, 2, "device", data_placement),
-             run(algo, two, mesh, 2, "host", data_placement))
+        host = run(algo, two, mesh, 2, "host", data_placement)
+        same(run(algo, two, mesh, 2, "device", data_placement), host)
+        # The calls in which a client is trained by one device in the first round and by the
+        # other in the second (the mapper deals blocks of ceil(M/2)): its rows cross between the
+        # devices (core.dealt's ring), with the same bits as above.
+        program, crossing = host[2], 0
+        for first in (0, 2):
+            ids = np.asarray(program._probe_ids(jax.random.key(1), first, 2))
+            r = -(-ids.shape[1] // 2)
+            device = [{int(c): j // r for j, c in enumerate(row)} for row in ids]
+            crossing += any(device[1][c] != d for c, d in device[0].items() if c in device[1])
+        assert crossing > 0 and program.world_crossings == crossing, (name, crossing)
+
+    # One round per call: each device holds only the rows of the clients the mapper deals it
+    # (contiguous blocks of ceil(M/D) of the sampled order), no row crosses, same bits; M = 3
+    # (odd: the second device's block is padded).
+    from fedjax_pfl.core import dealt
+    for participation in (0.3,):
+        hp = {"participation": participation, "batch_size": 4, **algorithms.spec("ditto").test_hparams}
+        algo = algorithms.get("ditto", model=linear_model(), **hp)
+        worlds = []
+        host = run(algo, two, mesh, 1, "host", "device", worlds)
+        same(run(algo, two, mesh, 1, "device", "device"), host)
+        program = host[2]
+        assert program.world_crossings == 0
+        m = int(program._clients_per_round)
+        r = -(-m // 2)
+        for call, (world, shards) in enumerate(worlds[:4]):      # (then the evaluation's)
+            assert world.size == 2 * r
+            assert shards == [(mesh.devices.flat[d], r) for d in range(2)]
+            sampled = np.asarray(program._probe_ids(jax.random.key(1), call, 1))[0]
+            for d in range(2):
+                want = np.sort(sampled[d * r:(d + 1) * r])
+                held = world[d * r:(d + 1) * r]
+                np.testing.assert_array_equal(held[:want.size], want)
+                assert (held[want.size:] == program.num_clients).all()
+
+    # dealt.take / dealt.put against a dense array: the mapper's order (no crossing), other
+    # orders (the ring: same values), repeated ids (the last write wins, as a scatter in order),
+    # an odd count (padding), and an id no device holds. ([13, 2, 13, 7]: device 1 holds 13 and
+    # writes its own slot 2 first; device 0's earlier slot 0 arrives after it and must lose.)
+    rng = np.random.default_rng(3)
+    n = 20
+    dense = rng.normal(size=(n, 3)).astype(np.float32)
+    world = np.array([2, 5, 11, 20, 0, 7, 13, 19], np.int32)       # block 0 | block 1, padded
+    rows = dense[np.minimum(world, n - 1)]
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
+    ids_d, rows_d = jax.device_put(world, sharding), jax.device_put(rows, sharding)
+    take = jax.jit(lambda i, r, idx: (lambda o: (o[0][0],) + o[1:])(dealt.take(mesh, i, [r], idx)))
+    put = jax.jit(lambda i, r, idx, v: (lambda o: (o[0][0],) + o[1:])(dealt.put(mesh, i, [r], idx, [v])))
+    for idx, crossed in (([5, 2, 11, 0, 13, 19], False), ([2, 5, 7, 13], False),
+                         ([13, 19, 0, 2, 5, 11], True), ([7, 2, 5], True), ([0, 5, 2, 5, 7], True),
+                         ([11, 7, 11], True), ([13, 2, 13, 7], True)):
+        idx = np.array(idx, np.int32)
+        got, miss, cross = take(ids_d, rows_d, idx)
+        np.testing.assert_array_equal(np.asarray(got), dense[idx])
+        assert not bool(miss) and bool(cross) == crossed, idx
+        values = rng.normal(size=(idx.size, 3)).astype(np.float32)
+        new, miss, cross = put(ids_d, rows_d, idx, values)
+        want = dense.copy()
+        for i, v in zip(idx, values):               # a scatter in order: the last write wins
+            want[i] = v
+        new = np.asarray(new)
+        held = world < n
+        np.testing.assert_array_equal(new[held], want[world[held]])
+        assert not bool(miss) and bool(cross) == crossed, idx
+    for idx in ([5, 3], [13, 3, 2]):                # 3 is held by no device
+        idx = np.array(idx, np.int32)
+        assert bool(take(ids_d, rows_d, idx)[1])
+        assert bool(put(ids_d, rows_d, idx, np.zeros((idx.size, 3), np.float32))[1])
 
     # Rows moved between host and devices per process (resume across state placements), each
     # device pretended to be its own process: rows 0-2 on "process" 0's device, 3-5 on 1's.
@@ -430,7 +534,9 @@ SCRIPT = textwrap.dedent('''
 def test_host_state_on_two_devices_with_two_rounds_per_call():
     """Host against device state placement bit for bit (state, metrics, evaluation) on two
     devices with two rounds per call (the device-balanced sample order, resident rows sharded,
-    one world replicated for both rounds; pgfedmo with its data on the host too); and the rows a
+    one world dealt to the devices for both rounds, rows crossing between them; pgfedmo with its
+    data on the host too) and with one (no row crosses; each device holds exactly its dealt
+    clients' rows); `core.dealt`'s reads and writes against a dense array; and the rows a
     process moves between host and devices, each device pretended to be its own process."""
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2"}
     env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
