@@ -15,7 +15,9 @@ for the cores). They run interleaved: each repeat runs `--rounds` rounds of each
 turn; per-repeat ratios, then their median (range).
 
 Also reported: the host store after the last round (clients written, bytes) against the device
-state's bytes, and one call's row traffic (the world's rows, each way).
+state's bytes, one call's row traffic (the world's rows a device, each way: on several devices
+each holds the rows of the clients it trains, `core.dealt`), the calls whose rows crossed
+devices, and the host program's memory plan a device.
 """
 
 from __future__ import annotations
@@ -103,14 +105,20 @@ def main() -> None:
                "store_clients": store.touched, "store_mb": store.nbytes() / 2**20,
                "device_state_mb": device_plan.state_per_client * device_plan.num_clients / 2**20,
                "row_mb": plan.host_row_bytes / 2**20, "world_rows": plan.world_rows,
+               "host_plan_per_device_mb": plan.per_device / 2**20,
+               "host_working_set_mb": max(plan.working_set, plan.eval_working_set) / 2**20,
+               "world_crossings": host_prog.world_crossings,
                "load": (min(loads), max(loads)), "repeats": args.repeats, "rounds": args.rounds}
         print(f"M = {m}: round s device {med['device']:.3f}, host {med['host']:.3f}, host without "
               f"prefetch {med['host_no_prefetch']:.3f}; host/device {row['host_over_device']:.3f} "
               f"({min(ratio):.3f}–{max(ratio):.3f}), without prefetch "
               f"{row['no_prefetch_over_device']:.3f}; store {store.touched} clients, "
               f"{row['store_mb']:.1f} MB against {row['device_state_mb']:.1f} MB on the devices; "
-              f"{plan.world_rows} rows of {row['row_mb']:.2f} MB moved each way a call; load "
-              f"{min(loads):.1f}–{max(loads):.1f}", flush=True)
+              f"{plan.world_rows} rows of {row['row_mb']:.2f} MB a device moved each way a call "
+              f"({host_prog.world_crossings} calls with rows crossing devices); host plan "
+              f"{row['host_plan_per_device_mb']:.0f} MB a device (working set "
+              f"{row['host_working_set_mb']:.0f} MB); load {min(loads):.1f}–{max(loads):.1f}",
+              flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
