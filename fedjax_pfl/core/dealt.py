@@ -16,15 +16,16 @@ exact, only slower: when some device does not find an id of its block of `idx` a
 devices agree, by a psum), the rows travel between the devices one at a time (a ring of
 ppermutes: no device ever holds more than its block and one row in flight) and each device reads
 / writes the ones it asked for / holds. That happens in a call of several rounds to a client the
-mapper deals to another device than in the call's first round; `Program.world_crossings` counts
-such calls. An id held by no device is a miss, reported like the sorted world's
-(`hoststate.counting_misses`).
+mapper deals to another device than in the call's first round, and to an algorithm reading rows
+in its own order; `Program.world_crossings` counts such calls. (Poisson sampling, whose padding
+slots would repeat one client over the devices, runs with device placement only.) An id held by no device (a negative one included) is a miss, reported like the
+sorted world's (`hoststate.counting_misses`).
 
-Writes keep a scatter's order: a client's row lives on one device only (`world(...,
+Writes end as a scatter in order (`x.at[idx].set(values)` on XLA:CPU) ends: a repeated id keeps
+its last write in `idx`, on either path. A round's client lives on one device only (`world(...,
 distinct=True)` deals a client appearing in several rounds of a call to the first device that
-trains it); within one device's block of `idx` the writes run in order, and across devices only a
-client's last write in `idx` is kept, so duplicate ids (Poisson's padding slots) end as the
-whole-array scatter `x.at[idx].set(values)` ends.
+trains it). An evaluation group's world is read only: a client asked for on two devices is held
+by both.
 """
 
 from __future__ import annotations
@@ -66,16 +67,27 @@ def world(ids_per_round: np.ndarray, devices: int, per_device: int, num_clients:
     return out.reshape(-1).astype(np.int32)
 
 
-def _padded(idx: jax.Array, devices: int) -> tuple[jax.Array, int]:
-    """`idx` padded to a multiple of the devices with −1 (a slot no device looks up)."""
+def _padded(idx: jax.Array, devices: int) -> tuple[jax.Array, jax.Array, int]:
+    """(`idx` flattened and padded to a multiple of the devices, which of its slots are real,
+    the padding)."""
+    idx = jnp.ravel(jnp.asarray(idx, jnp.int32))
     pad = -idx.shape[0] % devices
-    return jnp.concatenate([idx, jnp.full(pad, -1, idx.dtype)]) if pad else idx, pad
+    valid = jnp.arange(idx.shape[0] + pad) < idx.shape[0]
+    return (jnp.concatenate([idx, jnp.full(pad, -1, idx.dtype)]) if pad else idx), valid, pad
 
 
 def _lookup(ids: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(positions of `idx` in the sorted block `ids`, found); −1 slots are never found."""
+    """(positions of `idx` in the sorted block `ids`, found)."""
     pos = jnp.clip(jnp.searchsorted(ids, idx), 0, ids.shape[0] - 1)
-    return pos, (ids[pos] == idx) & (idx >= 0)
+    return pos, ids[pos] == idx
+
+
+def _last(idx: jax.Array) -> jax.Array:
+    """bool per slot: no later slot of `idx` holds the same id."""
+    order = jnp.argsort(idx, stable=True)
+    ranked = idx[order]
+    last_sorted = jnp.concatenate([ranked[1:] != ranked[:-1], jnp.ones(1, bool)])
+    return jnp.zeros(idx.shape, bool).at[order].set(last_sorted)
 
 
 def _one_row(a: jax.Array, k: jax.Array) -> jax.Array:
@@ -102,20 +114,18 @@ def _ring(devices: int, slots: int, send, receive, acc):
     return acc
 
 
-def _held_nowhere(ids_l: jax.Array, idx_l: jax.Array) -> jax.Array:
-    """Whether some id of `idx` (any device's block) is held by no device (ids only travel)."""
+def _held_nowhere(ids_l: jax.Array, idx_l: jax.Array, valid_l: jax.Array) -> jax.Array:
+    """Whether some real slot of `idx` (any device's block) names an id held by no device (only
+    the ids travel)."""
     all_ids = jnp.sort(jax.lax.all_gather(ids_l, _AXIS, tiled=True))
     all_idx = jax.lax.all_gather(idx_l, _AXIS, tiled=True)
-    return jnp.any(~_lookup(all_ids, all_idx)[1] & (all_idx >= 0))
+    all_valid = jax.lax.all_gather(valid_l, _AXIS, tiled=True)
+    return jnp.any(~_lookup(all_ids, all_idx)[1] & all_valid)
 
 
 def _last_occurrence(idx_l: jax.Array) -> jax.Array:
     """[R] bool: this device's slots of `idx` that no later slot (of any device) repeats."""
-    all_idx = jax.lax.all_gather(idx_l, _AXIS, tiled=True)
-    order = jnp.argsort(all_idx, stable=True)
-    ranked = all_idx[order]
-    last_sorted = jnp.concatenate([ranked[1:] != ranked[:-1], jnp.ones(1, bool)])
-    last = jnp.zeros(all_idx.shape, bool).at[order].set(last_sorted)
+    last = _last(jax.lax.all_gather(idx_l, _AXIS, tiled=True))
     r = idx_l.shape[0]
     return jax.lax.dynamic_slice(last, (jax.lax.axis_index(_AXIS) * r,), (r,))
 
@@ -125,13 +135,13 @@ def take(mesh: Mesh, ids: jax.Array, rows: list[jax.Array],
     """(each leaf's rows of the clients `idx` [len(idx), ...], sharded as the mapper deals them;
     whether an id is held by no device; whether a device read another's rows). All the leaves
     of one world in one call: one lookup, one branch and one ring for all of them."""
-    idx = jnp.asarray(idx, jnp.int32)
-    m, d = idx.shape[0], mesh.size
-    idx_p, _ = _padded(idx, d)
+    shape, d = jnp.shape(idx), mesh.size
+    idx_p, valid, _ = _padded(idx, d)
+    m = int(np.prod(shape, dtype=np.int64))
 
-    def per_device(ids_l, rows_l, idx_l):
+    def per_device(ids_l, rows_l, idx_l, valid_l):
         pos, here = _lookup(ids_l, idx_l)
-        away = jax.lax.psum(jnp.sum(~here & (idx_l >= 0)), _AXIS)
+        away = jax.lax.psum(jnp.sum(~here & valid_l), _AXIS)
 
         def at_home(out):
             return out, jnp.zeros((), bool)
@@ -154,35 +164,41 @@ def take(mesh: Mesh, ids: jax.Array, rows: list[jax.Array],
                 got, held = sent
                 return [_set_row_if(o, k, g, held) for o, g in zip(out, got)]
 
-            return _ring(d, r, send, receive, out), _held_nowhere(ids_l, idx_l)
+            return _ring(d, r, send, receive, out), _held_nowhere(ids_l, idx_l, valid_l)
 
         # (the rows held here read first, the others filled in: one output buffer)
         out, miss = jax.lax.cond(away > 0, around, at_home, [x[pos] for x in rows_l])
         return out, miss[None], (away > 0)[None]
 
-    out, miss, crossed = jax.shard_map(per_device, mesh=mesh, in_specs=(P(_AXIS),) * 3,
-                                       out_specs=(P(_AXIS),) * 3, check_vma=False)(ids, rows, idx_p)
+    out, miss, crossed = jax.shard_map(per_device, mesh=mesh, in_specs=(P(_AXIS),) * 4,
+                                       out_specs=(P(_AXIS),) * 3,
+                                       check_vma=False)(ids, rows, idx_p, valid)
     out = [x[:m] for x in out] if idx_p.shape[0] != m else out
-    return out, jnp.any(miss), jnp.any(crossed)
+    return [x.reshape(shape + x.shape[1:]) for x in out], jnp.any(miss), jnp.any(crossed)
 
 
 def put(mesh: Mesh, ids: jax.Array, rows: list[jax.Array], idx: jax.Array,
         values: list[jax.Array]) -> tuple[list[jax.Array], jax.Array, jax.Array]:
     """(each leaf's `rows` with the clients `idx` set to its `values` (already in the rows'
     dtype); whether an id is held by no device; whether a device wrote rows another computed)."""
-    idx = jnp.asarray(idx, jnp.int32)
-    d = mesh.size
-    idx_p, pad = _padded(idx, d)
-    if pad:        # (the padding slots are −1: never written)
+    shape, d = jnp.shape(idx), mesh.size
+    idx_p, valid, pad = _padded(idx, d)
+    m = int(np.prod(shape, dtype=np.int64))
+    # (values as a scatter takes them: broadcast to the slots' rows, one row a slot)
+    values = [jnp.broadcast_to(v, shape + x.shape[1:]).reshape((m,) + x.shape[1:])
+              for v, x in zip(values, rows, strict=True)]
+    if pad:        # (the padding slots are not real: never written)
         values = [jnp.concatenate([v, jnp.repeat(v[-1:], pad, axis=0)]) for v in values]
 
-    def per_device(ids_l, rows_l, idx_l, values_l):
+    def per_device(ids_l, rows_l, idx_l, valid_l, values_l):
         pos, found = _lookup(ids_l, idx_l)
-        away = jax.lax.psum(jnp.sum(~found & (idx_l >= 0)), _AXIS)
+        found &= valid_l
+        away = jax.lax.psum(jnp.sum(~found & valid_l), _AXIS)
 
         def at_home():
-            # (a slot not held here is written out of bounds, i.e. dropped)
-            at = jnp.where(found, pos, ids_l.shape[0])
+            # Only a repeated id's last write (every slot is held here, so `idx_l` shows them
+            # all); a slot not held here is written out of bounds, i.e. dropped.
+            at = jnp.where(found & _last(idx_l), pos, ids_l.shape[0])
             return ([x.at[at].set(v, mode="drop") for x, v in zip(rows_l, values_l)],
                     jnp.zeros((), bool))
 
@@ -190,7 +206,7 @@ def put(mesh: Mesh, ids: jax.Array, rows: list[jax.Array], idx: jax.Array,
             # Every device's writes visit every device, slot by slot; where a client is written
             # more than once, only its last write in `idx` order is kept, as a scatter in order
             # ends.
-            last = _last_occurrence(idx_l)
+            last = _last_occurrence(idx_l) & valid_l
             at = jnp.where(found & last, pos, ids_l.shape[0])
             own = [x.at[at].set(v, mode="drop") for x, v in zip(rows_l, values_l)]
 
@@ -202,12 +218,13 @@ def put(mesh: Mesh, ids: jax.Array, rows: list[jax.Array], idx: jax.Array,
                 at, held = _lookup(ids_l, i)
                 return [_set_row_if(x, at[0], v, held & keep) for x, v in zip(rows, values)]
 
-            return _ring(d, idx_l.shape[0], send, receive, own), _held_nowhere(ids_l, idx_l)
+            return (_ring(d, idx_l.shape[0], send, receive, own),
+                    _held_nowhere(ids_l, idx_l, valid_l))
 
         new, miss = jax.lax.cond(away > 0, around, at_home)
         return new, miss[None], (away > 0)[None]
 
-    new, miss, crossed = jax.shard_map(per_device, mesh=mesh, in_specs=(P(_AXIS),) * 4,
+    new, miss, crossed = jax.shard_map(per_device, mesh=mesh, in_specs=(P(_AXIS),) * 5,
                                        out_specs=(P(_AXIS),) * 3,
-                                       check_vma=False)(ids, rows, idx_p, values)
+                                       check_vma=False)(ids, rows, idx_p, valid, values)
     return new, jnp.any(miss), jnp.any(crossed)

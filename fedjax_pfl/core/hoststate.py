@@ -7,7 +7,8 @@ on the devices in `DEVICE_CLIENT_FIELDS`) live in a `ClientStore` on the host, a
 in a COMPACT CLIENT WORLD:
 
   1. the call's participants P (its rounds' `Algorithm.participants`, sorted, padded with the
-     id N to a fixed count) are known before it starts;
+     id N to a fixed count; dealt to several devices, one sorted block a device) are known
+     before it starts;
   2. their rows are gathered from the store and moved to the devices: [|P|, ...] per leaf, on
      several devices dealt to them (`core.dealt`: each device holds only the rows of the
      clients the mapper deals it);

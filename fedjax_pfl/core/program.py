@@ -121,7 +121,7 @@ class MemoryPlan:
                 f"  client state on the host: {mb(self.host_row_bytes)} per client that a round "
                 f"has written (copy-on-write: the others share one initial row); each call moves "
                 f"its participants' rows to the devices, each device the rows of the clients it "
-                f"trains ({self.world_rows} clients a device, "
+                f"trains first ({self.world_rows} clients a device, "
                 f"{mb(self.world_rows * self.host_row_bytes)}, counted in the client state above)")
         if self.data_placement == "host":
             lines.append(f"  data on the host ({mb(self.data_whole)}); on each device only the "

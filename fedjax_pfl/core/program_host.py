@@ -53,7 +53,7 @@ class HostStateCalls:
     def _world_size(self, count: int) -> int:
         if self._dealt_mesh is not None:      # count rounds' blocks of ⌈M/D⌉ on each device
             d = self.mesh.size
-            return d * count * -(-self._clients_per_round // d)
+            return d * min(count * -(-self._clients_per_round // d), self.num_clients)
         return min(count * self._clients_per_round, self.num_clients)
 
     def _world(self, ids: np.ndarray, size: int, distinct: bool = True) -> np.ndarray:
@@ -143,8 +143,9 @@ class HostStateCalls:
         return self.host.split(jax.tree.leaves(self.shardings))[0]
 
     def _host_call(self, one: Callable, count: int, streamed: bool) -> Callable:
-        """(dev, rows, ids, data, round_keys, first) -> (dev, rows, metrics, miss): `count`
-        rounds of `one` over a client world (a lax.scan when count > 1)."""
+        """(dev, rows, ids, data, round_keys, first) -> (dev, rows, metrics, row flags):
+        `count` rounds of `one` over a client world (a lax.scan when count > 1; the flags of
+        its rounds or-ed, `hoststate.row_flags`)."""
         def call(dev, rows, ids, data, round_keys, first):
             if count == 1:
                 return one(dev, rows, ids, data, round_keys, first)
@@ -255,8 +256,9 @@ class HostStateCalls:
 
     def _check_rows(self, flags, where: str) -> None:
         """Stops on a row read or written outside the world; counts the calls whose rows
-        crossed a dealt world's devices (`world_crossings`: an algorithm that reads its rows in
-        another order than the mapper deals them; exact, with all-gathers)."""
+        crossed a dealt world's devices (`world_crossings`; exact, by `core.dealt`'s ring: a
+        client trained by another device in a later round of the call, or an algorithm reading
+        rows in its own order)."""
         flags = int(to_host(flags))
         self.world_crossings += bool(flags & hoststate.CROSSED)
         if flags & hoststate.MISS:

@@ -487,7 +487,7 @@ SCRIPT = textwrap.dedent('''
     put = jax.jit(lambda i, r, idx, v: (lambda o: (o[0][0],) + o[1:])(dealt.put(mesh, i, [r], idx, [v])))
     for idx, crossed in (([5, 2, 11, 0, 13, 19], False), ([2, 5, 7, 13], False),
                          ([13, 19, 0, 2, 5, 11], True), ([7, 2, 5], True), ([0, 5, 2, 5, 7], True),
-                         ([11, 7, 11], True), ([13, 2, 13, 7], True)):
+                         ([11, 7, 11], True), ([13, 2, 13, 7], True), ([5, 5, 13, 13], False)):
         idx = np.array(idx, np.int32)
         got, miss, cross = take(ids_d, rows_d, idx)
         np.testing.assert_array_equal(np.asarray(got), dense[idx])
@@ -501,7 +501,12 @@ SCRIPT = textwrap.dedent('''
         held = world < n
         np.testing.assert_array_equal(new[held], want[world[held]])
         assert not bool(miss) and bool(cross) == crossed, idx
-    for idx in ([5, 3], [13, 3, 2]):                # 3 is held by no device
+    # Ids of any shape, and values broadcast to the slots, as x[idx] and x.at[idx].set(v) take them.
+    square = np.array([[5, 2], [13, 0]], np.int32)
+    np.testing.assert_array_equal(np.asarray(take(ids_d, rows_d, square)[0]), dense[square])
+    ones = np.asarray(put(ids_d, rows_d, np.array([2, 13], np.int32), np.ones(3, np.float32))[0])
+    assert (ones[[0, 6]] == 1).all() and np.array_equal(ones[[1, 2, 4, 5, 7]], rows[[1, 2, 4, 5, 7]])
+    for idx in ([5, 3], [13, 3, 2], [-2, 5]):       # 3 is held by no device, nor is -2
         idx = np.array(idx, np.int32)
         assert bool(take(ids_d, rows_d, idx)[1])
         assert bool(put(ids_d, rows_d, idx, np.zeros((idx.size, 3), np.float32))[1])
