@@ -69,11 +69,12 @@ def world(ids_per_round: np.ndarray, devices: int, per_device: int, num_clients:
 
 def _padded(idx: jax.Array, devices: int) -> tuple[jax.Array, jax.Array, int]:
     """(`idx` flattened and padded to a multiple of the devices, which of its slots are real,
-    the padding)."""
+    how many are)."""
     idx = jnp.ravel(jnp.asarray(idx, jnp.int32))
-    pad = -idx.shape[0] % devices
-    valid = jnp.arange(idx.shape[0] + pad) < idx.shape[0]
-    return (jnp.concatenate([idx, jnp.full(pad, -1, idx.dtype)]) if pad else idx), valid, pad
+    m = idx.shape[0]
+    pad = -m % devices
+    valid = jnp.arange(m + pad) < m
+    return (jnp.concatenate([idx, jnp.full(pad, -1, idx.dtype)]) if pad else idx), valid, m
 
 
 def _lookup(ids: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -88,6 +89,11 @@ def _last(idx: jax.Array) -> jax.Array:
     ranked = idx[order]
     last_sorted = jnp.concatenate([ranked[1:] != ranked[:-1], jnp.ones(1, bool)])
     return jnp.zeros(idx.shape, bool).at[order].set(last_sorted)
+
+
+def _write(rows: list[jax.Array], at: jax.Array, values: list[jax.Array]) -> list[jax.Array]:
+    """Each leaf's rows with rows `at` set to its values; an `at` past the end is dropped."""
+    return [x.at[at].set(v, mode="drop") for x, v in zip(rows, values)]
 
 
 def _one_row(a: jax.Array, k: jax.Array) -> jax.Array:
@@ -136,8 +142,7 @@ def take(mesh: Mesh, ids: jax.Array, rows: list[jax.Array],
     whether an id is held by no device; whether a device read another's rows). All the leaves
     of one world in one call: one lookup, one branch and one ring for all of them."""
     shape, d = jnp.shape(idx), mesh.size
-    idx_p, valid, _ = _padded(idx, d)
-    m = int(np.prod(shape, dtype=np.int64))
+    idx_p, valid, m = _padded(idx, d)
 
     def per_device(ids_l, rows_l, idx_l, valid_l):
         pos, here = _lookup(ids_l, idx_l)
@@ -182,8 +187,8 @@ def put(mesh: Mesh, ids: jax.Array, rows: list[jax.Array], idx: jax.Array,
     """(each leaf's `rows` with the clients `idx` set to its `values` (already in the rows'
     dtype); whether an id is held by no device; whether a device wrote rows another computed)."""
     shape, d = jnp.shape(idx), mesh.size
-    idx_p, valid, pad = _padded(idx, d)
-    m = int(np.prod(shape, dtype=np.int64))
+    idx_p, valid, m = _padded(idx, d)
+    pad = idx_p.shape[0] - m
     # (values as a scatter takes them: broadcast to the slots' rows, one row a slot)
     values = [jnp.broadcast_to(v, shape + x.shape[1:]).reshape((m,) + x.shape[1:])
               for v, x in zip(values, rows, strict=True)]
@@ -198,17 +203,15 @@ def put(mesh: Mesh, ids: jax.Array, rows: list[jax.Array], idx: jax.Array,
         def at_home():
             # Only a repeated id's last write (every slot is held here, so `idx_l` shows them
             # all); a slot not held here is written out of bounds, i.e. dropped.
-            at = jnp.where(found & _last(idx_l), pos, ids_l.shape[0])
-            return ([x.at[at].set(v, mode="drop") for x, v in zip(rows_l, values_l)],
-                    jnp.zeros((), bool))
+            return _write(rows_l, jnp.where(found & _last(idx_l), pos, ids_l.shape[0]),
+                          values_l), jnp.zeros((), bool)
 
         def around():
             # Every device's writes visit every device, slot by slot; where a client is written
             # more than once, only its last write in `idx` order is kept, as a scatter in order
             # ends.
             last = _last_occurrence(idx_l) & valid_l
-            at = jnp.where(found & last, pos, ids_l.shape[0])
-            own = [x.at[at].set(v, mode="drop") for x, v in zip(rows_l, values_l)]
+            own = _write(rows_l, jnp.where(found & last, pos, ids_l.shape[0]), values_l)
 
             def send(s, k):
                 return [_one_row(v, k) for v in values_l], _one_row(idx_l, k), _one_row(last, k)

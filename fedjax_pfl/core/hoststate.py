@@ -107,12 +107,16 @@ class ClientRows:
         return f"ClientRows(ids={self.ids.shape}, rows={self.rows.shape} {self.rows.dtype}{dealt_to})"
 
 
+def _is_dealt(x: Any) -> bool:
+    return isinstance(x, ClientRows) and x.mesh is not None
+
+
 def _dealt_groups(leaves: list) -> list[list[int]]:
     """Positions of the dealt `ClientRows` among `leaves`, grouped by world (one `core.dealt`
     call reads or writes all the leaves of a world together)."""
     groups: dict[tuple[int, int], list[int]] = {}
     for i, x in enumerate(leaves):
-        if isinstance(x, ClientRows) and x.mesh is not None:
+        if _is_dealt(x):
             groups.setdefault((id(x.ids), id(x.mesh)), []).append(i)
     return list(groups.values())
 
@@ -120,8 +124,8 @@ def _dealt_groups(leaves: list) -> list[list[int]]:
 def take_leaves(leaves: list, idx: jax.Array) -> list:
     """`core.gather` of a flattened tree: rows `idx` of each leaf ([N, ...] arrays by index,
     `ClientRows` by client id; a dealt world's leaves in one `core.dealt.take`)."""
-    out = [x.take(idx) if isinstance(x, ClientRows) and x.mesh is None
-           else None if isinstance(x, ClientRows) else x[idx] for x in leaves]
+    out = [None if _is_dealt(x) else x.take(idx) if isinstance(x, ClientRows) else x[idx]
+           for x in leaves]
     for members in _dealt_groups(leaves):
         first = leaves[members[0]]
         rows, miss, crossed = dealt.take(first.mesh, first.ids, [leaves[i].rows for i in members],
@@ -135,9 +139,8 @@ def take_leaves(leaves: list, idx: jax.Array) -> list:
 def put_leaves(leaves: list, idx: jax.Array, values: list) -> list:
     """`core.scatter` of a flattened tree: each leaf with rows `idx` set to its `values`, cast
     to the leaf's dtype (a dealt world's leaves in one `core.dealt.put`)."""
-    out = [x.put(idx, v) if isinstance(x, ClientRows) and x.mesh is None
-           else None if isinstance(x, ClientRows) else x.at[idx].set(v.astype(x.dtype))
-           for x, v in zip(leaves, values, strict=True)]
+    out = [None if _is_dealt(x) else x.put(idx, v) if isinstance(x, ClientRows)
+           else x.at[idx].set(v.astype(x.dtype)) for x, v in zip(leaves, values, strict=True)]
     for members in _dealt_groups(leaves):
         first = leaves[members[0]]
         rows, miss, crossed = dealt.put(first.mesh, first.ids, [leaves[i].rows for i in members],
