@@ -18,7 +18,7 @@ did; `run_pfl.py --orders` and `run_flower.py --orders` batch each client's data
       round key   = fold_in(fold_in(key(s), 1), r)        (run_fedjax: Program.run_rounds)
       train key   = split(round key)[1]                    (fedavg.round_fn)
       client key  = fold_in(train key, i)                  (algorithms.base.client_keys)
-      epoch key   = fold_in(client key, e)                 (LocalTrainer's step)
+      epoch key   = fold_in(client key, e)                 (LocalTrainer, as the client starts)
       π_{r,i,e}   = epoch_permutation(epoch key, n_i, 0 … n_i − 1)
 
   With --shuffle-seed S the epoch key is folded once more, fold_in(epoch key, S), and
@@ -26,11 +26,13 @@ did; `run_pfl.py --orders` and `run_flower.py --orders` batch each client's data
   independent of the seed that sets the data, the split and the initial weights.
 --batch-order in-order: the identity (pfl-research's default: a user's data in stored order).
 
-`patch_engine` (run_fedjax.py) replaces `fedjax_pfl.core.local.epoch_permutation` for the run:
-with the fold of S or the identity as asked, and, in every mode, recording through
-`jax.debug.callback` the key, positions and order of every call, which `check_recorded` compares
-with the file: every step of every scheduled client must have read exactly the file's positions.
-The library itself is not changed.
+`patch_engine` (run_fedjax.py) replaces the two halves of `fedjax_pfl.core.local.epoch_permutation`
+for the run: `shuffle_draws` (an epoch key's random draws; LocalTrainer makes every epoch's as a
+client starts) with the fold of S, and `shuffled` (the permutation from the draws, at each step)
+with the identity where asked. In every mode it records through `jax.debug.callback` each draw's
+key and each step's draws, positions and order, which `check_recorded` compares with the file:
+every step of every scheduled client must have read exactly the file's positions. The library
+itself is not changed.
 """
 
 from __future__ import annotations
@@ -126,49 +128,75 @@ def write(job_path: str, rounds: int, mode: str, shuffle_seed: int | None, out: 
 # -- the engine side (run_fedjax.py) ---------------------------------------------------------------
 
 class Recorder:
-    """What the patched `epoch_permutation` saw: (key words, n, positions, order) of every call."""
+    """What the patched halves of `epoch_permutation` saw: the key of every draw, and the draws,
+    n, positions and order of every step (joined by the draws, which name their key)."""
 
     def __init__(self):
-        self.calls: list[tuple] = []
+        self.keys: dict[bytes, tuple] = {}     # draws -> the key words they came from
+        self._steps: list[tuple] = []
 
-    def __call__(self, key_data, n, positions, order):
-        key_data, n = np.asarray(key_data), np.asarray(n)
-        positions, order = np.asarray(positions), np.asarray(order)
-        if key_data.ndim > 1:                          # batched (vmap without unrolling)
+    @staticmethod
+    def _name(pair, bits) -> bytes:
+        return np.asarray(pair, np.int32).tobytes() + np.asarray(bits, np.uint32).tobytes()
+
+    def draw(self, key_data, pair, bits):
+        key_data, pair, bits = np.asarray(key_data), np.asarray(pair), np.asarray(bits)
+        if key_data.ndim > 1:                          # batched (vmap over clients, epochs)
             for i in range(key_data.shape[0]):
-                self(key_data[i], n[i] if n.ndim else n, positions[i], order[i])
+                self.draw(key_data[i], pair[i], bits[i])
             return
-        self.calls.append((tuple(int(w) for w in key_data.ravel()), int(n), positions.copy(),
-                           order.copy()))
+        self.keys[self._name(pair, bits)] = tuple(int(w) for w in key_data.ravel())
+
+    def step(self, pair, bits, n, positions, order):
+        pair, bits, n = np.asarray(pair), np.asarray(bits), np.asarray(n)
+        positions, order = np.asarray(positions), np.asarray(order)
+        if pair.ndim > 1:                              # batched
+            for i in range(pair.shape[0]):
+                self.step(pair[i], bits[i], n[i] if n.ndim else n,
+                          positions[i] if positions.ndim > 1 else positions, order[i])
+            return
+        self._steps.append((self._name(pair, bits), int(n), positions.copy(), order.copy()))
+
+    def joined(self) -> list[tuple]:
+        """(key words or None, n, positions, order) of every step recorded."""
+        return [(self.keys.get(name), n, positions, order)
+                for name, n, positions, order in self._steps]
 
 
 def patch_engine(mode: str, shuffle_seed: int | None) -> Recorder:
-    """Replaces `fedjax_pfl.core.local.epoch_permutation` (what LocalTrainer's step calls) for
-    this process: `mode` engine folds `shuffle_seed` (if any) into the key, in-order returns the
-    positions themselves; every call is recorded (key as the engine gave it)."""
+    """Replaces `fedjax_pfl.core.local.shuffle_draws` and `shuffled` (what LocalTrainer and
+    `epoch_permutation` call) for this process: `mode` engine folds `shuffle_seed` (if any) into
+    the epoch key, in-order returns the positions themselves; every draw and step is recorded
+    (the key as the engine gave it)."""
     import jax
     import jax.numpy as jnp
 
     from fedjax_pfl.core import local
 
-    original = getattr(local.epoch_permutation, "unpatched", local.epoch_permutation)
+    draws_of = getattr(local.shuffle_draws, "unpatched", local.shuffle_draws)
+    shuffled = getattr(local.shuffled, "unpatched", local.shuffled)
+    if mode not in MODES:
+        raise ValueError(f"batch order {mode!r}: one of {MODES}")
     recorder = Recorder()
 
-    def epoch_permutation(key, n, positions, unroll=None):
+    def shuffle_draws(key, n):
+        draws = draws_of(fold_shuffle(key, shuffle_seed) if mode == "engine" else key, n)
+        jax.debug.callback(recorder.draw, jax.random.key_data(key), draws.pair, draws.bits)
+        return draws
+
+    def patched_shuffled(draws, n, positions, unroll=None):
         if mode == "engine":
-            out = original(fold_shuffle(key, shuffle_seed), n, positions, unroll)
-        elif mode == "in-order":
+            out = shuffled(draws, n, positions, unroll)
+        else:
             x = jnp.asarray(positions, jnp.int32)
             inside = (x >= 0) & (x < jnp.maximum(jnp.asarray(n, jnp.int32), 1))
             out = jnp.where(inside, x, 0)
-        else:
-            raise ValueError(f"batch order {mode!r}: one of {MODES}")
-        jax.debug.callback(recorder, jax.random.key_data(key), jnp.asarray(n, jnp.int32),
+        jax.debug.callback(recorder.step, draws.pair, draws.bits, jnp.asarray(n, jnp.int32),
                            jnp.asarray(positions, jnp.int32), out)
         return out
 
-    epoch_permutation.unpatched = original
-    local.epoch_permutation = epoch_permutation
+    shuffle_draws.unpatched, patched_shuffled.unpatched = draws_of, shuffled
+    local.shuffle_draws, local.shuffled = shuffle_draws, patched_shuffled
     return recorder
 
 
@@ -188,7 +216,8 @@ def check_recorded(recorder: Recorder, orders: "common.Orders", rounds: int) -> 
                 where[tuple(int(w) for w in keys[r, j, e].ravel())] = (r, j, e)
     seen: dict = {}
     unknown = 0
-    for key, n, positions, order in recorder.calls:
+    calls = recorder.joined()
+    for key, n, positions, order in calls:
         if key not in where:
             unknown += 1
             continue
@@ -209,7 +238,7 @@ def check_recorded(recorder: Recorder, orders: "common.Orders", rounds: int) -> 
         r, j, e = missing[0]
         raise SystemExit(f"orders: {len(missing)} (round, client, epoch) not read in full by the "
                          f"engine, e.g. round {r} client {schedule[r, j]} epoch {e}")
-    return dict(epochs_checked=len(where), calls=len(recorder.calls), calls_other_keys=unknown)
+    return dict(epochs_checked=len(where), calls=len(calls), calls_other_keys=unknown)
 
 
 def main(argv: list[str] | None = None) -> int:

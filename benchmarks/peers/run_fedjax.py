@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     m = job.meta
     if args.rounds > job.schedule.shape[0]:
         raise SystemExit(f"the job schedules {job.schedule.shape[0]} rounds, asked for {args.rounds}")
-    # Batch order (orders.py): patch the engine's epoch_permutation before anything compiles.
+    # Batch order (orders.py): patch the engine's shuffle before anything compiles.
     orders, recorder, batch_order = None, None, "engine's own"
     if args.orders:
         if args.algo != "fedavg":
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if orders is not None:
         order_check = order_files.check_recorded(recorder, orders, args.rounds)
     elif recorder is not None:
-        order_check = dict(calls=len(recorder.calls))
+        order_check = dict(calls=len(recorder.joined()))
     store = getattr(state, "store", None)          # host placement: the rows the rounds wrote
     host_store_mb = round(store.nbytes() / 2**20, 1) if store is not None else 0.0
     t0 = time.time()

@@ -71,6 +71,7 @@ class TrainCarry(NamedTuple):
     client: ClientSplits
     key: jax.Array
     extra: dict
+    draws: Any = None     # with E epochs: each epoch's `ShuffleDraws`, [E, SHUFFLE_ROUNDS] each
 
 
 class PassCarry(NamedTuple):
@@ -114,6 +115,21 @@ def _hash32(x: jax.Array, round_key: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
+class ShuffleDraws(NamedTuple):
+    """The random part of one epoch's `epoch_permutation`: its rounds' K_r and hash keys."""
+
+    pair: jax.Array       # K_r ∈ [0, n), [SHUFFLE_ROUNDS] int32
+    bits: jax.Array       # the rounds' hash keys, [SHUFFLE_ROUNDS] uint32
+
+
+def shuffle_draws(key: jax.Array, n: jax.Array) -> ShuffleDraws:
+    """The draws `epoch_permutation(key, n, ·)` makes from its key."""
+    n = jnp.maximum(jnp.asarray(n, jnp.int32), 1)
+    pair_key, bit_key = jax.random.split(key)
+    return ShuffleDraws(jax.random.randint(pair_key, (SHUFFLE_ROUNDS,), 0, n, dtype=jnp.int32),
+                        jax.random.bits(bit_key, (SHUFFLE_ROUNDS,), jnp.uint32))
+
+
 def epoch_permutation(key: jax.Array, n: jax.Array, positions: jax.Array,
                       unroll: bool | None = None) -> jax.Array:
     """π(positions): a keyed pseudo-random permutation of 0 … n − 1, evaluated pointwise.
@@ -131,17 +147,20 @@ def epoch_permutation(key: jax.Array, n: jax.Array, positions: jax.Array,
     that made a step of the protocol's CNN 3.5× slower at 6 clients (benchmarks/RESULTS.md). On
     XLA:CPU the loop runs as fast and compiles about 4 s sooner per program. Same values either way.
     """
+    return shuffled(shuffle_draws(key, n), n, positions, unroll)
+
+
+def shuffled(draws: ShuffleDraws, n: jax.Array, positions: jax.Array,
+             unroll: bool | None = None) -> jax.Array:
+    """`epoch_permutation` from its draws (`shuffle_draws` of the same n)."""
     n = jnp.maximum(jnp.asarray(n, jnp.int32), 1)
-    pair_key, bit_key = jax.random.split(key)
-    pair = jax.random.randint(pair_key, (SHUFFLE_ROUNDS,), 0, n, dtype=jnp.int32)
-    bits = jax.random.bits(bit_key, (SHUFFLE_ROUNDS,), jnp.uint32)
     x = jnp.asarray(positions, jnp.int32)
     inside = (x >= 0) & (x < n)
     x = jnp.where(inside, x, 0)
 
     def one_round(r, x):
-        partner = jnp.mod(pair[r] - x, n)
-        swap = (_hash32(jnp.maximum(x, partner).astype(jnp.uint32), bits[r]) & 1) == 1
+        partner = jnp.mod(draws.pair[r] - x, n)
+        swap = (_hash32(jnp.maximum(x, partner).astype(jnp.uint32), draws.bits[r]) & 1) == 1
         return jnp.where(swap, partner, x)
 
     if unroll is None:
@@ -260,7 +279,7 @@ class LocalTrainer:
     def _make_loop(self):
         """(loop, probe): one client's local training as a ClientLoop, and one step of it."""
         model, optimizer, on_step, step_fn = self.model, self.optimizer, self.on_step, self.step_fn
-        batch, drop_last = self.batch_size, self.drop_last
+        batch, drop_last, epochs = self.batch_size, self.drop_last, self.epochs
         loss_and_grad = jax.value_and_grad(lambda p, x, y, m: masked_mean_loss(model, p, x, y, m))
 
         def gradient_step(params, opt_state, x, y, mask, extra):
@@ -273,14 +292,25 @@ class LocalTrainer:
         def init(shared, row: TrainRow) -> TrainCarry:
             _, start = shared
             params = start if row.params is None else row.params
+            draws = None
+            if epochs is not None:
+                # Every epoch's shuffle drawn here, once, rather than in `step`: the staged
+                # execution compiles `step` once per stage (`_run_capped`), and a draw is six
+                # threefry calls (the epoch's fold_in, two splits, three bit draws), about a
+                # quarter of a small model's round program at the suite's -O0. The same values:
+                # vmap over the epochs changes no key. (With K steps there is one stage, and
+                # the epoch count is not static: drawn in `step`.)
+                draws = jax.vmap(lambda e: shuffle_draws(jax.random.fold_in(row.key, e),
+                                                         row.client.train_count))(
+                    jnp.arange(epochs, dtype=jnp.int32))
             return TrainCarry(params, row.opt_state, row.hook_state, jnp.zeros(()), row.client,
-                              row.key, row.extra)
+                              row.key, row.extra, draws)
 
         def step(shared, carry: TrainCarry, t) -> TrainCarry:
             """Minibatch t: the hook (pre-step params), then the update (default: gradient +
             optimizer)."""
             data = shared[0]
-            params, opt_state, hook_state, loss_sum, client, key, extra = carry
+            params, opt_state, hook_state, loss_sum, client, key, extra, draws = carry
             count = client.train_count
             per_epoch = jnp.maximum(steps_per_epoch(count, batch, drop_last), 1)
             epoch, k = t // per_epoch, t % per_epoch
@@ -288,13 +318,19 @@ class LocalTrainer:
             # With drop_last only the first S_i·B positions of an epoch are used (all n_i if n_i < B).
             used = jnp.where(count >= batch, per_epoch * batch, count) if drop_last else count
             mask = positions < used
-            order = epoch_permutation(jax.random.fold_in(key, epoch), count, positions)
+            if draws is None:
+                order = epoch_permutation(jax.random.fold_in(key, epoch), count, positions)
+            else:
+                # (a finished lane of a vmapped loop still computes a step past its last epoch)
+                e = jnp.minimum(epoch, epochs - 1)
+                order = shuffled(jax.tree.map(lambda d: d[e], draws), count, positions)
             rows = client.train_start + order
             if on_step is not None:
                 hook_state = on_step(hook_state, params, extra)
             params, opt_state, loss = update(params, opt_state, data.inputs(rows),
                                              data.labels(rows), mask, extra)
-            return TrainCarry(params, opt_state, hook_state, loss_sum + loss, client, key, extra)
+            return TrainCarry(params, opt_state, hook_state, loss_sum + loss, client, key, extra,
+                              draws)
 
         def finish(shared, carry: TrainCarry) -> LocalResult:
             total = self.num_steps(carry.client.train_count)

@@ -36,8 +36,8 @@ def _id_data():
     return data, train
 
 
-def _recording_trainer(backend, slots):
-    """A trainer whose step writes the row ids of its batch (−1 at masked positions) into
+def _recording_trainer(backend, slots, **schedule):
+    """A trainer (E = EPOCHS epochs unless `schedule` says otherwise) whose step writes the row ids of its batch (−1 at masked positions) into
     params["log"][t·B : (t+1)·B] at step t, and changes nothing else."""
     model = Model(init=lambda key: {"log": jnp.full((slots,), -2.0), "t": jnp.zeros(())},
                   apply=lambda p, x: x, loss=lambda out, y: out[:, 0])
@@ -49,8 +49,9 @@ def _recording_trainer(backend, slots):
         log = jax.lax.dynamic_update_slice(params["log"], ids, (t * BATCH,))
         return {"log": log, "t": params["t"] + 1}, opt_state, jnp.zeros(())
 
-    return model, LocalTrainer(model, optax.identity(), epochs=EPOCHS, batch_size=BATCH,
-                               mapper=core.client_mapper(backend, 2), step_fn=record)
+    return model, LocalTrainer(model, optax.identity(), **(schedule or {"epochs": EPOCHS}),
+                               batch_size=BATCH, mapper=core.client_mapper(backend, 2),
+                               step_fn=record)
 
 
 @pytest.mark.parametrize("backend", ["vmap", "loop"])
@@ -86,3 +87,31 @@ def test_every_epoch_is_a_fresh_permutation_of_the_clients_samples(backend):
         else:
             # n = 2 has two orders; four epochs of a fresh shuffle use both (probability 7/8).
             assert len(set(orders)) == 2, f"client {i} visits its 2 samples as {orders}"
+
+
+@pytest.mark.parametrize("schedule", [{"epochs": EPOCHS}, {"steps": 9}])
+def test_epoch_e_of_client_i_is_the_permutation_keyed_by_its_epoch(schedule):
+    """The order of epoch e is `epoch_permutation(fold_in(key_i, e), n_i, ·)`, the documented
+    key schedule (benchmarks/peers/orders.py hands the peers these orders): with E epochs the
+    trainer draws every epoch's shuffle when a client starts, with K steps at each step; a
+    shifted or reused epoch key fails here, where the freshness test above cannot tell."""
+    data, train = _id_data()
+    steps = [-(-n // BATCH) for n in SIZES]
+    total = [EPOCHS * s for s in steps] if "epochs" in schedule else [9] * len(SIZES)
+    model, trainer = _recording_trainer("vmap", max(total) * BATCH, **schedule)
+    idx = jnp.arange(len(SIZES))
+    params = model.init(jax.random.key(0))
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(5), idx)
+    out = trainer(data, core.broadcast(params, len(SIZES)),
+                  core.broadcast(trainer.init_opt_state(params), len(SIZES)),
+                  core.gather(data.clients, idx), keys)
+    logs = np.asarray(out.params["log"])
+    for i, (n, s) in enumerate(zip(SIZES, steps)):
+        expected = []
+        for t in range(total[i]):
+            e, k = divmod(t, s)
+            order = core.epoch_permutation(jax.random.fold_in(keys[i], e), n,
+                                           jnp.arange(k * BATCH, (k + 1) * BATCH))
+            expected += [train[i][0] + int(r) if k * BATCH + j < n else -1
+                         for j, r in enumerate(np.asarray(order))]
+        np.testing.assert_array_equal(logs[i, :total[i] * BATCH], expected, err_msg=f"client {i}")
