@@ -402,9 +402,13 @@ SCRIPT = textwrap.dedent('''
             return program.host.treedef.unflatten(program.host.join(jax.device_get(state.device), rows))
         return jax.device_get(state)
 
-    def run(algo, data, mesh, per_call, placement, data_placement, worlds=None):
+    def run(algo, data, mesh, per_call, placement, data_placement, worlds=None, dtype="float32",
+            prefetch=None):
         program = core.Program(algo, data, mesh=mesh, rounds_per_call=per_call,
-                               state_placement=placement, data_placement=data_placement)
+                               state_placement=placement, data_placement=data_placement,
+                               state_dtype=dtype)
+        if prefetch is not None:
+            program.prefetch_rows = prefetch       # (off by default on CPU)
         if worlds is not None:   # each call's world, and the devices and lengths of its rows' shards
             put = program._put_rows
 
@@ -431,12 +435,19 @@ SCRIPT = textwrap.dedent('''
 
     two = make_data([12, 30, 7, 19, 25, 3, 40, 11, 9])      # N = 9, padded to 10
     mesh = core.client_mesh()
-    for name, data_placement in (("ditto", "device"), ("pgfedmo", "host")):
-        # (M = 5: each device's block of the sample is padded, and clients cross in both calls)
+    for name, data_placement, dtype in (("ditto", "device", "float32"),
+                                        ("pgfedmo", "host", "float32"),
+                                        ("ditto", "device", "bfloat16")):
+        # (M = 5: each device's block of the sample is padded, and clients cross in both calls;
+        # the bfloat16 rows also with the next call's rows prefetched)
         hp = {"participation": 0.6, "batch_size": 4, **algorithms.spec(name).test_hparams}
         algo = algorithms.get(name, model=linear_model(), **hp)
-        host = run(algo, two, mesh, 2, "host", data_placement)
-        same(run(algo, two, mesh, 2, "device", data_placement), host)
+        host = run(algo, two, mesh, 2, "host", data_placement, dtype=dtype,
+                   prefetch=True if dtype == "bfloat16" else None)
+        if dtype == "bfloat16":      # rows stored in bfloat16 on the host too; prefetched rows used
+            assert any(x.dtype == jax.numpy.bfloat16 for x in host[0]), name
+            assert host[2].rows_hits > 0, host[2].rows_misses
+        same(run(algo, two, mesh, 2, "device", data_placement, dtype=dtype), host)
         # The calls in which a client is trained by one device in the first round and by the
         # other in the second (the mapper deals blocks of ceil(M/2)): its rows cross between the
         # devices (core.dealt's ring), with the same bits as above.
@@ -540,9 +551,10 @@ def test_host_state_on_two_devices_with_two_rounds_per_call():
     """Host against device state placement bit for bit (state, metrics, evaluation) on two
     devices with two rounds per call (the device-balanced sample order, resident rows sharded,
     one world dealt to the devices for both rounds, rows crossing between them; pgfedmo with its
-    data on the host too) and with one (no row crosses; each device holds exactly its dealt
-    clients' rows); `core.dealt`'s reads and writes against a dense array; and the rows a
-    process moves between host and devices, each device pretended to be its own process."""
+    data on the host too; ditto's rows in bfloat16, the next call's rows prefetched) and with
+    one (no row crosses; each device holds exactly its dealt clients' rows); `core.dealt`'s
+    reads and writes against a dense array; and the rows a process moves between host and
+    devices, each device pretended to be its own process."""
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2"}
     env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
