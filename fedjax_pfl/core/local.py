@@ -130,6 +130,11 @@ def shuffle_draws(key: jax.Array, n: jax.Array) -> ShuffleDraws:
                         jax.random.bits(bit_key, (SHUFFLE_ROUNDS,), jnp.uint32))
 
 
+def epoch_draws(client_key: jax.Array, n: jax.Array, epoch: jax.Array) -> ShuffleDraws:
+    """The shuffle draws of a client's epoch: its key is fold_in(client key, epoch)."""
+    return shuffle_draws(jax.random.fold_in(client_key, epoch), n)
+
+
 def epoch_permutation(key: jax.Array, n: jax.Array, positions: jax.Array,
                       unroll: bool | None = None) -> jax.Array:
     """π(positions): a keyed pseudo-random permutation of 0 … n − 1, evaluated pointwise.
@@ -300,8 +305,7 @@ class LocalTrainer:
                 # quarter of a small model's round program at the suite's -O0. The same values:
                 # vmap over the epochs changes no key. (With K steps there is one stage, and
                 # the epoch count is not static: drawn in `step`.)
-                draws = jax.vmap(lambda e: shuffle_draws(jax.random.fold_in(row.key, e),
-                                                         row.client.train_count))(
+                draws = jax.vmap(lambda e: epoch_draws(row.key, row.client.train_count, e))(
                     jnp.arange(epochs, dtype=jnp.int32))
             return TrainCarry(params, row.opt_state, row.hook_state, jnp.zeros(()), row.client,
                               row.key, row.extra, draws)
@@ -319,11 +323,12 @@ class LocalTrainer:
             used = jnp.where(count >= batch, per_epoch * batch, count) if drop_last else count
             mask = positions < used
             if draws is None:
-                order = epoch_permutation(jax.random.fold_in(key, epoch), count, positions)
+                drawn = epoch_draws(key, count, epoch)
             else:
                 # (a finished lane of a vmapped loop still computes a step past its last epoch)
                 e = jnp.minimum(epoch, epochs - 1)
-                order = shuffled(jax.tree.map(lambda d: d[e], draws), count, positions)
+                drawn = jax.tree.map(lambda d: d[e], draws)
+            order = shuffled(drawn, count, positions)
             rows = client.train_start + order
             if on_step is not None:
                 hook_state = on_step(hook_state, params, extra)
