@@ -86,6 +86,13 @@ def test_memory_plan_counts_this_hosts_devices():
     assert plan.max_clients() == 180
     one_host = core.MemoryPlan(**{**plan.__dict__, "local_devices": 0})
     assert one_host.total == 4 * per_device                  # all four on this host
+    # Host state over several processes: each device first receives its process's rows of the
+    # whole world (3 clients of 2,000 bytes), a transient larger than the round's 3,000 bytes of
+    # temporaries, so it is the working set.
+    staged = core.MemoryPlan(**{**plan.__dict__, "state_placement": "host", "host_row_bytes": 2000,
+                                "world_rows": 2, "staging_rows": 3})
+    assert staged.staging == 6000 and staged.per_device == 25_000 + 500 + 1500 + 6000
+    assert "whole world (3 clients" in staged.describe()
 
 
 def _two(tmp, name, extra, **kwargs):
@@ -120,6 +127,11 @@ def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path
     # the clients that rounds 1 and 2 trained.
     from fedjax_pfl import checkpoint
 
+    # The memory plan counts the rows each device receives before the world is assembled: the
+    # larger of a call's world (M = 3 of 6 clients) and an evaluation group (the power of two at
+    # or above M: 4), one host row each.
+    plan = json.loads((tmp_path / "host" / "summary.json").read_text())["memory_plan"]
+    assert plan["staging_rows"] == 4 and plan["host_row_bytes"] > 0
     saved = tmp_path / "host" / "checkpoints" / "round_000002"
     parts = {}
     for k in (0, 1):
@@ -154,6 +166,8 @@ def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path
     for p in (one_of_two, single):
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
+    one_plan = json.loads((tmp_path / "host_one" / "summary.json").read_text())["memory_plan"]
+    assert one_plan["staging_rows"] == 0          # one process: its rows go to the devices as they are
     # The one-process run's round-2 checkpoint (its rows on the devices) resumed by two
     # processes with the rows on the host: each keeps its own range from its device's shards.
     shutil.copytree(tmp_path / "one", tmp_path / "dev_host")

@@ -73,11 +73,19 @@ class MemoryPlan:
     state_placement: str = "device"
     host_row_bytes: int = 0        # host placement: one client's rows in the host store
     world_rows: int = 0            # host placement: client rows on each device (a call's world)
+    staging_rows: int = 0          # host placement, several processes: rows each device receives
+                                   # from its process before the world is assembled (transient)
 
     @property
     def per_device(self) -> int:
         return (self.client_state_per_device + self.replicated_state + self.data
-                + max(self.working_set, self.eval_working_set))
+                + max(self.working_set, self.eval_working_set, self.staging))
+
+    @property
+    def staging(self) -> int:
+        """Bytes of the rows a device holds while a world is assembled (several processes,
+        `Program._put_rows`): freed before the round runs, so counted as a working set."""
+        return self.staging_rows * self.host_row_bytes
 
     @property
     def _sharing(self) -> int:
@@ -123,6 +131,11 @@ class MemoryPlan:
                 f"its participants' rows to the devices, each device the rows of the clients it "
                 f"trains first ({self.world_rows} clients a device, "
                 f"{mb(self.world_rows * self.host_row_bytes)}, counted in the client state above)")
+            if self.staging_rows:
+                lines.append(
+                    f"  several processes: each device first receives its process's rows of the "
+                    f"whole world ({self.staging_rows} clients, {mb(self.staging)}), then one "
+                    f"gather assembles its own; counted as a working set")
         if self.data_placement == "host":
             lines.append(f"  data on the host ({mb(self.data_whole)}); on each device only the "
                          f"streamed buffers ({mb(self.data)}: this round's and the next round's "
@@ -551,13 +564,15 @@ class Program(HostStateCalls):
                     evaluating = max(evaluating, int(analysis.temp_size_in_bytes))
         platform = jax.local_devices()[0].platform
         client_per_device = int(per_client) * self.num_clients // devices
-        host_row = world = 0
+        host_row = world = staging = 0
         if self.host is not None:        # on the devices: resident rows (sharded) and the world
             host_row = sum(int(np.prod(a.shape[1:])) * _itemsize(a.dtype)
                            for a in self.host.split(self.host.abstract)[1])
             per_client = int(per_client) - host_row
             world = max(self._world_size(self.rounds_per_call) if self._clients_per_round else 0,
                         self._eval_world_size())
+            if self._rows_here is not None:      # `_put_rows`: the whole world to each device first
+                staging = world
             if self._dealt_mesh is not None:     # each device holds its own block of the world
                 world //= devices
             client_per_device = int(per_client) * self.num_clients // devices + world * host_row
@@ -572,7 +587,8 @@ class Program(HostStateCalls):
             working_set=working, eval_working_set=evaluating, available=available_memory(platform),
             local_devices=int(local), data_placement=self.data_placement,
             data_whole=self.data_whole_bytes, compiled=self.is_compiled or not self.jit,
-            state_placement=self.state_placement, host_row_bytes=host_row, world_rows=world)
+            state_placement=self.state_placement, host_row_bytes=host_row, world_rows=world,
+            staging_rows=staging)
 
 
 class CachedEvaluation:
