@@ -59,14 +59,9 @@ def _losses(out):
     return train, evaluated
 
 
-# The quick suite keeps one task with FedAvg (the readers and tasks have their own quick tests).
-QUICK = ("shakespeare_leaf", "fedavg")
-
-
-@pytest.mark.parametrize("key, algo", [
-    pytest.param(key, algo, id=f"{key}-{algo}",
-                 marks=() if (key, algo) == QUICK else pytest.mark.slow)
-    for algo in ("fedavg", "fedper") for key in TASKS])
+@pytest.mark.slow     # (the full suite: the readers and tasks have their own quick tests)
+@pytest.mark.parametrize("key, algo", [pytest.param(key, algo, id=f"{key}-{algo}")
+                                       for algo in ("fedavg", "fedper") for key in TASKS])
 def test_each_task_trains_and_keeps_its_clients(tmp_path_factory, key, algo):
     root, ids = _files(tmp_path_factory, key)
     out = tmp_path_factory.mktemp("run")

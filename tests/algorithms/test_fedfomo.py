@@ -111,7 +111,7 @@ def distinct_models(seed=1):
             for _ in SIZES]
 
 
-@pytest.mark.parametrize("baseline", ["current", "start"])
+@pytest.mark.parametrize("baseline", ["current", pytest.param("start", marks=pytest.mark.slow)])
 def test_round_matches_the_naive_double_loop(x64, baseline):
     # T1, T2: weights, the personalised update and local training on the first n_i − v_i rows.
     x, y, train, test = raw_clients()

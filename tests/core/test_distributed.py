@@ -56,6 +56,7 @@ def test_two_processes_equal_one(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (key, a[key], b[key])
 
 
+@pytest.mark.slow       # (two processes; the quick suite has no multi-process test)
 def test_processes_with_other_data_stop_before_running(tmp_path):
     """Each process of a run provides its own devices' copy of the dataset, so all must hold the
     same one: two processes given other partitions (here other --seed values) both stop at once,

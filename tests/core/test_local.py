@@ -92,7 +92,7 @@ def test_epoch_permutation_is_a_bijection(n, unroll):
         np.testing.assert_array_equal(got[n:], 0)
 
 
-@pytest.mark.parametrize("unroll", [False, True])
+@pytest.mark.parametrize("unroll", [False, pytest.param(True, marks=pytest.mark.slow)])  # (CPU: False)
 def test_epoch_permutations_are_uniform_over_all_orders(unroll):
     """50,400 keys on n = 7: each of the 5,040 orders about 10 times. Pearson's chi-square has
     5,039 degrees of freedom (mean 5,039, sd ≈ 100); a uniform shuffle stays below 5,039 + 5 sd.

@@ -38,7 +38,8 @@ def test_im2col_conv_under_vmap_over_client_kernels():
 @pytest.mark.parametrize("padding,strides,kernel", [
     ("VALID", (1, 1), (3, 4, 3, 5)),   # kh·kw·C_in = 36 > C_out = 5: kernel gradient (GᵀP)ᵀ
     ("SAME", (1, 1), (2, 2, 1, 6)),    # 4 ≤ 6: PᵀG
-    (((2, 1), (0, 3)), (2, 1), (3, 4, 3, 5)),
+    # (both kernel-gradient forms above in the quick suite; strides and uneven padding in the full)
+    pytest.param(((2, 1), (0, 3)), (2, 1), (3, 4, 3, 5), marks=pytest.mark.slow),
 ])
 def test_im2col_conv_gradients_equal_autodiff_of_lax_conv(x64, padding, strides, kernel):
     # The custom VJPs of patches_matmul (kernel gradient as (GᵀP)ᵀ or PᵀG, whichever operand
@@ -105,7 +106,8 @@ def test_winograd_conv_equals_lax_conv(x64, padding, kernel, tile):
     np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11)
 
 
-@pytest.mark.parametrize("padding,kernel", [("VALID", (5, 5, 3, 6)), ("SAME", (3, 3, 2, 5))])
+@pytest.mark.parametrize("padding,kernel", [("VALID", (5, 5, 3, 6)),
+                                            pytest.param("SAME", (3, 3, 2, 5), marks=pytest.mark.slow)])
 def test_winograd_conv_gradients_equal_autodiff_of_lax_conv(x64, padding, kernel):
     # As the im2col test above: input and kernel gradients per client, under vmap over
     # per-client kernels, and forward-over-reverse (Per-FedAvg HF).
