@@ -29,8 +29,9 @@ after every round with the RSS), not with N. Also reported: the memory plan with
 plan the same program would need with device state (not allocated), and the checkpoint of the
 HostState (`Program.checkpoint_parts`: device leaves by orbax, the store's rows as host arrays).
 `--state-placement device` with ditto runs only where its plan fits (it does not at full N);
-with host state an M whose compiled plan does not fit is skipped too (each call's world of
-participants' rows sits on every device: M = 200 needs 22.8 GB, beyond a 24 GB host).
+with host state an M whose compiled plan does not fit is skipped too (each device receives the
+rows of the clients it trains: M = 200 plans 19.0 GB on 2 devices, which a 24 GB host holds;
+benchmarks/RESULTS.md §19).
 """
 
 from __future__ import annotations
