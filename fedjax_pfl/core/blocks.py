@@ -24,10 +24,8 @@ persistent compilation cache, so every run would compile its rounds again.)
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 
@@ -35,8 +33,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from fedjax_pfl.core.notes import Notes
+
 # The misdealt counts of the mapper calls traced so far in the innermost `collecting` block.
-_FOUND: contextvars.ContextVar[list | None] = contextvars.ContextVar("dealt", default=None)
+_FOUND = Notes("fedjax_pfl_misdealt")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -128,15 +128,9 @@ def misdealt(owner: jax.Array, ids: jax.Array, valid: jax.Array, axis: str = "cl
     return jnp.sum(valid & (owner[ids] != here), dtype=jnp.int32)[None]
 
 
-@contextlib.contextmanager
-def collecting():
+def collecting() -> ContextManager[list]:
     """Within one trace: collects the misdealt counts of the mapper calls traced (`note`)."""
-    found: list = []
-    token = _FOUND.set(found)
-    try:
-        yield found
-    finally:
-        _FOUND.reset(token)
+    return _FOUND.collect()
 
 
 def total(found: list) -> jax.Array | None:
@@ -150,7 +144,7 @@ def note(count: jax.Array | None) -> None:
     refused: nothing would read it."""
     if count is None:
         return
-    found = _FOUND.get()
+    found = _FOUND.current()
     if found is not None:
         found.append(count)
     elif isinstance(count, jax.core.Tracer):

@@ -37,15 +37,14 @@ part per process (`store_prefix`), merged again on restore whatever the new proc
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Any
+from typing import Any, ContextManager
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfl.core import dealt
+from fedjax_pfl.core.notes import Notes
 
 Params = Any
 STATE_PLACEMENTS = ("device", "host", "auto")
@@ -54,8 +53,7 @@ STATE_PLACEMENTS = ("device", "host", "auto")
 # id gathered or scattered that is not among the rows present) and bit CROSSED (a dealt world's
 # device read or wrote rows held by another, `core.dealt`). The program sets it around the round
 # and returns their bitwise "or".
-_MISSES: contextvars.ContextVar[list | None] = contextvars.ContextVar("fedjax_pfl_row_misses",
-                                                                     default=None)
+_MISSES = Notes("fedjax_pfl_row_misses")
 MISS, CROSSED = 1, 2
 
 
@@ -152,23 +150,17 @@ def put_leaves(leaves: list, idx: jax.Array, values: list) -> list:
 
 
 def _note(miss: jax.Array, crossed: jax.Array | None = None) -> None:
-    found = _MISSES.get()
+    found = _MISSES.current()
     if found is not None:
         code = jnp.where(miss, MISS, 0)
         found.append(code if crossed is None else code | jnp.where(crossed, CROSSED, 0))
 
 
-@contextlib.contextmanager
-def counting_misses():
+def counting_misses() -> ContextManager[list]:
     """Within one trace: collects each `ClientRows` gather's / scatter's flags (`MISS`: an id
     not among the rows present; `CROSSED`: rows read or written across a dealt world's devices);
     `row_flags(found)` is their "or", a traced int32 to return."""
-    found: list = []
-    token = _MISSES.set(found)
-    try:
-        yield found
-    finally:
-        _MISSES.reset(token)
+    return _MISSES.collect()
 
 
 def row_flags(found: list) -> jax.Array:
