@@ -37,8 +37,9 @@ def _id_data():
 
 
 def _recording_trainer(backend, slots, **schedule):
-    """A trainer (E = EPOCHS epochs unless `schedule` says otherwise) whose step writes the row ids of its batch (−1 at masked positions) into
-    params["log"][t·B : (t+1)·B] at step t, and changes nothing else."""
+    """A trainer (E = EPOCHS epochs unless `schedule` says otherwise) whose step writes the row
+    ids of its batch (−1 at masked positions) into params["log"][t·B : (t+1)·B] at step t, and
+    changes nothing else."""
     model = Model(init=lambda key: {"log": jnp.full((slots,), -2.0), "t": jnp.zeros(())},
                   apply=lambda p, x: x, loss=lambda out, y: out[:, 0])
 
