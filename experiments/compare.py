@@ -29,25 +29,13 @@ def slug(label: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
 
 
-def _same_config(run_dir: str, cfg) -> bool:
-    """Whether run_dir/config.json was written for the configuration `cfg` describes.
+class CompareError(ValueError):
+    """Bad compare.py input or an --out it must not touch: one line, exit status 2."""
 
-    The saved record holds every hyperparameter resolved; `cfg` only the explicit ones, which
-    must all match.
-    """
-    import dataclasses
 
-    try:
-        saved = json.load(open(os.path.join(run_dir, "config.json")))
-    except (OSError, ValueError):
-        return False
-    wanted = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-    if any(saved.get(k) != wanted[k] for k in ("algo", "dataset", "partition", "rounds", "seed",
-                                                "eval_every", "data_options")):
-        return False
-    if wanted["model"] is not None and saved.get("model") != wanted["model"]:
-        return False
-    return all(_same_value(saved.get("hparams", {}).get(k), v) for k, v in wanted["hparams"].items())
+def _fail(message: str, code: int = 2) -> None:
+    print(f"compare.py: error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(code)
 
 
 def _summary(path: str) -> dict | None:
@@ -58,26 +46,76 @@ def _summary(path: str) -> dict | None:
         return None
 
 
-def _same_value(saved, flag) -> bool:
-    """A resolved hyperparameter against a flag's value (the CLI keeps "0.01" as text)."""
-    if saved == flag:
-        return True
-    try:
-        return float(saved) == float(flag)
-    except (TypeError, ValueError):
-        return str(saved) == str(flag)
+def _plan(args) -> list[tuple[str, list[str], object]]:
+    """(label, run.py flags, RunConfig) of every --run, all checked before anything runs or any
+    folder is made: each a valid run.py configuration, each in a folder of its own."""
+    planned, folders = [], {}
+    for spec in args.run:
+        label, sep, flags = spec.partition(":")
+        label = label.strip()
+        if not sep or not label:
+            raise CompareError(f'--run wants "LABEL: FLAGS", got {spec!r}')
+        folder = slug(label)
+        if not folder:
+            raise CompareError(f"--run {label!r}: the label needs a letter or a digit (it names "
+                               "the run's folder)")
+        if folder in folders:
+            raise CompareError(f"--run {folders[folder]!r} and --run {label!r} would share the "
+                               f"folder {os.path.join(args.out, folder)}: give them labels that "
+                               "differ in their letters or digits")
+        folders[folder] = label
+        argv_run = shlex.split(args.common) + shlex.split(flags) + [
+            "--out", os.path.join(args.out, folder), "--quiet"]
+        try:
+            cfg = cli.config_from_args(cli.parse_flags(argv_run))
+            cfg.validate()
+        except ValueError as e:                    # (cli.UsageError too)
+            raise CompareError(f"--run {label!r}: {e}") from None
+        planned.append((label, argv_run, cfg))
+    return planned
+
+
+def _check_out(args, planned) -> None:
+    """--out is new or empty, or (--resume) holds only runs of these configurations: nothing
+    of an earlier run that this command cannot continue is touched."""
+    from fedjax_pfl import runner
+
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise CompareError(f"--out {args.out} is an existing file, not a directory")
+    if not args.resume:
+        if os.path.isdir(args.out) and os.listdir(args.out):
+            found = sorted(os.listdir(args.out))
+            shown = ", ".join(found[:4]) + (", …" if len(found) > 4 else "")
+            raise CompareError(f"--out {args.out} already holds files ({shown}); pass --resume "
+                               "to reuse its runs of the same configuration, or use a new --out")
+        return
+    for label, _, cfg in planned:
+        if not os.path.isdir(cfg.out) or not os.listdir(cfg.out):
+            continue
+        try:
+            saved = runner.read_config(cfg.out)
+        except (OSError, ValueError):
+            raise CompareError(f"--run {label!r}: {cfg.out} holds files but no readable "
+                               "config.json: not a run this command made; move it away or use "
+                               "a new --out") from None
+        conflict = runner.reuse_conflicts(cfg, cfg.validate(), runner.model_name_of(cfg), saved)
+        if conflict:
+            raise CompareError(f"--run {label!r}: {cfg.out} holds a run made with {conflict}; "
+                               "give this run another label, or use a new --out")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="output directory")
+    p.error = lambda message: _fail(f"{message} (see --help)")   # one line, exit status 2
+    p.add_argument("--out", required=True, help="output directory (new or empty, or an earlier "
+                   "comparison's with --resume)")
     p.add_argument("--common", default="", help="flags shared by every run")
     p.add_argument("--run", action="append", required=True, help='"LABEL: FLAGS"')
     p.add_argument("--title", default="", help="heading of results.md")
     p.add_argument("--resume", action="store_true",
-                   help="reuse runs whose directory already holds a summary.json of the same "
-                        "configuration (a run whose flags changed is run again; an interrupted "
-                        "run continues from its last checkpoint)")
+                   help="reuse the finished runs in --out (each must have been made with the same "
+                        "configuration, else the comparison stops before running anything); an "
+                        "interrupted run continues from its last checkpoint")
     args = p.parse_args(argv)
 
     import fedjax_pfl
@@ -85,41 +123,44 @@ def main(argv: list[str] | None = None) -> int:
     fedjax_pfl.use_cpu_cores()
     from fedjax_pfl import runner
 
+    try:
+        planned = _plan(args)
+        _check_out(args, planned)
+    except CompareError as e:
+        _fail(str(e))
     os.makedirs(args.out, exist_ok=True)
     rows, curves = [], {}
     data_cache: dict = {}
-    for spec in args.run:
-        label, _, flags = spec.partition(":")
-        label = label.strip()
-        argv_run = shlex.split(args.common) + shlex.split(flags) + [
-            "--out", os.path.join(args.out, slug(label)), "--quiet"]
-        run_args = cli.parse(argv_run)
-        cfg = cli.config_from_args(run_args)
-        cfg.validate()
+    for label, argv_run, cfg in planned:
         key = json.dumps([cfg.dataset, cfg.data_options, cfg.partition.__dict__, cfg.seed], default=str)
         if key not in data_cache:
-            data_cache[key] = runner.load_data(cfg)
+            try:
+                data_cache[key] = runner.load_data(cfg)
+            except (ValueError, OSError) as e:       # (DatasetNotFoundError: an OSError)
+                _fail(f"--run {label!r}: {e}")
         data, info = data_cache[key]
         print(f"== {label}: {' '.join(argv_run)}", flush=True)
         command = "python experiments/run.py " + " ".join(argv_run[:-3])
         summary_path = os.path.join(cfg.out, "summary.json")
         diverged = None
         saved = _summary(summary_path) if args.resume else None
-        same = saved is not None and _same_config(cfg.out, cfg)
-        finished = saved is not None and not saved.get("interrupted", False)
-        reuse = finished and same
-        if saved is not None and not same:
-            print("   its saved run has another configuration: running it again", flush=True)
-        elif saved is not None and not finished:
-            # Stopped (Ctrl-C) earlier: continue from its last checkpoint, bit for bit.
-            print(f"   it was interrupted after round {saved.get('last_completed_round')}: "
-                  "resuming it", flush=True)
-            cfg.resume = True
+        reuse = saved is not None and not saved.get("interrupted", False)
+        if saved is not None and not reuse:
+            if runner.latest_checkpoint(cfg.out) is not None:
+                # Stopped (Ctrl-C) earlier: continue from its last checkpoint, bit for bit.
+                print(f"   it was interrupted after round {saved.get('last_completed_round')}: "
+                      "resuming it", flush=True)
+                cfg.resume = True
+            else:                  # (the same configuration, _check_out said: nothing is lost)
+                print(f"   it was interrupted after round {saved.get('last_completed_round')} "
+                      "before its first checkpoint: running it again", flush=True)
         if reuse:
-            summary = json.load(open(summary_path))
+            summary = saved
         else:
             try:
                 summary = runner.run(cfg, data=data, data_info=info, log=print)
+            except ValueError as e:             # (ResumeError, MemoryPlanError, …)
+                _fail(f"--run {label!r}: {e}")
             except runner.NonFiniteError as e:  # keep the sweep going; the table says so
                 diverged = str(e).split(":")[0]
                 print(f"   diverged: {e}", flush=True)

@@ -556,8 +556,16 @@ def _report_interrupt(e: KeyboardInterrupt) -> None:
     how = "terminated (SIGTERM)" if signal_name(e) == "SIGTERM" else "interrupted"
     if isinstance(e, runner.Interrupted) and e.out:
         where = (f"during compilation" if e.phase == "compile" else f"after round {e.last_round}")
-        ckpt = ("no checkpoint yet" if e.checkpoint_round is None
-                else f"last checkpoint: round {e.checkpoint_round}")
+        # What is on disk decides (a resume stopped while compiling has loaded no checkpoint yet,
+        # but its directory holds them): --resume only where there is something to continue.
+        latest = runner.latest_checkpoint(e.out)
+        if latest is None:
+            print(f"run.py: {how} {where}; {e.out} records what finished (no checkpoint yet: "
+                  f"nothing to resume; start it again with --overwrite)", file=sys.stderr,
+                  flush=True)
+            return
+        ckpt = (f"last checkpoint: round {e.checkpoint_round}" if e.checkpoint_round is not None
+                else f"last checkpoint: {os.path.basename(latest)}")
         print(f"run.py: {how} {where}; {e.out} records what finished ({ckpt}); continue "
               f"with: python experiments/run.py --resume {e.out}", file=sys.stderr, flush=True)
     else:
@@ -578,6 +586,7 @@ def _resume_config(args, runner):
         raise ValueError("--resume continues the run in --out; --overwrite would replace it")
     args.out = out
     runner.check_out(out, resume=True)
+    runner.require_checkpoint(out)          # (before the data loads: nothing to continue)
     saved = runner.read_config(out)
     # Flags on top of the saved configuration: those given must agree with it (checked below).
     cfg = config_from_args(parse(args.argv, base_defaults=_saved_defaults(saved)))

@@ -481,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         the_plan = plan(args)
+        if args.resume:
+            check_resume(the_plan)
         data = _load_all_data(the_plan)
         check_algorithms(the_plan, data)
     except SweepError as e:
@@ -552,15 +554,66 @@ def _remove_empty_dirs(out: str, created: list[str]) -> None:
             break
 
 
+def _run_config(cfg, r, group_dir: str, sweep):
+    """The RunConfig of one run of a group: its seed and traced values on the group's."""
+    run_cfg = copy.deepcopy(cfg)
+    run_cfg.seed = r.seed
+    run_cfg.hparams = {**run_cfg.hparams, **dict(r.traced)}
+    run_cfg.out = os.path.join(group_dir, sweep.slug(r.label))
+    run_cfg.progress = False
+    run_cfg.partition = cfg.partition               # the group's shared partition seed
+    return run_cfg
+
+
+def check_resume(the_plan: Plan) -> None:
+    """--resume: every run folder that holds a run was made with that run's configuration
+    (`runner.reuse_conflicts`: the --common flags, the grid values, the seed), checked before
+    anything runs. A sweep whose configuration changed stops here (SweepError naming the run
+    and the flag) instead of reporting another configuration's numbers or replacing its runs."""
+    from fedjax_pfl import runner, sweep
+
+    for group in the_plan.groups:
+        for r in group.runs:
+            run_cfg = _run_config(group.cfg, r, group.directory, sweep)
+            record = os.path.join(run_cfg.out, "config.json")
+            if not os.path.isdir(run_cfg.out) or not os.listdir(run_cfg.out):
+                continue
+            try:
+                saved = runner.read_config(run_cfg.out)
+            except (OSError, ValueError):
+                raise SweepError(f"--resume: {run_cfg.out} holds files but no readable "
+                                 f"{os.path.basename(record)}: not a run of this sweep; move it "
+                                 "away or use a new --out") from None
+            conflict = runner.reuse_conflicts(run_cfg, run_cfg.validate(),
+                                              runner.model_name_of(run_cfg), saved)
+            if conflict:
+                raise SweepError(f"--resume: {run_cfg.out} holds a run made with {conflict}: "
+                                 "this sweep's configuration differs from the one that made "
+                                 "it; use a new --out")
+
+
+def _finished(path: str) -> dict | None:
+    """The saved summary of a run that ran to its end (not an interrupted one), or None."""
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return None if summary.get("interrupted", False) else summary
+
+
 def _run_or_resume(cfg, runs, data, info, group_dir, args, runner, sweep) -> list[dict]:
-    """The group's summaries: reused (--resume), vmapped, or one run after another."""
+    """The group's summaries: reused (--resume: every run finished, and of this configuration,
+    `check_resume`), vmapped, or one run after another."""
     paths = [os.path.join(group_dir, sweep.slug(r.label), "summary.json") for r in runs]
-    if args.resume and all(os.path.exists(p) for p in paths):
+    saved = [_finished(p) for p in paths] if args.resume else []
+    if args.resume and all(s is not None for s in saved):
         out = []
-        for p in paths:
-            summary = json.load(open(p))
+        for p, summary, r in zip(paths, saved, runs):
             with open(os.path.join(os.path.dirname(p), "metrics.jsonl")) as f:
                 summary["rows"] = [json.loads(line) for line in f]
+            # (a run made one at a time, --sequential, saved no "traced": it is the run's own)
+            summary["traced"] = dict(r.traced)
             out.append(summary)
         print(f"== {cfg.algo} {group_dir}: reused {len(runs)} runs")
         return out
@@ -574,12 +627,7 @@ def _run_or_resume(cfg, runs, data, info, group_dir, args, runner, sweep) -> lis
             print(f"   not vectorisable ({' '.join(str(e).split())[:120]}): one run at a time")
     out = []
     for r in runs:
-        run_cfg = copy.deepcopy(cfg)
-        run_cfg.seed = r.seed
-        run_cfg.hparams = {**run_cfg.hparams, **dict(r.traced)}
-        run_cfg.out = os.path.join(group_dir, sweep.slug(r.label))
-        run_cfg.progress = False
-        run_cfg.partition = cfg.partition               # the group's shared partition seed
+        run_cfg = _run_config(cfg, r, group_dir, sweep)
         summary = runner.run(run_cfg, data=data, data_info=info, log=lambda *_: None)
         summary["traced"] = dict(r.traced)
         with open(os.path.join(run_cfg.out, "metrics.jsonl")) as f:

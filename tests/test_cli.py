@@ -131,6 +131,43 @@ def test_divergence_names_round_and_clients(tmp_path):
         runner.run(cfg)
 
 
+def test_a_non_finite_evaluation_stops_the_run_naming_the_round_model_and_clients():
+    """An evaluated client whose test loss is NaN or inf makes the run stop (its accuracy would
+    be an argmax of NaN outputs); clients without test data, whose loss is no one's, do not."""
+    from fedjax_pfl import core
+    from fedjax_pfl.runner.records import record_evaluation
+
+    def ev(loss):
+        return core.ClientEval(correct=np.array([1.0, 2.0, 0.0]), loss_sum=np.array(loss),
+                               count=np.array([3, 3, 0]))
+
+    row = {"round": 4}
+    ids = np.array([4, 7, 9])
+    history = core.History(10)
+    with pytest.raises(runner.NonFiniteError,
+                       match=r"round 4: the evaluation of the clients' own models .* clients \[7\]"):
+        record_evaluation(dict(row), {"client": ev([1.0, np.nan, 0.0])}, ids, 10, history, ids)
+    with pytest.raises(runner.NonFiniteError, match=r"round 4: .* the global model .* \[4\]"):
+        record_evaluation(dict(row), {"client": ev([1.0, 2.0, 0.0]), "global": ev([np.inf, 2.0, 0.0])},
+                          ids, 10, history, ids)
+    fine = dict(row)
+    record_evaluation(fine, {"client": ev([1.0, 2.0, np.nan])}, ids, 10, history, ids)
+    assert fine["acc_mean"] == pytest.approx(np.mean([1 / 3, 2 / 3]))
+
+
+@pytest.mark.slow
+def test_a_run_whose_evaluation_diverges_exits_1(tmp_path, capsys):
+    """Ditto with λ = 1e12: its personal models blow up while the training loss (the global
+    model's) stays finite; the run used to print the argmax-of-NaN accuracy and exit 0."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--algo", "ditto", "--ditto-lam", "1e12", "--rounds", "2", "--quiet",
+                  "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 1
+    assert err[-1].startswith("run.py: error: round 1: the evaluation of the clients' own models "
+                              "gives a non-finite loss")
+
+
 def test_help_states_each_default_once():
     text = " ".join(cli.build_parser().format_help().split())
     text = text[text.index("show this help message"):]              # the flags, not the usage

@@ -218,3 +218,55 @@ def test_cli_resume_with_fewer_rounds_or_no_intact_checkpoint_is_one_line_exit_2
     line = _cli_resume_refused(out, ["--rounds", "6"], capsys)
     assert line.startswith("run.py: error: --resume: no intact checkpoint in")
     assert "round_000004" in line and "arrays" in line
+
+
+@pytest.mark.parametrize("how", ["checkpoint_every_0", "checkpoints_removed"])
+def test_a_resume_with_no_checkpoint_is_refused_and_changes_no_file(tmp_path, capsys, monkeypatch,
+                                                                   how):
+    """--resume of a run that has nothing to continue from (made with --checkpoint-every 0, or
+    its checkpoints/ removed) is one line and exit 2 before anything is loaded or compiled; its
+    metrics, summary and record stay as they were (it used to start again from round 0 and
+    replace them)."""
+    import shutil
+
+    import run as cli     # experiments/run.py
+
+    prep = helpers.default_prepared("fedavg")
+    out = tmp_path / "run"
+    runner.run(_config(out, 2, checkpoint_every=0 if how == "checkpoint_every_0" else 2),
+               prepared=prep, log=quiet)
+    if how == "checkpoints_removed":
+        shutil.rmtree(out / "checkpoints")
+    assert runner.latest_checkpoint(str(out)) is None
+    before = _snapshot(out)
+    assert {"metrics.jsonl", "summary.json", "config.json"} <= set(before)
+    fresh = runner.prepare(_config(out, 4, "--resume"))
+    _forbid_compile(monkeypatch)
+    with pytest.raises(runner.ResumeError, match=r"holds no checkpoint to continue from"):
+        runner.run(_config(out, 4, "--resume"), prepared=fresh, log=quiet)
+    assert _snapshot(out) == before
+    monkeypatch.setattr(runner, "load_data", lambda *a, **k: pytest.fail("loaded the data"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--resume", str(out), "--quiet", "--rounds", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"run.py: error: --resume: {out} holds no checkpoint")
+    assert "--overwrite" in err[0]
+    assert _snapshot(out) == before
+
+
+def test_an_interrupt_before_the_first_checkpoint_does_not_offer_a_resume(tmp_path, capsys):
+    """The message after a stop names --resume only where a checkpoint exists to continue from;
+    before the first one it says there is nothing to resume."""
+    import run as cli     # experiments/run.py
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cli._report_interrupt(runner.Interrupted(3, None, str(out), "rounds"))
+    err = capsys.readouterr().err
+    assert "after round 3" in err and "nothing to resume" in err and "--resume" not in err
+    prep = helpers.default_prepared("fedavg")
+    runner.run(_config(out, 2), prepared=prep, log=quiet)
+    cli._report_interrupt(runner.Interrupted(2, 2, str(out), "rounds"))
+    err = capsys.readouterr().err
+    assert "last checkpoint: round 2" in err and f"--resume {out}" in err

@@ -66,3 +66,43 @@ def test_sweep_tool_writes_a_table_and_resumes(tmp_path, capsys):
     assert summary["seed"] == 1 and summary["traced"] == {"lr": 0.05}
     assert tool.main(argv + ["--resume"]) == 0
     assert "reused 4 runs" in capsys.readouterr().out
+
+
+def _tree(root) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+            for d, _, fs in os.walk(root) for f in fs}
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_sweep_resume_reuses_only_finished_runs_of_the_same_configuration(tmp_path, capsys,
+                                                                           sequential):
+    """--resume reuses a run only when it finished and its config.json is this run's: a changed
+    --common flag (one the plan does not name, a hyperparameter) is refused in one line before
+    anything runs, leaving every file; an interrupted run is run again, not reported."""
+    import sweep as tool
+
+    base = ["--out", str(tmp_path), "--algos", "fedavg", "--seeds", "0"]
+    more = ["--sequential"] if sequential else []
+    argv = base + ["--common", "--rounds 1 --clients 4 --quiet"] + more
+    assert tool.main(argv) == 0
+    capsys.readouterr()
+    assert tool.main(argv + ["--resume"]) == 0          # (--sequential: no KeyError 'traced')
+    assert "reused 1 runs" in capsys.readouterr().out
+    before = _tree(tmp_path)
+    for common, message in (("--rounds 1 --clients 4 --quiet --local-epochs 2",
+                             "--local-epochs 1, not 2"),
+                            ("--rounds 2 --clients 4 --quiet", "--rounds 1, not 2")):
+        changed = base + ["--common", common] + more + ["--resume"]
+        with pytest.raises(SystemExit) as exc:
+            tool.main(changed)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1 and message in err[0], err
+        assert _tree(tmp_path) == before
+    # A run stopped before its end is not reused: its summary says interrupted.
+    summary_path = tmp_path / "digits/fedavg/default/seed=0/summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary.update(interrupted=True, last={"acc_mean": -1.0})
+    summary_path.write_text(json.dumps(summary))
+    assert tool.main(argv + ["--resume"]) == 0
+    assert "reused" not in capsys.readouterr().out
+    assert json.loads(summary_path.read_text())["last"]["acc_mean"] >= 0

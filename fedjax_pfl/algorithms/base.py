@@ -411,11 +411,47 @@ def spec(name: str) -> AlgorithmSpec:
 
 
 def get(name: str, *, model: Model, **hparams: Any) -> Algorithm:
-    """Builds algorithm `name` for `model` with validated hyperparameters (others at defaults)."""
+    """Builds algorithm `name` for `model` with validated hyperparameters (others at defaults).
+    Its `init(key, data)` first checks that the model fits the data (`check_model_fits`)."""
     s = spec(name)
     resolved = s.resolve(hparams)
     algo = s.build(model, resolved)
-    return algo._replace(name=name, hparams=resolved)
+    inner_init = algo.init
+
+    def init(key: jax.Array, data: FederatedData):
+        check_model_fits(model, data)
+        return inner_init(key, data)
+
+    return algo._replace(name=name, hparams=resolved, init=init)
+
+
+def check_model_fits(model: Model, data: Any) -> None:
+    """TypeError / ValueError naming the mismatch unless `data` is a `FederatedData` whose
+    samples `model` takes and whose classes its outputs score: a classifier (the default loss,
+    softmax cross-entropy, and metric, argmax = label) must give `num_classes` outputs, else
+    its loss and accuracy compare output positions with labels of another range. From shapes only (`jax.eval_shape`), so it
+    costs one trace of the model and works inside a trace."""
+    if not isinstance(data, FederatedData):
+        raise TypeError(f"init(key, data): data must be a fedjax_pfl.data.FederatedData, got "
+                        f"{type(data).__name__}")
+    from fedjax_pfl.models.model import softmax_cross_entropy
+
+    if model.metric is not None or model.loss is not softmax_cross_entropy:
+        return          # (a model with its own loss or metric reads its outputs its own way)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((1,) + tuple(data.input_shape),
+                             jnp.int32 if data.token_inputs else jnp.float32)
+    try:
+        out = jax.eval_shape(model.apply, params, x)
+    except Exception as e:                    # (any error of the user's model on this input)
+        raise ValueError(f"model {model.name!r} does not take this data's inputs of shape "
+                         f"{tuple(data.input_shape)}: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]}") from None
+    width = out.shape[-1] if out.shape else None
+    if width != data.num_classes:
+        raise ValueError(f"model {model.name!r} gives {width} outputs per example but the data "
+                         f"{data.name or ''} has {data.num_classes} classes: build the model for "
+                         f"num_classes={data.num_classes}")
 
 
 def expected_clients(config: EngineConfig, num_real: int) -> float:

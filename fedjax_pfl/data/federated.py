@@ -186,6 +186,7 @@ class FederatedData:
         splits = ClientSplits(train_start=as_i32(starts[:n]), train_count=as_i32(counts[:n]),
                               test_start=as_i32(starts[n:]), test_count=as_i32(counts[n:]))
         y = np.asarray(y)
+        check_labels(y, int(num_classes), task)
         y = y if y.dtype == np.int32 else y.astype(np.int32)
         return cls(
             x=jnp.asarray(x) if device else x,
@@ -206,6 +207,26 @@ class FederatedData:
         start, count = (c.train_start, c.train_count) if split == "train" else (c.test_start, c.test_count)
         s = int(start[client])
         return np.arange(s, s + int(count[client]))
+
+
+def check_labels(y: np.ndarray, num_classes: int, task: Any = None) -> None:
+    """ValueError naming the offending label unless every label is a class of the task: 0 …
+    num_classes − 1 (a multi-label task's −1 pads a sample's tags). A label past the model's
+    outputs would train on a loss that reads past its logits, without an error. Memory-mapped
+    labels (a natural dataset's converted cache, checked when it was written) are not read
+    here."""
+    if isinstance(y, np.memmap) or y.size == 0:
+        return
+    if not np.issubdtype(y.dtype, np.integer):
+        if not np.issubdtype(y.dtype, np.floating) or not np.all(np.mod(y, 1) == 0):
+            raise ValueError(f"labels must be integer class ids, got {y.dtype} values")
+    low = -1 if task is not None and task.kind == "multilabel" else 0
+    lo, hi = int(np.min(y)), int(np.max(y))
+    if lo < low or hi >= num_classes:
+        bad = lo if lo < low else hi
+        raise ValueError(f"label {bad} is outside the {num_classes} classes of this dataset "
+                         f"(labels must be {low} … {num_classes - 1}): pass the right "
+                         "num_classes, or relabel")
 
 
 def label_counts(data: FederatedData, split: str = "train") -> np.ndarray:

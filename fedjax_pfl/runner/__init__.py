@@ -17,11 +17,12 @@ Signals (SIGINT, SIGTERM) are handled in `fedjax_pfl.interrupts`.
 from fedjax_pfl.data.build import PartitionConfig
 from fedjax_pfl.interrupts import compute, interruptible
 from fedjax_pfl.plots import plot_learning_curves
-from fedjax_pfl.runner.checkpoints import ResumeError, latest_checkpoint
+from fedjax_pfl.runner.checkpoints import ResumeError, latest_checkpoint, require_checkpoint
 from fedjax_pfl.runner.config import (DEFAULT_CHECKPOINT_EVERY, DEFAULT_MODEL, MIN_IMAGE_SIDE,
-                                      RESUMABLE_CHANGES, RunConfig, config_from_record,
+                                      RESUMABLE_CHANGES, REUSABLE_CHANGES, RunConfig, config_from_record,
                                       config_record, model_name_of, parse_eval_clients,
-                                      read_config, resume_conflicts)
+                                      read_config, resume_conflicts,
+                                      reuse_conflicts)
 from fedjax_pfl.runner.loop import (Interrupted, Prepared, check_with_data, load_data,
                                     prepare, run)
 from fedjax_pfl.runner.records import (NonFiniteError, best_and_last, communication_totals,
@@ -31,9 +32,9 @@ from fedjax_pfl.runner.rundir import RUN_FILES, atomic, check_out, clear_out, wr
 
 __all__ = [
     "PartitionConfig", "compute", "interruptible", "plot_learning_curves", "ResumeError",
-    "latest_checkpoint", "DEFAULT_CHECKPOINT_EVERY", "DEFAULT_MODEL", "MIN_IMAGE_SIDE",
-    "RESUMABLE_CHANGES", "RunConfig", "config_from_record", "config_record", "model_name_of",
-    "parse_eval_clients", "read_config", "resume_conflicts", "Interrupted", "Prepared",
+    "latest_checkpoint", "require_checkpoint", "DEFAULT_CHECKPOINT_EVERY", "DEFAULT_MODEL", "MIN_IMAGE_SIDE",
+    "RESUMABLE_CHANGES", "REUSABLE_CHANGES", "RunConfig", "config_from_record", "config_record", "model_name_of",
+    "parse_eval_clients", "read_config", "resume_conflicts", "reuse_conflicts", "Interrupted", "Prepared",
     "check_with_data",
     "load_data", "prepare", "run", "NonFiniteError", "best_and_last", "communication_totals",
     "participants", "record_evaluation", "round_row", "round_slots", "RUN_FILES", "atomic", "check_out", "clear_out", "write_json",

@@ -51,6 +51,16 @@ def latest_checkpoint(out: str) -> str | None:
     return done[-1] if done else None
 
 
+def require_checkpoint(out: str) -> None:
+    """ResumeError unless the run in `out` has a complete checkpoint: a resume with nothing to
+    continue is refused before anything is loaded, compiled or written, so the run's files stay
+    as they are."""
+    if latest_checkpoint(out) is None:
+        raise ResumeError(f"--resume: {out} holds no checkpoint to continue from (it was made "
+                          "with --checkpoint-every 0, stopped before its first checkpoint, or its "
+                          "checkpoints/ was removed); start it again with --overwrite")
+
+
 def resume_point(out: str, log: Callable[[str], None] = print) -> tuple[str, dict] | None:
     """(path, metadata) of the newest checkpoint that verifies (`checkpoint.verify`: every file
     of it present with the size and checksum written at save), checked before anything is

@@ -217,13 +217,42 @@ def config_record(cfg: RunConfig, hparams: dict, model_name: str, data_info: dic
     return record
 
 
+# What a finished run's results do not depend on: a run that differs from a saved one only here
+# may reuse its results (compare.py and sweep.py --resume). --rounds, --target-acc and --conv
+# change what the run reports, so they must match.
+REUSABLE_CHANGES = ("out", "progress", "memory_check", "checkpoint_every", "resume", "overwrite",
+                    "log", "checkpoint_on_signal", "data_placement", "state_placement")
+
+_RESUME_TAIL = ("only --rounds, --checkpoint-every, --target-acc, --conv, --log, "
+                "--checkpoint-on-signal, --data-placement, --state-placement, --quiet and "
+                "--no-memory-check may change")
+
+
 def resume_conflicts(cfg: RunConfig, hparams: dict, model_name: str, saved: dict) -> str | None:
     """The first setting of `cfg` that differs from the saved run's config.json record, as a
     one-line message naming its flag (None when the run may resume)."""
+    found = config_conflict(cfg, hparams, model_name, saved, may_change=RESUMABLE_CHANGES)
+    return None if found is None else f"--resume: the run in {cfg.out} was made with {found} ({_RESUME_TAIL})"
+
+
+def reuse_conflicts(cfg: RunConfig, hparams: dict, model_name: str, saved: dict) -> str | None:
+    """The first setting of `cfg` that differs from a finished run's config.json record, where
+    any difference but `REUSABLE_CHANGES` would change its results: a message naming the flag
+    ("--lr 0.1, not 0.05"), or None when the saved results are this configuration's."""
+    return config_conflict(cfg, hparams, model_name, saved, may_change=REUSABLE_CHANGES)
+
+
+def config_conflict(cfg: RunConfig, hparams: dict, model_name: str, saved: dict, *,
+                    may_change: tuple[str, ...]) -> str | None:
+    """"FLAG SAVED, not MINE" for the first setting outside `may_change` in which `cfg` (with its
+    resolved `hparams`) and a saved config.json record differ; None where none does. With
+    --target-epsilon the saved noise multiplier is the one it called for, so it is compared
+    through --target-epsilon (and the privacy settings) alone."""
     mine = config_record(cfg, hparams, model_name, {})
     flags = _flag_names(cfg.algo)
+    derived = {("hparams", "dp_noise_multiplier")} if cfg.target_epsilon is not None else set()
     for key in sorted(set(mine) | set(saved)):
-        if key in RESUMABLE_CHANGES or key in ("data", "versions", "devices"):
+        if key in may_change or key in ("data", "versions", "devices"):
             continue
         a, b = mine.get(key), saved.get(key)
         if isinstance(a, dict) or isinstance(b, dict):
@@ -231,21 +260,15 @@ def resume_conflicts(cfg: RunConfig, hparams: dict, model_name: str, saved: dict
             for sub in sorted(set(a) | set(b)):
                 if key == "data_options" and sub in ("data_dir", "tfds_dir", "download"):
                     continue
+                if (key, sub) in derived:
+                    continue
                 if a.get(sub) != b.get(sub) and not (key == "hparams" and
                                                      _same_number(a.get(sub), b.get(sub))):
                     flag = flags.get((key, sub), f"--{sub.replace('_', '-')}")
-                    return (f"--resume: the run in {cfg.out} was made with {flag} {b.get(sub)!r}, "
-                            f"not {a.get(sub)!r} (only --rounds, --checkpoint-every, --target-acc, "
-                            "--conv, --log, --checkpoint-on-signal, --data-placement, --state-placement, --quiet and "
-                            "--no-memory-check "
-                            "may change)")
+                    return f"{flag} {b.get(sub)!r}, not {a.get(sub)!r}"
         elif a != b and not _same_number(a, b):
             flag = flags.get((key, None), f"--{key.replace('_', '-')}")
-            return (f"--resume: the run in {cfg.out} was made with {flag} {b!r}, not {a!r} "
-                    "(only --rounds, --checkpoint-every, --target-acc, --conv, --log, "
-                    "--checkpoint-on-signal, --data-placement, --state-placement, --quiet and "
-                    "--no-memory-check may "
-                    "change)")
+            return f"{flag} {b!r}, not {a!r}"
     return None
 
 

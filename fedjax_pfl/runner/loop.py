@@ -226,8 +226,10 @@ def _resume_point(cfg: RunConfig, prep: Prepared, log) -> tuple[str, dict] | Non
         conflict = resume_conflicts(cfg, prep.hparams, prep.model_name, read_config(cfg.out))
         if conflict:
             raise ResumeError(conflict)
+    checkpoints.require_checkpoint(cfg.out)
     point = checkpoints.resume_point(cfg.out, log)
-    if point is not None and int(point[1]["round"]) > cfg.rounds:
+    assert point is not None                 # (an intact one, or ResumeError naming the damage)
+    if int(point[1]["round"]) > cfg.rounds:
         raise ResumeError(f"--rounds {cfg.rounds} is less than the {point[1]['round']} rounds the "
                           f"checkpoint {point[0]} has done")
     return point

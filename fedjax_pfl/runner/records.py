@@ -196,6 +196,7 @@ def eval_ids(prep, sampled: np.ndarray, *, final: bool) -> np.ndarray | None:
 def record_evaluation(row: dict, evals: dict, ids, n_real: int, history, sampled) -> np.ndarray:
     """Adds the evaluation statistics to `row`; returns the per-client accuracy [n_real] (NaN
     for clients not evaluated this time)."""
+    check_evaluation(row["round"], evals, ids)
     client = evals["client"]
     correct, count = np.asarray(client.correct), np.asarray(client.count)
     accuracy = np.full(n_real, np.nan)
@@ -211,6 +212,25 @@ def record_evaluation(row: dict, evals: dict, ids, n_real: int, history, sampled
             row.update(core.summarize(ev.correct, ev.loss_sum, ev.count, prefix=f"{name}_",
                                       loss_count=ev.loss_count))
     return accuracy
+
+
+def check_evaluation(round_number: int, evals: dict, ids) -> None:
+    """Stops the run (NonFiniteError naming the round, the model and the clients) where an
+    evaluated client's loss or counts are not finite: its accuracy would be the argmax of NaN
+    outputs, a number that looks like a result (Ditto with a huge λ diverges in its personal
+    models while its training loss, the global model's, stays finite)."""
+    for name, ev in evals.items():
+        count = np.asarray(ev.count, np.float64)
+        scored = count > 0
+        values = [np.asarray(v, np.float64) for v in (ev.loss_sum, ev.correct, ev.count)]
+        bad = scored & ~np.logical_and.reduce([np.isfinite(v) for v in values])
+        if bad.any():
+            clients = np.flatnonzero(bad) if ids is None else np.asarray(ids)[np.flatnonzero(bad)]
+            model = "the clients' own models" if name == "client" else f"the {name} model"
+            raise NonFiniteError(
+                f"round {round_number}: the evaluation of {model} gives a non-finite loss on "
+                f"clients {clients[:8].tolist()}{'…' if clients.size > 8 else ''}; the run "
+                "diverged (lower --lr, or check the algorithm's hyperparameters)")
 
 
 def communication_totals(rows: list[dict]) -> dict[str, float]:

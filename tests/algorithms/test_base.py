@@ -126,3 +126,23 @@ def test_old_state_names_are_the_shared_types():
 
     assert fedavg.State is fedprox.State is perfedavg.State is base.GlobalModelState
     assert fedper.State is base.SplitModelState
+
+
+def test_init_refuses_a_model_whose_outputs_are_not_the_data_classes():
+    """A classifier built for 4 classes on data of 3 trains without an error and scores output
+    positions against labels of another range: `init` refuses it, naming both widths, as it
+    refuses data that is not a FederatedData."""
+    from fedjax_pfl import models
+    from helpers import make_data
+
+    data = make_data([5, 6], num_classes=3)
+    wrong = models.get("mlp", data.input_shape, 4)
+    algo = algorithms.get("fedavg", model=wrong)
+    with pytest.raises(ValueError, match=r"gives 4 outputs per example but the data .* has 3 "
+                                         r"classes: build the model for num_classes=3"):
+        algo.init(jax.random.key(0), data)
+    with pytest.raises(TypeError, match=r"data must be a fedjax_pfl.data.FederatedData, got dict"):
+        algo.init(jax.random.key(0), {"x": data.x})
+    right = algorithms.get("fedavg", model=models.get("mlp", data.input_shape, 3))
+    state = right.init(jax.random.key(0), data)
+    assert int(state.round) == 0               # (the right width is not refused)

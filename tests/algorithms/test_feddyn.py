@@ -26,7 +26,7 @@ def regression_data():
         train.append(np.arange(start, start + s))
         test.append(np.array([n - 1]))
         start += s
-    return FederatedData.from_arrays(x, y, train, test, num_classes=1), x, y, train
+    return FederatedData.from_arrays(x, y, train, test, num_classes=4), x, y, train
 
 
 def numpy_grad(w, b, x, y):

@@ -41,7 +41,7 @@ def regression_data(identical_rows: bool = False):
         start += n
     x, y = np.concatenate(x + [rng.normal(size=(N, 3))]), np.concatenate(y + [np.zeros(N, int)])
     test = [np.array([start + k]) for k in range(N)]
-    data = FederatedData.from_arrays(x, y, train, test, num_classes=1)
+    data = FederatedData.from_arrays(x, y, train, test, num_classes=5)
     return data, x, y, train
 
 
