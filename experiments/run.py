@@ -53,7 +53,7 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from fedjax_pfl import algorithms
-    from fedjax_pfl.algorithms.base import COMMON_HPARAMS
+    from fedjax_pfl.algorithms import COMMON_HPARAMS
     from fedjax_pfl.data import partition as partition_lib
     from fedjax_pfl.data import sources
     from fedjax_pfl.data.formats import FORMATS, NATURAL_DATASETS

@@ -291,7 +291,7 @@ def plan(args: argparse.Namespace) -> Plan:
 
 def _check_grid_names(grid: dict, specs: dict, run_dests: set[str]) -> None:
     """Every grid name is a hyperparameter of at least one chosen algorithm."""
-    from fedjax_pfl.algorithms.base import COMMON_HPARAMS
+    from fedjax_pfl.algorithms import COMMON_HPARAMS
 
     common_names = [hp.name for hp in COMMON_HPARAMS]
     for name in grid:

@@ -17,7 +17,7 @@ did; `run_pfl.py --orders` and `run_flower.py --orders` batch each client's data
 
       round key   = fold_in(fold_in(key(s), 1), r)        (run_fedjax: Program.run_rounds)
       train key   = split(round key)[1]                    (fedavg.round_fn)
-      client key  = fold_in(train key, i)                  (algorithms.base.client_keys)
+      client key  = fold_in(train key, i)                  (algorithms.engine.client_keys)
       epoch key   = fold_in(client key, e)                 (LocalTrainer, as the client starts)
       π_{r,i,e}   = epoch_permutation(epoch key, n_i, 0 … n_i − 1)
 

@@ -36,10 +36,11 @@ import jax.numpy as jnp
 
 from fedjax_pfl import core
 from fedjax_pfl.core import placement
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import EngineConfig, expected_clients
+from fedjax_pfl.algorithms.interface import Algorithm, EvaluateParts
 
 # The stream of a round's key that the count's noise draws from (the update noise uses
-# base.DP_NOISE): the round's other keys are those of the round at a fixed clip.
+# DP_NOISE): the round's other keys are those of the round at a fixed clip.
 DP_COUNT_NOISE = 0x0DA
 
 
@@ -50,10 +51,10 @@ class AdaptiveClipState(NamedTuple):
     clip: jax.Array          # () float32
 
 
-def count_noise(config: base.EngineConfig, num_real: int):
+def count_noise(config: EngineConfig, num_real: int):
     """σ_b: `--dp-count-noise`, or D/20; 0 without noise (z = 0)."""
     sigma = (config.dp_count_noise if config.dp_count_noise is not None
-             else base.expected_clients(config, num_real) / 20.0)
+             else expected_clients(config, num_real) / 20.0)
     z = config.dp_noise_multiplier
     if isinstance(z, jax.core.Tracer):                  # (swept)
         return jnp.where(z > 0, sigma, 0.0)
@@ -68,7 +69,7 @@ def update_noise_multiplier(z, sigma_b):
     return jnp.where(z > 0, jnp.where(inv > 0, inv, jnp.nan) ** -0.5, 0.0)
 
 
-def check(config: base.EngineConfig, num_real: int | None = None) -> None:
+def check(config: EngineConfig, num_real: int | None = None) -> None:
     """ValueError naming the flag, for settings that can be checked before tracing."""
     if config.dp_clip is None:
         raise ValueError("--dp-clip-quantile needs --dp-clip (the initial clip norm C_0)")
@@ -88,8 +89,8 @@ def check(config: base.EngineConfig, num_real: int | None = None) -> None:
             "--dp-count-noise, or sample more clients a round")
 
 
-def adaptive_clipping(build: Callable[[base.EngineConfig], base.Algorithm],
-                      config: base.EngineConfig) -> base.Algorithm:
+def adaptive_clipping(build: Callable[[EngineConfig], Algorithm],
+                      config: EngineConfig) -> Algorithm:
     """The algorithm `build(config)` with its clip norm adapted to the quantile
     `config.dp_clip_quantile` (module docstring). `build` is called with configurations whose
     `dp_clip` (C_t) and `dp_noise_multiplier` (z_Δ) may be traced."""
@@ -100,7 +101,7 @@ def adaptive_clipping(build: Callable[[base.EngineConfig], base.Algorithm],
     # (a sweep builds its runs' algorithms with their clients on one device).
     single = placement.single_device_requested()
 
-    def at(clip, data) -> base.Algorithm:
+    def at(clip, data) -> Algorithm:
         sigma = count_noise(config, data.num_real_clients)
         z_delta = update_noise_multiplier(config.dp_noise_multiplier, sigma)
         with core.single_device_clients() if single else contextlib.nullcontext():
@@ -117,7 +118,7 @@ def adaptive_clipping(build: Callable[[base.EngineConfig], base.Algorithm],
         within = jnp.round((1.0 - metrics["dp_clipped_fraction"]) * took_part)   # Σ 1[‖Δ‖ ≤ C]
         sigma = count_noise(config, data.num_real_clients)
         noise = sigma * jax.random.normal(jax.random.fold_in(key, DP_COUNT_NOISE), ())
-        fraction = (within + noise) / base.expected_clients(config, data.num_real_clients)   # b̃_t
+        fraction = (within + noise) / expected_clients(config, data.num_real_clients)   # b̃_t
         clip = state.clip * jnp.exp(-config.dp_clip_lr * (fraction - config.dp_clip_quantile))
         metrics = {**metrics, "dp_clip": state.clip, "dp_unclipped_noisy": fraction}
         return AdaptiveClipState(inner, clip.astype(jnp.float32)), metrics
@@ -127,7 +128,7 @@ def adaptive_clipping(build: Callable[[base.EngineConfig], base.Algorithm],
 
     inner_parts, parts = at_start.evaluate_parts, None
     if inner_parts is not None:
-        parts = base.EvaluateParts(
+        parts = EvaluateParts(
             rows=lambda state, data, ids=None: inner_parts.rows(state.inner, data, ids),
             rest=lambda state, data, ids=None: inner_parts.rest(state.inner, data, ids))
     return at_start._replace(init=init, round_fn=round_fn, evaluate=evaluate,

@@ -36,7 +36,9 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, UNIT_CLOSED, register
 from fedjax_pfl.core.local import masked_mean_loss
 from fedjax_pfl.models.model import Model
 
@@ -60,8 +62,8 @@ def mixed_gradients(loss_fn, w: Params, v: Params, alpha: jax.Array):
         v, alpha)
 
 
-def apfl(model: Model, config: base.EngineConfig, *, alpha: float, alpha_lr: float
-         ) -> base.Algorithm:
+def apfl(model: Model, config: EngineConfig, *, alpha: float, alpha_lr: float
+         ) -> Algorithm:
     """APFL; see the module docstring."""
     inner = optax.sgd(config.lr, momentum=config.momentum or None)
 
@@ -77,7 +79,7 @@ def apfl(model: Model, config: base.EngineConfig, *, alpha: float, alpha_lr: flo
         a = jnp.clip(a - alpha_lr * g_a, 0.0, 1.0).astype(a.dtype)
         return (w, v, a), opt_state, loss
 
-    engine = base.Engine(
+    engine = Engine(
         model, config, step_fn=apfl_step,
         optimizer=optax.GradientTransformation(lambda p: inner.init((p[0], p[1])), _unused))
 
@@ -95,7 +97,7 @@ def apfl(model: Model, config: base.EngineConfig, *, alpha: float, alpha_lr: flo
         m = idx.shape[0]
         start = (core.broadcast(state.params, m), core.gather(state.local, idx),
                  core.gather(state.alpha, idx))                                  # w_k ← w
-        opt = engine.opt_states_for(state.opt_state, idx, base.first_row(start))
+        opt = engine.opt_states_for(state.opt_state, idx, first_row(start))
         result = engine.train(data, idx, start, opt, train_key)
         w_k, v_k, a_k = result.params
         weights = core.gather(data.clients.train_count, idx)
@@ -104,7 +106,7 @@ def apfl(model: Model, config: base.EngineConfig, *, alpha: float, alpha_lr: flo
                           core.scatter(state.alpha, idx, a_k),
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1)
-        metrics = {**base.train_metrics(result, idx), **private}
+        metrics = {**train_metrics(result, idx), **private}
         real = data.num_real_clients
         metrics.update(alpha_mean=jnp.mean(new_state.alpha[:real]),
                        alpha_min=jnp.min(new_state.alpha[:real]),
@@ -115,31 +117,31 @@ def apfl(model: Model, config: base.EngineConfig, *, alpha: float, alpha_lr: flo
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        ids = base.evaluated_ids(data, ids)
+        ids = evaluated_ids(data, ids)
         mixed = jax.vmap(ops.tree_lerp, in_axes=(None, 0, 0))(
             state.params, core.gather(state.local, ids), core.gather(state.alpha, ids))
         return {"client": engine.evaluator.rows(data, mixed, ids),
                 "global": engine.evaluator.shared(data, state.params, ids)}
 
-    return base.Algorithm("apfl", init, round_fn, evaluate, {}, host_state=True)
+    return Algorithm("apfl", init, round_fn, evaluate, {}, host_state=True)
 
 
 def _unused(updates, state, params=None):
     raise NotImplementedError("APFL's local step is its own step_fn")
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="apfl", factory=apfl,
     summary="APFL: per-client mixture α v + (1−α) w of a local and the global model, α learned",
     hparams=(
-        base.HParam("alpha", float, 0.5,
+        HParam("alpha", float, 0.5,
                     "initial mixing weight α_k of every client's local model (the paper's and "
                     "the middle of the PGFed code's grid {0.25, 0.5, 0.75})",
-                    check=base.UNIT_CLOSED),
-        base.HParam("alpha_lr", float, 0.05,
+                    check=UNIT_CLOSED),
+        HParam("alpha_lr", float, 0.05,
                     "η_α, step size of the projected SGD on α_k (0 keeps α fixed, as in the PGFed "
                     "code). Default 0.05: the default lr, as the paper uses one step size",
-                    check=base.NON_NEGATIVE),
+                    check=NON_NEGATIVE),
     ),
     traceable=("lr", "alpha_lr"),
     test_hparams={},

@@ -36,7 +36,10 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import _prox, base
+from fedjax_pfl.algorithms import _prox
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, require_choices, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, register
 from fedjax_pfl.models.model import Model
 
 Params = Any
@@ -51,15 +54,15 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("personal", "opt_state", "personal_opt_state")  # per-client rows [N, ...]
 
 
-def ditto(model: Model, config: base.EngineConfig, *, lam: float, prox_step: str
-          ) -> base.Algorithm:
+def ditto(model: Model, config: EngineConfig, *, lam: float, prox_step: str
+          ) -> Algorithm:
     """Ditto; see the module docstring."""
-    base.require_choices(**{"--ditto-prox-step": (prox_step, ("explicit", "implicit"))})
-    engine = base.Engine(model, config)                                    # w_k: plain FedAvg
+    require_choices(**{"--ditto-prox-step": (prox_step, ("explicit", "implicit"))})
+    engine = Engine(model, config)                                    # w_k: plain FedAvg
     personal_tx = _prox.add_proximal_term(lam)
     if prox_step == "implicit":
         personal_tx = optax.chain(personal_tx, optax.scale(1.0 / (1.0 + config.lr * lam)))
-    personal = base.Engine(model, config, client_transform=personal_tx)    # v_k: prox objective
+    personal = Engine(model, config, client_transform=personal_tx)    # v_k: prox objective
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
@@ -85,7 +88,7 @@ def ditto(model: Model, config: base.EngineConfig, *, lam: float, prox_step: str
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           personal.store_opt_states(state.personal_opt_state, idx, mine.opt_state),
                           state.round + 1)
-        metrics = {**base.train_metrics(result, idx), **private}
+        metrics = {**train_metrics(result, idx), **private}
         metrics["client_steps"] = metrics["client_steps"] + jnp.sum(mine.num_steps)
         metrics["personal_train_loss"] = mine.loss
         d = ops.tree_size(params)
@@ -99,22 +102,22 @@ def ditto(model: Model, config: base.EngineConfig, *, lam: float, prox_step: str
     def evaluate_global(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"global": engine.evaluator.shared(data, state.params, ids)}
 
-    evaluate, parts = base.split_evaluate(evaluate_personal, evaluate_global)
-    return base.Algorithm("ditto", init, round_fn, evaluate, {}, parts, host_state=True)
+    evaluate, parts = split_evaluate(evaluate_personal, evaluate_global)
+    return Algorithm("ditto", init, round_fn, evaluate, {}, parts, host_state=True)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="ditto", factory=ditto,
     summary="Ditto: FedAvg global model plus per-client personal models pulled toward it by "
             "(λ/2)‖v − w‖²; personal models evaluated",
     hparams=(
-        base.HParam("lam", float, 1.0,
+        HParam("lam", float, 1.0,
                     "λ, strength of the personal models' pull (λ/2)‖v − w_global‖². Default 1: "
                     "the largest of pFedSOP's grid {1, 0.1, 0.01} for Ditto; on digits (50 "
                     "rounds) λ = 1 reaches 95 %, λ = 0.1 only 86 % (rarely sampled clients' "
                     "personal models lag)",
-                    check=base.NON_NEGATIVE),
-        base.HParam("prox_step", str, "explicit",
+                    check=NON_NEGATIVE),
+        HParam("prox_step", str, "explicit",
                     "how the personal step treats λ/2‖v − w‖²: 'explicit' gradient step (the "
                     "paper) or 'implicit' (exact prox; stable for any λ, v = w as λ → ∞)",
                     choices=("explicit", "implicit")),

@@ -32,7 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, Check, HParam, NON_NEGATIVE, POSITIVE, register
 from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.core.execution import ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
@@ -251,14 +253,14 @@ def weight_statistics(weights: Params) -> dict[str, jax.Array]:
 # The algorithm
 
 
-def fedala(model: Model, config: base.EngineConfig, *, layers: int, rand_percent: float,
-           eta: float, threshold: float, patience: int, max_epochs: int) -> base.Algorithm:
+def fedala(model: Model, config: EngineConfig, *, layers: int, rand_percent: float,
+           eta: float, threshold: float, patience: int, max_epochs: int) -> Algorithm:
     """FedALA; see the module docstring."""
     if max_epochs <= patience:
         raise ValueError(f"--fedala-max-epochs must be > --fedala-patience ({patience}): the start "
                          f"phase needs more than {patience} pass losses to test them, "
                          f"got {max_epochs}")
-    engine = base.Engine(model, config)
+    engine = Engine(model, config)
     template = jax.eval_shape(model.init, jax.random.key(0))
     top = top_layers_mask(template, layers)
     ala = AdaptiveAggregation(model, top, eta=eta, rand_percent=rand_percent,
@@ -286,7 +288,7 @@ def fedala(model: Model, config: base.EngineConfig, *, layers: int, rand_percent
         # the first ALA (R4), one afterwards (R5).
         passes = jnp.where(~started, 0, jnp.where(warm, 1, max_epochs)).astype(jnp.int32)
         result = ala(data, theta, local_top, core.gather(state.weights, idx),
-                     core.gather(data.clients, idx), base.client_keys(ala_key, idx), passes,
+                     core.gather(data.clients, idx), client_keys(ala_key, idx), passes,
                      ids=idx)                                                        # eq. 5
         start = jax.vmap(lambda l, w: local_aggregation(theta, l, w, top))(
             local_top, result.weights)                                               # eq. 4
@@ -302,7 +304,7 @@ def fedala(model: Model, config: base.EngineConfig, *, layers: int, rand_percent
                           engine.store_opt_states(state.opt_state, idx, trained.opt_state),
                           theta_next,                                                # θ, FedAvg
                           state.round + 1)
-        metrics = {**base.train_metrics(trained, idx), **private}
+        metrics = {**train_metrics(trained, idx), **private}
         metrics.update(weight_statistics(result.weights))
         ran = result.epochs > 0
         metrics["ala_epochs"] = jnp.mean(result.epochs.astype(jnp.float32))
@@ -319,40 +321,40 @@ def fedala(model: Model, config: base.EngineConfig, *, layers: int, rand_percent
     def evaluate_global(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"global": engine.evaluator.shared(data, state.global_params, ids)}
 
-    evaluate, parts = base.split_evaluate(evaluate_personal, evaluate_global)
-    return base.Algorithm("fedala", init, round_fn, evaluate, {}, parts, host_state=True)
+    evaluate, parts = split_evaluate(evaluate_personal, evaluate_global)
+    return Algorithm("fedala", init, round_fn, evaluate, {}, parts, host_state=True)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedala", factory=fedala,
     summary="FedALA: each client starts local training from θ_i + (θ − θ_i) ⊙ W_i on the top "
             "layers (θ below), W_i ∈ [0, 1] learned element-wise on a fraction of its data; "
             "FedAvg of the local models; local models evaluated",
     hparams=(
-        base.HParam("layers", int, 1,
+        HParam("layers", int, 1,
                     "p, the top layers under adaptive aggregation (a layer: the module holding "
                     "a parameter, e.g. Dense_1; ordered by path, the last p); the lower layers "
                     "take the global model. 1 = the classifier head, the authors' layer_idx 2",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("rand_percent", float, 80.0,
+                    check=AT_LEAST_ONE),
+        HParam("rand_percent", float, 80.0,
                     "s, the percentage of each client's training samples (drawn at random each "
                     "round) that ALA learns W on (the authors' default 80)",
-                    check=base.Check(lambda v: 0 < v <= 100, "in (0, 100]")),
-        base.HParam("eta", float, 1.0,
+                    check=Check(lambda v: 0 < v <= 100, "in (0, 100]")),
+        HParam("eta", float, 1.0,
                     "η, the step size of W ← clip(W − η ∇_W L, 0, 1) (the authors' default 1)",
-                    check=base.POSITIVE),
-        base.HParam("threshold", float, 0.1,
+                    check=POSITIVE),
+        HParam("threshold", float, 0.1,
                     "start phase (a client's first ALA): W is trained until the std of the last "
                     "--fedala-patience pass losses is below this (the authors' ALA default 0.1)",
-                    check=base.NON_NEGATIVE),
-        base.HParam("patience", int, 10,
+                    check=NON_NEGATIVE),
+        HParam("patience", int, 10,
                     "number of recent pass losses whose std is tested in the start phase (the "
                     "authors' num_pre_loss 10)",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("max_epochs", int, 20,
+                    check=AT_LEAST_ONE),
+        HParam("max_epochs", int, 20,
                     "start phase cap: at most this many passes over the subset (ours; the "
                     "authors loop until convergence); must be > --fedala-patience",
-                    check=base.AT_LEAST_ONE),
+                    check=AT_LEAST_ONE),
     ),
     traceable=("lr", "eta"),
     # The tests' linear model {w, b}: layers b < w, so p = 1 puts w under ALA and b below.

@@ -27,7 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import _prox, base
+from fedjax_pfl.algorithms import _prox
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, communication, first_row, require_choices, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, UNIT_CLOSED, register
 from fedjax_pfl.models.model import Model
 from fedjax_pfl.ops import attention_mix
 
@@ -56,13 +59,13 @@ def mixing_statistics(xi: jax.Array, sq_dist: jax.Array) -> dict[str, jax.Array]
     }
 
 
-def fedamp(model: Model, config: base.EngineConfig, *, alpha: float, sigma: float, lam: float,
-           self_weight: float | None = None, start: str = "cloud") -> base.Algorithm:
+def fedamp(model: Model, config: EngineConfig, *, alpha: float, sigma: float, lam: float,
+           self_weight: float | None = None, start: str = "cloud") -> Algorithm:
     """FedAMP; see the module docstring."""
-    base.require_choices(**{"--fedamp-start": (start, ("cloud", "own"))})
+    require_choices(**{"--fedamp-start": (start, ("cloud", "own"))})
     # (λ/(2α))‖w − u_i‖² joins the chain before sgd(lr, momentum): its gradient (λ/α)(w − u_i)
     # with the anchor u_i passed per client (R6).
-    engine = base.Engine(model, config, client_transform=_prox.add_proximal_term(lam / alpha))
+    engine = Engine(model, config, client_transform=_prox.add_proximal_term(lam / alpha))
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
@@ -79,56 +82,56 @@ def fedamp(model: Model, config: base.EngineConfig, *, alpha: float, sigma: floa
         xi = attention_mix.attention_weights(sq_dist, alpha=alpha, sigma=sigma,
                                              self_weight=self_weight)                # Ξ
         u = attention_mix.mix_rows(xi, w)                                            # U = Ξ W
-        opt = engine.opt_states_for(state.opt_state, idx, base.first_row(w))
+        opt = engine.opt_states_for(state.opt_state, idx, first_row(w))
         result = engine.train(data, idx, u if start == "cloud" else w, opt, train_key,
                               extra={"anchor": u})                  # min F_i + (λ/2α)‖w − u_i‖²
         new_state = State(core.scatter(state.params, idx, result.params),
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1)
-        metrics = base.train_metrics(result, idx)
+        metrics = train_metrics(result, idx)
         metrics.update(mixing_statistics(xi, sq_dist))
-        d = ops.tree_size(base.first_row(w))
-        metrics.update(base.communication(up_clients=m, up_floats_per_client=d,
+        d = ops.tree_size(first_row(w))
+        metrics.update(communication(up_clients=m, up_floats_per_client=d,
                                           down_clients=m, down_floats_per_client=d))
         return new_state, metrics
 
     def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.personal(data, state.params, ids)}
 
-    evaluate, parts = base.split_evaluate(evaluate_personal)
-    return base.Algorithm("fedamp", init, round_fn, evaluate, {}, parts)
+    evaluate, parts = split_evaluate(evaluate_personal)
+    return Algorithm("fedamp", init, round_fn, evaluate, {}, parts)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedamp", factory=fedamp,
     not_private=("a pairwise server mixture: one client's upload reaches every other client's "
                  "personalised model through its own weight, which the sum's noise does not bound"),
     summary="FedAMP: per-client cloud models mixed by attention e^{−‖w_i − w_j‖²/σ}, local "
             "training pulled towards them by (λ/2α)‖w − u_i‖²; personalised models evaluated",
     hparams=(
-        base.HParam("alpha", float, 0.05,
+        HParam("alpha", float, 0.05,
                     "α (the paper's α_k, constant), the server step: "
                     "ξ_ij = α e^{−‖w_i − w_j‖²/σ}/σ for j ≠ i and ξ_ii = 1 − Σ_{j≠i} ξ_ij; "
                     "all weights are ≥ 0 when α ≤ σ/(M−1) "
                     "(default 0.05 with σ = 1: M ≤ 21; equal models are then mixed about "
                     "uniformly at M = 20). Also divides the prox weight: λ/α",
-                    check=base.POSITIVE),
-        base.HParam("sigma", float, 1.0,
+                    check=POSITIVE),
+        HParam("sigma", float, 1.0,
                     "σ, length scale of the attention A(x) = 1 − e^{−x/σ} in squared-distance "
                     "units: clients farther apart than a few σ in ‖w_i − w_j‖² barely mix "
                     "(the metric sq_dist_mean shows the scale)",
-                    check=base.POSITIVE),
-        base.HParam("lam", float, 0.005,
+                    check=POSITIVE),
+        HParam("lam", float, 0.005,
                     "λ, weight of the attention term; local training adds (λ/(2α))‖w − u_i‖², "
                     "so λ/α is the proximal weight (default 0.1 = 0.005/0.05; λ = 0: plain local "
                     "SGD from u_i)",
-                    check=base.NON_NEGATIVE),
-        base.HParam("self_weight", float, None,
+                    check=NON_NEGATIVE),
+        HParam("self_weight", float, None,
                     "if set, s: normalised weights with a fixed self weight, as the paper's "
                     "HeurFedAMP (§5) but on the distance kernel: ξ_ii = s and ξ_ij = (1 − s)·"
                     "softmax_{j≠i}(−‖w_i − w_j‖²/σ); unset: the paper's ξ (α enters the mixture)",
-                    check=base.UNIT_CLOSED),
-        base.HParam("start", str, "cloud",
+                    check=UNIT_CLOSED),
+        HParam("start", str, "cloud",
                     "where each sampled client's local training starts: 'cloud' (its cloud model "
                     "u_i, the centre of the proximal step) or 'own' (its previous w_i, as PFLlib)",
                     choices=("cloud", "own")),

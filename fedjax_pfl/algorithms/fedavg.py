@@ -16,18 +16,21 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms._global_model import GlobalModelState
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, register
 from fedjax_pfl.core.local import LocalTrainer
 from fedjax_pfl.models.model import Model
 
 
-State = base.GlobalModelState     # the global model θ, per-client optimizer states, round, rng
+State = GlobalModelState     # the global model θ, per-client optimizer states, round, rng
 
 
-def fedavg(model: Model, config: base.EngineConfig, *, ft_epochs: int | None = None
-           ) -> base.Algorithm:
+def fedavg(model: Model, config: EngineConfig, *, ft_epochs: int | None = None
+           ) -> Algorithm:
     """FedAvg; with `ft_epochs` set, FedAvg-FT (the global model fine-tuned before evaluation)."""
-    engine = base.Engine(model, config)
+    engine = Engine(model, config)
     fine_tuner = None
     if ft_epochs is not None:
         fine_tuner = LocalTrainer(
@@ -50,7 +53,7 @@ def fedavg(model: Model, config: base.EngineConfig, *, ft_epochs: int | None = N
         weights = core.gather(data.clients.train_count, idx)
         params, private = engine.aggregate(state.params, result.params, weights,  # Σ (n_i/n) θ_i
                                            key, data, idx=idx)                             # (or DP-FedAvg)
-        metrics = {**base.train_metrics(result, idx), **private}
+        metrics = {**train_metrics(result, idx), **private}
         opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
         d = ops.tree_size(params)
         metrics.update(engine.communication(idx, data, up_floats_per_client=d,
@@ -65,14 +68,14 @@ def fedavg(model: Model, config: base.EngineConfig, *, ft_epochs: int | None = N
         personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
         return {"client": personal, "global": global_eval}
 
-    return base.Algorithm("fedavg", init, round_fn, evaluate, {}, host_state=True)
+    return Algorithm("fedavg", init, round_fn, evaluate, {}, host_state=True)
 
 
-def fedavg_ft(model: Model, config: base.EngineConfig, *, ft_epochs: int) -> base.Algorithm:
+def fedavg_ft(model: Model, config: EngineConfig, *, ft_epochs: int) -> Algorithm:
     return fedavg(model, config, ft_epochs=ft_epochs)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedavg",
     factory=fedavg,
     summary="FedAvg: sample-weighted average of local models; the global model is evaluated",
@@ -81,14 +84,14 @@ base.register(base.AlgorithmSpec(
                    "stays on the client",
 ))
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedavg_ft",
     factory=fedavg_ft,
     summary="FedAvg-FT: FedAvg whose global model each client fine-tunes before evaluation",
     hparams=(
-        base.HParam("ft_epochs", int, 1,
+        HParam("ft_epochs", int, 1,
                     "local epochs of fine-tuning the global model on each client before evaluation",
-                    check=base.AT_LEAST_ONE, flag="--ft-epochs"),
+                    check=AT_LEAST_ONE, flag="--ft-epochs"),
     ),
     test_hparams={"ft_epochs": 1},
     private_uplink="each client's model update θ_i − θ (the whole model); fine-tuning for "

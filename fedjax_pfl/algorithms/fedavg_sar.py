@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, communication, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, register
 from fedjax_pfl.models.model import Model
 
 Params = Any
@@ -66,10 +68,10 @@ def random_mask(key: jax.Array, like: Params, cr: float, kind: str) -> Params:
     return jax.tree.unflatten(treedef, out)
 
 
-def fedavg_sar(model: Model, config: base.EngineConfig, *, cr: float, mask_fill: str, mask: str
-               ) -> base.Algorithm:
+def fedavg_sar(model: Model, config: EngineConfig, *, cr: float, mask_fill: str, mask: str
+               ) -> Algorithm:
     """FedAvg (s.a.r.); see the module docstring."""
-    engine = base.Engine(model, config)
+    engine = Engine(model, config)
     keep = mask_fill == "keep"
 
     def send(key, value, fill):
@@ -95,22 +97,22 @@ def fedavg_sar(model: Model, config: base.EngineConfig, *, cr: float, mask_fill:
         idx = engine.sample(sample_key, data)
         own = core.gather(state.client_params, idx) if keep else ops.tree_zeros_like(state.params)
         own_rows = own if keep else core.broadcast(own, idx.shape[0])
-        start, down_floats = engine.mapper(downlink, base.client_keys(down_key, idx), own_rows,
+        start, down_floats = engine.mapper(downlink, client_keys(down_key, idx), own_rows,
                                            shared=(state.params,))
         opt = engine.opt_states_for(state.opt_state, idx, state.params)
         result = engine.train(data, idx, start, opt, train_key)
-        received, up_floats = engine.mapper(uplink, base.client_keys(up_key, idx), result.params,
+        received, up_floats = engine.mapper(uplink, client_keys(up_key, idx), result.params,
                                             shared=(state.params,))
         weights = core.gather(data.clients.train_count, idx)
         # Under --dp-clip DP-FedAvg's noisy mean of the clipped received_i − w instead (the
         # masked update m'_i ⊙ (w_i − w) with mask_fill="keep").
         params, metrics = engine.aggregate(state.params, received, weights, key, data, idx=idx)
         client_params = core.scatter(state.client_params, idx, result.params) if keep else None
-        metrics.update(base.train_metrics(result, idx))
+        metrics.update(train_metrics(result, idx))
         if engine.poisson:                        # a Poisson round's empty slots send nothing
             sent = engine.participating(idx, data)
             up_floats, down_floats = (jnp.where(sent, f, 0) for f in (up_floats, down_floats))
-        metrics.update(base.communication(up_clients=1, up_floats_per_client=jnp.sum(up_floats),
+        metrics.update(communication(up_clients=1, up_floats_per_client=jnp.sum(up_floats),
                                           down_clients=1, down_floats_per_client=jnp.sum(down_floats)))
         return (State(params, client_params,
                       engine.store_opt_states(state.opt_state, idx, result.opt_state),
@@ -119,10 +121,10 @@ def fedavg_sar(model: Model, config: base.EngineConfig, *, cr: float, mask_fill:
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.shared(data, state.params, ids)}
 
-    return base.Algorithm("fedavg_sar", init, round_fn, evaluate, {}, host_state=True)
+    return Algorithm("fedavg_sar", init, round_fn, evaluate, {}, host_state=True)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedavg_sar", factory=fedavg_sar,
     private_uplink="what the server receives minus its model, received_i − w: the masked update "
                    "m'_i ⊙ (w_i − w) with mask_fill 'keep' (with 'zero' also −(1 − m'_i) ⊙ w); the "
@@ -130,14 +132,14 @@ base.register(base.AlgorithmSpec(
     flag_prefix="sar",
     summary="FedAvg (s.a.r.): FedAvg sending a random 1/CR of the coordinates each way",
     hparams=(
-        base.HParam("cr", float, 2.0, "compression rate: a random 1/CR of the coordinates is sent",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("mask_fill", str, "keep",
+        HParam("cr", float, 2.0, "compression rate: a random 1/CR of the coordinates is sent",
+                    check=AT_LEAST_ONE),
+        HParam("mask_fill", str, "keep",
                     "unsent coordinates: 'keep' the receiver's old value (trains; 0.89 on digits) "
                     "or arrive as 'zero' (the paper's baseline, which collapses: at CR 2 half of "
                     "each model is zeroed each way; use it to reproduce the paper's numbers)",
                     choices=("zero", "keep")),
-        base.HParam("mask", str, "bernoulli",
+        HParam("mask", str, "bernoulli",
                     "'bernoulli': each coordinate sent with probability 1/CR; 'fixed': exactly "
                     "round(d/CR) coordinates; a fresh mask per transmission",
                     choices=("bernoulli", "fixed")),

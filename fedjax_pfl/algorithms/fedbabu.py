@@ -42,7 +42,9 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, Check, HParam, POSITIVE, register
 from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.core.local import LocalTrainer
 from fedjax_pfl.models.model import Model
@@ -58,13 +60,13 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("opt_state",)  # per-client rows [N, ...]
 
 
-def fedbabu(model: Model, config: base.EngineConfig, *, head: str, finetune_epochs: int,
-            finetune_lr: float | None) -> base.Algorithm:
+def fedbabu(model: Model, config: EngineConfig, *, head: str, finetune_epochs: int,
+            finetune_lr: float | None) -> Algorithm:
     """FedBABU; see the module docstring."""
     template = jax.eval_shape(model.init, jax.random.key(0))
     mask = split_lib.personal_mask(template, head)                     # fails early on a bad regex
     sgd = lambda lr: optax.sgd(lr, momentum=config.momentum or None)
-    engine = base.Engine(model, config, optimizer=split_lib.train_only(
+    engine = Engine(model, config, optimizer=split_lib.train_only(
         sgd(config.lr), split_lib.complement(mask)))                   # the body only
     body_size = split_lib.count(split_lib.split(template, mask)[0])
     finetune_lr = config.lr / 5 if finetune_lr is None else finetune_lr
@@ -89,7 +91,7 @@ def fedbabu(model: Model, config: base.EngineConfig, *, head: str, finetune_epoc
         params = split_lib.merge(body, split_lib.split(state.params, mask)[1], mask)  # θ_H^0 kept
         new_state = State(params, engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1, state.rng)
-        metrics = {**base.train_metrics(result, idx), **private}
+        metrics = {**train_metrics(result, idx), **private}
         metrics.update(engine.communication(idx, data, up_floats_per_client=body_size,
                                             down_floats_per_client=body_size))
         return new_state, metrics
@@ -100,27 +102,27 @@ def fedbabu(model: Model, config: base.EngineConfig, *, head: str, finetune_epoc
         personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
         return {"client": personal, "global": global_eval}
 
-    return base.Algorithm("fedbabu", init, round_fn, evaluate, {}, host_state=True)
+    return Algorithm("fedbabu", init, round_fn, evaluate, {}, host_state=True)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedbabu",
     factory=fedbabu,
     summary="FedBABU: FedAvg on the body with the head frozen at its initialisation; each client "
             "fine-tunes the whole model before evaluation",
     hparams=(
-        base.HParam("head", str, "head",
+        HParam("head", str, "head",
                     "the head, frozen at its initialisation during federated training: 'head' "
                     "(the last dense layer) or a regex searched in each leaf path such as "
                     "'Dense_1/'",
-                    check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
-        base.HParam("finetune_epochs", int, 1,
+                    check=Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
+        HParam("finetune_epochs", int, 1,
                     "τ_f: epochs of fine-tuning the whole global model on each client before "
                     "evaluation (the PGFed code's -fts)",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("finetune_lr", float, None,
+                    check=AT_LEAST_ONE),
+        HParam("finetune_lr", float, None,
                     "learning rate of the fine-tuning (default: --lr / 5, the PGFed code example's "
-                    "0.001 at lr 0.005)", check=base.POSITIVE),
+                    "0.001 at lr 0.005)", check=POSITIVE),
     ),
     traceable=("lr",),
     # The tests' linear model {w, b}: its bias as the head, so both parts are non-empty.

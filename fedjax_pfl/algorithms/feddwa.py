@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, communication, first_row, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, register
 from fedjax_pfl.models.model import Model
 from fedjax_pfl.ops import attention_mix
 
@@ -129,18 +131,18 @@ def weight_statistics(p: jax.Array, sq_dist: jax.Array) -> dict[str, jax.Array]:
     }
 
 
-def feddwa(model: Model, config: base.EngineConfig, *, topk: int,
+def feddwa(model: Model, config: EngineConfig, *, topk: int,
            guidance_epochs: int | None = None, guidance_steps: int | None = None
-           ) -> base.Algorithm:
+           ) -> Algorithm:
     """FedDWA; see the module docstring."""
-    engine = base.Engine(model, config)                                       # w_i
+    engine = Engine(model, config)                                       # w_i
     if guidance_steps is not None:                                            # R2
         guide_config = dataclasses.replace(config, local_steps=guidance_steps)
     elif guidance_epochs is not None:
         guide_config = dataclasses.replace(config, local_epochs=guidance_epochs, local_steps=None)
     else:
         guide_config = config
-    guidance = base.Engine(model, guide_config)                               # ŵ_i
+    guidance = Engine(model, guide_config)                               # ŵ_i
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
@@ -154,7 +156,7 @@ def feddwa(model: Model, config: base.EngineConfig, *, topk: int,
         idx = engine.sample(sample_key, data)                                      # S
         m = idx.shape[0]
         start = core.gather(state.params, idx)                                     # w̃_i
-        opt = engine.opt_states_for(state.opt_state, idx, base.first_row(start))
+        opt = engine.opt_states_for(state.opt_state, idx, first_row(start))
         result = engine.train(data, idx, start, opt, train_key)                    # w_i (R1)
         # ŵ_i continues the same optimizer run (its momentum buffer) one pass further; it is
         # only uploaded: the client keeps w_i's optimizer state (R2).
@@ -165,22 +167,22 @@ def feddwa(model: Model, config: base.EngineConfig, *, topk: int,
         new_state = State(core.scatter(state.params, idx, mixed),
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1)
-        metrics = base.train_metrics(result, idx)
+        metrics = train_metrics(result, idx)
         metrics["client_steps"] = metrics["client_steps"] + jnp.sum(guide.num_steps)
         metrics.update(weight_statistics(p, sq_dist))
-        d = ops.tree_size(base.first_row(start))
-        metrics.update(base.communication(up_clients=m, up_floats_per_client=2 * d,
+        d = ops.tree_size(first_row(start))
+        metrics.update(communication(up_clients=m, up_floats_per_client=2 * d,
                                           down_clients=m, down_floats_per_client=d))
         return new_state, metrics
 
     def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.personal(data, state.params, ids)}          # R8
 
-    evaluate, parts = base.split_evaluate(evaluate_personal)
-    return base.Algorithm("feddwa", init, round_fn, evaluate, {}, parts)
+    evaluate, parts = split_evaluate(evaluate_personal)
+    return Algorithm("feddwa", init, round_fn, evaluate, {}, parts)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="feddwa", factory=feddwa,
     not_private=("a pairwise server mixture: one client's upload reaches every other client's "
                  "personalised model through its own weight, which the sum's noise does not bound"),
@@ -188,21 +190,21 @@ base.register(base.AlgorithmSpec(
             "p_ij ∝ ‖ŵ_i − w_j‖^{-2} over the top-K, ŵ_i a guidance model one more local pass "
             "ahead; personalised models evaluated",
     hparams=(
-        base.HParam("topk", int, 5,
+        HParam("topk", int, 5,
                     "K, the neighbours each client's mixture keeps: the K trained models "
                     "closest to its guidance model (itself included when among them), weighted "
                     "∝ ‖ŵ_i − w_j‖^{-2} and normalised; capped at the clients per round "
                     "(default 5, the paper's and the authors' scripts')",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("guidance_epochs", int, None,
+                    check=AT_LEAST_ONE),
+        HParam("guidance_epochs", int, None,
                     "epochs of the guidance pass ŵ_i from the trained w_i; unset: the local "
                     "schedule again (--local-epochs E or --local-steps K), as the authors' code",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("guidance_steps", int, None,
+                    check=AT_LEAST_ONE),
+        HParam("guidance_steps", int, None,
                     "if set: the guidance pass is exactly this many minibatch steps (1: the "
                     "paper's one-step-ahead ŵ_i = w_i − η∇F_i(w_i; B)); overrides "
                     "--feddwa-guidance-epochs",
-                    check=base.AT_LEAST_ONE),
+                    check=AT_LEAST_ONE),
     ),
     # The paper's 20-client settings: every client every round, K = 5 of M = 20 (R8).
     defaults={"participation": 1.0},

@@ -36,7 +36,10 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import _prox, base
+from fedjax_pfl.algorithms import _prox
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, POSITIVE, register
 from fedjax_pfl.core.local import add_aux_gradient
 from fedjax_pfl.models.model import Model
 
@@ -52,9 +55,9 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("grad_corr", "opt_state")  # per-client rows [N, ...]
 
 
-def feddyn(model: Model, config: base.EngineConfig, *, alpha: float) -> base.Algorithm:
+def feddyn(model: Model, config: EngineConfig, *, alpha: float) -> Algorithm:
     """FedDyn; see the module docstring."""
-    engine = base.Engine(model, config, client_transform=optax.chain(
+    engine = Engine(model, config, client_transform=optax.chain(
         add_aux_gradient("neg_corr"), _prox.add_proximal_term(alpha)))
 
     def init(key: jax.Array, data) -> State:
@@ -92,7 +95,7 @@ def feddyn(model: Model, config: base.EngineConfig, *, alpha: float) -> base.Alg
         new_state = State(params, h, core.scatter(state.grad_corr, idx, g),
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1)
-        metrics = {**base.train_metrics(result, idx), **dp_metrics}
+        metrics = {**train_metrics(result, idx), **dp_metrics}
         d = ops.tree_size(params)
         metrics.update(engine.communication(idx, data, up_floats_per_client=d,
                                             down_floats_per_client=d))
@@ -102,10 +105,10 @@ def feddyn(model: Model, config: base.EngineConfig, *, alpha: float) -> base.Alg
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.shared(data, state.params, ids)}
 
-    return base.Algorithm("feddyn", init, round_fn, evaluate, {}, host_state=True)
+    return Algorithm("feddyn", init, round_fn, evaluate, {}, host_state=True)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="feddyn", factory=feddyn,
     private_uplink="each sampled client's model update θ_k − θ; the server's h and θ both follow "
                    "from the noisy mean update; the client's correction g_k and optimizer state "
@@ -113,11 +116,11 @@ base.register(base.AlgorithmSpec(
     summary="FedDyn: dynamic regularisation (linear correction + (α/2)‖θ − θ_server‖²); server "
             "model evaluated",
     hparams=(
-        base.HParam("alpha", float, 0.01,
+        HParam("alpha", float, 0.01,
                     "α, FedDyn's regulariser (α/2)‖θ − θ_server‖² and the step of the client "
                     "correction and server state h. Default 0.01: the middle of the PGFed "
                     "paper's grid {0.1, 0.01, 0.001}; it trains well at the default lr on digits",
-                    check=base.POSITIVE),
+                    check=POSITIVE),
     ),
     traceable=("lr", "alpha"),
     test_hparams={},

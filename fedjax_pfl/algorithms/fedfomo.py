@@ -34,7 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, communication, first_row, require_choices, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, NON_NEGATIVE, UNIT_CLOSED, UNIT_CLOSED_OPEN, register
 from fedjax_pfl.data.federated import ClientSplits
 from fedjax_pfl.models.model import Model
 from fedjax_pfl.ops import fomo
@@ -93,11 +95,11 @@ def weight_statistics(w: jax.Array, slot_valid: jax.Array, dist: jax.Array
     }
 
 
-def fedfomo(model: Model, config: base.EngineConfig, *, candidates: int, val_fraction: float,
-            epsilon: float, epsilon_decay: float, baseline: str = "current") -> base.Algorithm:
+def fedfomo(model: Model, config: EngineConfig, *, candidates: int, val_fraction: float,
+            epsilon: float, epsilon_decay: float, baseline: str = "current") -> Algorithm:
     """FedFomo; see the module docstring."""
-    base.require_choices(**{"--fedfomo-baseline": (baseline, ("current", "start"))})
-    engine = base.Engine(model, config)
+    require_choices(**{"--fedfomo-baseline": (baseline, ("current", "start"))})
+    engine = Engine(model, config)
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
@@ -118,7 +120,7 @@ def fedfomo(model: Model, config: base.EngineConfig, *, candidates: int, val_fra
         affinity = state.affinity[idx][:, state.uploaded]
         allowed = (idx[:, None] != state.uploaded[None, :]) & state.has_prev
         eps = jnp.maximum(epsilon - epsilon_decay * (state.round - 1), 0.0)
-        slots, slot_valid = fomo.select_candidates(base.client_keys(select_key, idx), affinity,
+        slots, slot_valid = fomo.select_candidates(client_keys(select_key, idx), affinity,
                                                    allowed, num, eps)
         if baseline == "current":          # F5: θ_i is the baseline, the C downloads the candidates
             ref, cands, cand_slots, cand_valid = own, pool, slots, slot_valid
@@ -141,7 +143,7 @@ def fedfomo(model: Model, config: base.EngineConfig, *, candidates: int, val_fra
             w = w.at[:, 0].set(jnp.where(jnp.sum(w, axis=1) > 0, w[:, 0], 1.0))
         start = fomo.fomo_update(w, cand_slots, ref, cands)                          # F6
         w_pool = w[:, width - num:]                    # the downloaded models' weights
-        opt = engine.opt_states_for(state.opt_state, idx, base.first_row(own))
+        opt = engine.opt_states_for(state.opt_state, idx, first_row(own))
         result = engine.train(training_data(data, val_fraction), idx, start, opt, train_key)  # F7
         block = (idx[:, None], state.uploaded[slots])
         new_affinity = state.affinity.at[block].add(w_pool.astype(state.affinity.dtype))  # P += W
@@ -149,12 +151,12 @@ def fedfomo(model: Model, config: base.EngineConfig, *, candidates: int, val_fra
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           new_affinity, jnp.sort(idx), jnp.ones((), bool), state.round + 1,
                           None if state.start is None else core.scatter(state.start, idx, start))
-        metrics = base.train_metrics(result, idx)
+        metrics = train_metrics(result, idx)
         metrics.update(weight_statistics(w_pool, slot_valid, dist[:, width - num:]))
         metrics["w_self_mean"] = jnp.mean(1.0 - jnp.sum(w_pool, axis=1))
         metrics["epsilon"] = jnp.where(state.has_prev, eps, 0.0)
-        d = ops.tree_size(base.first_row(own))
-        metrics.update(base.communication(up_clients=m, up_floats_per_client=d,
+        d = ops.tree_size(first_row(own))
+        metrics.update(communication(up_clients=m, up_floats_per_client=d,
                                           down_clients=jnp.sum(slot_valid),
                                           down_floats_per_client=d))
         return new_state, metrics
@@ -162,13 +164,13 @@ def fedfomo(model: Model, config: base.EngineConfig, *, candidates: int, val_fra
     def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.personal(data, state.params, ids)}
 
-    evaluate, parts = base.split_evaluate(evaluate_personal)
+    evaluate, parts = split_evaluate(evaluate_personal)
     # Its round evaluates client-model pairs on the participants' validation samples, rows dealt
     # otherwise than its training: no per-device data blocks.
-    return base.Algorithm("fedfomo", init, round_fn, evaluate, {}, parts, data_blocks=False)
+    return Algorithm("fedfomo", init, round_fn, evaluate, {}, parts, data_blocks=False)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedfomo", factory=fedfomo,
     not_private=("a pairwise server mixture: one client's upload reaches every other client's "
                  "personalised model through its own weight, which the sum's noise does not bound"),
@@ -176,26 +178,26 @@ base.register(base.AlgorithmSpec(
             "improvement per unit distance, max(0, ΔL)/‖θ_j − θ_i‖ normalised, then trains "
             "locally; personalised models evaluated",
     hparams=(
-        base.HParam("candidates", int, 8,
+        HParam("candidates", int, 8,
                     "M, models each sampled client downloads from the previous round's uploads "
                     "(other clients only), capped at the clients per round (PGFed's reference "
                     "default 8; the authors' code also 8)",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("val_fraction", float, 0.2,
+                    check=AT_LEAST_ONE),
+        HParam("val_fraction", float, 0.2,
                     "f, fraction of each client's training samples held out as its validation "
                     "split (the last ⌈f·n_i⌉, at most n_i − 1; fixed): the weights are computed "
                     "on it and local training never sees it (PGFed's reference 0.2; 0: no "
                     "validation, every client keeps its own model, i.e. local training)",
-                    check=base.UNIT_CLOSED_OPEN),
-        base.HParam("epsilon", float, 0.3,
+                    check=UNIT_CLOSED_OPEN),
+        HParam("epsilon", float, 0.3,
                     "ε, probability that a download slot explores a uniformly random model "
                     "instead of the next highest affinity (the authors' code: 0.3; PGFed's: 0)",
-                    check=base.UNIT_CLOSED),
-        base.HParam("epsilon_decay", float, 0.05,
+                    check=UNIT_CLOSED),
+        HParam("epsilon_decay", float, 0.05,
                     "ε decreases by this much per round after the first: ε_t = max(0, ε − "
                     "δ·(t − 2)) in round t ≥ 2 (the authors' code: 0.05)",
-                    check=base.NON_NEGATIVE),
-        base.HParam("baseline", str, "current",
+                    check=NON_NEGATIVE),
+        HParam("baseline", str, "current",
                     "what the candidates are compared with and moved from: 'current', the "
                     "client's latest model θ_i (the paper's equation); 'start', the model its "
                     "last local training started from, with its trained θ_i one more candidate "

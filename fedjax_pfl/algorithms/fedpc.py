@@ -81,7 +81,9 @@ import numpy as np
 import optax
 
 from fedjax_pfl import core
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, communication, first_row, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, Check, HParam, NON_NEGATIVE, POSITIVE, register
 from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.core.local import LocalTrainer, epoch_permutation
 from fedjax_pfl.data.federated import label_counts
@@ -121,7 +123,7 @@ def accumulate_gradients() -> optax.GradientTransformation:
 
 def fedpc(
     model: Model,
-    config: base.EngineConfig,
+    config: EngineConfig,
     *,
     personal: str,
     lam: float,
@@ -144,14 +146,14 @@ def fedpc(
     rho_c: float | None,
     compress_iters: int,
     solver: str,
-) -> base.Algorithm:
+) -> Algorithm:
     """FedPC; see the module docstring for the round and the readings."""
     if config.momentum_buffer == "persist" and config.momentum > 0:
         raise ValueError("fedpc sums each round's fresh minibatch gradients: --momentum-buffer "
                          "persist is not supported")
     lr = config.lr
     eta = lr if eta is None else eta
-    engine = base.Engine(model, config, optimizer=optax.chain(
+    engine = Engine(model, config, optimizer=optax.chain(
         accumulate_gradients(), optax.sgd(lr, momentum=config.momentum or None)))
     template = jax.eval_shape(model.init, jax.random.key(0))
     mask = split_lib.personal_mask(template, personal)                 # fails early on a bad regex
@@ -195,7 +197,7 @@ def fedpc(
     def build_graph(key: jax.Array, data, params0: Params) -> graph_ops.Graph:   # #graph
         n = data.num_clients
         if graph == "model":
-            keys = base.client_keys(key, jnp.arange(n))
+            keys = client_keys(key, jnp.arange(n))
             start = core.broadcast(params0, n)
             opt = core.broadcast(warmup.init_opt_state(params0), n)
             warm = warmup(data, start, opt, data.clients, keys).params
@@ -246,10 +248,10 @@ def fedpc(
         s = idx.shape[0]
         eta_t, eta_z, rho_t, rho_c_t = step_sizes(state.round, n)
         y = split_lib.merge(core.broadcast(state.x, s), core.gather(state.z, idx), mask)   # step 1
-        opt = engine.opt_states_for(None, idx, base.first_row(y))
+        opt = engine.opt_states_for(None, idx, first_row(y))
         result = engine.train(data, idx, y, opt, train_key)                          # step 2
         grads = result.opt_state[0]                                                  # Σ_k g_k
-        metrics = base.train_metrics(result, idx)
+        metrics = train_metrics(result, idx)
         if gamma > 0:                                                                # Alg. 3
             packed = engine.mapper(compress_one, grads, shared=(eta_t, rho_c_t))
             grads, bits = packed.grad, packed.bits
@@ -279,7 +281,7 @@ def fedpc(
                 z_new, w, omega = res.z, res.w, res.omega
                 metrics.update(admm_primal=res.primal, admm_dual=res.dual)
             z = split_lib.unflatten_rows(z_new, state.z)
-        metrics.update(base.communication(
+        metrics.update(communication(
             up_clients=s, up_floats_per_client=d, down_clients=s, down_floats_per_client=d,
             up_bits=jnp.sum(bits), up_bits_dense=32.0 * d * s))
         metrics.update(bits_per_client=jnp.mean(bits), bits_per_client_dense=jnp.asarray(32.0 * d),
@@ -290,12 +292,12 @@ def fedpc(
         return State(x, z, w, omega, state.graph, state.same_labels, state.round + 1), metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        ids = base.evaluated_ids(data, ids)
+        ids = evaluated_ids(data, ids)
         y = split_lib.merge(core.broadcast(state.x, ids.shape[0]), core.gather(state.z, ids),
                             mask)                                                         # step 5
         return {"client": engine.evaluator.rows(data, y, ids)}
 
-    return base.Algorithm("fedpc", init, round_fn, evaluate, {})
+    return Algorithm("fedpc", init, round_fn, evaluate, {})
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -304,7 +306,7 @@ def client_subsamples(key: jax.Array, data, size: int) -> tuple[jax.Array, jax.A
     drawn uniformly without replacement (all of them when n_i ≤ S; the rest is padding)."""
     n = data.num_clients
     counts = jnp.minimum(data.clients.train_count, size)
-    keys = base.client_keys(key, jnp.arange(n))
+    keys = client_keys(key, jnp.arange(n))
     positions = jax.vmap(lambda kk, c: epoch_permutation(kk, c, jnp.arange(size)))(
         keys, data.clients.train_count)                  # the first S of a random order
     rows = data.clients.train_start[:, None] + positions
@@ -312,70 +314,70 @@ def client_subsamples(key: jax.Array, data, size: int) -> tuple[jax.Array, jax.A
     return x.reshape(n, size, -1), counts
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedpc",
     not_private=("its server step updates every client's ADMM variables on the client graph; not "
                  'built yet'),
     factory=fedpc,
     summary="FedPC: shared body by SGD, personal parts fused on a kNN client graph by ADMM",
     hparams=(
-        base.HParam("personal", str, "head",
+        HParam("personal", str, "head",
                     "which parameters are personal z^(n) (the rest is the shared x): 'head' (the "
                     "last dense layer), 'all', 'none', or a regex searched in each leaf path such "
-                    "as 'Dense_1/'", check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
-        base.HParam("lam", float, 0.05,
+                    "as 'Dense_1/'", check=Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
+        HParam("lam", float, 0.05,
                     "λ, weight of the graph penalty Σ_edges ‖z^(i) − z^(j)‖_p (0: no coupling)",
-                    check=base.NON_NEGATIVE, flag="--fedpc-lambda"),
-        base.HParam("p", str, "2", "p of the edge norm ‖·‖_p", choices=("1", "2", "inf")),
-        base.HParam("k", int, 3, "k of the symmetrised kNN similarity graph", check=base.AT_LEAST_ONE),
-        base.HParam("graph", str, "data",
+                    check=NON_NEGATIVE, flag="--fedpc-lambda"),
+        HParam("p", str, "2", "p of the edge norm ‖·‖_p", choices=("1", "2", "inf")),
+        HParam("k", int, 3, "k of the symmetrised kNN similarity graph", check=AT_LEAST_ONE),
+        HParam("graph", str, "data",
                     "space of the client distances: 'data' (MMD of input subsamples), 'feature' "
                     "(input covariance on a random projection) or 'model' (parameters after a "
                     "local warm-up)", choices=("data", "feature", "model")),
-        base.HParam("graph_samples", int, 64,
+        HParam("graph_samples", int, 64,
                     "training samples per client used by the data and feature distances",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("projection_dim", int, 16,
+                    check=AT_LEAST_ONE),
+        HParam("projection_dim", int, 16,
                     "feature space: dimension of the fixed random projection of the inputs",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("cov_metric", str, "log_euclidean",
+                    check=AT_LEAST_ONE),
+        HParam("cov_metric", str, "log_euclidean",
                     "feature space: distance of the covariances C_n, ‖log C_i − log C_j‖_F "
                     "('log_euclidean', robust to the scale of the sampling noise) or ‖C_i − C_j‖_F",
                     choices=("log_euclidean", "frobenius")),
-        base.HParam("model_metric", str, "cosine",
+        HParam("model_metric", str, "cosine",
                     "model space: distance of the warm-up displacements θ_n − θ_0",
                     choices=("cosine", "euclidean")),
-        base.HParam("warmup_epochs", int, 1,
+        HParam("warmup_epochs", int, 1,
                     "model space: local epochs of SGD (--lr) from θ_0 before measuring distances",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("rho", float, None,
+                    check=AT_LEAST_ONE),
+        HParam("rho", float, None,
                     "ρ, ADMM penalty of the Z-subproblem (default 1/η_z: the system is I + L)",
-                    check=base.POSITIVE),
-        base.HParam("admm_iters", int, 10, "K, ADMM iterations per round", check=base.AT_LEAST_ONE),
-        base.HParam("admm_start", str, "warm",
+                    check=POSITIVE),
+        HParam("admm_iters", int, 10, "K, ADMM iterations per round", check=AT_LEAST_ONE),
+        HParam("admm_start", str, "warm",
                     "W and Ω at the start of a round's ADMM: 'warm' (last round's) or 'cold' (0)",
                     choices=("warm", "cold")),
-        base.HParam("eta", float, None, "η, the server step size of x and of Z (default: --lr)",
-                    check=base.POSITIVE),
-        base.HParam("eta_decay", str, "constant",
+        HParam("eta", float, None, "η, the server step size of x and of Z (default: --lr)",
+                    check=POSITIVE),
+        HParam("eta_decay", str, "constant",
                     "η_t schedule: 'constant' or 'inv_sqrt' (η/√t in round t)",
                     choices=("constant", "inv_sqrt")),
-        base.HParam("eta_personal", float, None,
+        HParam("eta_personal", float, None,
                     "η_z, the proximal step of the Z-subproblem (default N·η: with λ = 0 a round "
-                    "moves z^(n) by η∇f_n; the draft's literal value is η)", check=base.POSITIVE),
-        base.HParam("shared_mean", str, "sampled",
+                    "moves z^(n) by η∇f_n; the draft's literal value is η)", check=POSITIVE),
+        HParam("shared_mean", str, "sampled",
                     "shared step under partial participation: mean over the 'sampled' clients "
                     "(unbiased) or Σ over them / N ('all', zero rows for the others)",
                     choices=("sampled", "all")),
-        base.HParam("gamma", float, 0.0,
+        HParam("gamma", float, 0.0,
                     "γ, weight of the communication-efficient regulariser γ‖Λ(y − x_t)‖₁ "
-                    "(0: send the plain gradient)", check=base.NON_NEGATIVE),
-        base.HParam("rho_c", float, None,
+                    "(0: send the plain gradient)", check=NON_NEGATIVE),
+        HParam("rho_c", float, None,
                     "ρ_c, ADMM penalty of the compression (default 1/(η_t γ): c = ρ_c η_t γ = 1)",
-                    check=base.POSITIVE),
-        base.HParam("compress_iters", int, 50, "J, ADMM iterations of the compression",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("solver", str, "auto",
+                    check=POSITIVE),
+        HParam("compress_iters", int, 50, "J, ADMM iterations of the compression",
+                    check=AT_LEAST_ONE),
+        HParam("solver", str, "auto",
                     "Z-system solver: 'cholesky' (dense factor, reused by the K iterations), 'cg' "
                     "(matrix-free, sparse Laplacian) or 'auto' (Cholesky up to 1024 clients)",
                     choices=("auto", "cholesky", "cg")),

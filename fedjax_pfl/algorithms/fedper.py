@@ -20,32 +20,35 @@ from __future__ import annotations
 
 import jax
 
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms._split_fedavg import SplitModelState, split_fedavg
+from fedjax_pfl.algorithms.engine import EngineConfig
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, Check, HParam, register
 from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.models.model import Model
 
 # body: the base layers θ_B; heads: the personalisation layers h_i, [N, ...]
-State = base.SplitModelState
+State = SplitModelState
 
 
-def fedper(model: Model, config: base.EngineConfig, *, head: str) -> base.Algorithm:
+def fedper(model: Model, config: EngineConfig, *, head: str) -> Algorithm:
     """FedPer; see the module docstring. FedAvg on the body, each client keeps its head
-    (`base.split_fedavg`)."""
+    (`split_fedavg`)."""
     template = jax.eval_shape(model.init, jax.random.key(0))
     mask = split_lib.personal_mask(template, head)                     # fails early on a bad regex
-    return base.split_fedavg("fedper", model, config, mask)
+    return split_fedavg("fedper", model, config, mask)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedper",
     factory=fedper,
     summary="FedPer: FedAvg on the base layers, each client keeps its own head",
     hparams=(
-        base.HParam("head", str, "head",
+        HParam("head", str, "head",
                     "the personalisation layers kept on each client: 'head' (the last dense "
                     "layer), 'all' (= local), 'none' (= fedavg) or a regex searched in each leaf "
                     "path such as 'Dense_1/'",
-                    check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
+                    check=Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
     ),
     test_hparams={},
     private_uplink="each client's update of the base layers; its head stays on the client",

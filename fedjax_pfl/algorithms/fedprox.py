@@ -27,18 +27,22 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import _prox, base
+from fedjax_pfl.algorithms import _prox
+from fedjax_pfl.algorithms._global_model import GlobalModelState
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, NON_NEGATIVE, register
 from fedjax_pfl.core.local import LocalTrainer
 from fedjax_pfl.models.model import Model
 
 
-State = base.GlobalModelState     # FedAvg's: the global model, optimizer rows, round, rng
+State = GlobalModelState     # FedAvg's: the global model, optimizer rows, round, rng
 
 
-def fedprox(model: Model, config: base.EngineConfig, *, mu: float, ft_epochs: int | None = None
-            ) -> base.Algorithm:
-    """FedProx; with `ft_epochs` set, FedProx-FT. State is FedAvg's (`base.GlobalModelState`)."""
-    engine = base.Engine(model, config, client_transform=_prox.add_proximal_term(mu))
+def fedprox(model: Model, config: EngineConfig, *, mu: float, ft_epochs: int | None = None
+            ) -> Algorithm:
+    """FedProx; with `ft_epochs` set, FedProx-FT. State is FedAvg's (`GlobalModelState`)."""
+    engine = Engine(model, config, client_transform=_prox.add_proximal_term(mu))
     fine_tuner = None
     if ft_epochs is not None:
         fine_tuner = LocalTrainer(
@@ -63,7 +67,7 @@ def fedprox(model: Model, config: base.EngineConfig, *, mu: float, ft_epochs: in
         params, private = engine.aggregate(state.params, result.params, weights,  # Σ (n_k/n) w_k
                                            key, data, idx=idx)
         opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
-        metrics = {**base.train_metrics(result, idx), **private}
+        metrics = {**train_metrics(result, idx), **private}
         d = ops.tree_size(params)
         metrics.update(engine.communication(idx, data, up_floats_per_client=d,
                                             down_floats_per_client=d))
@@ -77,21 +81,21 @@ def fedprox(model: Model, config: base.EngineConfig, *, mu: float, ft_epochs: in
         personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
         return {"client": personal, "global": global_eval}
 
-    return base.Algorithm("fedprox", init, round_fn, evaluate, {}, host_state=True)
+    return Algorithm("fedprox", init, round_fn, evaluate, {}, host_state=True)
 
 
-def fedprox_ft(model: Model, config: base.EngineConfig, *, mu: float, ft_epochs: int
-               ) -> base.Algorithm:
+def fedprox_ft(model: Model, config: EngineConfig, *, mu: float, ft_epochs: int
+               ) -> Algorithm:
     return fedprox(model, config, mu=mu, ft_epochs=ft_epochs)
 
 
-_MU = base.HParam(
+_MU = HParam(
     "mu", float, 0.01,
     "μ, weight of the proximal term (μ/2)‖w − w_global‖² in each client's local objective; "
     "0 is FedAvg. Default 0.01: the value of the paper's grid {0.001, 0.01, 0.1, 0.5, 1} that "
-    "trains best at the default lr 0.05 on digits", check=base.NON_NEGATIVE)
+    "trains best at the default lr 0.05 on digits", check=NON_NEGATIVE)
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedprox", factory=fedprox,
     summary="FedProx: FedAvg whose local objective adds (μ/2)‖w − w_global‖²; global model evaluated",
     hparams=(_MU,), traceable=("lr", "mu"),
@@ -99,12 +103,12 @@ base.register(base.AlgorithmSpec(
     private_uplink="each client's model update (the whole model)",
 ))
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedprox_ft", factory=fedprox_ft,
     summary="FedProx-FT: FedProx whose global model each client fine-tunes before evaluation",
-    hparams=(_MU, base.HParam("ft_epochs", int, 1,
+    hparams=(_MU, HParam("ft_epochs", int, 1,
                               "local epochs of fine-tuning the global model on each client before "
-                              "evaluation", check=base.AT_LEAST_ONE, flag="--ft-epochs")),
+                              "evaluation", check=AT_LEAST_ONE, flag="--ft-epochs")),
     flag_prefix="fedprox", traceable=("lr", "mu"),
     test_hparams={"momentum": 0.9, "momentum_buffer": "persist"},
     private_uplink="each client's model update (the whole model)",

@@ -42,7 +42,9 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, first_row
+from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, Check, HParam, NON_NEGATIVE, register
 from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.core.local import LocalTrainer
 from fedjax_pfl.models.model import Model
@@ -59,8 +61,8 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("heads", "opt_head", "opt_body")  # per-client rows [N, ...]
 
 
-def fedrep(model: Model, config: base.EngineConfig, *, head: str, head_epochs: int
-           ) -> base.Algorithm:
+def fedrep(model: Model, config: EngineConfig, *, head: str, head_epochs: int
+           ) -> Algorithm:
     """FedRep; see the module docstring."""
     if config.local_steps is not None:
         raise ValueError("fedrep counts its head and body phases in epochs: use --local-epochs "
@@ -70,7 +72,7 @@ def fedrep(model: Model, config: base.EngineConfig, *, head: str, head_epochs: i
         raise ValueError(f"--fedrep-head-epochs must be < --local-epochs ({epochs}): the head "
                          f"epochs are part of the local epochs and the body needs at least one, "
                          f"got {head_epochs}")
-    engine = base.Engine(model, config)
+    engine = Engine(model, config)
     template = jax.eval_shape(model.init, jax.random.key(0))
     mask = split_lib.personal_mask(template, head)                     # fails early on a bad regex
     body_size = split_lib.count(split_lib.split(template, mask)[0])
@@ -103,10 +105,10 @@ def fedrep(model: Model, config: base.EngineConfig, *, head: str, head_epochs: i
         """One phase for the sampled clients: (their params after it, their optimizer states)."""
         if trainer is None:
             return params, stored, None
-        opt = core.gather(stored, idx) if persist else fresh_opt(trainer, base.first_row(params),
+        opt = core.gather(stored, idx) if persist else fresh_opt(trainer, first_row(params),
                                                                  idx.shape[0])
         result = trainer(data, params, opt, core.gather(data.clients, idx),
-                         base.client_keys(key, idx), ids=idx)
+                         client_keys(key, idx), ids=idx)
         if persist:
             stored = core.scatter(stored, idx, result.opt_state)
         return result.params, stored, result
@@ -139,29 +141,29 @@ def fedrep(model: Model, config: base.EngineConfig, *, head: str, head_epochs: i
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        ids = base.evaluated_ids(data, ids)
+        ids = evaluated_ids(data, ids)
         params = split_lib.merge(core.broadcast(state.body, ids.shape[0]),
                                  core.gather(state.heads, ids), mask)
         return {"client": engine.evaluator.rows(data, params, ids)}
 
-    return base.Algorithm("fedrep", init, round_fn, evaluate, {}, host_state=True)
+    return Algorithm("fedrep", init, round_fn, evaluate, {}, host_state=True)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedrep",
     factory=fedrep,
     summary="FedRep: each client trains its own head (body frozen), then the shared body (head "
             "frozen); FedAvg on the body",
     hparams=(
-        base.HParam("head", str, "head",
+        HParam("head", str, "head",
                     "the personal head kept on each client: 'head' (the last dense layer) or a "
                     "regex searched in each leaf path such as 'Dense_1/'",
-                    check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
-        base.HParam("head_epochs", int, 1,
+                    check=Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
+        HParam("head_epochs", int, 1,
                     "τ_h: of the --local-epochs E, the first τ_h train the head with the body "
                     "frozen and the other E − τ_h the body with the head frozen (0: body only; "
                     "must be < E)",
-                    check=base.NON_NEGATIVE),
+                    check=NON_NEGATIVE),
     ),
     defaults={"local_epochs": 2},
     # The tests' linear model {w, b}: its bias as the head, so both parts are non-empty.

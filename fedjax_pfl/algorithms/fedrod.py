@@ -44,7 +44,9 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, Check, HParam, register
 from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.core.evaluate import Evaluator
 from fedjax_pfl.models.model import Model  # noqa: F401  (type hints)
@@ -107,7 +109,7 @@ def train_label_counts(data) -> jax.Array:
     return counts[:-1].reshape(num_clients, data.num_classes)
 
 
-def fedrod(model: Model, config: base.EngineConfig, *, head: str) -> base.Algorithm:
+def fedrod(model: Model, config: EngineConfig, *, head: str) -> Algorithm:
     """FedRoD; see the module docstring."""
     template = jax.eval_shape(model.init, jax.random.key(0))
     mask = split_lib.personal_mask(template, head)                     # fails early on a bad regex
@@ -137,7 +139,7 @@ def fedrod(model: Model, config: base.EngineConfig, *, head: str) -> base.Algori
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    engine = base.Engine(model, config, optimizer=tx, step_fn=step)
+    engine = Engine(model, config, optimizer=tx, step_fn=step)
     combined = model._replace(init=model.init, apply=lambda pp, x: personal_logits(pp[0], pp[1], x),
                               name=f"{model.name}+personal head")
     evaluator = Evaluator(combined, batch_size=config.eval_batch_size,
@@ -157,7 +159,7 @@ def fedrod(model: Model, config: base.EngineConfig, *, head: str) -> base.Algori
         idx = engine.sample(sample_key, data)                                      # S_t
         m = idx.shape[0]
         start = (core.broadcast(state.params, m), core.gather(state.heads, idx))   # (θ, ψ, φ_i)
-        opt = engine.opt_states_for(state.opt_state, idx, base.first_row(start))
+        opt = engine.opt_states_for(state.opt_state, idx, first_row(start))
         prior = jax.vmap(log_prior)(core.gather(state.class_counts, idx))
         result = engine.train(data, idx, start, opt, train_key, extra={"log_prior": prior})
         generic, phi = result.params
@@ -167,31 +169,31 @@ def fedrod(model: Model, config: base.EngineConfig, *, head: str) -> base.Algori
                           core.scatter(state.heads, idx, phi), state.class_counts,
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1)
-        metrics = {**base.train_metrics(result, idx), **private}  # train_loss: L_BSM + L_P
+        metrics = {**train_metrics(result, idx), **private}  # train_loss: L_BSM + L_P
         metrics.update(engine.communication(idx, data, up_floats_per_client=generic_size,
                                             down_floats_per_client=generic_size))
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         global_eval = engine.evaluator.shared(data, state.params, ids)
-        ids = base.evaluated_ids(data, ids)
+        ids = evaluated_ids(data, ids)
         rows = (core.broadcast(state.params, ids.shape[0]), core.gather(state.heads, ids))
         return {"client": evaluator.rows(data, rows, ids), "global": global_eval}
 
-    return base.Algorithm("fedrod", init, round_fn, evaluate, {}, host_state=True)
+    return Algorithm("fedrod", init, round_fn, evaluate, {}, host_state=True)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="fedrod",
     factory=fedrod,
     summary="FedRoD: a generic model trained with the balanced softmax, plus a personal head on "
             "its detached features; each client predicts with the sum of both heads",
     hparams=(
-        base.HParam("head", str, "head",
+        HParam("head", str, "head",
                     "the head: the generic head ψ (federated) and each client's personal head "
                     "φ_i have its shape; 'head' (the last dense layer) or a regex searched in "
                     "each leaf path such as 'Dense_1/'",
-                    check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
+                    check=Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
     ),
     # The tests' linear model {w, b}: its bias as the head, so both parts are non-empty.
     test_hparams={"head": "^b$"},

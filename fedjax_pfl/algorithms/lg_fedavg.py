@@ -2,7 +2,7 @@
 Act Globally: Federated Learning with Local and Global Representations", arXiv:2001.01523, 2020):
 local representations, a global head.
 
-FedPer's split the other way round (`base.split_fedavg`): the parameters split by path
+FedPer's split the other way round (`split_fedavg`): the parameters split by path
 (`core/split.py`) into the global layers θ_G (--lg-fedavg-head, default the last dense layer,
 as the PGFed reference code's `LocalModel(base, predictor)` aggregates only `predictor`), shared
 by all, and the local layers ℓ_i of client i (everything else: the representation). Per round:
@@ -32,30 +32,33 @@ from __future__ import annotations
 
 import jax
 
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms._split_fedavg import split_fedavg
+from fedjax_pfl.algorithms.engine import EngineConfig
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, Check, HParam, register
 from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.models.model import Model
 
 
-def lg_fedavg(model: Model, config: base.EngineConfig, *, head: str) -> base.Algorithm:
+def lg_fedavg(model: Model, config: EngineConfig, *, head: str) -> Algorithm:
     """LG-FedAvg; see the module docstring. `head` selects the GLOBAL layers; each client keeps
-    the rest (`base.split_fedavg` with FedPer's mask complemented)."""
+    the rest (`split_fedavg` with FedPer's mask complemented)."""
     template = jax.eval_shape(model.init, jax.random.key(0))
     global_mask = split_lib.personal_mask(template, head)             # fails early on a bad regex
-    return base.split_fedavg("lg_fedavg", model, config, split_lib.complement(global_mask))
+    return split_fedavg("lg_fedavg", model, config, split_lib.complement(global_mask))
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="lg_fedavg",
     factory=lg_fedavg,
     summary="LG-FedAvg: each client keeps its own representation (body), FedAvg on the head",
     flag_prefix="lg-fedavg",
     hparams=(
-        base.HParam("head", str, "head",
+        HParam("head", str, "head",
                     "the GLOBAL layers, averaged by the server; every other layer is local to "
                     "each client: 'head' (the last dense layer), 'all' (= fedavg), 'none' "
                     "(= local) or a regex searched in each leaf path such as 'Dense_1/'",
-                    check=base.Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
+                    check=Check(split_lib.is_pattern, "'head', 'all', 'none' or a regex")),
     ),
     # The tests' linear model {w, b}: its bias as the head, so both parts are non-empty.
     test_hparams={"head": "^b$"},

@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, register
 from fedjax_pfl.models.model import Model
 
 
@@ -29,9 +31,9 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("params", "opt_state")  # per-client rows [N, ...]
 
 
-def local(model: Model, config: base.EngineConfig) -> base.Algorithm:
+def local(model: Model, config: EngineConfig) -> Algorithm:
     """Local; see the module docstring."""
-    engine = base.Engine(model, config)
+    engine = Engine(model, config)
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
@@ -43,21 +45,21 @@ def local(model: Model, config: base.EngineConfig) -> base.Algorithm:
         sample_key, train_key = jax.random.split(key)
         idx = engine.sample(sample_key, data)
         start = core.gather(state.params, idx)
-        opt = engine.opt_states_for(state.opt_state, idx, base.first_row(start))
+        opt = engine.opt_states_for(state.opt_state, idx, first_row(start))
         result = engine.train(data, idx, start, opt, train_key)
         return (State(core.scatter(state.params, idx, result.params),
                       engine.store_opt_states(state.opt_state, idx, result.opt_state),
                       state.round + 1),
-                base.train_metrics(result, idx))
+                train_metrics(result, idx))
 
     def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.personal(data, state.params, ids)}
 
-    evaluate, parts = base.split_evaluate(evaluate_personal)
-    return base.Algorithm("local", init, round_fn, evaluate, {}, parts, host_state=True)
+    evaluate, parts = split_evaluate(evaluate_personal)
+    return Algorithm("local", init, round_fn, evaluate, {}, parts, host_state=True)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="local",
     not_private=('it sends nothing: no uplink to privatise'),
     factory=local,

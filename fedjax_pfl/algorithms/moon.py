@@ -31,7 +31,9 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, register
 from fedjax_pfl.data.natural import PAD
 from fedjax_pfl.models.model import Model
 
@@ -114,8 +116,8 @@ class _Carry(NamedTuple):
     con_sum: jax.Array    # shape=()
 
 
-def moon(model: Model, config: base.EngineConfig, *, mu: float = 1.0, tau: float = 0.5
-         ) -> base.Algorithm:
+def moon(model: Model, config: EngineConfig, *, mu: float = 1.0, tau: float = 0.5
+         ) -> Algorithm:
     """MOON; see the module docstring. μ weighs the model-contrastive loss, τ its temperature."""
     if model.features is None:
         raise ValueError(
@@ -134,7 +136,7 @@ def moon(model: Model, config: base.EngineConfig, *, mu: float = 1.0, tau: float
         updates, opt_state = tx.update(grads, opt_state, w)
         return _Carry(optax.apply_updates(w, updates), carry.con_sum + con), opt_state, loss
 
-    engine = base.Engine(model, config, optimizer=tx, step_fn=step)
+    engine = Engine(model, config, optimizer=tx, step_fn=step)
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)          # the same initial model as every algorithm from this key
@@ -157,7 +159,7 @@ def moon(model: Model, config: base.EngineConfig, *, mu: float = 1.0, tau: float
         prev = core.scatter(state.prev, idx, trained)                              # w_i^prev (M4)
         new_state = State(params, prev, engine.store_opt_states(state.opt_state, idx,
                                                                 result.opt_state), state.round + 1)
-        metrics = {**base.train_metrics(result, idx), **private}                   # ℓ_sup + μ ℓ_con
+        metrics = {**train_metrics(result, idx), **private}                   # ℓ_sup + μ ℓ_con
         took_steps = result.num_steps > 0
         per_client = result.params.con_sum / jnp.maximum(result.num_steps, 1)      # mean ℓ_con
         metrics["contrastive_loss"] = (jnp.sum(jnp.where(took_steps, per_client, 0.0))
@@ -170,22 +172,22 @@ def moon(model: Model, config: base.EngineConfig, *, mu: float = 1.0, tau: float
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.shared(data, state.params, ids)}
 
-    return base.Algorithm("moon", init, round_fn, evaluate, {}, host_state=True)
+    return Algorithm("moon", init, round_fn, evaluate, {}, host_state=True)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="moon", factory=moon,
     summary="MOON: local loss + μ · model-contrastive loss pulling the representation towards "
             "the global model's and away from the client's previous model's; global model evaluated",
     hparams=(
-        base.HParam("mu", float, 1.0,
+        HParam("mu", float, 1.0,
                     "μ, weight of the model-contrastive loss in each client's local objective; 0 "
                     "is FedAvg. Default 1: the reference code's default and the paper's choice "
                     "for CIFAR-100 and Tiny-ImageNet (5 for CIFAR-10; grid {0.1, 1, 5, 10})",
-                    check=base.NON_NEGATIVE),
-        base.HParam("tau", float, 0.5,
+                    check=NON_NEGATIVE),
+        HParam("tau", float, 0.5,
                     "τ, temperature of the contrastive two-way softmax (the paper's 0.5)",
-                    check=base.POSITIVE),
+                    check=POSITIVE),
     ),
     traceable=("lr", "mu", "tau"),
     test_hparams={"momentum": 0.9, "momentum_buffer": "persist"},

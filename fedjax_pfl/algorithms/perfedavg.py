@@ -35,13 +35,16 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms._global_model import GlobalModelState
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, require_choices, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, POSITIVE, register
 from fedjax_pfl.core.local import LocalTrainer, masked_mean_loss
 from fedjax_pfl.models.model import Model
 
 Params = Any
 Loss = Callable[[Params], jax.Array]
-State = base.GlobalModelState     # FedAvg's: the global model w, optimizer rows, round, rng
+State = GlobalModelState     # FedAvg's: the global model w, optimizer rows, round, rng
 
 
 def hessian_vector_product(loss: Loss, params: Params, vector: Params) -> Params:
@@ -69,10 +72,10 @@ def split_batch(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     return first, mask & ~first
 
 
-def perfedavg(model: Model, config: base.EngineConfig, *, variant: str, alpha: float
-              ) -> base.Algorithm:
+def perfedavg(model: Model, config: EngineConfig, *, variant: str, alpha: float
+              ) -> Algorithm:
     """Per-FedAvg (FO or HF); see the module docstring. `config.lr` is β."""
-    base.require_choices(**{"--perfedavg-variant": (variant, ("fo", "hf"))})
+    require_choices(**{"--perfedavg-variant": (variant, ("fo", "hf"))})
     outer = optax.sgd(config.lr, momentum=config.momentum or None)
 
     def meta_step(params, opt_state, x, y, mask, extra):
@@ -83,7 +86,7 @@ def perfedavg(model: Model, config: base.EngineConfig, *, variant: str, alpha: f
         updates, opt_state = outer.update(g, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    engine = base.Engine(model, config, optimizer=outer, step_fn=meta_step)
+    engine = Engine(model, config, optimizer=outer, step_fn=meta_step)
     adapter = LocalTrainer(model, optax.sgd(alpha), steps=1, batch_size=config.batch_size,
                            mapper=engine.evaluator.mapper)                      # w − α∇f(w; B)
 
@@ -99,7 +102,7 @@ def perfedavg(model: Model, config: base.EngineConfig, *, variant: str, alpha: f
         result = engine.train(data, idx, state.params, opt, train_key, shared_start=True)
         weights = core.gather(data.clients.train_count, idx)
         params, private = engine.aggregate(state.params, result.params, weights, key, data, idx=idx)
-        metrics = {**base.train_metrics(result, idx), **private}
+        metrics = {**train_metrics(result, idx), **private}
         d = ops.tree_size(params)
         metrics.update(engine.communication(idx, data, up_floats_per_client=d,
                                             down_floats_per_client=d))
@@ -112,23 +115,23 @@ def perfedavg(model: Model, config: base.EngineConfig, *, variant: str, alpha: f
         personal = engine.evaluate_after_training(adapter, data, state.params, key, ids)
         return {"client": personal, "global": global_eval}
 
-    return base.Algorithm("perfedavg", init, round_fn, evaluate, {}, host_state=True)
+    return Algorithm("perfedavg", init, round_fn, evaluate, {}, host_state=True)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="perfedavg", factory=perfedavg,
     summary="Per-FedAvg: MAML-style FedAvg (first-order or Hessian-free); evaluated after one "
             "local adaptation step",
     hparams=(
-        base.HParam("variant", str, "fo",
+        HParam("variant", str, "fo",
                     "meta-gradient: 'fo' (first order, Hessian term dropped) or 'hf' (Hessian-free: "
                     "exact Hessian–vector product by jax.jvp of jax.grad)", choices=("fo", "hf")),
-        base.HParam("alpha", float, 0.01,
+        HParam("alpha", float, 0.01,
                     "α, step size of the inner adaptation step w − α∇f(w; D), also used for the "
                     "evaluation-time adaptation step (β is --lr). Default 0.01 (a value of the PGFed "
                     "paper's grid {0.1, …, 0.0001}); with the default β = 0.05 it reaches about "
                     "95 % on digits",
-                    check=base.POSITIVE),
+                    check=POSITIVE),
     ),
     traceable=("lr", "alpha"),
     test_hparams={"variant": "hf", "momentum": 0.5, "momentum_buffer": "persist"},

@@ -32,7 +32,9 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, register
 from fedjax_pfl.core.local import masked_mean_loss
 from fedjax_pfl.models.model import Model
 
@@ -47,8 +49,8 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("theta", "opt_state")  # per-client rows [N, ...]
 
 
-def pfedme(model: Model, config: base.EngineConfig, *, lam: float, personal_lr: float,
-           personal_steps: int, beta: float, weights: str = "data_size") -> base.Algorithm:
+def pfedme(model: Model, config: EngineConfig, *, lam: float, personal_lr: float,
+           personal_steps: int, beta: float, weights: str = "data_size") -> Algorithm:
     """pFedMe; see the module docstring. `config.lr` is η, the local model's learning rate."""
     if config.local_steps is None:
         raise ValueError("pfedme runs --local-steps R local rounds of one minibatch each; set it")
@@ -75,7 +77,7 @@ def pfedme(model: Model, config: base.EngineConfig, *, lam: float, personal_lr: 
         return (theta, w), opt_state, loss
 
     init_opt = lambda params: inner.init(params[0])
-    engine = base.Engine(model, config, step_fn=local_round,
+    engine = Engine(model, config, step_fn=local_round,
                          optimizer=optax.GradientTransformation(init_opt, _unused))
 
     def init(key: jax.Array, data) -> State:
@@ -98,7 +100,7 @@ def pfedme(model: Model, config: base.EngineConfig, *, lam: float, personal_lr: 
         mean, metrics = engine.aggregate(state.params, core.gather(local, idx), p, key, data, idx=idx)
         params = ops.tree_lerp(state.params, mean, beta)                     # β-mixing
         d = ops.tree_size(state.params)
-        metrics.update(base.train_metrics(result, idx))
+        metrics.update(train_metrics(result, idx))
         metrics["trained"] = everyone
         metrics.update(engine.communication(idx, data, up_floats_per_client=d, down_clients=k,
                                             down_floats_per_client=d))
@@ -108,28 +110,28 @@ def pfedme(model: Model, config: base.EngineConfig, *, lam: float, personal_lr: 
         return {"client": engine.evaluator.personal(data, state.theta, ids),
                 "global": engine.evaluator.shared(data, state.params, ids)}
 
-    return base.Algorithm("pfedme", init, round_fn, evaluate, {})
+    return Algorithm("pfedme", init, round_fn, evaluate, {})
 
 
 def _unused(updates, state, params=None):
     raise NotImplementedError("pFedMe's local step is its own step_fn")
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="pfedme", factory=pfedme,
     private_uplink="each sampled client's local-model update w_k − w_t; β then scales the noisy "
                    "mean update; the personalised θ_k and the optimizer states stay on the client",
     summary="pFedMe: personalised models from a Moreau-envelope inner problem around local models",
     hparams=(
-        base.HParam("lam", float, 12.0, "λ, strength of the pull λ/2‖θ − w‖²",
-                    check=base.NON_NEGATIVE),
-        base.HParam("personal_lr", float, 0.08, "η_p, learning rate of the inner steps on θ",
-                    check=base.POSITIVE),
-        base.HParam("personal_steps", int, 5, "K, inner steps on θ per local round (one minibatch)",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("beta", float, 1.0, "β, server mixing w ← (1−β)w + β·mean",
-                    check=base.NON_NEGATIVE),
-        base.HParam("weights", str, "data_size",
+        HParam("lam", float, 12.0, "λ, strength of the pull λ/2‖θ − w‖²",
+                    check=NON_NEGATIVE),
+        HParam("personal_lr", float, 0.08, "η_p, learning rate of the inner steps on θ",
+                    check=POSITIVE),
+        HParam("personal_steps", int, 5, "K, inner steps on θ per local round (one minibatch)",
+                    check=AT_LEAST_ONE),
+        HParam("beta", float, 1.0, "β, server mixing w ← (1−β)w + β·mean",
+                    check=NON_NEGATIVE),
+        HParam("weights", str, "data_size",
                     "weights p_k of the server mean: 'data_size' (n_k/Σn_j, the authors' code) or "
                     "'uniform' (1/S, the paper's Algorithm 1)", choices=("data_size", "uniform")),
     ),

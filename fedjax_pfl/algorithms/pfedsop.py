@@ -45,7 +45,9 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, register
 from fedjax_pfl.models.model import Model
 
 Params = Any
@@ -70,7 +72,7 @@ class State(NamedTuple):
 
 def pfedsop(
     model: Model,
-    config: base.EngineConfig,
+    config: EngineConfig,
     *,
     eta_personal: float | None,
     eta_local: float | None,
@@ -78,14 +80,14 @@ def pfedsop(
     gompertz_lambda: float,
     keep: str,
     blend: str,
-) -> base.Algorithm:
+) -> Algorithm:
     """pFedSOP; see the module docstring for the round and the options."""
     if config.momentum != 0:
         raise ValueError("pfedsop's local probe is plain SGD (Algorithm 2): --momentum must be 0, "
                          f"got {config.momentum}")
     eta_personal = config.lr if eta_personal is None else eta_personal
     eta_local = config.lr if eta_local is None else eta_local
-    engine = base.Engine(model, dataclasses.replace(config, lr=eta_local))  # Algorithm 2, shared
+    engine = Engine(model, dataclasses.replace(config, lr=eta_local))  # Algorithm 2, shared
 
     def personalize(delta_glob: Params, x: Params, delta_i: Params):   # Algorithm 1, one client
         phi = ops.cosine_angle(delta_i, delta_glob)                                     # steps 1–2
@@ -119,13 +121,13 @@ def pfedsop(
         rows = ClientState(kept, delta, jnp.zeros(m, bool))                            # C11
         clients = core.scatter(state.clients, idx, rows)
         # S3, eq. 13: (1/M) Σ Δ_i; under --dp-clip DP-FedAvg's noisy mean of the clipped Δ_i.
-        zero = ops.tree_zeros_like(base.first_row(delta))
+        zero = ops.tree_zeros_like(first_row(delta))
         delta_glob, dp_metrics = engine.aggregate(zero, delta, None, key, data, idx=idx)
         returning = ~c.is_new
         n_ret = jnp.sum(returning)
         per_returning = lambda v: jnp.where(n_ret > 0, jnp.sum(jnp.where(returning, v, 0)) /
                                             jnp.maximum(n_ret, 1), jnp.nan)
-        metrics = {**base.train_metrics(result, idx), **dp_metrics}
+        metrics = {**train_metrics(result, idx), **dp_metrics}
         metrics.update(returning_clients=n_ret, beta_mean=per_returning(beta),
                        angle_mean=per_returning(phi), newton_step_norm=per_returning(step_norm),
                        delta_glob_norm=ops.tree_norm(delta_glob))
@@ -139,40 +141,40 @@ def pfedsop(
     def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.personal(data, state.clients.x, ids)}
 
-    evaluate, parts = base.split_evaluate(evaluate_personal)
-    return base.Algorithm("pfedsop", init, round_fn, evaluate, {}, parts, host_state=True)
+    evaluate, parts = split_evaluate(evaluate_personal)
+    return Algorithm("pfedsop", init, round_fn, evaluate, {}, parts, host_state=True)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="pfedsop",
     private_uplink="each sampled client's Δ_i = Σ_τ g_τ (its accumulated local gradients); "
                    "its model x_i and its own Δ_i stay on the client",
     factory=pfedsop,
     summary="pFedSOP: Gompertz-blended pseudo-gradients with a Sherman–Morrison Newton step",
     hparams=(
-        base.HParam("eta_personal", float, 1.0,
+        HParam("eta_personal", float, 1.0,
                     "η₁, learning rate of the personalisation (Newton) step x ← x − η₁F⁻¹Δᵖ; the "
                     "step's norm is at most η₁/(2√ρ). 1, the top of the paper's grid, makes the "
                     "global-informed correction count next to local SGD; the tied reading η₁ = η₂ "
                     "(docs/algorithms/pfedsop.md#a5) is --pfedsop-eta-personal equal to --lr "
                     "(then pFedSOP is about Local)",
-                    check=base.NON_NEGATIVE),
-        base.HParam("eta_local", float, None,
+                    check=NON_NEGATIVE),
+        HParam("eta_local", float, None,
                     "η₂, learning rate of the local SGD probe; Δ_i = (x_i − z)/η₂ (default: --lr)",
-                    check=base.POSITIVE),
-        base.HParam("rho", float, 1.0, "ρ, regulariser of the rank-one FIM ΔᵖΔᵖᵀ + ρI",
-                    check=base.POSITIVE),
-        base.HParam("gompertz_lambda", float, 1.0,
+                    check=POSITIVE),
+        HParam("rho", float, 1.0, "ρ, regulariser of the rank-one FIM ΔᵖΔᵖᵀ + ρI",
+                    check=POSITIVE),
+        HParam("gompertz_lambda", float, 1.0,
                     "λ, steepness of the Gompertz weight β = 1 − exp(−exp(−λ(φ − 1)))",
-                    check=base.POSITIVE, flag="--pfedsop-lambda"),
-        base.HParam("keep", str, "sgd",
+                    check=POSITIVE, flag="--pfedsop-lambda"),
+        HParam("keep", str, "sgd",
                     "which point persists as the personalised model: 'sgd' (reading R2: the end "
                     "of local SGD, corrected by the Newton step next round; 0.89 on digits) or "
                     "'newton' (the paper's literal reading R1: x after the Newton step, the SGD "
                     "run only a probe; a model moves at most η₁/(2√ρ) per participation: 0.83 "
                     "on digits with η₁ = 1, 0.12, chance, with η₁ = --lr)",
                     choices=("newton", "sgd")),
-        base.HParam("blend", str, "gompertz",
+        HParam("blend", str, "gompertz",
                     "ablation of the blend: 'gompertz' (β from the angle), 'local' (β = 0: own "
                     "Δ_i only) or 'global' (β = 1: the global Δ only)",
                     choices=("gompertz", "local", "global")),

@@ -32,7 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, UNIT_CLOSED, register
 from fedjax_pfl.core.local import FullPass, add_aux_gradient
 from fedjax_pfl.models.model import Model
 
@@ -68,14 +70,14 @@ class State(NamedTuple):
 
 def pgfed(
     model: Model,
-    config: base.EngineConfig,
+    config: EngineConfig,
     *,
     mu: float,
     alpha_lr: float,
     beta: float = 0.0,
     first_aux: str = "copy",
     constant_alpha_grad: bool = False,
-) -> base.Algorithm:
+) -> Algorithm:
     """PGFed (β = 0), PGFedMo (β > 0) or PGFed-CE (constant_alpha_grad); see the module docstring."""
 
     def update_alpha_row(alpha_row: jax.Array, params: Params, extra: dict) -> jax.Array:
@@ -87,7 +89,7 @@ def pgfed(
         stepped = jnp.maximum(alpha_row - alpha_lr * grad, 0.0)
         return jnp.where(extra["update_alpha"], stepped, alpha_row)
 
-    engine = base.Engine(model, config, client_transform=add_aux_gradient(),
+    engine = Engine(model, config, client_transform=add_aux_gradient(),
                          on_step=update_alpha_row)
     # --eval-batch-size (0: automatic, 256 for the MLPs of docs/results/, 8 for the CNN) also
     # batches the full-data pass; G_i depends on it only by float rounding of the sums.
@@ -157,7 +159,7 @@ def pgfed(
         gbar = ops.tree_scale(mu / m, core.sum_over_clients(grads))                   # ḡ
         new_state = State(clients, alpha, row_sum, zeros, idx, grads, b, gbar, jnp.ones((), bool),
                           global_params, state.round + 1)
-        metrics = base.train_metrics(result, idx)
+        metrics = train_metrics(result, idx)
         row_means = row_sum[:real] / real
         metrics.update(
             alpha_mean=jnp.sum(row_sum[:real]) / float(real) ** 2, alpha_row_mean_min=row_means.min(),
@@ -173,17 +175,17 @@ def pgfed(
     def evaluate_global(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"global": engine.evaluator.shared(data, state.global_params, ids)}
 
-    evaluate, parts = base.split_evaluate(evaluate_personal, evaluate_global)
-    return base.Algorithm("pgfed", init, round_fn, evaluate, {}, parts, host_state=True)
+    evaluate, parts = split_evaluate(evaluate_personal, evaluate_global)
+    return Algorithm("pgfed", init, round_fn, evaluate, {}, parts, host_state=True)
 
 
-def pgfed_plain(model: Model, config: base.EngineConfig, *, mu: float, alpha_lr: float
-                ) -> base.Algorithm:
+def pgfed_plain(model: Model, config: EngineConfig, *, mu: float, alpha_lr: float
+                ) -> Algorithm:
     return pgfed(model, config, mu=mu, alpha_lr=alpha_lr, beta=0.0)
 
 
-def pgfed_ce(model: Model, config: base.EngineConfig, *, mu: float, alpha_lr: float
-             ) -> base.Algorithm:
+def pgfed_ce(model: Model, config: EngineConfig, *, mu: float, alpha_lr: float
+             ) -> Algorithm:
     return pgfed(model, config, mu=mu, alpha_lr=alpha_lr, beta=0.0, constant_alpha_grad=True)
 
 
@@ -192,13 +194,13 @@ def pgfed_ce(model: Model, config: base.EngineConfig, *, mu: float, alpha_lr: fl
 # participation.
 _REFERENCE_DEFAULTS = {"lr": 0.005, "momentum": 0.9, "momentum_buffer": "persist", "batch_size": 10,
                        "local_epochs": 5, "participation": 0.25, "drop_last": True}
-_MU = base.HParam("mu", float, 0.1,
+_MU = HParam("mu", float, 0.1,
                   "μ, weight of the auxiliary risk: F_i = f_i + μ Σ_j α_ij [f_j(θ_j) + ∇f_j(θ_j)ᵀ(θ_i − θ_j)] "
                   "(α is unbounded above: if PGFed diverges, lower μ; see docs/results/pgfed.md)",
-                  check=base.NON_NEGATIVE)
-_ALPHA_LR = base.HParam("alpha_lr", float, 0.01,
+                  check=NON_NEGATIVE)
+_ALPHA_LR = HParam("alpha_lr", float, 0.01,
                         "η₂, learning rate of the coefficients α_ij (projected at 0 every minibatch)",
-                        check=base.NON_NEGATIVE)
+                        check=NON_NEGATIVE)
 
 # Why --dp-clip is refused (AlgorithmSpec.not_private).
 _NOT_PRIVATE = ("a pairwise server mixture: the server builds each client's aggregate from the "
@@ -206,28 +208,28 @@ _NOT_PRIVATE = ("a pairwise server mixture: the server builds each client's aggr
                 "client's through its own weight, which the sum's noise does not bound")
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="pgfed", factory=pgfed_plain, flag_prefix="pgfed",
     not_private=_NOT_PRIVATE,
     summary="PGFed: local risk plus a first-order estimate of other clients' risks (μ, α_ij)",
     hparams=(_MU, _ALPHA_LR), defaults=_REFERENCE_DEFAULTS, traceable=("lr", "mu", "alpha_lr"),
     test_hparams={},
 ))
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="pgfedmo", factory=pgfed, flag_prefix="pgfed",
     not_private=_NOT_PRIVATE,
     summary="PGFedMo: PGFed with a client-side moving average of the auxiliary gradient (β)",
     hparams=(_MU, _ALPHA_LR,
-             base.HParam("beta", float, 0.5,
+             HParam("beta", float, 0.5,
                          "β, momentum of the held auxiliary gradient: g̃_i ← (1−β)·download + β·g̃_i",
-                         check=base.UNIT_CLOSED),
-             base.HParam("first_aux", str, "copy",
+                         check=UNIT_CLOSED),
+             HParam("first_aux", str, "copy",
                          "first download of the auxiliary gradient: 'copy' it (the reference code) "
                          "or blend it with 'zero' ((1−β)·download)", choices=("copy", "zero"))),
     defaults=_REFERENCE_DEFAULTS, traceable=("lr", "mu", "alpha_lr", "beta"),
     test_hparams={},
 ))
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="pgfed_ce", factory=pgfed_ce, flag_prefix="pgfed",
     not_private=_NOT_PRIVATE,
     summary="PGFed-CE: PGFed whose α gradient uses the global model (no ḡ download)",

@@ -39,7 +39,9 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, require_choices, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, POSITIVE, register
 from fedjax_pfl.core.local import FullPass, add_aux_gradient
 from fedjax_pfl.models.model import Model
 
@@ -55,12 +57,12 @@ class State(NamedTuple):
     CLIENT_FIELDS = ("client_control", "opt_state")  # per-client rows [N, ...]
 
 
-def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
-             variant: str = "ii", weights: str = "uniform") -> base.Algorithm:
+def scaffold(model: Model, config: EngineConfig, *, server_lr: float = 1.0,
+             variant: str = "ii", weights: str = "uniform") -> Algorithm:
     """SCAFFOLD; see the module docstring. `variant` 'ii' or 'i' picks the control-variate
     update (Algorithm 1 line 11), `weights` 'uniform' or 'data_size' the mean of Δy_i."""
-    base.require_choices(variant=(variant, ("ii", "i")), weights=(weights, ("uniform", "data_size")))
-    engine = base.Engine(model, config, client_transform=add_aux_gradient("correction"))
+    require_choices(variant=(variant, ("ii", "i")), weights=(weights, ("uniform", "data_size")))
+    engine = Engine(model, config, client_transform=add_aux_gradient("correction"))
     full_pass = (FullPass(model, batch_size=config.eval_batch_size, mapper=engine.mapper)
                  if variant == "i" else None)
 
@@ -101,7 +103,7 @@ def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
         if engine.private:
             # DP-FedAvg on the joint upload (Δy_i, Δc_i) under one L2 norm, uniform weights over
             # the fixed denominator M: x ← x + η_g Δ̃y, c ← c + (M/N) Δ̃c.
-            zero = ops.tree_zeros_like(base.first_row((delta_y, delta_c)))
+            zero = ops.tree_zeros_like(first_row((delta_y, delta_c)))
             (mean_dy, mean_dc), dp_metrics = engine.private_update(zero, (delta_y, delta_c), key,
                                                                    data, idx=idx)
             params = jax.tree.map(lambda xs, dy: xs + server_lr * dy, x, mean_dy)
@@ -117,7 +119,7 @@ def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
         new_state = State(params, control, core.scatter(state.client_control, idx, c_plus),
                           engine.store_opt_states(state.opt_state, idx, result.opt_state),
                           state.round + 1)
-        metrics = {**base.train_metrics(result, idx), **dp_metrics}
+        metrics = {**train_metrics(result, idx), **dp_metrics}
         d = ops.tree_size(params)
         metrics.update(engine.communication(idx, data, up_floats_per_client=2 * d,
                                             down_floats_per_client=2 * d))
@@ -129,25 +131,25 @@ def scaffold(model: Model, config: base.EngineConfig, *, server_lr: float = 1.0,
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.shared(data, state.params, ids)}            # A6
 
-    return base.Algorithm("scaffold", init, round_fn, evaluate, {}, host_state=True)
+    return Algorithm("scaffold", init, round_fn, evaluate, {}, host_state=True)
 
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="scaffold", factory=scaffold,
     private_uplink="each sampled client's joint upload (Δy_i, Δc_i) under one L2 norm; its own "
                    "control variate c_i and optimizer state stay on the client",
     summary="SCAFFOLD: local steps corrected by control variates (c − c_i); server model evaluated",
     hparams=(
-        base.HParam("server_lr", float, 1.0,
+        HParam("server_lr", float, 1.0,
                     "η_g, the global step size: x ← x + η_g · mean_i (y_i − x). Default 1: the "
                     "paper's experiments (η_g = 1 is FedAvg's averaging of the models)",
-                    check=base.POSITIVE),
-        base.HParam("variant", str, "ii",
+                    check=POSITIVE),
+        HParam("variant", str, "ii",
                     "client control-variate update (Algorithm 1 line 11): 'ii' c_i ← c_i − c + "
                     "(x − y_i)/(K_i·lr), K_i the steps client i took (the paper's choice, no extra "
                     "cost); 'i' c_i ← the gradient of the client's loss at x over all its training "
                     "data (one more pass)", choices=("ii", "i")),
-        base.HParam("weights", str, "uniform",
+        HParam("weights", str, "uniform",
                     "mean of the clients' model updates: 'uniform' over the sampled clients (the "
                     "paper's Algorithm 1) or 'data_size' (n_i/Σn, FedAvg's); the control variate "
                     "c is always updated with (1/N) Σ Δc_i", choices=("uniform", "data_size")),

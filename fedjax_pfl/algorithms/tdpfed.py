@@ -50,7 +50,9 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, register
 from fedjax_pfl.core.local import masked_mean_loss
 from fedjax_pfl.models import cp
 from fedjax_pfl.models.model import Model
@@ -99,7 +101,7 @@ def _mode_masks(factors: Params, num_modes: int) -> list[Params]:
 
 def tdpfed(
     model: Model,
-    config: base.EngineConfig,
+    config: EngineConfig,
     *,
     cr: float,
     lam: float,
@@ -112,7 +114,7 @@ def tdpfed(
     aggregate: str,
     weights: str,
     als_iters: int,
-) -> base.Algorithm:
+) -> Algorithm:
     """TDPFed; see the module docstring. `config.lr` is η (the local model's learning rate)."""
     if config.local_steps is None:
         raise ValueError("tdpfed runs --local-steps τ local rounds of one minibatch each; set it")
@@ -168,7 +170,7 @@ def tdpfed(
                                                   (factors, factor_state))
         return (theta, factors), (nag_state, factor_state), loss
 
-    engine = base.Engine(model, config, step_fn=local_round,
+    engine = Engine(model, config, step_fn=local_round,
                          optimizer=optax.GradientTransformation(init_opt, _no_update))
     factor_floats = cp.num_floats(template)
     dense_floats = cp.dense_num_floats(template)
@@ -209,7 +211,7 @@ def tdpfed(
             metrics["act_fit_error_max"] = errors
         new_state = State(theta, factors, omega, result.opt_state if persist else None,
                           state.round + 1)
-        metrics.update(base.train_metrics(result, idx))
+        metrics.update(train_metrics(result, idx))
         metrics["trained"] = everyone
         # Downlink: AFM clients rebuild ⟦A⟧ from the factors; ACT's ω̃ ≠ ⟦A⟧ must be sent dense.
         down = factor_floats + (dense_floats if aggregate == "act" else 0)
@@ -237,7 +239,7 @@ def tdpfed(
         return {"client": engine.evaluator.personal(data, state.theta, ids),
                 "global": engine.evaluator.shared(data, cp.reconstruct(state.factors), ids)}
 
-    return base.Algorithm("tdpfed", init, round_fn, evaluate, {})
+    return Algorithm("tdpfed", init, round_fn, evaluate, {})
 
 
 def _no_update(updates, state, params=None):
@@ -248,7 +250,7 @@ def _no_update(updates, state, params=None):
 # s' = 17, λ = 12, β = 1, η_p = 0.08 (NAG, momentum 0.9 assumed), η = 8e-4 (Adam), CR ×2, AFM.
 _DEFAULTS = {"lr": 8e-4, "momentum": 0.9, "batch_size": 20, "local_steps": 23, "participation": 1.0}
 
-base.register(base.AlgorithmSpec(
+register(AlgorithmSpec(
     name="tdpfed", factory=tdpfed,
     private_uplink="AFM: each sampled client's factor update A_k − A_t (every CP factor and dense "
                    "bias under one L2 norm); ACT: its reconstructed update ⟦A_k⟧ − ⟦A_t⟧, what the "
@@ -257,37 +259,37 @@ base.register(base.AlgorithmSpec(
     summary="TDPFed: dense personalised models with a Moreau pull to CP-factorised local models; "
             "the factors are aggregated (AFM or ACT)",
     hparams=(
-        base.HParam("cr", float, 2.0,
+        HParam("cr", float, 2.0,
                     "compression rate: rank R = round(ΠI/(CR·ΣI)) per weight tensor (Table I); "
-                    "1 = no decomposition (the dense model, as pFedMe)", check=base.AT_LEAST_ONE),
-        base.HParam("lam", float, 12.0, "λ, strength of the pull λ/2‖θ − ⟦A⟧‖²",
-                    check=base.NON_NEGATIVE),
-        base.HParam("personal_lr", float, 0.08, "η_p, learning rate of the s NAG steps on θ",
-                    check=base.POSITIVE),
-        base.HParam("personal_steps", int, 5, "s, NAG steps on θ per local round (one minibatch)",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("factor_steps", int, 17,
+                    "1 = no decomposition (the dense model, as pFedMe)", check=AT_LEAST_ONE),
+        HParam("lam", float, 12.0, "λ, strength of the pull λ/2‖θ − ⟦A⟧‖²",
+                    check=NON_NEGATIVE),
+        HParam("personal_lr", float, 0.08, "η_p, learning rate of the s NAG steps on θ",
+                    check=POSITIVE),
+        HParam("personal_steps", int, 5, "s, NAG steps on θ per local round (one minibatch)",
+                    check=AT_LEAST_ONE),
+        HParam("factor_steps", int, 17,
                     "s', data-free optimizer steps on the factors per local round",
-                    check=base.AT_LEAST_ONE),
-        base.HParam("factor_opt", str, "adam",
+                    check=AT_LEAST_ONE),
+        HParam("factor_opt", str, "adam",
                     "optimizer of the factors, lr --lr (η): 'adam' (PyTorch defaults; the paper's "
                     "experiments) or 'gd' (eq. 17)", choices=("adam", "gd")),
-        base.HParam("factor_update", str, "joint",
+        HParam("factor_update", str, "joint",
                     "'joint': every factor steps at once (one optimizer over all factors); "
                     "'cyclic': each factor in turn per step, the others fixed (ALS-like)",
                     choices=("joint", "cyclic")),
-        base.HParam("beta", float, 1.0,
+        HParam("beta", float, 1.0,
                     "β, server mixing A ← (1−β)A + β·mean (β > 1 extrapolates; Table IV)",
-                    check=base.NON_NEGATIVE),
-        base.HParam("aggregate", str, "afm",
+                    check=NON_NEGATIVE),
+        HParam("aggregate", str, "afm",
                     "'afm': average the factor matrices (eq. 18); 'act': average the "
                     "reconstructed tensors and re-fit factors by ALS (eqs. 19–20)",
                     choices=("afm", "act")),
-        base.HParam("weights", str, "data_size",
+        HParam("weights", str, "data_size",
                     "client weights p_k: 'data_size' (|D_k|/Σ|D_j|) or 'uniform' (1/S)",
                     choices=("data_size", "uniform")),
-        base.HParam("als_iters", int, 10, "ACT: ALS sweeps of the server's re-fit per round",
-                    check=base.AT_LEAST_ONE),
+        HParam("als_iters", int, 10, "ACT: ALS sweeps of the server's re-fit per round",
+                    check=AT_LEAST_ONE),
     ),
     defaults=_DEFAULTS,
     traceable=('lr', 'lam', 'personal_lr', 'beta'),

@@ -10,7 +10,7 @@ import pytest
 
 import helpers
 from fedjax_pfl import algorithms
-from fedjax_pfl.algorithms import base, fedfomo
+from fedjax_pfl.algorithms import fedfomo, registry
 from fedjax_pfl.data.federated import FederatedData
 from helpers import assert_states_close, linear_model, tree_equal
 
@@ -252,4 +252,4 @@ def test_flags_are_validated():
     hp = algorithms.get("fedfomo", model=linear_model()).hparams
     assert (hp["candidates"], hp["val_fraction"], hp["epsilon"], hp["epsilon_decay"],
             hp["baseline"]) == (8, 0.2, 0.3, 0.05, "current")
-    assert base.spec("fedfomo").test_hparams is not None and fedfomo.State._fields[0] == "params"
+    assert registry.spec("fedfomo").test_hparams is not None and fedfomo.State._fields[0] == "params"

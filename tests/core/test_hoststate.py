@@ -32,7 +32,7 @@ import pytest
 
 import helpers
 from fedjax_pfl import algorithms, core
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.core import hoststate
 from helpers import linear_model, make_data
 
@@ -325,7 +325,7 @@ def test_algorithms_that_touch_other_rows_refuse_host_state():
             lambda a: a + jnp.arange(a.shape[0], dtype=a.dtype).reshape((-1,) + (1,) * (a.ndim - 1)),
             s.params))
 
-    odd = base.Algorithm("odd", init, inner.round_fn, inner.evaluate, {}, host_state=True)
+    odd = Algorithm("odd", init, inner.round_fn, inner.evaluate, {}, host_state=True)
     program = core.Program(odd, data, mesh=None, state_placement="host")
     with pytest.raises(ValueError, match="different initial rows of .*params"):
         program.init(jax.random.key(0))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedjax_pfl.algorithms import engine as engine_lib
 from fedjax_pfl import algorithms
 from fedjax_pfl.algorithms import _adaptive_clip
 from helpers import linear_model, make_data
@@ -39,7 +40,7 @@ def test_the_clip_follows_the_count_of_unclipped_updates(sampling):
     if sampling == "poisson":
         assert np.sum(ids >= len(SIZES)) > 0              # empty slots in this round
     ids = jnp.asarray(ids[ids < len(SIZES)])
-    engine = algorithms.base.Engine(linear_model(), algorithms.base.EngineConfig(**HP))
+    engine = engine_lib.Engine(linear_model(), engine_lib.EngineConfig(**HP))
     trained = engine.train(data, ids, state.inner.params,
                            engine.opt_states_for(None, ids, state.inner.params),
                            jax.random.split(key)[1], shared_start=True)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedjax_pfl.algorithms import engine as engine_lib
 from fedjax_pfl import algorithms, core
 from fedjax_pfl.ops import dp
 import helpers
@@ -134,7 +135,7 @@ def test_the_private_mean_divides_the_participants_updates_by_q_n():
     assert 0 < len(real) < len(slots) and np.all(slots[len(real):] >= len(SIZES))
     # Each participant's model, trained alone (a client's training does not depend on who else
     # was sampled: its keys fold in its id), from the round's training key.
-    engine = algorithms.base.Engine(linear_model(), algorithms.base.EngineConfig(
+    engine = engine_lib.Engine(linear_model(), engine_lib.EngineConfig(
         **{k: v for k, v in HP.items() if k != "sampling"}))
     train_key = jax.random.split(key)[1]
     ids = jnp.asarray(real, jnp.int32)

@@ -1,4 +1,4 @@
-"""The algorithm registry's contract with every algorithm module (algorithms/base.py): factories
+"""The algorithm registry's contract with every algorithm module (algorithms/registry.py): factories
 take the common settings as one `EngineConfig` and their own hyperparameters by name,
 `algorithms.get` splits the resolved hyperparameters between the two, every algorithm declares
 its test configuration, and no algorithm module imports a sibling. Registered algorithms are
@@ -15,20 +15,22 @@ import numpy as np
 import pytest
 
 from fedjax_pfl import algorithms
-from fedjax_pfl.algorithms import base
+from fedjax_pfl.algorithms import _global_model, _split_fedavg, engine, interface, registry
 from helpers import linear_model, make_data
 
-ALGORITHMS_DIR = pathlib.Path(base.__file__).parent
+ALGORITHMS_DIR = pathlib.Path(registry.__file__).parent
+# The package's modules that are not algorithms: what algorithms are assembled from.
+INFRASTRUCTURE = {"interface", "registry", "engine"}
 
 
 def test_engine_config_is_the_common_hyperparameters_with_their_defaults():
     # Two declarations of the same settings (the dataclass for code, COMMON_HPARAMS for the
     # command line and validation): same names, same order, same defaults.
-    fields = dataclasses.fields(base.EngineConfig)
-    assert [f.name for f in fields] == [hp.name for hp in base.COMMON_HPARAMS]
-    assert [f.default for f in fields] == [hp.default for hp in base.COMMON_HPARAMS]
+    fields = dataclasses.fields(engine.EngineConfig)
+    assert [f.name for f in fields] == [hp.name for hp in registry.COMMON_HPARAMS]
+    assert [f.default for f in fields] == [hp.default for hp in registry.COMMON_HPARAMS]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        base.EngineConfig().lr = 0.1
+        engine.EngineConfig().lr = 0.1
 
 
 @pytest.mark.parametrize("name", algorithms.names())
@@ -51,15 +53,15 @@ def test_get_gives_the_factory_the_resolved_common_settings_and_only_its_own_key
 
     def probe(model, config, *, mu, ft_epochs):
         calls.append((config, {"mu": mu, "ft_epochs": ft_epochs}))
-        return base.Algorithm("probe", None, None, None, {})
+        return interface.Algorithm("probe", None, None, None, {})
 
     spec = dataclasses.replace(algorithms.spec("fedprox_ft"), factory=probe)
-    monkeypatch.setitem(base._REGISTRY, "fedprox_ft", spec)
+    monkeypatch.setitem(registry._REGISTRY, "fedprox_ft", spec)
     algo = algorithms.get("fedprox_ft", model=linear_model(), lr=0.2, ft_epochs=3,
                           batch_size=7, local_steps=4)
     [(config, own)] = calls
     # The given values and the defaults (participation 0.25, μ 0.01, ...), each on its side.
-    assert config == base.EngineConfig(participation=0.25, local_epochs=1, local_steps=4,
+    assert config == engine.EngineConfig(participation=0.25, local_epochs=1, local_steps=4,
                                        batch_size=7, lr=0.2, momentum=0.0,
                                        momentum_buffer="reset", drop_last=False,
                                        backend="chunked", chunk_size=0, eval_batch_size=0)
@@ -110,10 +112,10 @@ def _imported_modules(path: pathlib.Path) -> set[str]:
 
 
 def test_no_algorithm_module_imports_a_sibling():
-    # Shared pieces live in base.py (state types, split-model FedAvg) or a private helper module
-    # (_prox.py), never in another algorithm's module.
+    # Shared pieces live in the engine or a private helper module (_prox.py, _global_model.py,
+    # _split_fedavg.py), never in another algorithm's module.
     algorithm_modules = {f"fedjax_pfl.algorithms.{p.stem}" for p in ALGORITHMS_DIR.glob("*.py")
-                         if p.stem != "base" and not p.stem.startswith("_")}
+                         if p.stem not in INFRASTRUCTURE and not p.stem.startswith("_")}
     assert "fedjax_pfl.algorithms.fedavg" in algorithm_modules
     for module in sorted(algorithm_modules):
         path = ALGORITHMS_DIR / f"{module.rsplit('.', 1)[1]}.py"
@@ -124,8 +126,8 @@ def test_no_algorithm_module_imports_a_sibling():
 def test_old_state_names_are_the_shared_types():
     from fedjax_pfl.algorithms import fedavg, fedper, fedprox, perfedavg
 
-    assert fedavg.State is fedprox.State is perfedavg.State is base.GlobalModelState
-    assert fedper.State is base.SplitModelState
+    assert fedavg.State is fedprox.State is perfedavg.State is _global_model.GlobalModelState
+    assert fedper.State is _split_fedavg.SplitModelState
 
 
 def test_init_refuses_a_model_whose_outputs_are_not_the_data_classes():

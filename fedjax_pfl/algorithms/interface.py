@@ -1,0 +1,130 @@
+"""The algorithm interface: what the runner, the program and the tests hold an algorithm to.
+
+An algorithm is a factory of pure functions (FedJAX's `FederatedAlgorithm(init, apply)`):
+
+    algo = fedjax_pfl.algorithms.get("fedavg", model=model, lr=0.05)
+    state = algo.init(key, data)
+    state, metrics = algo.round_fn(state, data, key)    # pure; jax.jit-able as is
+    evals = algo.evaluate(state, data)                   # {"client": ClientEval, ...}
+    evals = algo.evaluate(state, data, ids)              # only the clients `ids` ([K] int32)
+
+`evaluate` returns per-client arrays (leading axis N, or K with `ids`): key "client" is the model
+each client would use (its personalised model, or the global model for FedAvg) and is the
+headline accuracy; "global" is the global model where an algorithm also has one. An algorithm
+whose personalised models only its sampled rounds change says so with `evaluate_parts`
+(`split_evaluate`), and the runner then evaluates those models again only where they changed.
+
+`round_fn` returns at least: "sampled" [M] client ids, "train_loss" [M] mean local minibatch loss
+per sampled client, "client_steps" () the number of local steps taken (for throughput).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_pfl.core.evaluate import ClientEval
+from fedjax_pfl.data.federated import FederatedData
+
+Params = Any
+
+
+class EvaluateParts(NamedTuple):
+    """An algorithm's `evaluate` in two parts, so that evaluation can skip the clients whose
+    models did not change (`core.CachedEvaluation`):
+
+    - rows(state, data, ids): the entries whose value for client i is a function of client i's
+      own rows of the state alone, which only the rounds that sample i change (a personalised
+      model kept per client, stale while the client is not sampled);
+    - rest(state, data, ids): every other entry (the global model changes every round).
+
+    evaluate(state, data, ids) == {**rows(state, data, ids), **rest(state, data, ids)}.
+    """
+
+    rows: Callable[..., dict[str, ClientEval]]
+    rest: Callable[..., dict[str, ClientEval]]
+
+
+class Algorithm(NamedTuple):
+    """init(key, data) -> state; round_fn(state, data, key) -> (state, metrics); evaluate(state, data).
+
+    `evaluate_parts`, where set, splits `evaluate` by what a round can change (`EvaluateParts`).
+
+    `host_state` True declares that the round and the evaluation read and write per-client state
+    only through `core.gather` / `core.scatter` at the clients of the round's first
+    `Engine.sample` (or at the evaluated ids), and that every client starts from the same rows:
+    then `--state-placement host` can keep the rows off the devices (`core.hoststate`). Each
+    algorithm that declares it is checked bit for bit against device placement
+    (tests/core/test_hoststate.py).
+
+    `data_blocks` False declares that the round reads client samples in mapper calls dealt
+    otherwise than its training (FedFomo evaluates client-model pairs): host data placement then
+    stages each round's samples whole on every device instead of in per-device blocks
+    (`core.blocks`). True (the default) is checked at run time: a row dealt to a device without
+    its client's samples stops the run with an error."""
+
+    name: str
+    init: Callable[[jax.Array, FederatedData], Any]
+    round_fn: Callable[[Any, FederatedData, jax.Array], tuple[Any, dict]]
+    evaluate: Callable[[Any, FederatedData], dict[str, ClientEval]]
+    hparams: Mapping[str, Any]
+    evaluate_parts: EvaluateParts | None = None
+    host_state: bool = False
+    data_blocks: bool = True
+
+    def participants(self, state: Any, data: FederatedData, key: jax.Array) -> jax.Array:
+        """The ids of the clients whose samples `round_fn(state, data, key)` reads (jit-able):
+        the clients of the round's first `Engine.sample` or `Engine.train`, whichever comes first
+        (the sampled clients; every client for pFedMe and TDPFed, which train all of them before
+        sampling the uploads). Computed by running `round_fn` only up to that call, so it is the
+        round's own sampling code, not a copy of it. Host data placement (`core.Program`) moves
+        these clients' samples to the devices before the round."""
+        return round_participants(self.round_fn, state, data, key)
+
+
+class _Participants(Exception):
+    """Raised by `Engine.sample` / `Engine.train` while `round_participants` probes a round."""
+
+    def __init__(self, idx: jax.Array):
+        super().__init__("round participants")
+        self.idx = idx
+
+
+_PROBING = contextvars.ContextVar("fedjax_pfl_probing_participants", default=False)
+
+
+def round_participants(round_fn: Callable, state: Any, data: FederatedData,
+                       key: jax.Array) -> jax.Array:
+    """`Algorithm.participants`: runs `round_fn` until its first `Engine.sample` or
+    `Engine.train` and returns that call's client ids (the rest of the round is never traced)."""
+    token = _PROBING.set(True)
+    try:
+        round_fn(state, data, key)
+    except _Participants as found:
+        return found.idx
+    finally:
+        _PROBING.reset(token)
+    raise ValueError("this algorithm's round_fn neither samples (Engine.sample) nor trains "
+                     "(Engine.train) clients: the clients whose data it reads are unknown, so its "
+                     "data cannot be streamed from the host (use --data-placement device)")
+
+
+def split_evaluate(rows: Callable[..., dict[str, ClientEval]],
+                   rest: Callable[..., dict[str, ClientEval]] | None = None
+                   ) -> tuple[Callable[..., dict[str, ClientEval]], EvaluateParts]:
+    """`evaluate` from its two parts (`EvaluateParts`; `rest` None: no other entry), and the
+    parts."""
+    rest = rest or (lambda state, data, ids=None: {})
+
+    def evaluate(state, data, ids=None) -> dict[str, ClientEval]:
+        return {**rows(state, data, ids), **rest(state, data, ids)}
+
+    return evaluate, EvaluateParts(rows, rest)
+
+
+def evaluated_ids(data: FederatedData, ids: jax.Array | None) -> jax.Array:
+    """The clients an `evaluate(state, data, ids)` call covers: `ids`, or every client."""
+    return jnp.arange(data.num_clients, dtype=jnp.int32) if ids is None else jnp.asarray(ids)

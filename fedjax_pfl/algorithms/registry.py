@@ -1,0 +1,294 @@
+"""The algorithm registry and hyperparameters: `HParam` declarations (the command line, its
+help and validation come from them), the common ones (`COMMON_HPARAMS`), `AlgorithmSpec` and
+`algorithms.get`.
+
+A factory is `factory(model, config: EngineConfig, *, <its own hyperparameters by name>)`;
+`get` validates the hyperparameters (`AlgorithmSpec.resolve`) and splits them between the two
+(`AlgorithmSpec.build`). Each module registers its algorithms with an `AlgorithmSpec`, including
+the small configuration the cross-cutting tests run it with (`test_hparams`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_pfl import core
+from fedjax_pfl.algorithms.engine import EngineConfig
+from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.data.federated import FederatedData
+from fedjax_pfl.models.model import Model
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """A validity condition with the words used in the error message."""
+
+    test: Callable[[Any], bool]
+    words: str
+
+
+POSITIVE = Check(lambda v: v > 0, "> 0")
+NON_NEGATIVE = Check(lambda v: v >= 0, ">= 0")
+AT_LEAST_ONE = Check(lambda v: v >= 1, ">= 1")
+UNIT_OPEN_CLOSED = Check(lambda v: 0 < v <= 1, "in (0, 1]")
+UNIT_CLOSED = Check(lambda v: 0 <= v <= 1, "in [0, 1]")
+UNIT_CLOSED_OPEN = Check(lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class HParam:
+    """One hyperparameter: keyword name, type, default, help text and constraints.
+
+    `flag` is its command-line spelling; `aliases` are extra spellings of the same flag.
+    A default of None means "derived" (the help text says from what).
+    """
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple | None = None
+    check: Check | None = None
+    flag: str | None = None
+    aliases: tuple[str, ...] = ()
+
+    def cli_flag(self, prefix: str | None) -> str:
+        if self.flag:
+            return self.flag
+        stem = self.name.replace("_", "-")
+        return f"--{prefix}-{stem}" if prefix else f"--{stem}"
+
+    def validate(self, value: Any, flag: str) -> Any:
+        if value is None:
+            if self.default is None:
+                return None
+            value = self.default
+        if self.type is bool:
+            if not isinstance(value, (bool, int)):
+                raise ValueError(f"{flag} must be true or false, got {value!r}")
+            value = bool(value)
+        else:
+            try:
+                value = self.type(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{flag} must be {self.type.__name__}, got {value!r}") from None
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{flag} must be one of {list(self.choices)}, got {value!r}")
+        if self.check is not None and not self.check.test(value):
+            raise ValueError(f"{flag} must be {self.check.words}, got {value!r}")
+        return value
+
+
+COMMON_HPARAMS: tuple[HParam, ...] = (
+    HParam("participation", float, 0.25,
+           "fraction of clients sampled per round; M = ⌊N·rate⌋, the exact floor (one more than "
+           "the reference codes' int(N·rate) in cases such as N = 100, rate 0.29: 29 vs 28)",
+           check=UNIT_OPEN_CLOSED),
+    HParam("local_epochs", int, 1, "local epochs E: every client visits each of its samples E times",
+           check=AT_LEAST_ONE),
+    HParam("local_steps", int, None,
+           "if set: exactly K local minibatch steps per client and round instead of "
+           "--local-epochs (batches walk through reshuffled epochs of the client's data)",
+           check=AT_LEAST_ONE),
+    HParam("batch_size", int, 10, "local minibatch size B", check=AT_LEAST_ONE),
+    HParam("lr", float, 0.05, "client learning rate of local SGD", check=POSITIVE),
+    HParam("momentum", float, 0.0, "SGD momentum of the client optimizer (0: plain SGD)",
+           check=UNIT_CLOSED_OPEN),
+    HParam("momentum_buffer", str, "reset",
+           "per-client momentum buffer across participations: 'persist' keeps each client's "
+           "buffer from its last round (the PGFed reference code), 'reset' starts at zero",
+           choices=("persist", "reset"), aliases=("--pgfed-momentum-buffer",)),
+    HParam("drop_last", bool, False,
+           "drop each epoch's last partial batch: ⌊n/B⌋ steps instead of ⌈n/B⌉"),
+    HParam("backend", str, "chunked",
+           "how sampled clients run: 'chunked' (vmap over chunks of --chunk-size clients, "
+           "sequential over chunks), 'vmap' (all clients in one vectorised step), 'loop' (one "
+           "client at a time, the reference) or 'debug' (no jit at all; an error names the "
+           "client, round and stage); with several devices clients are split across them",
+           choices=core.BACKENDS),
+    HParam("chunk_size", int, 0,
+           "clients per chunk for --backend chunked and for evaluation; 0 picks it from XLA's "
+           "memory analysis of one client's step: temporaries within 16 MB and temporaries plus "
+           "parameters within 1 GiB per CPU device (whole vmap on accelerators)",
+           check=NON_NEGATIVE),
+    HParam("eval_batch_size", int, 0,
+           "test samples per evaluation batch; 0 picks the largest multiple of 8 up to 256 whose "
+           "forward pass keeps its temporaries within 2 MiB on a CPU device (XLA's memory "
+           "analysis: 256 for the MLP, 8 for the CNN, whose im2col patches then stay in cache). "
+           "PGFed's full-data gradient pass uses the same batch",
+           check=NON_NEGATIVE),
+    HParam("dp_clip", float, None,
+           "client-level differential privacy of the uplink (DP-FedAvg): each client's update "
+           "clipped to this L2 norm C ('inf': no clipping) and the server's sum noised with "
+           "--dp-noise-multiplier; unset: no privacy. Only algorithms that declare what they "
+           "privatise accept it (docs/privacy.md)",
+           check=POSITIVE),
+    HParam("dp_noise_multiplier", float, 0.0,
+           "z: Gaussian noise of standard deviation z·C on the sum of the clipped updates "
+           "(with --dp-clip; --target-epsilon computes it)",
+           check=NON_NEGATIVE),
+    HParam("dp_clip_quantile", float, None,
+           "adaptive clipping (Andrew et al., NeurIPS 2021): the clip norm, starting at "
+           "--dp-clip, follows this quantile γ of the clients' update norms, learnt from a noised "
+           "count each round (C ← C·exp(−η(b̃ − γ))); unset: a fixed clip",
+           check=Check(lambda v: 0 < v < 1, "in (0, 1)")),
+    HParam("dp_clip_lr", float, 0.2,
+           "η: the step of the adaptive clip's geometric update (with --dp-clip-quantile)",
+           check=POSITIVE),
+    HParam("dp_count_noise", float, None,
+           "σ_b: the noise standard deviation on the adaptive clip's count of unclipped updates "
+           "(with --dp-clip-quantile); default: the expected clients per round / 20",
+           check=POSITIVE),
+    HParam("sampling", str, "fixed",
+           "how a round's clients are drawn: 'fixed' (M = ⌊N·rate⌋ distinct clients, uniformly) "
+           "or 'poisson' (each client independently with probability rate; the round holds "
+           "K slots, K exceeded with probability ≤ 1e-12, unused slots empty). 'poisson' needs "
+           "--dp-clip ('inf' for no clipping): only the private server step masks the empty slots",
+           choices=("fixed", "poisson")),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+    """A registered algorithm: its factory, own hyperparameters and overrides of common defaults."""
+
+    name: str
+    factory: Callable[..., Algorithm]
+    summary: str
+    hparams: tuple[HParam, ...] = ()
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    flag_prefix: str | None = None
+    # Hyperparameters the factory uses only in arithmetic: a sweep may pass them as traced
+    # arrays and vmap one compiled program over their values (fedjax_pfl.sweep).
+    traceable: tuple[str, ...] = ("lr",)
+    # The algorithm's test configuration: hyperparameters (common or own) on top of its
+    # defaults that keep a test run small and training on the tests' linear model {w, b}
+    # (tests/helpers.py): a few local steps where the defaults would run many, both parts
+    # non-empty in a split model, persistent momentum rows where the algorithm keeps them. The
+    # cross-cutting tests (tests/core/test_sharding.py, tests/core/test_cached_evaluation.py) run
+    # every registered algorithm with it on top of their own small common settings. None: not
+    # declared (tests/algorithms/test_registry.py requires every algorithm to declare one).
+    test_hparams: Mapping[str, Any] | None = None
+    # What the algorithm privatises under --dp-clip (its uplink: e.g. "the global model's
+    # update"); None: it does not support client-level DP, and --dp-clip is refused.
+    private_uplink: str | None = None
+    # Why it does not (said when --dp-clip is refused), where the reason is known.
+    not_private: str | None = None
+
+    def all_hparams(self) -> list[tuple[HParam, str]]:
+        """(hparam with this algorithm's default, CLI flag) for common and own hyperparameters."""
+        out = []
+        for hp in COMMON_HPARAMS:
+            if hp.name in self.defaults:
+                hp = dataclasses.replace(hp, default=self.defaults[hp.name])
+            out.append((hp, hp.cli_flag(None)))
+        out += [(hp, hp.cli_flag(self.flag_prefix or self.name)) for hp in self.hparams]
+        return out
+
+    def resolve(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """Validated hyperparameters: overrides on top of defaults; unknown names are errors."""
+        table = {hp.name: (hp, flag) for hp, flag in self.all_hparams()}
+        unknown = sorted(set(overrides) - set(table))
+        if unknown:
+            raise ValueError(
+                f"{self.name} has no hyperparameter {', '.join(unknown)}; valid: {sorted(table)}"
+            )
+        return {name: hp.validate(overrides.get(name), flag) for name, (hp, flag) in table.items()}
+
+    def build(self, model: Model, hparams: Mapping[str, Any]) -> Algorithm:
+        """`factory(model, EngineConfig(common), **own)` from a full set of hyperparameters (e.g.
+        `resolve`'s): the common ones (`COMMON_HPARAMS`) go into the engine configuration, this
+        algorithm's own ones to the factory by name. Nothing is validated or converted here, so
+        a sweep may pass traced arrays (fedjax_pfl.sweep)."""
+        config, own = EngineConfig.split(hparams)
+        if config.dp_clip is not None and self.private_uplink is None:
+            supported = sorted(n for n, sp in _REGISTRY.items() if sp.private_uplink)
+            why = f" ({self.not_private})" if self.not_private else ""
+            raise ValueError(f"{self.name} does not privatise its uplink (--dp-clip){why}; "
+                             f"client-level DP is built for: {', '.join(supported)}")
+        if config.sampling == "poisson" and config.dp_clip is None:
+            raise ValueError("--sampling poisson needs --dp-clip (use --dp-clip inf for no "
+                             "clipping): a round's empty slots are masked out by the private "
+                             "server step only")
+        if config.dp_clip_quantile is not None:
+            from fedjax_pfl.algorithms import _adaptive_clip
+
+            return _adaptive_clip.adaptive_clipping(
+                lambda c: self.factory(model, c, **own), config)
+        return self.factory(model, config, **own)
+
+
+_REGISTRY: dict[str, AlgorithmSpec] = {}
+
+
+# The privacy parameters reach a private algorithm's program only as arithmetic on the uploads
+# (`Engine.private_update`, ops/dp.py): every algorithm that privatises its uplink can sweep them.
+DP_TRACEABLE = ("dp_clip", "dp_noise_multiplier")
+
+
+def register(spec: AlgorithmSpec) -> AlgorithmSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"algorithm {spec.name!r} is registered twice")
+    if spec.private_uplink is not None:
+        spec = dataclasses.replace(spec, traceable=tuple(dict.fromkeys(spec.traceable + DP_TRACEABLE)))
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def spec(name: str) -> AlgorithmSpec:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown algorithm {name!r}; expected one of {names()}")
+    return _REGISTRY[name]
+
+
+def get(name: str, *, model: Model, **hparams: Any) -> Algorithm:
+    """Builds algorithm `name` for `model` with validated hyperparameters (others at defaults).
+    Its `init(key, data)` first checks that the model fits the data (`check_model_fits`)."""
+    s = spec(name)
+    resolved = s.resolve(hparams)
+    algo = s.build(model, resolved)
+    inner_init = algo.init
+
+    def init(key: jax.Array, data: FederatedData):
+        check_model_fits(model, data)
+        return inner_init(key, data)
+
+    return algo._replace(name=name, hparams=resolved, init=init)
+
+
+def check_model_fits(model: Model, data: Any) -> None:
+    """TypeError / ValueError naming the mismatch unless `data` is a `FederatedData` whose
+    samples `model` takes and whose classes its outputs score: a classifier (the default loss,
+    softmax cross-entropy, and metric, argmax = label) must give `num_classes` outputs, else
+    its loss and accuracy compare output positions with labels of another range. From shapes only (`jax.eval_shape`), so it
+    costs one trace of the model and works inside a trace."""
+    if not isinstance(data, FederatedData):
+        raise TypeError(f"init(key, data): data must be a fedjax_pfl.data.FederatedData, got "
+                        f"{type(data).__name__}")
+    from fedjax_pfl.models.model import softmax_cross_entropy
+
+    if model.metric is not None or model.loss is not softmax_cross_entropy:
+        return          # (a model with its own loss or metric reads its outputs its own way)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((1,) + tuple(data.input_shape),
+                             jnp.int32 if data.token_inputs else jnp.float32)
+    try:
+        out = jax.eval_shape(model.apply, params, x)
+    except Exception as e:                    # (any error of the user's model on this input)
+        raise ValueError(f"model {model.name!r} does not take this data's inputs of shape "
+                         f"{tuple(data.input_shape)}: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]}") from None
+    width = out.shape[-1] if out.shape else None
+    if width != data.num_classes:
+        raise ValueError(f"model {model.name!r} gives {width} outputs per example but the data "
+                         f"{data.name or ''} has {data.num_classes} classes: build the model for "
+                         f"num_classes={data.num_classes}")
