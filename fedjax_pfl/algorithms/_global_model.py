@@ -14,6 +14,7 @@ class GlobalModelState(NamedTuple):
 
     params: Any        # global model θ                                  leaves [...]
     opt_state: Any     # per-client optimizer states (momentum_buffer=persist) [N, ...], else None
+    server: Any        # the server chain's state (Engine.init_server); () when it keeps none
     round: jax.Array   # rounds completed; shape=(), int32
     rng: jax.Array     # base key for evaluation-time randomness (fine-tuning batch order)
     CLIENT_FIELDS = ("opt_state",)  # per-client rows [N, ...]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
 from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.models.model import Model
@@ -25,6 +25,7 @@ class SplitModelState(NamedTuple):
     body: Params       # the averaged leaves θ_B (None on the kept ones)              leaves [...]
     heads: Params      # each client's kept leaves h_i (None on the averaged ones)    leaves [N, ...]
     opt_state: Any     # per-client optimizer states [N, ...] (momentum_buffer=persist), else None
+    server: Any        # the server chain's state (Engine.init_server)
     round: jax.Array   # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("heads", "opt_state")  # per-client rows [N, ...]
 
@@ -51,29 +52,23 @@ def split_fedavg(name: str, model: Model, config: EngineConfig, mask: Any) -> Al
         params = model.init(key)                   # the same initial model as every algorithm
         body, head0 = split_lib.split(params, mask)
         return SplitModelState(body, core.broadcast(head0, data.num_clients),
-                               engine.init_client_opt_states(params, data.num_clients),
-                               jnp.zeros((), jnp.int32))
+                               engine.init_opt_rows(params, data.num_clients),
+                               engine.init_server(body, data), jnp.zeros((), jnp.int32))
 
     def round_fn(state: SplitModelState, data, key: jax.Array) -> tuple[SplitModelState, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                      # S_t
-        m = idx.shape[0]
+        rnd = engine.begin(data, key)                                              # S_t
         if has_head:
-            start = split_lib.merge(core.broadcast(state.body, m), core.gather(state.heads, idx), mask)
-            opt = engine.opt_states_for(state.opt_state, idx, first_row(start))
-            result = engine.train(data, idx, start, opt, train_key)                # (θ_B, h_i)
+            start = split_lib.merge(core.broadcast(state.body, rnd.m),
+                                    core.gather(state.heads, rnd.idx), mask)
+            trained = engine.train(rnd, start, opt_rows=state.opt_state)           # (θ_B, h_i)
         else:                                      # no head: one shared start, exactly FedAvg
-            opt = engine.opt_states_for(state.opt_state, idx, state.body)
-            result = engine.train(data, idx, state.body, opt, train_key, shared_start=True)
-        bodies, heads = split_lib.split(result.params, mask)
-        weights = core.gather(data.clients.train_count, idx)
-        body, private = engine.aggregate(state.body, bodies, weights, key, data, idx=idx)   # θ_B average
-        new_state = SplitModelState(
-            body, core.scatter(state.heads, idx, heads),                           # keep h_i
-            engine.store_opt_states(state.opt_state, idx, result.opt_state), state.round + 1)
-        metrics = {**train_metrics(result, idx), **private}
-        metrics.update(engine.communication(idx, data, up_floats_per_client=body_size,
-                                            down_floats_per_client=body_size))
+            trained = engine.train(rnd, state.body, opt_rows=state.opt_state, shared_start=True)
+        bodies, heads = split_lib.split(trained.params, mask)
+        body, server, agg = engine.aggregate(rnd, state.body, bodies, rnd.train_counts,  # θ_B
+                                             state.server)                              # average
+        new_state = SplitModelState(body, core.scatter(state.heads, rnd.idx, heads),    # keep h_i
+                                    trained.opt_rows, server, state.round + 1)
+        metrics = engine.metrics(rnd, trained, up=body_size, down=body_size, server=agg)
         return new_state, metrics
 
     def evaluate(state: SplitModelState, data, ids=None) -> dict[str, core.ClientEval]:
@@ -84,4 +79,4 @@ def split_fedavg(name: str, model: Model, config: EngineConfig, mask: Any) -> Al
                                  core.gather(state.heads, ids), mask)
         return {"client": engine.evaluator.rows(data, params, ids)}
 
-    return Algorithm(name, init, round_fn, evaluate, {}, host_state=True)
+    return engine.algorithm(name, init, round_fn, evaluate, host_state=True)

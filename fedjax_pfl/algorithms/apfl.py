@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, UNIT_CLOSED, register
 from fedjax_pfl.core.local import masked_mean_loss
@@ -50,6 +50,7 @@ class State(NamedTuple):
     local: Params      # local models v_k                                     leaves [N, ...]
     alpha: jax.Array   # mixing weights α_k                                   [N]
     opt_state: Any     # per-client optimizer states of (w_k, v_k) (persist), else None
+    server: Any        # the server chain's state (Engine.init_server)
     round: jax.Array   # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("local", "alpha", "opt_state")  # per-client rows [N, ...]
     # On the devices under --state-placement host: the α statistics read every client's α.
@@ -88,32 +89,27 @@ def apfl(model: Model, config: EngineConfig, *, alpha: float, alpha_lr: float
         n, dtype = data.num_clients, jax.tree.leaves(params)[0].dtype
         alphas = jnp.full((n,), alpha, dtype)                      # α_k in the model's precision
         return State(params, core.broadcast(params, n), alphas,
-                     engine.init_client_opt_states((params, params, alphas[0]), n),
-                     jnp.zeros((), jnp.int32))
+                     engine.init_opt_rows((params, params, alphas[0]), n),
+                     engine.init_server(params, data), jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)
-        m = idx.shape[0]
-        start = (core.broadcast(state.params, m), core.gather(state.local, idx),
+        rnd = engine.begin(data, key)
+        idx = rnd.idx
+        start = (core.broadcast(state.params, rnd.m), core.gather(state.local, idx),
                  core.gather(state.alpha, idx))                                  # w_k ← w
-        opt = engine.opt_states_for(state.opt_state, idx, first_row(start))
-        result = engine.train(data, idx, start, opt, train_key)
-        w_k, v_k, a_k = result.params
-        weights = core.gather(data.clients.train_count, idx)
-        params, private = engine.aggregate(state.params, w_k, weights, key, data, idx=idx)
+        trained = engine.train(rnd, start, opt_rows=state.opt_state)
+        w_k, v_k, a_k = trained.params
+        params, server, agg = engine.aggregate(rnd, state.params, w_k, rnd.train_counts,
+                                               state.server)
         new_state = State(params, core.scatter(state.local, idx, v_k),
-                          core.scatter(state.alpha, idx, a_k),
-                          engine.store_opt_states(state.opt_state, idx, result.opt_state),
+                          core.scatter(state.alpha, idx, a_k), trained.opt_rows, server,
                           state.round + 1)
-        metrics = {**train_metrics(result, idx), **private}
+        d = ops.tree_size(params)
+        metrics = engine.metrics(rnd, trained, up=d, down=d, server=agg)
         real = data.num_real_clients
         metrics.update(alpha_mean=jnp.mean(new_state.alpha[:real]),
                        alpha_min=jnp.min(new_state.alpha[:real]),
                        alpha_max=jnp.max(new_state.alpha[:real]))
-        d = ops.tree_size(params)
-        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
-                                            down_floats_per_client=d))
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
@@ -123,7 +119,7 @@ def apfl(model: Model, config: EngineConfig, *, alpha: float, alpha_lr: float
         return {"client": engine.evaluator.rows(data, mixed, ids),
                 "global": engine.evaluator.shared(data, state.params, ids)}
 
-    return Algorithm("apfl", init, round_fn, evaluate, {}, host_state=True)
+    return engine.algorithm("apfl", init, round_fn, evaluate, host_state=True)
 
 
 def _unused(updates, state, params=None):

@@ -37,8 +37,8 @@ import optax
 
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms import _prox
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, require_choices, train_metrics
-from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, require_choices
+from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, register
 from fedjax_pfl.models.model import Model
 
@@ -50,6 +50,7 @@ class State(NamedTuple):
     personal: Params        # personal models v_k                                      leaves [N, ...]
     opt_state: Any          # per-client optimizer states of w_k's training (persist), else None
     personal_opt_state: Any  # per-client optimizer states of v_k's training (persist), else None
+    server: Any             # the server chain's state (Engine.init_server)
     round: jax.Array        # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("personal", "opt_state", "personal_opt_state")  # per-client rows [N, ...]
 
@@ -67,43 +68,30 @@ def ditto(model: Model, config: EngineConfig, *, lam: float, prox_step: str
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
         n = data.num_clients
-        return State(params, core.broadcast(params, n), engine.init_client_opt_states(params, n),
-                     personal.init_client_opt_states(params, n), jnp.zeros((), jnp.int32))
+        return State(params, core.broadcast(params, n), engine.init_opt_rows(params, n),
+                     personal.init_opt_rows(params, n), engine.init_server(params, data),
+                     jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        personal_key = jax.random.fold_in(train_key, 1)
-        idx = engine.sample(sample_key, data)                                      # S_t
-        m = idx.shape[0]
-        opt = engine.opt_states_for(state.opt_state, idx, state.params)
-        result = engine.train(data, idx, state.params, opt, train_key, shared_start=True)  # w_k
-        v = core.gather(state.personal, idx)
-        popt = personal.opt_states_for(state.personal_opt_state, idx, state.params)
-        mine = personal.train(data, idx, v, popt, personal_key,                    # v_k, anchor w^t
-                              extra={"anchor": core.broadcast(state.params, m)})
-        weights = core.gather(data.clients.train_count, idx)
-        params, private = engine.aggregate(state.params, result.params, weights,    # w^{t+1}
-                                           key, data, idx=idx)
-        new_state = State(params, core.scatter(state.personal, idx, mine.params),
-                          engine.store_opt_states(state.opt_state, idx, result.opt_state),
-                          personal.store_opt_states(state.personal_opt_state, idx, mine.opt_state),
-                          state.round + 1)
-        metrics = {**train_metrics(result, idx), **private}
+        rnd = engine.begin(data, key)                                              # S_t
+        trained = engine.train(rnd, state.params, opt_rows=state.opt_state, shared_start=True)  # w_k
+        mine = personal.train(rnd, core.gather(state.personal, rnd.idx),           # v_k, anchor w^t
+                              opt_rows=state.personal_opt_state,
+                              key=jax.random.fold_in(rnd.keys["train"], 1),
+                              extra={"anchor": core.broadcast(state.params, rnd.m)})
+        params, server, agg = engine.aggregate(rnd, state.params, trained.params,  # w^{t+1}
+                                               rnd.train_counts, state.server)
+        new_state = State(params, core.scatter(state.personal, rnd.idx, mine.params),
+                          trained.opt_rows, mine.opt_rows, server, state.round + 1)
+        d = ops.tree_size(params)
+        metrics = engine.metrics(rnd, trained, up=d, down=d, server=agg)
         metrics["client_steps"] = metrics["client_steps"] + jnp.sum(mine.num_steps)
         metrics["personal_train_loss"] = mine.loss
-        d = ops.tree_size(params)
-        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
-                                            down_floats_per_client=d))
         return new_state, metrics
 
-    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.personal, ids)}
-
-    def evaluate_global(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"global": engine.evaluator.shared(data, state.params, ids)}
-
-    evaluate, parts = split_evaluate(evaluate_personal, evaluate_global)
-    return Algorithm("ditto", init, round_fn, evaluate, {}, parts, host_state=True)
+    evaluate, parts = engine.evaluation(personal=lambda state: state.personal,
+                                        shared=lambda state: state.params)
+    return engine.algorithm("ditto", init, round_fn, evaluate, parts, host_state=True)
 
 
 register(AlgorithmSpec(

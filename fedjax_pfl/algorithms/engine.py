@@ -1,28 +1,46 @@
 """The shared engine an algorithm is assembled from: its configuration (`EngineConfig`, the
-common hyperparameters), sampling, local training, evaluation and the server's aggregation
-(`Engine`), and the round's common metrics (`train_metrics`, `communication`).
+common hyperparameters) and `Engine`, which owns each round's common steps.
+
+A round reads like its paper because everything around the paper's lines is the engine's:
+
+    rnd = engine.begin(data, key)                        # keys and S_t (`Round`)
+    trained = engine.train(rnd, state.params, opt_rows=state.opt_state, shared_start=True)
+    params, server, agg = engine.aggregate(rnd, state.params, trained.params,
+                                           rnd.train_counts, state.server)
+    metrics = engine.metrics(rnd, trained, up=d, down=d, server=agg)
+
+  * keys and sampling: `begin` splits the round's key into the sampling key and the
+    algorithm's named streams (`streams`, default ("train",)) and samples S_t; `participants`
+    gives the same ids without running the round (host and sharded data placement stage them);
+  * client optimizer states: `train(..., opt_rows=...)` gathers the sampled clients' stored
+    rows (or starts fresh ones) and scatters the trained ones back (`Trained.opt_rows`);
+  * the server side: `aggregate` sends the stacked uploads through the one server chain
+    (`core.server`): clip → noise (privacy, only there) → reduce → update, assembled from the
+    configuration; its state lives in the algorithm's state (`server` field, `init_server`);
+  * the metrics every round reports (`metrics`: sampled, train_loss, client_steps, the
+    communication counts, the chain's);
+  * evaluation of personal and shared models (`evaluation`) and the `Algorithm` itself with its
+    declared participants (`algorithm`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+import math
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core
-from fedjax_pfl.algorithms.interface import _PROBING, _Participants, evaluated_ids
-from fedjax_pfl.core.evaluate import Evaluator
+from fedjax_pfl.algorithms.interface import Algorithm, EvaluateParts, evaluated_ids, split_evaluate
+from fedjax_pfl.core import server as server_lib
+from fedjax_pfl.core.evaluate import ClientEval, Evaluator
 from fedjax_pfl.core.local import LocalResult, LocalTrainer
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
 from fedjax_pfl.ops import dp
-
-# The stream of a round's key that DP noise draws from (jax.random.fold_in): a private round's
-# other keys (sampling, training) stay those of the plain round.
-DP_NOISE = 0x0D9
 
 Params = Any
 
@@ -76,8 +94,40 @@ def expected_clients(config: EngineConfig, num_real: int) -> float:
 
 
 
+class Round(NamedTuple):
+    """One round's common inputs, drawn by `Engine.begin` from the round's key."""
+
+    data: FederatedData
+    key: jax.Array                 # the round's key (the server chain folds its noise from it)
+    idx: jax.Array                 # S_t: the round's client slots, [M] int32
+    keys: Mapping[str, jax.Array]  # the algorithm's named key streams ("train", …)
+
+    @property
+    def m(self) -> int:
+        """M, the round's slots (static)."""
+        return self.idx.shape[0]
+
+    @property
+    def train_counts(self) -> jax.Array:
+        """[M] the sampled clients' training sample counts n_i (FedAvg's weights)."""
+        return core.gather(self.data.clients.train_count, self.idx)
+
+
+class Trained(NamedTuple):
+    """`Engine.train`'s result: `LocalResult`'s fields (leading axis M) and the stored optimizer
+    rows with the trained clients' written back (`opt_rows`, when the call was given them)."""
+
+    params: Params
+    opt_state: Any
+    hook_state: Any
+    loss: jax.Array
+    num_steps: jax.Array
+    opt_rows: Any = None
+
+
 class Engine:
-    """Sampling, local training, evaluation and aggregation configured from the common hparams."""
+    """Sampling, local training, the server chain, evaluation and the round's common metrics,
+    configured from the common hyperparameters (module docstring)."""
 
     def __init__(
         self,
@@ -88,13 +138,22 @@ class Engine:
         on_step=None,
         optimizer: optax.GradientTransformation | None = None,
         step_fn=None,
+        streams: Sequence[str] = ("train",),
+        trains: str = "sampled",
     ):
         """`client_transform` is chained before the default client optimizer sgd(lr, momentum);
         `optimizer` replaces both; `step_fn` replaces the default minibatch step and `on_step`
-        adds a per-step hook (see LocalTrainer)."""
+        adds a per-step hook (see LocalTrainer). `streams` names the keys `begin` splits from a
+        round's key after the sampling key (jax.random.split(key, 1 + len(streams))). `trains`
+        is "sampled" (a round trains S_t) or "all" (pFedMe and TDPFed train every client, then
+        sample the uploads): the clients whose samples a round reads (`participants`)."""
+        if trains not in ("sampled", "all"):
+            raise ValueError(f"trains must be 'sampled' or 'all', got {trains!r}")
         self.model = model
         self.config = config
         self.participation = config.participation
+        self.streams = tuple(streams)
+        self.trains = trains
         self.persist_opt_state = config.momentum_buffer == "persist" and config.momentum > 0
         self.mapper = core.client_mapper(config.backend, config.chunk_size)
         if optimizer is None:
@@ -108,6 +167,9 @@ class Engine:
             drop_last=config.drop_last, on_step=on_step, step_fn=step_fn, **schedule,
         )
         self.evaluator = Evaluator(model, batch_size=config.eval_batch_size, mapper=self.mapper)
+        self.server = server_chain(config)
+
+    # -- sampling ---------------------------------------------------------------------------------
 
     @property
     def poisson(self) -> bool:
@@ -137,17 +199,6 @@ class Engine:
             return idx.shape[0]               # (a constant: the fixed-size program is unchanged)
         return jnp.sum(self.participating(idx, data), dtype=jnp.int32)
 
-    def communication(self, idx: jax.Array, data: FederatedData, *, up_floats_per_client,
-                      down_floats_per_client, down_clients=None, **more) -> dict[str, jax.Array]:
-        """`communication` of a round whose slots are `idx`: each direction counts the round's
-        participants (`num_participants`: under Poisson sampling not its empty slots), or, for
-        the downlink, `down_clients` where it reaches other clients (pFedMe and TDPFed: every
-        client they train)."""
-        sent = self.num_participants(idx, data)
-        return communication(up_clients=sent, up_floats_per_client=up_floats_per_client,
-                             down_clients=sent if down_clients is None else down_clients,
-                             down_floats_per_client=down_floats_per_client, **more)
-
     def sample(self, key: jax.Array, data: FederatedData) -> jax.Array:
         """This round's client ids, deterministic in `key`: M of them, sorted ascending, or, when
         clients are split over several devices, in the order that gives every device an equal
@@ -167,87 +218,146 @@ class Engine:
         if devices > 1:
             steps = self.trainer.num_steps(core.gather(data.clients.train_count, idx))
             idx = idx[core.balanced_order(steps, devices)]
-        if _PROBING.get():
-            raise _Participants(idx)
         return idx
 
-    def init_client_opt_states(self, params: Params, num_clients: int) -> Any:
+    def begin(self, data: FederatedData, key: jax.Array) -> Round:
+        """The round's keys and clients: the key split into the sampling key and the named
+        `streams`, and S_t sampled from the first (`sample`)."""
+        keys = jax.random.split(key, 1 + len(self.streams))
+        return Round(data, key, self.sample(keys[0], data), dict(zip(self.streams, keys[1:])))
+
+    def everyone(self, data: FederatedData) -> jax.Array:
+        """[N] every client's id (an algorithm that trains all of them: `trains="all"`)."""
+        return jnp.arange(data.num_clients, dtype=jnp.int32)
+
+    def participants(self, data: FederatedData, key: jax.Array) -> jax.Array:
+        """The ids of the clients whose samples the round of `key` reads: its S_t (`begin`), or
+        every client where the algorithm trains all. Host and sharded data placement move these
+        clients' samples to the devices before the round; nothing of the round is traced."""
+        if self.trains == "all":
+            return self.everyone(data)
+        return self.begin(data, key).idx
+
+    # -- local training ---------------------------------------------------------------------------
+
+    def init_opt_rows(self, params: Params, num_clients: int) -> Any:
         """[N] per-client optimizer states when they persist across rounds, else None."""
         if not self.persist_opt_state:
             return None
         return core.broadcast(self.trainer.init_opt_state(params), num_clients)
 
-    def opt_states_for(self, stored: Any, idx: jax.Array, params: Params) -> Any:
-        """The sampled clients' optimizer states: their stored rows, or fresh ones for a model
-        shaped like `params` (one model, unstacked)."""
-        if self.persist_opt_state:
-            return core.gather(stored, idx)
-        return core.broadcast(self.trainer.init_opt_state(params), idx.shape[0])
-
-    def store_opt_states(self, stored: Any, idx: jax.Array, rows: Any) -> Any:
-        return core.scatter(stored, idx, rows) if self.persist_opt_state else stored
-
     def train(
         self,
-        data: FederatedData,
-        idx: jax.Array,
-        params: Params,
-        opt_state: Any,
-        key: jax.Array,
+        rnd: Round,
+        start: Params,
+        *,
+        opt_rows: Any = None,
+        opt_state: Any = None,
+        key: jax.Array | None = None,
+        idx: jax.Array | None = None,
+        data: FederatedData | None = None,
         extra: dict | None = None,
         hook_state: Any = None,
         shared_start: bool = False,
-    ) -> LocalResult:
-        """Local training of the clients `idx`, starting from `params` ([M, ...]; or one model
-        for all of them with `shared_start`)."""
-        if _PROBING.get():
-            raise _Participants(idx)
+        trainer: LocalTrainer | None = None,
+        opt_like: Params | None = None,
+    ) -> Trained:
+        """Local training of the round's clients (`idx`, default S_t), starting from `start`
+        ([M, ...]; or one model for all of them with `shared_start`), with the round's "train"
+        key (or `key`) on the round's data (or `data`), by the engine's trainer (or `trainer`:
+        another phase of local training, FedRep's head and body).
+
+        Optimizer states: `opt_rows` the stored per-client rows ([N, ...]; None when they do not
+        persist): the clients' rows are gathered and the trained ones scattered back into
+        `Trained.opt_rows`; or `opt_state` the clients' states ([M, ...]); neither: fresh states
+        for a model shaped like `start` (or `opt_like`, where the trained carry holds more than
+        the optimised model: MOON's)."""
+        idx = rnd.idx if idx is None else idx
+        data = rnd.data if data is None else data
+        key = rnd.keys["train"] if key is None else key
+        trainer = self.trainer if trainer is None else trainer
+        one = opt_like if opt_like is not None else start if shared_start else first_row(start)
+        if opt_state is None:
+            if opt_rows is not None and self.persist_opt_state:
+                opt_state = core.gather(opt_rows, idx)
+            else:
+                opt_state = core.broadcast(trainer.init_opt_state(one), idx.shape[0])
         keys = client_keys(key, idx)
-        return self.trainer(data, params, opt_state, core.gather(data.clients, idx), keys,
-                            extra=extra, hook_state=hook_state, shared_start=shared_start, ids=idx)
+        result = trainer(data, start, opt_state, core.gather(data.clients, idx), keys,
+                         extra=extra, hook_state=hook_state, shared_start=shared_start, ids=idx)
+        rows = opt_rows
+        if opt_rows is not None and self.persist_opt_state:
+            rows = core.scatter(opt_rows, idx, result.opt_state)
+        return Trained(*result, opt_rows=rows)
+
+    def run_loop(self, loop: core.ClientLoop, *, probe: Callable | None = None,
+                 stage: str = "client loop") -> Callable:
+        """A jitted `run(shared, rows, ids)` of one client's computation written as a
+        `core.ClientLoop` (steps over its own data, such as FedALA's weight learning), mapped
+        over the clients' rows by this engine's mapper like local training (vmapped, chunked
+        by length or looped; `probe(*shared, row)` is one step, for the automatic chunk size).
+        Build it once, in the factory."""
+        mapper = self.mapper
+
+        def run(shared: tuple, rows: Any, ids: jax.Array | None = None):
+            return mapper.run(loop, rows, shared=shared, probe=probe, ids=ids, stage=stage)
+
+        return core.jit_unless_loop(mapper, run)
+
+    # -- the server side --------------------------------------------------------------------------
 
     @property
     def private(self) -> bool:
         """Whether the uplink is privatised (--dp-clip set)."""
         return self.config.dp_clip is not None
 
-    def aggregate(self, start: Params, uploads: Params, weights: jax.Array, key: jax.Array,
-                  data: FederatedData, *, idx: jax.Array) -> tuple[Params, dict[str, jax.Array]]:
-        """The server's mean of the uploads of the clients `idx` (models, or a model's shared
-        part, that started from `start`): Σ_i (w_i / Σ w) θ_i; under --dp-clip, DP-FedAvg's
-        `private_update` instead (uniform weights, a fixed denominator). Returns (the mean, the
-        privacy metrics: none without --dp-clip)."""
-        if not self.private:
-            return core.mean_over_clients(uploads, weights), {}
-        return self.private_update(start, uploads, key, data, idx=idx)
+    def init_server(self, start: Params, data: FederatedData) -> dict:
+        """The server chain's initial state for a server value shaped like `start` (no leaves
+        unless a link keeps state: the adaptive clip's C_t). Checks the chain's settings that
+        need the data (the adaptive clip's noise split)."""
+        if self.config.dp_clip_quantile is not None:
+            check_adaptive_clip(self.config, data.num_real_clients)
+        return self.server.init(start)
 
-    def private_update(self, start: Params, client_params: Params, key: jax.Array,
-                       data: FederatedData, *, idx: jax.Array
-                       ) -> tuple[Params, dict[str, jax.Array]]:
-        """DP-FedAvg's server step (`ops.dp`): start + (Σ_k clip_C(θ_k − start) + N(0, z²C²))/D
-        over the clients k of `idx` that take part, D = the clients expected per round (the
-        fixed denominator: M, or q·N under Poisson sampling, whose empty slots add nothing).
-        `key` is the round's key; the noise draws from its own stream (fold_in), so the rest of
-        the round keeps its keys. Metrics: the fraction of participants clipped, their mean
-        update norm."""
-        clip = self.config.dp_clip
-        if not jax.tree.leaves(client_params):           # nothing is sent (an empty shared part)
-            return start, {"dp_clipped_fraction": jnp.zeros(()), "dp_update_norm": jnp.zeros(())}
-        mask = self.participating(idx, data) if self.poisson else None
-        total, norms = dp.clipped_update_sum(client_params, start, clip, mask=mask)
-        mean = dp.noisy_mean(total, jax.random.fold_in(key, DP_NOISE),
-                             clip=clip, noise_multiplier=self.config.dp_noise_multiplier,
-                             denominator=self.expected_clients(data))
-        params = jax.tree.map(jnp.add, start, mean)
-        if mask is None:
-            return params, {"dp_clipped_fraction": jnp.mean(norms > clip),
-                            "dp_update_norm": jnp.mean(norms)}
-        count = jnp.maximum(jnp.sum(mask), 1)
-        return params, {"dp_clipped_fraction": jnp.sum(mask & (norms > clip)) / count,
-                        "dp_update_norm": jnp.sum(jnp.where(mask, norms, 0.0)) / count}
+    def aggregate(self, rnd: Round, start: Params, uploads: Params, weights: jax.Array | None,
+                  server: dict) -> tuple[Params, dict, dict[str, jax.Array]]:
+        """The server's new value from the round's uploads (models, or a model's shared part,
+        that started from `start`; updates with a zero `start`) through the server chain:
+        FedAvg's Σ_i (w_i / Σ w) θ_i, or under --dp-clip DP-FedAvg's start + (Σ clip_C(θ_i −
+        start) + N(0, z²C²))/D over the participants (uniform weights, the fixed denominator D).
+        Returns (the new value, the chain's new state, its metrics)."""
+        context = server_lib.Context(
+            key=rnd.key, slots=rnd.m,
+            mask=self.participating(rnd.idx, rnd.data) if self.poisson else None,
+            expected=self.expected_clients(rnd.data))
+        return self.server(start, uploads, weights, server, context)
+
+    # -- metrics ----------------------------------------------------------------------------------
+
+    def metrics(self, rnd: Round, trained: Trained | LocalResult, *, up=None, down=None,
+                down_clients=None, server: Mapping[str, jax.Array] | None = None,
+                **more) -> dict[str, jax.Array]:
+        """The metrics every round reports: "sampled" (S_t), "train_loss" and "client_steps" of
+        `trained` (and "trained", every id, where the algorithm trains all), the communication
+        counts (`communication`: `up` and `down` floats per participant; `down_clients` where
+        the downlink reaches other clients; `more` adds comm_<name> totals; none for an
+        algorithm that sends nothing, up and down None), and the server chain's metrics."""
+        out = {"sampled": rnd.idx, "train_loss": trained.loss,
+               "client_steps": jnp.sum(trained.num_steps)}
+        if self.trains == "all":
+            out["trained"] = self.everyone(rnd.data)
+        if up is not None or down is not None:
+            sent = self.num_participants(rnd.idx, rnd.data)
+            out.update(communication(up_clients=sent, up_floats_per_client=up,
+                                     down_clients=sent if down_clients is None else down_clients,
+                                     down_floats_per_client=down, **more))
+        out.update(server or {})
+        return out
+
+    # -- evaluation and the algorithm ------------------------------------------------------------
 
     def evaluate_after_training(self, trainer: LocalTrainer, data: FederatedData, params: Params,
-                                key: jax.Array, ids: jax.Array | None) -> core.ClientEval:
+                                key: jax.Array, ids: jax.Array | None) -> ClientEval:
         """Each evaluated client (`ids`, or all) trains its own copy of the shared model `params`
         with `trainer` (FT's fine-tuning, Per-FedAvg's adaptation step), from a fresh optimizer
         state, and is evaluated with the model it ends with."""
@@ -257,20 +367,94 @@ class Engine:
                           shared_start=True, ids=ids)
         return self.evaluator.rows(data, trained.params, ids)
 
+    def evaluation(self, *, personal: Callable[[Any], Params] | None = None,
+                   shared: Callable[[Any], Params] | None = None
+                   ) -> tuple[Callable, EvaluateParts | None]:
+        """(evaluate, evaluate_parts) of an algorithm whose clients use a personal model kept
+        per client (`personal(state)`: leaves [N, ...], "client") and/or a shared one
+        (`shared(state)`: "global", or "client" when there is no personal model). Personal
+        models change only where a round samples them: they are the cached part."""
+        def rows(state, data, ids=None) -> dict[str, ClientEval]:
+            return {"client": self.evaluator.personal(data, personal(state), ids)}
+
+        def rest(state, data, ids=None) -> dict[str, ClientEval]:
+            return {"global": self.evaluator.shared(data, shared(state), ids)}
+
+        if personal is None:
+            def evaluate(state, data, ids=None) -> dict[str, ClientEval]:
+                return {"client": self.evaluator.shared(data, shared(state), ids)}
+
+            return evaluate, None
+        return split_evaluate(rows, rest if shared is not None else None)
+
+    def algorithm(self, name: str, init: Callable, round_fn: Callable, evaluate: Callable,
+                  evaluate_parts: EvaluateParts | None = None, *, host_state: bool = False,
+                  data_blocks: bool = True) -> Algorithm:
+        """The `Algorithm`, its participants declared by this engine (`participants`)."""
+        return Algorithm(name, init, round_fn, evaluate, {}, evaluate_parts,
+                         host_state=host_state, data_blocks=data_blocks,
+                         participants=self.participants)
+
+
+# -- the server chain from the configuration ------------------------------------------------------
+
+
+def server_chain(config: EngineConfig) -> server_lib.ServerChain:
+    """The server side of `config`'s rounds (`core.server`): without --dp-clip FedAvg's weighted
+    mean; with it DP-FedAvg's clip → noised mean → update, the clip fixed or adapted
+    (--dp-clip-quantile, Andrew et al. 2021)."""
+    if config.dp_clip_quantile is not None:
+        check_adaptive_clip(config)
+    if config.dp_clip is None:
+        return server_lib.chain(server_lib.weighted_mean(), server_lib.apply_update())
+    if config.dp_clip_quantile is None:
+        return server_lib.chain(server_lib.clip(config.dp_clip),
+                                server_lib.noised_mean(config.dp_noise_multiplier),
+                                server_lib.apply_update())
+    sigma = lambda context: count_noise(config, context.expected)
+    return server_lib.chain(
+        server_lib.adaptive_clip(config.dp_clip, quantile=config.dp_clip_quantile,
+                                 lr=config.dp_clip_lr, count_noise=sigma),
+        server_lib.noised_mean(lambda context: dp.update_noise_multiplier(
+            config.dp_noise_multiplier, sigma(context))),
+        server_lib.apply_update())
+
+
+def count_noise(config: EngineConfig, expected):
+    """σ_b of the adaptive clip's count: --dp-count-noise, or D/20 (Andrew et al., Section
+    3.1); 0 without noise (z = 0)."""
+    sigma = config.dp_count_noise if config.dp_count_noise is not None else expected / 20.0
+    z = config.dp_noise_multiplier
+    if isinstance(z, jax.core.Tracer):                  # (swept)
+        return jnp.where(z > 0, sigma, 0.0)
+    return float(sigma) if z > 0 else 0.0
+
+
+def check_adaptive_clip(config: EngineConfig, num_real: int | None = None) -> None:
+    """ValueError naming the flag, for adaptive-clip settings that can be checked before
+    tracing (the noise split needs the clients: `num_real`)."""
+    if config.dp_clip is None:
+        raise ValueError("--dp-clip-quantile needs --dp-clip (the initial clip norm C_0)")
+    if not 0.0 < config.dp_clip_quantile < 1.0:
+        raise ValueError(f"--dp-clip-quantile must be in (0, 1), got {config.dp_clip_quantile!r}")
+    concrete = not isinstance(config.dp_clip, jax.core.Tracer)
+    if concrete and not math.isfinite(config.dp_clip):
+        raise ValueError("--dp-clip-quantile adapts a finite --dp-clip (C_0), got inf")
+    z = config.dp_noise_multiplier
+    if num_real is None or isinstance(z, jax.core.Tracer) or not z > 0:
+        return
+    sigma = float(count_noise(config, expected_clients(config, num_real)))
+    if not 2 * sigma > z:
+        raise ValueError(
+            f"--dp-clip-quantile: the count's noise σ_b = {sigma:.3g} must exceed z/2 = {z / 2:.3g} "
+            "(the update noise z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2) keeps the accounted z): raise "
+            "--dp-count-noise, or sample more clients a round")
+
 
 def client_keys(key: jax.Array, idx: jax.Array) -> jax.Array:
     """One key per client, folded from the client id: a client's batch order in a round does not
     depend on which other clients were sampled or on their order (vmap == loop)."""
     return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, idx)
-
-
-def train_metrics(result: LocalResult, idx: jax.Array) -> dict[str, jax.Array]:
-    """The metrics every round_fn reports."""
-    return {
-        "sampled": idx,
-        "train_loss": result.loss,
-        "client_steps": jnp.sum(result.num_steps),
-    }
 
 
 def communication(*, up_clients, up_floats_per_client, down_clients,
@@ -280,7 +464,7 @@ def communication(*, up_clients, up_floats_per_client, down_clients,
     `comm_up_floats` (clients → server) and `comm_down_floats` (server → clients); `more` adds
     variants under `comm_<name>` (e.g. the downlink with a dense tensor). The runner sums every
     `comm_*` metric over rounds into summary.json's "communication" totals. A round counts its
-    participants with `Engine.communication` (under Poisson sampling not the empty slots).
+    participants with `Engine.metrics` (under Poisson sampling not the empty slots).
     """
     as_float = lambda v: jnp.asarray(v, jnp.float32)
     out = {"comm_up_floats": as_float(up_clients) * as_float(up_floats_per_client),

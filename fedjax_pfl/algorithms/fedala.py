@@ -17,8 +17,9 @@ server: θ ← Σ_{i∈S_t} (n_i / Σ_{k∈S_t} n_k) θ_i   (FedAvg's sample wei
 
 W_i starts at ones (θ̂_i = θ) and persists across rounds (R2). A client's first participation
 skips ALA: it has no local model yet and starts from θ (R6). Unsampled clients keep θ_i, W_i.
-The W steps run as one ClientLoop per client through the engine's mapper (`AdaptiveAggregation`:
-vmapped, chunked or looped like local training), never a Python loop over clients.
+The W steps of a client are one `core.ClientLoop` (`ala_loop`) that the engine maps over the
+sampled clients (`Engine.run_loop`: vmapped, chunked or looped like local training), never a
+Python loop over clients.
 Evaluated: each client's θ_i after its last local training ("client"; the shared initial model
 for clients never sampled) and θ ("global"). Communication: θ down and θ_i up, d floats each.
 """
@@ -26,18 +27,17 @@ for clients never sampled) and θ ("global"). Communication: θ down and θ_i up
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, train_metrics
-from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys
+from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, Check, HParam, NON_NEGATIVE, POSITIVE, register
 from fedjax_pfl.core import split as split_lib
-from fedjax_pfl.core.execution import ClientLoop, ClientMapper, jit_unless_loop
-from fedjax_pfl.data.federated import ClientSplits, FederatedData
+from fedjax_pfl.data.federated import ClientSplits
 from fedjax_pfl.models.model import Model
 
 Params = Any
@@ -50,6 +50,7 @@ class State(NamedTuple):
     warm: jax.Array       # client i's start-phase ALA is done                    [N] bool
     opt_state: Any        # per-client optimizer states (momentum_buffer=persist) [N, ...], else None
     global_params: Params  # global model θ                                        leaves [...]
+    server: Any           # the server chain's state (Engine.init_server)
     round: jax.Array      # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("params", "weights", "started", "warm", "opt_state")  # rows [N, ...]
 
@@ -119,7 +120,7 @@ def ala_step(model: Model, top: Params, eta, global_params: Params, local_top: P
 
 
 # ----------------------------------------------------------------------------------------------
-# The ALA weight learning of many clients as one ClientLoop each
+# The ALA weight learning of one client, as a ClientLoop the engine maps over the clients
 
 
 class AlaRow(NamedTuple):
@@ -133,11 +134,7 @@ class AlaRow(NamedTuple):
 
 
 class AlaCarry(NamedTuple):
-    local_top: Params
-    weights: Params
-    client: ClientSplits
-    key: jax.Array
-    passes: jax.Array
+    row: AlaRow           # (its weights the current W)
     epoch_loss: jax.Array  # Σ of this pass's minibatch losses so far; shape=()
     history: jax.Array     # the last `patience` pass losses (ring buffer); [patience]
     epochs: jax.Array      # passes completed while still learning; shape=() int32
@@ -158,8 +155,10 @@ def subset_size(count: jax.Array, rand_percent: float) -> jax.Array:
     return jnp.where(count > 0, jnp.clip(k, 1, count), 0)
 
 
-class AdaptiveAggregation:
-    """ALA's weight learning for M clients (R3–R5), each a `ClientLoop` run by the engine's mapper.
+def ala_loop(model: Model, top: Params, *, eta, rand_percent: float, batch_size: int,
+             threshold: float, patience: int) -> tuple[core.ClientLoop, Callable]:
+    """ALA's weight learning for one client (R3–R5), as a `core.ClientLoop` over the shared
+    (data, θ), and one step of it (the probe of the automatic chunk size).
 
     Client i draws D_i^s: the first |D_i^s| positions of a keyed random permutation of its n_i
     training samples (`core.epoch_permutation`), fixed for the round, visited in that order in
@@ -167,78 +166,52 @@ class AdaptiveAggregation:
     loss recorded; a client with `passes` = P stops updating W after P passes, or earlier once it
     has more than `patience` pass losses and the std of the last `patience` is < `threshold`
     (population std, as np.std). Steps after that leave W unchanged (the loop's length is fixed
-    per client up front: P passes).
-    """
+    per client up front: P passes)."""
+    percent, batch = float(rand_percent), int(batch_size)
 
-    def __init__(self, model: Model, top: Params, *, eta, rand_percent: float, batch_size: int,
-                 threshold: float, patience: int, mapper: ClientMapper):
-        self.model, self.top, self.eta = model, top, eta
-        self.rand_percent, self.batch_size = float(rand_percent), int(batch_size)
-        self.threshold, self.patience = float(threshold), int(patience)
-        self.mapper = mapper
-        self._loop, self._probe = self._make_loop()
-        self._run = jit_unless_loop(mapper, self._map)
+    def per_pass(count):
+        return core.steps_per_epoch(subset_size(count, percent), batch)
 
-    def batches_per_pass(self, count: jax.Array) -> jax.Array:
-        return core.steps_per_epoch(subset_size(count, self.rand_percent), self.batch_size)
+    def init(shared, row: AlaRow) -> AlaCarry:
+        return AlaCarry(row, jnp.zeros(()), jnp.zeros((patience,)), jnp.zeros((), jnp.int32),
+                        row.passes <= 0)
 
-    def __call__(self, data: FederatedData, global_params: Params, local_top: Params,
-                 weights: Params, clients: ClientSplits, keys: jax.Array, passes: jax.Array,
-                 ids: jax.Array | None = None) -> AlaResult:
-        """W after ALA for M clients; every argument but `data` and `global_params` has leading
-        axis M (`passes`: [M] int32)."""
-        return self._run(data, global_params, local_top, weights, clients, keys, passes, ids)
+    def step(shared, carry: AlaCarry, t) -> AlaCarry:
+        data, global_params = shared
+        row = carry.row
+        client = row.client
+        k = subset_size(client.train_count, percent)
+        batches = jnp.maximum(per_pass(client.train_count), 1)
+        b = t % batches
+        positions = b * batch + jnp.arange(batch)
+        mask = positions < k                                       # D_i^s: the first k positions
+        rows = client.train_start + core.epoch_permutation(row.key, client.train_count, positions)
+        new_w, loss = ala_step(model, top, eta, global_params, row.local_top, row.weights,
+                               data.inputs(rows), data.labels(rows), mask)
+        weights = jax.tree.map(lambda n, o: jnp.where(carry.done, o, n), new_w, row.weights)
+        epoch_loss = carry.epoch_loss + jnp.where(carry.done, 0.0, loss)
+        # End of a pass: record its mean loss, then stop after the budget or on convergence.
+        last = (b == batches - 1) & ~carry.done
+        mean = epoch_loss / batches
+        history = jnp.where(last, jnp.roll(carry.history, -1).at[-1].set(mean), carry.history)
+        epochs = carry.epochs + last.astype(jnp.int32)
+        settled = (epochs > patience) & (jnp.std(history) < threshold)
+        done = carry.done | (last & ((epochs >= row.passes) | settled))
+        return AlaCarry(row._replace(weights=weights), jnp.where(last, 0.0, epoch_loss), history,
+                        epochs, done)
 
-    def _map(self, data, global_params, local_top, weights, clients, keys, passes, ids=None):
-        rows = AlaRow(local_top, weights, clients, keys, jnp.asarray(passes, jnp.int32))
-        return self.mapper.run(self._loop, rows, shared=(data, global_params), probe=self._probe,
-                               ids=ids, stage="adaptive local aggregation")
+    def finish(shared, carry: AlaCarry) -> AlaResult:
+        loss = jnp.where(carry.epochs > 0, carry.history[-1], 0.0)
+        return AlaResult(carry.row.weights, carry.epochs, loss.astype(jnp.float32))
 
-    def _make_loop(self):
-        model, top, eta, batch = self.model, self.top, self.eta, self.batch_size
-        patience, threshold, percent = self.patience, self.threshold, self.rand_percent
+    def length(row: AlaRow):
+        return row.passes * per_pass(row.client.train_count)
 
-        def init(shared, row: AlaRow) -> AlaCarry:
-            return AlaCarry(row.local_top, row.weights, row.client, row.key, row.passes,
-                            jnp.zeros(()), jnp.zeros((patience,)), jnp.zeros((), jnp.int32),
-                            row.passes <= 0)
+    def probe(data, global_params, row):
+        shared = (data, global_params)
+        return step(shared, init(shared, row), jnp.zeros((), jnp.int32))
 
-        def step(shared, carry: AlaCarry, t) -> AlaCarry:
-            data, global_params = shared
-            client = carry.client
-            k = subset_size(client.train_count, percent)
-            per_pass = jnp.maximum(core.steps_per_epoch(k, batch), 1)
-            b = t % per_pass
-            positions = b * batch + jnp.arange(batch)
-            mask = positions < k                                   # D_i^s: the first k positions
-            rows = client.train_start + core.epoch_permutation(carry.key, client.train_count,
-                                                               positions)
-            new_w, loss = ala_step(model, top, eta, global_params, carry.local_top, carry.weights,
-                                   data.inputs(rows), data.labels(rows), mask)
-            weights = jax.tree.map(lambda n, o: jnp.where(carry.done, o, n), new_w, carry.weights)
-            epoch_loss = carry.epoch_loss + jnp.where(carry.done, 0.0, loss)
-            # End of a pass: record its mean loss, then stop after the budget or on convergence.
-            last = (b == per_pass - 1) & ~carry.done
-            mean = epoch_loss / per_pass
-            history = jnp.where(last, jnp.roll(carry.history, -1).at[-1].set(mean), carry.history)
-            epochs = carry.epochs + last.astype(jnp.int32)
-            settled = (epochs > patience) & (jnp.std(history) < threshold)
-            done = carry.done | (last & ((epochs >= carry.passes) | settled))
-            return carry._replace(weights=weights, history=history, epochs=epochs, done=done,
-                                  epoch_loss=jnp.where(last, 0.0, epoch_loss))
-
-        def finish(shared, carry: AlaCarry) -> AlaResult:
-            loss = jnp.where(carry.epochs > 0, carry.history[-1], 0.0)
-            return AlaResult(carry.weights, carry.epochs, loss.astype(jnp.float32))
-
-        def length(row: AlaRow):
-            return row.passes * self.batches_per_pass(row.client.train_count)
-
-        def probe(data, global_params, row):
-            shared = (data, global_params)
-            return step(shared, init(shared, row), jnp.zeros((), jnp.int32))
-
-        return ClientLoop(init, step, finish, length), probe
+    return core.ClientLoop(init, step, finish, length), probe
 
 
 def weight_statistics(weights: Params) -> dict[str, jax.Array]:
@@ -263,66 +236,54 @@ def fedala(model: Model, config: EngineConfig, *, layers: int, rand_percent: flo
     engine = Engine(model, config)
     template = jax.eval_shape(model.init, jax.random.key(0))
     top = top_layers_mask(template, layers)
-    ala = AdaptiveAggregation(model, top, eta=eta, rand_percent=rand_percent,
-                              batch_size=config.batch_size, threshold=threshold,
-                              patience=patience, mapper=engine.mapper)
+    loop, probe = ala_loop(model, top, eta=eta, rand_percent=rand_percent,
+                           batch_size=config.batch_size, threshold=threshold, patience=patience)
+    run_ala = engine.run_loop(loop, probe=probe, stage="adaptive local aggregation")
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
         n = data.num_clients
         ones = jax.tree.map(jnp.ones_like, split_lib.split(params, top)[1])          # W_i = 1 (R2)
         return State(core.broadcast(params, n), core.broadcast(ones, n), jnp.zeros(n, bool),
-                     jnp.zeros(n, bool), engine.init_client_opt_states(params, n), params,
-                     jnp.zeros((), jnp.int32))
+                     jnp.zeros(n, bool), engine.init_opt_rows(params, n), params,
+                     engine.init_server(params, data), jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        ala_key = jax.random.fold_in(train_key, 1)
-        idx = engine.sample(sample_key, data)                                        # S_t
-        m = idx.shape[0]
-        theta = state.global_params
+        rnd = engine.begin(data, key)                                                # S_t
+        idx, theta = rnd.idx, state.global_params
         local_top = split_lib.split(core.gather(state.params, idx), top)[1]          # θ_i, top
         started = core.gather(state.started, idx)
         warm = core.gather(state.warm, idx)
         # Passes over D_i^s: none on a first participation (R6), the start phase's budget on
         # the first ALA (R4), one afterwards (R5).
         passes = jnp.where(~started, 0, jnp.where(warm, 1, max_epochs)).astype(jnp.int32)
-        result = ala(data, theta, local_top, core.gather(state.weights, idx),
-                     core.gather(data.clients, idx), client_keys(ala_key, idx), passes,
-                     ids=idx)                                                        # eq. 5
+        ala_key = jax.random.fold_in(rnd.keys["train"], 1)
+        rows = AlaRow(local_top, core.gather(state.weights, idx), core.gather(data.clients, idx),
+                      client_keys(ala_key, idx), passes)
+        result = run_ala((data, theta), rows, idx)                                   # eq. 5
         start = jax.vmap(lambda l, w: local_aggregation(theta, l, w, top))(
             local_top, result.weights)                                               # eq. 4
-        start = core.where_clients(started, start, core.broadcast(theta, m))         # R6
-        opt = engine.opt_states_for(state.opt_state, idx, theta)
-        trained = engine.train(data, idx, start, opt, train_key)                     # θ_i
-        weights = core.gather(data.clients.train_count, idx)
-        theta_next, private = engine.aggregate(theta, trained.params, weights, key, data, idx=idx)
+        start = core.where_clients(started, start, core.broadcast(theta, rnd.m))     # R6
+        trained = engine.train(rnd, start, opt_rows=state.opt_state)                 # θ_i
+        theta_next, server, agg = engine.aggregate(rnd, theta, trained.params,       # θ, FedAvg
+                                                   rnd.train_counts, state.server)
         new_state = State(core.scatter(state.params, idx, trained.params),
                           core.scatter(state.weights, idx, result.weights),
-                          core.scatter(state.started, idx, jnp.ones(m, bool)),
+                          core.scatter(state.started, idx, jnp.ones(rnd.m, bool)),
                           core.scatter(state.warm, idx, started),                   # R4
-                          engine.store_opt_states(state.opt_state, idx, trained.opt_state),
-                          theta_next,                                                # θ, FedAvg
-                          state.round + 1)
-        metrics = {**train_metrics(trained, idx), **private}
+                          trained.opt_rows, theta_next, server, state.round + 1)
+        d = ops.tree_size(theta)
+        metrics = engine.metrics(rnd, trained, up=d, down=d, server=agg)
         metrics.update(weight_statistics(result.weights))
         ran = result.epochs > 0
         metrics["ala_epochs"] = jnp.mean(result.epochs.astype(jnp.float32))
         metrics["ala_loss"] = (jnp.sum(jnp.where(ran, result.loss, 0.0))
                                / jnp.maximum(jnp.sum(ran), 1))          # over clients that ran ALA
-        d = ops.tree_size(theta)
-        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
-                                            down_floats_per_client=d))
         return new_state, metrics
 
-    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.params, ids)}
-
-    def evaluate_global(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"global": engine.evaluator.shared(data, state.global_params, ids)}
-
-    evaluate, parts = split_evaluate(evaluate_personal, evaluate_global)
-    return Algorithm("fedala", init, round_fn, evaluate, {}, parts, host_state=True)
+    evaluate, parts = engine.evaluation(personal=lambda state: state.params,
+                                        shared=lambda state: state.global_params)
+    return engine.algorithm("fedala", init, round_fn, evaluate, parts, host_state=True)
 
 
 register(AlgorithmSpec(

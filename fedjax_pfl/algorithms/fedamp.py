@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms import _prox
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, communication, first_row, require_choices, train_metrics
-from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, require_choices
+from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, UNIT_CLOSED, register
 from fedjax_pfl.models.model import Model
 from fedjax_pfl.ops import attention_mix
@@ -70,36 +70,27 @@ def fedamp(model: Model, config: EngineConfig, *, alpha: float, sigma: float, la
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
         n = data.num_clients
-        return State(core.broadcast(params, n), engine.init_client_opt_states(params, n),
+        return State(core.broadcast(params, n), engine.init_opt_rows(params, n),
                      jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                        # S
-        m = idx.shape[0]
-        w = core.gather(state.params, idx)                                           # w_j, j ∈ S
+        rnd = engine.begin(data, key)                                                # S
+        w = core.gather(state.params, rnd.idx)                                       # w_j, j ∈ S
         sq_dist = attention_mix.pairwise_sq_distances(w)                             # D (Gram)
         xi = attention_mix.attention_weights(sq_dist, alpha=alpha, sigma=sigma,
                                              self_weight=self_weight)                # Ξ
         u = attention_mix.mix_rows(xi, w)                                            # U = Ξ W
-        opt = engine.opt_states_for(state.opt_state, idx, first_row(w))
-        result = engine.train(data, idx, u if start == "cloud" else w, opt, train_key,
-                              extra={"anchor": u})                  # min F_i + (λ/2α)‖w − u_i‖²
-        new_state = State(core.scatter(state.params, idx, result.params),
-                          engine.store_opt_states(state.opt_state, idx, result.opt_state),
+        trained = engine.train(rnd, u if start == "cloud" else w, opt_rows=state.opt_state,
+                               extra={"anchor": u})                 # min F_i + (λ/2α)‖w − u_i‖²
+        new_state = State(core.scatter(state.params, rnd.idx, trained.params), trained.opt_rows,
                           state.round + 1)
-        metrics = train_metrics(result, idx)
-        metrics.update(mixing_statistics(xi, sq_dist))
         d = ops.tree_size(first_row(w))
-        metrics.update(communication(up_clients=m, up_floats_per_client=d,
-                                          down_clients=m, down_floats_per_client=d))
+        metrics = engine.metrics(rnd, trained, up=d, down=d)
+        metrics.update(mixing_statistics(xi, sq_dist))
         return new_state, metrics
 
-    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.params, ids)}
-
-    evaluate, parts = split_evaluate(evaluate_personal)
-    return Algorithm("fedamp", init, round_fn, evaluate, {}, parts)
+    evaluate, parts = engine.evaluation(personal=lambda state: state.params)
+    return engine.algorithm("fedamp", init, round_fn, evaluate, parts)
 
 
 register(AlgorithmSpec(

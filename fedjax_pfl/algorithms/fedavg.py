@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms._global_model import GlobalModelState
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, register
 from fedjax_pfl.core.local import LocalTrainer
@@ -41,24 +41,18 @@ def fedavg(model: Model, config: EngineConfig, *, ft_epochs: int | None = None
     def init(key: jax.Array, data) -> State:
         params = model.init(key)  # the same initial model as every other algorithm from this key
         rng = jax.random.fold_in(key, 1)
-        return State(params, engine.init_client_opt_states(params, data.num_clients),
-                     jnp.zeros((), jnp.int32), rng)
+        return State(params, engine.init_opt_rows(params, data.num_clients),
+                     engine.init_server(params, data), jnp.zeros((), jnp.int32), rng)
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                    # S_t
-        opt = engine.opt_states_for(state.opt_state, idx, state.params)
-        result = engine.train(data, idx, state.params, opt, train_key,           # θ_i ← θ, then
-                              shared_start=True)                                 # E local epochs
-        weights = core.gather(data.clients.train_count, idx)
-        params, private = engine.aggregate(state.params, result.params, weights,  # Σ (n_i/n) θ_i
-                                           key, data, idx=idx)                             # (or DP-FedAvg)
-        metrics = {**train_metrics(result, idx), **private}
-        opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
+        rnd = engine.begin(data, key)                                            # S_t
+        trained = engine.train(rnd, state.params, opt_rows=state.opt_state,      # θ_i ← θ, then
+                               shared_start=True)                                # E local epochs
+        params, server, agg = engine.aggregate(rnd, state.params, trained.params,  # Σ (n_i/n) θ_i
+                                               rnd.train_counts, state.server)   # (or DP-FedAvg)
         d = ops.tree_size(params)
-        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
-                                            down_floats_per_client=d))
-        return State(params, opt_state, state.round + 1, state.rng), metrics
+        metrics = engine.metrics(rnd, trained, up=d, down=d, server=agg)
+        return State(params, trained.opt_rows, server, state.round + 1, state.rng), metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         global_eval = engine.evaluator.shared(data, state.params, ids)
@@ -68,7 +62,7 @@ def fedavg(model: Model, config: EngineConfig, *, ft_epochs: int | None = None
         personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
         return {"client": personal, "global": global_eval}
 
-    return Algorithm("fedavg", init, round_fn, evaluate, {}, host_state=True)
+    return engine.algorithm("fedavg", init, round_fn, evaluate, host_state=True)
 
 
 def fedavg_ft(model: Model, config: EngineConfig, *, ft_epochs: int) -> Algorithm:

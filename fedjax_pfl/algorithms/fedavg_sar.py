@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, communication, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, communication
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, register
 from fedjax_pfl.models.model import Model
@@ -43,6 +43,7 @@ class State(NamedTuple):
     params: Params         # global model w                                            leaves [...]
     client_params: Params  # mask_fill="keep": each client's own model from its last round [N, ...]
     opt_state: Any         # per-client optimizer states (--momentum-buffer persist), else None
+    server: Any            # the server chain's state (Engine.init_server)
     round: jax.Array       # shape=(), int32
     CLIENT_FIELDS = ("client_params", "opt_state")  # per-client rows [N, ...]
 
@@ -71,7 +72,7 @@ def random_mask(key: jax.Array, like: Params, cr: float, kind: str) -> Params:
 def fedavg_sar(model: Model, config: EngineConfig, *, cr: float, mask_fill: str, mask: str
                ) -> Algorithm:
     """FedAvg (s.a.r.); see the module docstring."""
-    engine = Engine(model, config)
+    engine = Engine(model, config, streams=("train", "down", "up"))
     keep = mask_fill == "keep"
 
     def send(key, value, fill):
@@ -90,38 +91,37 @@ def fedavg_sar(model: Model, config: EngineConfig, *, cr: float, mask_fill: str,
         params = model.init(key)
         n = data.num_clients
         own = core.broadcast(params, n) if keep else None
-        return State(params, own, engine.init_client_opt_states(params, n), jnp.zeros((), jnp.int32))
+        return State(params, own, engine.init_opt_rows(params, n),
+                     engine.init_server(params, data), jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key, down_key, up_key = jax.random.split(key, 4)
-        idx = engine.sample(sample_key, data)
+        rnd = engine.begin(data, key)
+        idx = rnd.idx
         own = core.gather(state.client_params, idx) if keep else ops.tree_zeros_like(state.params)
-        own_rows = own if keep else core.broadcast(own, idx.shape[0])
-        start, down_floats = engine.mapper(downlink, client_keys(down_key, idx), own_rows,
+        own_rows = own if keep else core.broadcast(own, rnd.m)
+        start, down_floats = engine.mapper(downlink, client_keys(rnd.keys["down"], idx), own_rows,
                                            shared=(state.params,))
-        opt = engine.opt_states_for(state.opt_state, idx, state.params)
-        result = engine.train(data, idx, start, opt, train_key)
-        received, up_floats = engine.mapper(uplink, client_keys(up_key, idx), result.params,
-                                            shared=(state.params,))
-        weights = core.gather(data.clients.train_count, idx)
+        trained = engine.train(rnd, start, opt_rows=state.opt_state)
+        received, up_floats = engine.mapper(uplink, client_keys(rnd.keys["up"], idx),
+                                            trained.params, shared=(state.params,))
         # Under --dp-clip DP-FedAvg's noisy mean of the clipped received_i − w instead (the
         # masked update m'_i ⊙ (w_i − w) with mask_fill="keep").
-        params, metrics = engine.aggregate(state.params, received, weights, key, data, idx=idx)
-        client_params = core.scatter(state.client_params, idx, result.params) if keep else None
-        metrics.update(train_metrics(result, idx))
+        params, server, agg = engine.aggregate(rnd, state.params, received, rnd.train_counts,
+                                               state.server)
+        client_params = core.scatter(state.client_params, idx, trained.params) if keep else None
+        metrics = engine.metrics(rnd, trained, server=agg)
         if engine.poisson:                        # a Poisson round's empty slots send nothing
             sent = engine.participating(idx, data)
             up_floats, down_floats = (jnp.where(sent, f, 0) for f in (up_floats, down_floats))
+        # Floats sent vary per client (random masks): the round's totals.
         metrics.update(communication(up_clients=1, up_floats_per_client=jnp.sum(up_floats),
-                                          down_clients=1, down_floats_per_client=jnp.sum(down_floats)))
-        return (State(params, client_params,
-                      engine.store_opt_states(state.opt_state, idx, result.opt_state),
-                      state.round + 1), metrics)
+                                     down_clients=1, down_floats_per_client=jnp.sum(down_floats)))
+        return (State(params, client_params, trained.opt_rows, server, state.round + 1), metrics)
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.shared(data, state.params, ids)}
 
-    return Algorithm("fedavg_sar", init, round_fn, evaluate, {}, host_state=True)
+    return engine.algorithm("fedavg_sar", init, round_fn, evaluate, host_state=True)
 
 
 register(AlgorithmSpec(

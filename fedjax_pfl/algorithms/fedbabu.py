@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, Check, HParam, POSITIVE, register
 from fedjax_pfl.core import split as split_lib
@@ -55,6 +55,7 @@ Params = Any
 class State(NamedTuple):
     params: Params     # global model (θ_B, θ_H^0); θ_H^0 never changes              leaves [...]
     opt_state: Any     # per-client optimizer states [N, ...] (momentum_buffer=persist), else None
+    server: Any        # the server chain's state (Engine.init_server)
     round: jax.Array   # rounds completed; shape=(), int32
     rng: jax.Array     # base key of the fine-tuning batch order at evaluation
     CLIENT_FIELDS = ("opt_state",)  # per-client rows [N, ...]
@@ -76,24 +77,19 @@ def fedbabu(model: Model, config: EngineConfig, *, head: str, finetune_epochs: i
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)                   # the same initial model as every algorithm
-        return State(params, engine.init_client_opt_states(params, data.num_clients),
+        return State(params, engine.init_opt_rows(params, data.num_clients),
+                     engine.init_server(split_lib.split(params, mask)[0], data),
                      jnp.zeros((), jnp.int32), jax.random.fold_in(key, 1))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                      # S_t
-        opt = engine.opt_states_for(state.opt_state, idx, state.params)
-        result = engine.train(data, idx, state.params, opt, train_key, shared_start=True)
-        bodies, _ = split_lib.split(result.params, mask)
-        weights = core.gather(data.clients.train_count, idx)
-        body, private = engine.aggregate(split_lib.split(state.params, mask)[0], bodies, weights,
-                                         key, data, idx=idx)                                # θ_B average
+        rnd = engine.begin(data, key)                                              # S_t
+        trained = engine.train(rnd, state.params, opt_rows=state.opt_state, shared_start=True)
+        bodies, _ = split_lib.split(trained.params, mask)
+        body, server, agg = engine.aggregate(rnd, split_lib.split(state.params, mask)[0], bodies,
+                                             rnd.train_counts, state.server)      # θ_B average
         params = split_lib.merge(body, split_lib.split(state.params, mask)[1], mask)  # θ_H^0 kept
-        new_state = State(params, engine.store_opt_states(state.opt_state, idx, result.opt_state),
-                          state.round + 1, state.rng)
-        metrics = {**train_metrics(result, idx), **private}
-        metrics.update(engine.communication(idx, data, up_floats_per_client=body_size,
-                                            down_floats_per_client=body_size))
+        new_state = State(params, trained.opt_rows, server, state.round + 1, state.rng)
+        metrics = engine.metrics(rnd, trained, up=body_size, down=body_size, server=agg)
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
@@ -102,7 +98,7 @@ def fedbabu(model: Model, config: EngineConfig, *, head: str, finetune_epochs: i
         personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
         return {"client": personal, "global": global_eval}
 
-    return Algorithm("fedbabu", init, round_fn, evaluate, {}, host_state=True)
+    return engine.algorithm("fedbabu", init, round_fn, evaluate, host_state=True)
 
 
 register(AlgorithmSpec(

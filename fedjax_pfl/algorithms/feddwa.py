@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, communication, first_row, train_metrics
-from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row
+from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, register
 from fedjax_pfl.models.model import Model
 from fedjax_pfl.ops import attention_mix
@@ -147,39 +147,30 @@ def feddwa(model: Model, config: EngineConfig, *, topk: int,
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
         n = data.num_clients
-        return State(core.broadcast(params, n), engine.init_client_opt_states(params, n),
+        return State(core.broadcast(params, n), engine.init_opt_rows(params, n),
                      jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        guide_key = jax.random.fold_in(train_key, 1)      # the guidance pass's own batch order
-        idx = engine.sample(sample_key, data)                                      # S
-        m = idx.shape[0]
-        start = core.gather(state.params, idx)                                     # w̃_i
-        opt = engine.opt_states_for(state.opt_state, idx, first_row(start))
-        result = engine.train(data, idx, start, opt, train_key)                    # w_i (R1)
-        # ŵ_i continues the same optimizer run (its momentum buffer) one pass further; it is
-        # only uploaded: the client keeps w_i's optimizer state (R2).
-        guide = guidance.train(data, idx, result.params, result.opt_state, guide_key)
-        sq_dist = guidance_sq_distances(guide.params, result.params)              # D (R3)
+        rnd = engine.begin(data, key)                                              # S
+        start = core.gather(state.params, rnd.idx)                                 # w̃_i
+        trained = engine.train(rnd, start, opt_rows=state.opt_state)               # w_i (R1)
+        # ŵ_i continues the same optimizer run (its momentum buffer) one pass further, with its
+        # own batch order; it is only uploaded: the client keeps w_i's optimizer state (R2).
+        guide = guidance.train(rnd, trained.params, opt_state=trained.opt_state,
+                               key=jax.random.fold_in(rnd.keys["train"], 1))
+        sq_dist = guidance_sq_distances(guide.params, trained.params)             # D (R3)
         p = dwa_weights(sq_dist, topk)                                             # P (R4, R5)
-        mixed = attention_mix.mix_rows(p, result.params)                           # P W (R6)
-        new_state = State(core.scatter(state.params, idx, mixed),
-                          engine.store_opt_states(state.opt_state, idx, result.opt_state),
+        mixed = attention_mix.mix_rows(p, trained.params)                          # P W (R6)
+        new_state = State(core.scatter(state.params, rnd.idx, mixed), trained.opt_rows,
                           state.round + 1)
-        metrics = train_metrics(result, idx)
+        d = ops.tree_size(first_row(start))
+        metrics = engine.metrics(rnd, trained, up=2 * d, down=d)
         metrics["client_steps"] = metrics["client_steps"] + jnp.sum(guide.num_steps)
         metrics.update(weight_statistics(p, sq_dist))
-        d = ops.tree_size(first_row(start))
-        metrics.update(communication(up_clients=m, up_floats_per_client=2 * d,
-                                          down_clients=m, down_floats_per_client=d))
         return new_state, metrics
 
-    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.params, ids)}          # R8
-
-    evaluate, parts = split_evaluate(evaluate_personal)
-    return Algorithm("feddwa", init, round_fn, evaluate, {}, parts)
+    evaluate, parts = engine.evaluation(personal=lambda state: state.params)       # R8
+    return engine.algorithm("feddwa", init, round_fn, evaluate, parts)
 
 
 register(AlgorithmSpec(

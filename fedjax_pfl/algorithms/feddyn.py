@@ -22,9 +22,10 @@ Readings:
   * Unsampled clients keep g_k (and their optimizer state).
 Communication: θ down and θ_k up for each sampled client (d floats each way).
 
-Under --dp-clip (docs/privacy.md): lines 9–10 use the updates only through their sum, so both
-read DP-FedAvg's noisy mean update Δ̃ = (Σ_k clip_C(θ_k − θ^{t−1}) + N(0, z²C²))/M:
-h^t = h^{t−1} − α(M/N)Δ̃, θ^t = θ^{t−1} + Δ̃ − h^t/α (without clipping or noise: lines 9–10).
+Lines 9–10 use the uploads only through their mean θ̄ = (1/M) Σ_k θ_k^t (Σ_k (θ_k^t − θ^{t−1}) =
+M(θ̄ − θ^{t−1})), which the engine's server chain gives: h^t = h^{t−1} − α(M/N)(θ̄ − θ^{t−1}),
+θ^t = θ̄ − h^t/α. Under --dp-clip (docs/privacy.md) θ̄ is DP-FedAvg's θ^{t−1} + Δ̃ with the noisy
+mean update Δ̃ = (Σ_k clip_C(θ_k − θ^{t−1}) + N(0, z²C²))/M (post-processing).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import optax
 
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms import _prox
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, POSITIVE, register
 from fedjax_pfl.core.local import add_aux_gradient
@@ -51,6 +52,7 @@ class State(NamedTuple):
     h: Params          # server state h^{t−1}                                  leaves [...]
     grad_corr: Params  # g_k = ∇L_k(θ_k), each client's linear correction      leaves [N, ...]
     opt_state: Any     # per-client optimizer states (momentum_buffer=persist) [N, ...], else None
+    server: Any        # the server chain's state (Engine.init_server)
     round: jax.Array   # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("grad_corr", "opt_state")  # per-client rows [N, ...]
 
@@ -64,48 +66,35 @@ def feddyn(model: Model, config: EngineConfig, *, alpha: float) -> Algorithm:
         params = model.init(key)
         zeros = ops.tree_zeros_like(params)
         return State(params, zeros, core.broadcast(zeros, data.num_clients),
-                     engine.init_client_opt_states(params, data.num_clients),
-                     jnp.zeros((), jnp.int32))
+                     engine.init_opt_rows(params, data.num_clients),
+                     engine.init_server(params, data), jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                      # P_t
-        m = idx.shape[0]
-        g = core.gather(state.grad_corr, idx)
-        opt = engine.opt_states_for(state.opt_state, idx, state.params)
-        extra = {"neg_corr": ops.tree_scale(-1.0, g), "anchor": core.broadcast(state.params, m)}
-        result = engine.train(data, idx, state.params, opt, train_key, extra=extra,
+        rnd = engine.begin(data, key)                                              # P_t
+        g = core.gather(state.grad_corr, rnd.idx)
+        extra = {"neg_corr": ops.tree_scale(-1.0, g), "anchor": core.broadcast(state.params, rnd.m)}
+        result = engine.train(rnd, state.params, opt_rows=state.opt_state, extra=extra,
                               shared_start=True)                                   # line 5
         moved = jax.tree.map(lambda t, p: t - p, result.params, state.params)      # θ_k − θ^{t−1}
         g = jax.tree.map(lambda gk, dk: gk - alpha * dk, g, moved)                 # line 6
-        if engine.private:
-            # Both server lines use only Σ_k (θ_k − θ^{t−1}) = M·(mean − θ^{t−1}): under
-            # --dp-clip they read it from DP-FedAvg's noisy mean update Δ̃ (post-processing).
-            noisy, dp_metrics = engine.private_update(state.params, result.params, key, data, idx=idx)
-            update = jax.tree.map(jnp.subtract, noisy, state.params)               # Δ̃
-            share = engine.expected_clients(data) / data.num_real_clients
-            h = jax.tree.map(lambda hs, u: hs - (alpha * share) * u, state.h, update)  # line 9
-            params = jax.tree.map(lambda mean, hs: mean - hs / alpha, noisy, h)   # line 10
-        else:
-            dp_metrics = {}
-            h = jax.tree.map(lambda hs, s: hs - alpha / data.num_real_clients * s,  # line 9
-                             state.h, core.sum_over_clients(moved))
-            params = jax.tree.map(lambda mean, hs: mean - hs / alpha,              # line 10
-                                  core.mean_over_clients(result.params), h)
-        new_state = State(params, h, core.scatter(state.grad_corr, idx, g),
-                          engine.store_opt_states(state.opt_state, idx, result.opt_state),
-                          state.round + 1)
-        metrics = {**train_metrics(result, idx), **dp_metrics}
+        # Both server lines use only Σ_k (θ_k − θ^{t−1}) = M·(mean − θ^{t−1}): the server
+        # chain's mean model (under --dp-clip DP-FedAvg's θ^{t−1} + Δ̃, post-processing).
+        mean, server, agg = engine.aggregate(rnd, state.params, result.params, None, state.server)
+        update = jax.tree.map(jnp.subtract, mean, state.params)                    # mean − θ^{t−1}
+        share = engine.expected_clients(data) / data.num_real_clients              # M/N
+        h = jax.tree.map(lambda hs, u: hs - (alpha * share) * u, state.h, update)  # line 9
+        params = jax.tree.map(lambda m, hs: m - hs / alpha, mean, h)               # line 10
+        new_state = State(params, h, core.scatter(state.grad_corr, rnd.idx, g), result.opt_rows,
+                          server, state.round + 1)
         d = ops.tree_size(params)
-        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
-                                            down_floats_per_client=d))
+        metrics = engine.metrics(rnd, result, up=d, down=d, server=agg)
         metrics["h_norm"] = ops.tree_norm(h)
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.shared(data, state.params, ids)}
 
-    return Algorithm("feddyn", init, round_fn, evaluate, {}, host_state=True)
+    return engine.algorithm("feddyn", init, round_fn, evaluate, host_state=True)
 
 
 register(AlgorithmSpec(

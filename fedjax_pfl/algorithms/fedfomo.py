@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, communication, first_row, require_choices, train_metrics
-from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, first_row, require_choices
+from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, NON_NEGATIVE, UNIT_CLOSED, UNIT_CLOSED_OPEN, register
 from fedjax_pfl.data.federated import ClientSplits
 from fedjax_pfl.models.model import Model
@@ -99,20 +99,19 @@ def fedfomo(model: Model, config: EngineConfig, *, candidates: int, val_fraction
             epsilon: float, epsilon_decay: float, baseline: str = "current") -> Algorithm:
     """FedFomo; see the module docstring."""
     require_choices(**{"--fedfomo-baseline": (baseline, ("current", "start"))})
-    engine = Engine(model, config)
+    engine = Engine(model, config, streams=("select", "train"))
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
         n, m = data.num_clients, engine.num_sampled(data)
-        return State(core.broadcast(params, n), engine.init_client_opt_states(params, n),
+        return State(core.broadcast(params, n), engine.init_opt_rows(params, n),
                      jnp.zeros((n, n)), jnp.arange(m, dtype=jnp.int32),
                      jnp.zeros((), bool), jnp.zeros((), jnp.int32),
                      core.broadcast(params, n) if baseline == "start" else None)
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, select_key, train_key = jax.random.split(key, 3)
-        idx = engine.sample(sample_key, data)                                        # S
-        m = idx.shape[0]
+        rnd = engine.begin(data, key)                                                # S
+        idx, m = rnd.idx, rnd.m
         num = min(candidates, m)                                                     # C (F3)
         own = core.gather(state.params, idx)                                         # θ_i, i ∈ S
         pool = core.gather(state.params, state.uploaded)                             # θ_j, j ∈ P
@@ -120,7 +119,7 @@ def fedfomo(model: Model, config: EngineConfig, *, candidates: int, val_fraction
         affinity = state.affinity[idx][:, state.uploaded]
         allowed = (idx[:, None] != state.uploaded[None, :]) & state.has_prev
         eps = jnp.maximum(epsilon - epsilon_decay * (state.round - 1), 0.0)
-        slots, slot_valid = fomo.select_candidates(client_keys(select_key, idx), affinity,
+        slots, slot_valid = fomo.select_candidates(client_keys(rnd.keys["select"], idx), affinity,
                                                    allowed, num, eps)
         if baseline == "current":          # F5: θ_i is the baseline, the C downloads the candidates
             ref, cands, cand_slots, cand_valid = own, pool, slots, slot_valid
@@ -143,31 +142,24 @@ def fedfomo(model: Model, config: EngineConfig, *, candidates: int, val_fraction
             w = w.at[:, 0].set(jnp.where(jnp.sum(w, axis=1) > 0, w[:, 0], 1.0))
         start = fomo.fomo_update(w, cand_slots, ref, cands)                          # F6
         w_pool = w[:, width - num:]                    # the downloaded models' weights
-        opt = engine.opt_states_for(state.opt_state, idx, first_row(own))
-        result = engine.train(training_data(data, val_fraction), idx, start, opt, train_key)  # F7
+        trained = engine.train(rnd, start, opt_rows=state.opt_state,                # F7
+                               data=training_data(data, val_fraction))
         block = (idx[:, None], state.uploaded[slots])
         new_affinity = state.affinity.at[block].add(w_pool.astype(state.affinity.dtype))  # P += W
-        new_state = State(core.scatter(state.params, idx, result.params),
-                          engine.store_opt_states(state.opt_state, idx, result.opt_state),
+        new_state = State(core.scatter(state.params, idx, trained.params), trained.opt_rows,
                           new_affinity, jnp.sort(idx), jnp.ones((), bool), state.round + 1,
                           None if state.start is None else core.scatter(state.start, idx, start))
-        metrics = train_metrics(result, idx)
+        d = ops.tree_size(first_row(own))
+        metrics = engine.metrics(rnd, trained, up=d, down=d, down_clients=jnp.sum(slot_valid))
         metrics.update(weight_statistics(w_pool, slot_valid, dist[:, width - num:]))
         metrics["w_self_mean"] = jnp.mean(1.0 - jnp.sum(w_pool, axis=1))
         metrics["epsilon"] = jnp.where(state.has_prev, eps, 0.0)
-        d = ops.tree_size(first_row(own))
-        metrics.update(communication(up_clients=m, up_floats_per_client=d,
-                                          down_clients=jnp.sum(slot_valid),
-                                          down_floats_per_client=d))
         return new_state, metrics
 
-    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.params, ids)}
-
-    evaluate, parts = split_evaluate(evaluate_personal)
+    evaluate, parts = engine.evaluation(personal=lambda state: state.params)
     # Its round evaluates client-model pairs on the participants' validation samples, rows dealt
     # otherwise than its training: no per-device data blocks.
-    return Algorithm("fedfomo", init, round_fn, evaluate, {}, parts, data_blocks=False)
+    return engine.algorithm("fedfomo", init, round_fn, evaluate, parts, data_blocks=False)
 
 
 register(AlgorithmSpec(

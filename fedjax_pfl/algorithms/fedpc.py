@@ -81,7 +81,7 @@ import numpy as np
 import optax
 
 from fedjax_pfl import core
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, communication, first_row, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys
 from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
 from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, Check, HParam, NON_NEGATIVE, POSITIVE, register
 from fedjax_pfl.core import split as split_lib
@@ -243,15 +243,13 @@ def fedpc(
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
         chex.assert_tree_shape_prefix(state.z, (data.num_clients,))   # every personal leaf is [N, ...]
         n = data.num_real_clients      # the objective's 1/N (padding clients of a sharded run excluded)
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                        # S_t
-        s = idx.shape[0]
+        rnd = engine.begin(data, key)                                                # S_t
+        idx, s = rnd.idx, rnd.m
         eta_t, eta_z, rho_t, rho_c_t = step_sizes(state.round, n)
         y = split_lib.merge(core.broadcast(state.x, s), core.gather(state.z, idx), mask)   # step 1
-        opt = engine.opt_states_for(None, idx, first_row(y))
-        result = engine.train(data, idx, y, opt, train_key)                          # step 2
-        grads = result.opt_state[0]                                                  # Σ_k g_k
-        metrics = train_metrics(result, idx)
+        trained = engine.train(rnd, y)                                               # step 2
+        grads = trained.opt_state[0]                                                 # Σ_k g_k
+        metrics = {}
         if gamma > 0:                                                                # Alg. 3
             packed = engine.mapper(compress_one, grads, shared=(eta_t, rho_c_t))
             grads, bits = packed.grad, packed.bits
@@ -281,9 +279,8 @@ def fedpc(
                 z_new, w, omega = res.z, res.w, res.omega
                 metrics.update(admm_primal=res.primal, admm_dual=res.dual)
             z = split_lib.unflatten_rows(z_new, state.z)
-        metrics.update(communication(
-            up_clients=s, up_floats_per_client=d, down_clients=s, down_floats_per_client=d,
-            up_bits=jnp.sum(bits), up_bits_dense=32.0 * d * s))
+        metrics.update(engine.metrics(rnd, trained, up=d, down=d, up_bits=jnp.sum(bits),
+                                      up_bits_dense=32.0 * d * s))
         metrics.update(bits_per_client=jnp.mean(bits), bits_per_client_dense=jnp.asarray(32.0 * d),
                        eta=jnp.asarray(eta_t, jnp.float32),
                        graph_edges=jnp.asarray(state.graph.num_edges, jnp.float32),
@@ -297,7 +294,7 @@ def fedpc(
                             mask)                                                         # step 5
         return {"client": engine.evaluator.rows(data, y, ids)}
 
-    return Algorithm("fedpc", init, round_fn, evaluate, {})
+    return engine.algorithm("fedpc", init, round_fn, evaluate)
 
 
 @functools.partial(jax.jit, static_argnums=2)

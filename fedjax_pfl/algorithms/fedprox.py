@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms import _prox
 from fedjax_pfl.algorithms._global_model import GlobalModelState
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, NON_NEGATIVE, register
 from fedjax_pfl.core.local import LocalTrainer
@@ -53,25 +53,19 @@ def fedprox(model: Model, config: EngineConfig, *, mu: float, ft_epochs: int | N
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
-        return State(params, engine.init_client_opt_states(params, data.num_clients),
-                     jnp.zeros((), jnp.int32), jax.random.fold_in(key, 1))
+        return State(params, engine.init_opt_rows(params, data.num_clients),
+                     engine.init_server(params, data), jnp.zeros((), jnp.int32),
+                     jax.random.fold_in(key, 1))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                    # S_t
-        m = idx.shape[0]
-        opt = engine.opt_states_for(state.opt_state, idx, state.params)
-        result = engine.train(data, idx, state.params, opt, train_key, shared_start=True,
-                              extra={"anchor": core.broadcast(state.params, m)})  # min h_k(w; w^t)
-        weights = core.gather(data.clients.train_count, idx)
-        params, private = engine.aggregate(state.params, result.params, weights,  # Σ (n_k/n) w_k
-                                           key, data, idx=idx)
-        opt_state = engine.store_opt_states(state.opt_state, idx, result.opt_state)
-        metrics = {**train_metrics(result, idx), **private}
+        rnd = engine.begin(data, key)                                            # S_t
+        trained = engine.train(rnd, state.params, opt_rows=state.opt_state, shared_start=True,
+                               extra={"anchor": core.broadcast(state.params, rnd.m)})  # min h_k(w; w^t)
+        params, server, agg = engine.aggregate(rnd, state.params, trained.params,  # Σ (n_k/n) w_k
+                                               rnd.train_counts, state.server)
         d = ops.tree_size(params)
-        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
-                                            down_floats_per_client=d))
-        return State(params, opt_state, state.round + 1, state.rng), metrics
+        metrics = engine.metrics(rnd, trained, up=d, down=d, server=agg)
+        return State(params, trained.opt_rows, server, state.round + 1, state.rng), metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         global_eval = engine.evaluator.shared(data, state.params, ids)
@@ -81,7 +75,7 @@ def fedprox(model: Model, config: EngineConfig, *, mu: float, ft_epochs: int | N
         personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
         return {"client": personal, "global": global_eval}
 
-    return Algorithm("fedprox", init, round_fn, evaluate, {}, host_state=True)
+    return engine.algorithm("fedprox", init, round_fn, evaluate, host_state=True)
 
 
 def fedprox_ft(model: Model, config: EngineConfig, *, mu: float, ft_epochs: int

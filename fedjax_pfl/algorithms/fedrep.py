@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, first_row
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, Trained
 from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, Check, HParam, NON_NEGATIVE, register
 from fedjax_pfl.core import split as split_lib
@@ -57,6 +57,7 @@ class State(NamedTuple):
     heads: Params      # heads h_i (None on body leaves)                          leaves [N, ...]
     opt_head: Any      # per-client head-phase optimizer states [N, ...] (persist), else None
     opt_body: Any      # per-client body-phase optimizer states [N, ...] (persist), else None
+    server: Any        # the server chain's state (Engine.init_server)
     round: jax.Array   # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("heads", "opt_head", "opt_body")  # per-client rows [N, ...]
 
@@ -99,45 +100,40 @@ def fedrep(model: Model, config: EngineConfig, *, head: str, head_epochs: int
         return State(body, core.broadcast(head0, n),
                      fresh_opt(head_phase, params, n) if persist else None,
                      fresh_opt(body_phase, params, n) if persist else None,
-                     jnp.zeros((), jnp.int32))
+                     engine.init_server(body, data), jnp.zeros((), jnp.int32))
 
-    def run_phase(trainer, stored, data, idx, params, key):
-        """One phase for the sampled clients: (their params after it, their optimizer states)."""
+    def run_phase(rnd, trainer, stored, params, key):
+        """One phase for the sampled clients: (their params after it, the stored optimizer
+        rows, its result)."""
         if trainer is None:
             return params, stored, None
-        opt = core.gather(stored, idx) if persist else fresh_opt(trainer, first_row(params),
-                                                                 idx.shape[0])
-        result = trainer(data, params, opt, core.gather(data.clients, idx),
-                         client_keys(key, idx), ids=idx)
-        if persist:
-            stored = core.scatter(stored, idx, result.opt_state)
-        return result.params, stored, result
+        result = engine.train(rnd, params, opt_rows=stored, key=key, trainer=trainer)
+        return result.params, result.opt_rows, result
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, body_key = jax.random.split(key)        # FedAvg's keys: τ_h = 0 is FedAvg
-        head_key = jax.random.fold_in(body_key, 1)          # on the body, batch order included
-        idx = engine.sample(sample_key, data)                                      # S_t
-        m = idx.shape[0]
-        params = split_lib.merge(core.broadcast(state.body, m), core.gather(state.heads, idx), mask)
-        params, opt_head, head_result = run_phase(head_phase, state.opt_head, data, idx,
-                                                  params, head_key)                # h_i, φ frozen
-        params, opt_body, body_result = run_phase(body_phase, state.opt_body, data, idx,
-                                                  params, body_key)                # φ_i, h_i frozen
+        rnd = engine.begin(data, key)                      # FedAvg's keys: τ_h = 0 is FedAvg
+        body_key = rnd.keys["train"]
+        head_key = jax.random.fold_in(body_key, 1)         # on the body, batch order included
+        idx = rnd.idx                                                              # S_t
+        params = split_lib.merge(core.broadcast(state.body, rnd.m), core.gather(state.heads, idx),
+                                 mask)
+        params, opt_head, head_result = run_phase(rnd, head_phase, state.opt_head, params,
+                                                  head_key)                        # h_i, φ frozen
+        params, opt_body, body_result = run_phase(rnd, body_phase, state.opt_body, params,
+                                                  body_key)                        # φ_i, h_i frozen
         bodies, heads = split_lib.split(params, mask)
-        weights = core.gather(data.clients.train_count, idx)
-        body, private = (engine.aggregate(state.body, bodies, weights, key, data, idx=idx)
-                         if body_result is not None else (state.body, {}))
+        body, server, agg = (engine.aggregate(rnd, state.body, bodies, rnd.train_counts,
+                                              state.server)
+                             if body_result is not None else (state.body, state.server, {}))
         new_state = State(body, core.scatter(state.heads, idx, heads), opt_head, opt_body,
-                          state.round + 1)
+                          server, state.round + 1)
         results = [r for r in (head_result, body_result) if r is not None]
-        steps = [r.num_steps for r in results]
+        steps = sum(r.num_steps for r in results)
         # The mean minibatch loss over both phases, each phase's mean weighted by its steps.
         loss = (sum(r.loss * r.num_steps for r in results)
-                / jnp.maximum(sum(steps), 1).astype(results[0].loss.dtype))
-        metrics = {"sampled": idx, "train_loss": loss, "client_steps": jnp.sum(sum(steps)),
-                   **private}
-        metrics.update(engine.communication(idx, data, up_floats_per_client=body_size,
-                                            down_floats_per_client=body_size))
+                / jnp.maximum(steps, 1).astype(results[0].loss.dtype))
+        both = Trained(params, None, None, loss, steps)
+        metrics = engine.metrics(rnd, both, up=body_size, down=body_size, server=agg)
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
@@ -146,7 +142,7 @@ def fedrep(model: Model, config: EngineConfig, *, head: str, head_epochs: int
                                  core.gather(state.heads, ids), mask)
         return {"client": engine.evaluator.rows(data, params, ids)}
 
-    return Algorithm("fedrep", init, round_fn, evaluate, {}, host_state=True)
+    return engine.algorithm("fedrep", init, round_fn, evaluate, host_state=True)
 
 
 register(AlgorithmSpec(

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, Check, HParam, register
 from fedjax_pfl.core import split as split_lib
@@ -59,6 +59,7 @@ class State(NamedTuple):
     heads: Params         # personal heads φ_i (None on body leaves)                 leaves [N, ...]
     class_counts: jax.Array  # n_i,c, training labels per client and class           [N, C] int32
     opt_state: Any        # per-client optimizer states [N, ...] (momentum_buffer=persist), else None
+    server: Any           # the server chain's state (Engine.init_server)
     round: jax.Array      # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("heads", "class_counts", "opt_state")  # per-client rows [N, ...]
     # On the devices under --state-placement host: each client's counts differ from the start
@@ -150,28 +151,22 @@ def fedrod(model: Model, config: EngineConfig, *, head: str) -> Algorithm:
         params = model.init(key)                   # the same initial model as every algorithm
         phi0 = split_lib.split(params, mask)[1]                                     # φ_i ← ψ0
         n = data.num_clients
-        opt = engine.init_client_opt_states((params, phi0), n)
-        return State(params, core.broadcast(phi0, n), train_label_counts(data), opt,
+        return State(params, core.broadcast(phi0, n), train_label_counts(data),
+                     engine.init_opt_rows((params, phi0), n), engine.init_server(params, data),
                      jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                      # S_t
-        m = idx.shape[0]
-        start = (core.broadcast(state.params, m), core.gather(state.heads, idx))   # (θ, ψ, φ_i)
-        opt = engine.opt_states_for(state.opt_state, idx, first_row(start))
-        prior = jax.vmap(log_prior)(core.gather(state.class_counts, idx))
-        result = engine.train(data, idx, start, opt, train_key, extra={"log_prior": prior})
-        generic, phi = result.params
-        weights = core.gather(data.clients.train_count, idx)
-        generic_mean, private = engine.aggregate(state.params, generic, weights, key, data, idx=idx)
-        new_state = State(generic_mean,                                            # (θ, ψ) average
-                          core.scatter(state.heads, idx, phi), state.class_counts,
-                          engine.store_opt_states(state.opt_state, idx, result.opt_state),
-                          state.round + 1)
-        metrics = {**train_metrics(result, idx), **private}  # train_loss: L_BSM + L_P
-        metrics.update(engine.communication(idx, data, up_floats_per_client=generic_size,
-                                            down_floats_per_client=generic_size))
+        rnd = engine.begin(data, key)                                              # S_t
+        start = (core.broadcast(state.params, rnd.m), core.gather(state.heads, rnd.idx))  # (θ, ψ, φ_i)
+        prior = jax.vmap(log_prior)(core.gather(state.class_counts, rnd.idx))
+        trained = engine.train(rnd, start, opt_rows=state.opt_state, extra={"log_prior": prior})
+        generic, phi = trained.params
+        generic_mean, server, agg = engine.aggregate(rnd, state.params, generic,   # (θ, ψ) average
+                                                     rnd.train_counts, state.server)
+        new_state = State(generic_mean, core.scatter(state.heads, rnd.idx, phi),
+                          state.class_counts, trained.opt_rows, server, state.round + 1)
+        metrics = engine.metrics(rnd, trained, up=generic_size, down=generic_size,  # train_loss:
+                                 server=agg)                                        # L_BSM + L_P
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
@@ -180,7 +175,7 @@ def fedrod(model: Model, config: EngineConfig, *, head: str) -> Algorithm:
         rows = (core.broadcast(state.params, ids.shape[0]), core.gather(state.heads, ids))
         return {"client": evaluator.rows(data, rows, ids), "global": global_eval}
 
-    return Algorithm("fedrod", init, round_fn, evaluate, {}, host_state=True)
+    return engine.algorithm("fedrod", init, round_fn, evaluate, host_state=True)
 
 
 register(AlgorithmSpec(

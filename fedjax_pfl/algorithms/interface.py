@@ -20,7 +20,6 @@ per sampled client, "client_steps" () the number of local steps taken (for throu
 
 from __future__ import annotations
 
-import contextvars
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -54,11 +53,18 @@ class Algorithm(NamedTuple):
     `evaluate_parts`, where set, splits `evaluate` by what a round can change (`EvaluateParts`).
 
     `host_state` True declares that the round and the evaluation read and write per-client state
-    only through `core.gather` / `core.scatter` at the clients of the round's first
-    `Engine.sample` (or at the evaluated ids), and that every client starts from the same rows:
+    only through `core.gather` / `core.scatter` at the round's participants (or at the
+    evaluated ids), and that every client starts from the same rows:
     then `--state-placement host` can keep the rows off the devices (`core.hoststate`). Each
     algorithm that declares it is checked bit for bit against device placement
     (tests/core/test_hoststate.py).
+
+    `participants(data, key)`, declared by the algorithm's engine (`Engine.participants`), gives
+    the ids of the clients whose samples `round_fn(state, data, key)` reads, from the key and the
+    clients' counts alone (its S_t; every client for pFedMe and TDPFed, which train all of them
+    before sampling the uploads); jit-able, and no part of the round is traced. Host and sharded
+    data placement (`core.Program`) move these clients' samples to the devices before the round.
+    None: not declared (the data then stays on the devices).
 
     `data_blocks` False declares that the round reads client samples in mapper calls dealt
     otherwise than its training (FedFomo evaluates client-model pairs): host data placement then
@@ -74,42 +80,8 @@ class Algorithm(NamedTuple):
     evaluate_parts: EvaluateParts | None = None
     host_state: bool = False
     data_blocks: bool = True
+    participants: Callable[[FederatedData, jax.Array], jax.Array] | None = None
 
-    def participants(self, state: Any, data: FederatedData, key: jax.Array) -> jax.Array:
-        """The ids of the clients whose samples `round_fn(state, data, key)` reads (jit-able):
-        the clients of the round's first `Engine.sample` or `Engine.train`, whichever comes first
-        (the sampled clients; every client for pFedMe and TDPFed, which train all of them before
-        sampling the uploads). Computed by running `round_fn` only up to that call, so it is the
-        round's own sampling code, not a copy of it. Host data placement (`core.Program`) moves
-        these clients' samples to the devices before the round."""
-        return round_participants(self.round_fn, state, data, key)
-
-
-class _Participants(Exception):
-    """Raised by `Engine.sample` / `Engine.train` while `round_participants` probes a round."""
-
-    def __init__(self, idx: jax.Array):
-        super().__init__("round participants")
-        self.idx = idx
-
-
-_PROBING = contextvars.ContextVar("fedjax_pfl_probing_participants", default=False)
-
-
-def round_participants(round_fn: Callable, state: Any, data: FederatedData,
-                       key: jax.Array) -> jax.Array:
-    """`Algorithm.participants`: runs `round_fn` until its first `Engine.sample` or
-    `Engine.train` and returns that call's client ids (the rest of the round is never traced)."""
-    token = _PROBING.set(True)
-    try:
-        round_fn(state, data, key)
-    except _Participants as found:
-        return found.idx
-    finally:
-        _PROBING.reset(token)
-    raise ValueError("this algorithm's round_fn neither samples (Engine.sample) nor trains "
-                     "(Engine.train) clients: the clients whose data it reads are unknown, so its "
-                     "data cannot be streamed from the host (use --data-placement device)")
 
 
 def split_evaluate(rows: Callable[..., dict[str, ClientEval]],

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, train_metrics
-from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig
+from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, register
 from fedjax_pfl.models.model import Model
 
@@ -38,25 +38,17 @@ def local(model: Model, config: EngineConfig) -> Algorithm:
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
         return State(core.broadcast(params, data.num_clients),
-                     engine.init_client_opt_states(params, data.num_clients),
-                     jnp.zeros((), jnp.int32))
+                     engine.init_opt_rows(params, data.num_clients), jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)
-        start = core.gather(state.params, idx)
-        opt = engine.opt_states_for(state.opt_state, idx, first_row(start))
-        result = engine.train(data, idx, start, opt, train_key)
-        return (State(core.scatter(state.params, idx, result.params),
-                      engine.store_opt_states(state.opt_state, idx, result.opt_state),
+        rnd = engine.begin(data, key)
+        trained = engine.train(rnd, core.gather(state.params, rnd.idx), opt_rows=state.opt_state)
+        return (State(core.scatter(state.params, rnd.idx, trained.params), trained.opt_rows,
                       state.round + 1),
-                train_metrics(result, idx))
+                engine.metrics(rnd, trained))                       # (it sends nothing)
 
-    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.params, ids)}
-
-    evaluate, parts = split_evaluate(evaluate_personal)
-    return Algorithm("local", init, round_fn, evaluate, {}, parts, host_state=True)
+    evaluate, parts = engine.evaluation(personal=lambda state: state.params)
+    return engine.algorithm("local", init, round_fn, evaluate, parts, host_state=True)
 
 
 register(AlgorithmSpec(

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, register
 from fedjax_pfl.data.natural import PAD
@@ -45,6 +45,7 @@ class State(NamedTuple):
     params: Params        # global model w                                         leaves [...]
     prev: Params          # previous local models w_i^prev (w⁰ before the first round)  [N, ...]
     opt_state: Any        # per-client optimizer states (momentum_buffer=persist) [N, ...], else None
+    server: Any           # the server chain's state (Engine.init_server)
     round: jax.Array      # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("prev", "opt_state")  # per-client rows [N, ...]
 
@@ -142,37 +143,32 @@ def moon(model: Model, config: EngineConfig, *, mu: float = 1.0, tau: float = 0.
         params = model.init(key)          # the same initial model as every algorithm from this key
         n = data.num_clients
         return State(params, core.broadcast(params, n),                           # w_i^prev ← w⁰ (M3)
-                     engine.init_client_opt_states(params, n), jnp.zeros((), jnp.int32))
+                     engine.init_opt_rows(params, n), engine.init_server(params, data),
+                     jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                      # S_t
-        m = idx.shape[0]
+        rnd = engine.begin(data, key)                                              # S_t
         w = state.params
-        opt = engine.opt_states_for(state.opt_state, idx, w)
-        extra = {"global": core.broadcast(w, m), "prev": core.gather(state.prev, idx)}
-        result = engine.train(data, idx, _Carry(w, jnp.zeros(())), opt, train_key,  # w_i ← w,
-                              extra=extra, shared_start=True)                      # E epochs, eq. 3
+        extra = {"global": core.broadcast(w, rnd.m), "prev": core.gather(state.prev, rnd.idx)}
+        result = engine.train(rnd, _Carry(w, jnp.zeros(())), opt_rows=state.opt_state,  # w_i ← w,
+                              opt_like=w, extra=extra, shared_start=True)          # E epochs, eq. 3
         trained = result.params.params
-        weights = core.gather(data.clients.train_count, idx)
-        params, private = engine.aggregate(w, trained, weights, key, data, idx=idx)         # Σ (n_i/n) w_i
-        prev = core.scatter(state.prev, idx, trained)                              # w_i^prev (M4)
-        new_state = State(params, prev, engine.store_opt_states(state.opt_state, idx,
-                                                                result.opt_state), state.round + 1)
-        metrics = {**train_metrics(result, idx), **private}                   # ℓ_sup + μ ℓ_con
+        params, server, agg = engine.aggregate(rnd, w, trained, rnd.train_counts,  # Σ (n_i/n) w_i
+                                               state.server)
+        prev = core.scatter(state.prev, rnd.idx, trained)                          # w_i^prev (M4)
+        new_state = State(params, prev, result.opt_rows, server, state.round + 1)
+        d = ops.tree_size(params)
+        metrics = engine.metrics(rnd, result, up=d, down=d, server=agg)            # ℓ_sup + μ ℓ_con
         took_steps = result.num_steps > 0
         per_client = result.params.con_sum / jnp.maximum(result.num_steps, 1)      # mean ℓ_con
         metrics["contrastive_loss"] = (jnp.sum(jnp.where(took_steps, per_client, 0.0))
                                        / jnp.maximum(jnp.sum(took_steps), 1))
-        d = ops.tree_size(params)
-        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
-                                            down_floats_per_client=d))
         return new_state, metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.shared(data, state.params, ids)}
 
-    return Algorithm("moon", init, round_fn, evaluate, {}, host_state=True)
+    return engine.algorithm("moon", init, round_fn, evaluate, host_state=True)
 
 
 register(AlgorithmSpec(

@@ -36,7 +36,7 @@ import optax
 
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms._global_model import GlobalModelState
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, require_choices, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, require_choices
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, POSITIVE, register
 from fedjax_pfl.core.local import LocalTrainer, masked_mean_loss
@@ -92,22 +92,18 @@ def perfedavg(model: Model, config: EngineConfig, *, variant: str, alpha: float
 
     def init(key: jax.Array, data) -> State:
         params = model.init(key)
-        return State(params, engine.init_client_opt_states(params, data.num_clients),
-                     jnp.zeros((), jnp.int32), jax.random.fold_in(key, 1))
+        return State(params, engine.init_opt_rows(params, data.num_clients),
+                     engine.init_server(params, data), jnp.zeros((), jnp.int32),
+                     jax.random.fold_in(key, 1))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)
-        opt = engine.opt_states_for(state.opt_state, idx, state.params)
-        result = engine.train(data, idx, state.params, opt, train_key, shared_start=True)
-        weights = core.gather(data.clients.train_count, idx)
-        params, private = engine.aggregate(state.params, result.params, weights, key, data, idx=idx)
-        metrics = {**train_metrics(result, idx), **private}
+        rnd = engine.begin(data, key)
+        trained = engine.train(rnd, state.params, opt_rows=state.opt_state, shared_start=True)
+        params, server, agg = engine.aggregate(rnd, state.params, trained.params,
+                                               rnd.train_counts, state.server)
         d = ops.tree_size(params)
-        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
-                                            down_floats_per_client=d))
-        return State(params, engine.store_opt_states(state.opt_state, idx, result.opt_state),
-                     state.round + 1, state.rng), metrics
+        metrics = engine.metrics(rnd, trained, up=d, down=d, server=agg)
+        return State(params, trained.opt_rows, server, state.round + 1, state.rng), metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         global_eval = engine.evaluator.shared(data, state.params, ids)
@@ -115,7 +111,7 @@ def perfedavg(model: Model, config: EngineConfig, *, variant: str, alpha: float
         personal = engine.evaluate_after_training(adapter, data, state.params, key, ids)
         return {"client": personal, "global": global_eval}
 
-    return Algorithm("perfedavg", init, round_fn, evaluate, {}, host_state=True)
+    return engine.algorithm("perfedavg", init, round_fn, evaluate, host_state=True)
 
 
 register(AlgorithmSpec(

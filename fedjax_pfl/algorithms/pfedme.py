@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, register
 from fedjax_pfl.core.local import masked_mean_loss
@@ -45,6 +45,7 @@ class State(NamedTuple):
     theta: Params       # θ_k, personalised models after this round's training   leaves [K, ...]
     params: Params      # w, the global model                                     leaves [...]
     opt_state: Any      # per-client inner-optimizer states (--momentum-buffer persist), else None
+    server: Any         # the server chain's state (Engine.init_server)
     round: jax.Array    # shape=(), int32
     CLIENT_FIELDS = ("theta", "opt_state")  # per-client rows [N, ...]
 
@@ -77,40 +78,38 @@ def pfedme(model: Model, config: EngineConfig, *, lam: float, personal_lr: float
         return (theta, w), opt_state, loss
 
     init_opt = lambda params: inner.init(params[0])
-    engine = Engine(model, config, step_fn=local_round,
-                         optimizer=optax.GradientTransformation(init_opt, _unused))
+    engine = Engine(model, config, step_fn=local_round, trains="all",
+                    optimizer=optax.GradientTransformation(init_opt, _unused))
 
     def init(key: jax.Array, data) -> State:
         w = model.init(key)
         k = data.num_clients
         opt = core.broadcast(inner.init(w), k) if persist else None
-        return State(core.broadcast(w, k), w, opt, jnp.zeros((), jnp.int32))
+        return State(core.broadcast(w, k), w, opt, engine.init_server(w, data),
+                     jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        k = data.num_clients
-        everyone = jnp.arange(k, dtype=jnp.int32)
-        opt = state.opt_state if persist else core.broadcast(inner.init(state.params), k)
-        result = engine.train(data, everyone, (state.params, state.params), opt, train_key,
-                              shared_start=True)                             # θ_k, w_k ← w_t
-        theta, local = result.params
-        idx = engine.sample(sample_key, data)                                # S clients
-        p = core.gather(data.clients.train_count, idx) if weights == "data_size" else None
+        rnd = engine.begin(data, key)                                        # S clients
+        everyone = engine.everyone(data)
+        trained = engine.train(rnd, (state.params, state.params), idx=everyone,   # θ_k, w_k ← w_t
+                               opt_state=state.opt_state if persist else None, shared_start=True)
+        theta, local = trained.params
+        p = rnd.train_counts if weights == "data_size" else None
         # Σ p_k w_k; under --dp-clip DP-FedAvg's noisy mean of the clipped w_k − w_t instead.
-        mean, metrics = engine.aggregate(state.params, core.gather(local, idx), p, key, data, idx=idx)
+        mean, server, agg = engine.aggregate(rnd, state.params, core.gather(local, rnd.idx), p,
+                                             state.server)
         params = ops.tree_lerp(state.params, mean, beta)                     # β-mixing
         d = ops.tree_size(state.params)
-        metrics.update(train_metrics(result, idx))
-        metrics["trained"] = everyone
-        metrics.update(engine.communication(idx, data, up_floats_per_client=d, down_clients=k,
-                                            down_floats_per_client=d))
-        return State(theta, params, result.opt_state if persist else None, state.round + 1), metrics
+        metrics = engine.metrics(rnd, trained, up=d, down=d, down_clients=data.num_clients,
+                                 server=agg)
+        return State(theta, params, trained.opt_state if persist else None, server,
+                     state.round + 1), metrics
 
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.personal(data, state.theta, ids),
                 "global": engine.evaluator.shared(data, state.params, ids)}
 
-    return Algorithm("pfedme", init, round_fn, evaluate, {})
+    return engine.algorithm("pfedme", init, round_fn, evaluate)
 
 
 def _unused(updates, state, params=None):

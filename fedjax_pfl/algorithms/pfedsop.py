@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, train_metrics
-from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row
+from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, register
 from fedjax_pfl.models.model import Model
 
@@ -66,6 +66,7 @@ class State(NamedTuple):
     clients: ClientState
     delta_glob: Params  # Δ_{t−1}, the previous round's global pseudo-gradient   leaves [...]
     x0: Params          # the shared random initial model                          leaves [...]
+    server: Any         # the server chain's state (Engine.init_server)
     round: jax.Array    # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("clients",)  # per-client rows [N, ...]
 
@@ -104,17 +105,17 @@ def pfedsop(
         n = data.num_clients
         clients = ClientState(core.broadcast(x0, n), core.broadcast(ops.tree_zeros_like(x0), n),
                               jnp.ones(n, bool))
-        return State(clients, ops.tree_zeros_like(x0), x0, jnp.zeros((), jnp.int32))
+        zero = ops.tree_zeros_like(x0)
+        return State(clients, zero, x0, engine.init_server(zero, data), jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                          # S1
-        m = idx.shape[0]
+        rnd = engine.begin(data, key)                                                  # S1
+        idx, m = rnd.idx, rnd.m
         c = core.gather(state.clients, idx)
         x_newton, beta, phi, step_norm = engine.mapper(personalize, c.x, c.delta,
                                                        shared=(state.delta_glob,))     # S2, C1–C7
         x = core.where_clients(c.is_new, core.broadcast(state.x0, m), x_newton)        # C0
-        result = engine.train(data, idx, x, engine.opt_states_for(None, idx, state.x0), train_key)  # C9
+        result = engine.train(rnd, x)                                                  # C9
         z = result.params
         delta = ops.tree_scale(1.0 / eta_local, ops.tree_sub(x, z))                    # C10, eq. 11
         kept = x if keep == "newton" else z                                            # reading A3
@@ -122,27 +123,22 @@ def pfedsop(
         clients = core.scatter(state.clients, idx, rows)
         # S3, eq. 13: (1/M) Σ Δ_i; under --dp-clip DP-FedAvg's noisy mean of the clipped Δ_i.
         zero = ops.tree_zeros_like(first_row(delta))
-        delta_glob, dp_metrics = engine.aggregate(zero, delta, None, key, data, idx=idx)
+        delta_glob, server, agg = engine.aggregate(rnd, zero, delta, None, state.server)
         returning = ~c.is_new
         n_ret = jnp.sum(returning)
         per_returning = lambda v: jnp.where(n_ret > 0, jnp.sum(jnp.where(returning, v, 0)) /
                                             jnp.maximum(n_ret, 1), jnp.nan)
-        metrics = {**train_metrics(result, idx), **dp_metrics}
-        metrics.update(returning_clients=n_ret, beta_mean=per_returning(beta),
-                       angle_mean=per_returning(phi), newton_step_norm=per_returning(step_norm),
-                       delta_glob_norm=ops.tree_norm(delta_glob))
         # Uplink Δ_i, downlink the global Δ (d floats each way per participant; a new client's
         # start x0, the common initialisation, is not counted, as no algorithm counts its θ_0).
         d = ops.tree_size(state.x0)
-        metrics.update(engine.communication(idx, data, up_floats_per_client=d,
-                                            down_floats_per_client=d))
-        return State(clients, delta_glob, state.x0, state.round + 1), metrics
+        metrics = engine.metrics(rnd, result, up=d, down=d, server=agg)
+        metrics.update(returning_clients=n_ret, beta_mean=per_returning(beta),
+                       angle_mean=per_returning(phi), newton_step_norm=per_returning(step_norm),
+                       delta_glob_norm=ops.tree_norm(delta_glob))
+        return State(clients, delta_glob, state.x0, server, state.round + 1), metrics
 
-    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.clients.x, ids)}
-
-    evaluate, parts = split_evaluate(evaluate_personal)
-    return Algorithm("pfedsop", init, round_fn, evaluate, {}, parts, host_state=True)
+    evaluate, parts = engine.evaluation(personal=lambda state: state.clients.x)
+    return engine.algorithm("pfedsop", init, round_fn, evaluate, parts, host_state=True)
 
 
 register(AlgorithmSpec(

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
-from fedjax_pfl.algorithms.interface import Algorithm, split_evaluate
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig
+from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, UNIT_CLOSED, register
 from fedjax_pfl.core.local import FullPass, add_aux_gradient
 from fedjax_pfl.models.model import Model
@@ -62,6 +62,7 @@ class State(NamedTuple):
     gbar: Params              # ḡ = (μ/M) Σ_{j∈S_{t−1}} G_j                    leaves [...]
     has_prev: jax.Array       # False in round 1 (nothing uploaded yet); shape=(), bool
     global_params: Params     # θ_g                                            leaves [...]
+    server: Any               # the server chain's state (Engine.init_server)
     round: jax.Array          # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("clients", "alpha", "alpha_row_sum")  # per-client rows [N, ...]
     # Kept on the devices under --state-placement host: the α statistics read every row sum.
@@ -99,18 +100,17 @@ def pgfed(
         params = model.init(key)
         n, m = data.num_clients, engine.num_sampled(data)
         zeros = ops.tree_zeros_like(params)
-        clients = ClientState(core.broadcast(params, n), engine.init_client_opt_states(params, n),
+        clients = ClientState(core.broadcast(params, n), engine.init_opt_rows(params, n),
                               core.broadcast(zeros, n), jnp.zeros(n, bool))
         real = data.num_real_clients     # padding clients (sharded runs) stay out of the statistics
         return State(clients, jnp.full((n, n), 1.0 / m), jnp.full(n, real / m),
                      jnp.zeros((), jnp.int32), jnp.arange(m, dtype=jnp.int32),
                      core.broadcast(zeros, m), jnp.zeros(m), zeros, jnp.zeros((), bool), params,
-                     jnp.zeros((), jnp.int32))
+                     engine.init_server(params, data), jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                        # S_t
-        m = idx.shape[0]
+        rnd = engine.begin(data, key)                                                # S_t
+        idx, m = rnd.idx, rnd.m
         c = core.gather(state.clients, idx)
         # A[S, P] at least float32 whatever the storage (--state-dtype): the α steps accumulate
         # in it, and bfloat16 would round them away.
@@ -133,9 +133,9 @@ def pgfed(
             extra["alpha_grad"] = core.broadcast(state.prev_b + mu * g_dot_global, m)
         else:
             extra.update(b=core.broadcast(state.prev_b, m), gbar=core.broadcast(state.gbar, m))
-        opt = engine.opt_states_for(state.clients.opt_state, idx, state.global_params)
-        result = engine.train(data, idx, state.global_params, opt, train_key, extra=extra,
-                              hook_state=alpha_sp, shared_start=True)               # θ_i ← θ_g
+        result = engine.train(rnd, state.global_params, extra=extra, hook_state=alpha_sp,  # θ_i ← θ_g
+                              opt_state=c.opt_state if engine.persist_opt_state else None,
+                              shared_start=True)
         theta = result.params
         losses, grads = full_pass(data, theta, core.gather(data.clients, idx), ids=idx)       # L_i, G_i
         b = mu * (losses - jax.vmap(ops.tree_vdot)(grads, theta))                     # b_i
@@ -154,12 +154,12 @@ def pgfed(
         rows = ClientState(theta, result.opt_state if engine.persist_opt_state else None, aux,
                            c.aux_set | has_prev)
         clients = core.scatter(state.clients, idx, rows)
-        weights = core.gather(data.clients.train_count, idx)
-        global_params = core.mean_over_clients(theta, weights)                        # θ_g
+        global_params, server, agg = engine.aggregate(rnd, state.global_params, theta,   # θ_g
+                                                      rnd.train_counts, state.server)
         gbar = ops.tree_scale(mu / m, core.sum_over_clients(grads))                   # ḡ
         new_state = State(clients, alpha, row_sum, zeros, idx, grads, b, gbar, jnp.ones((), bool),
-                          global_params, state.round + 1)
-        metrics = train_metrics(result, idx)
+                          global_params, server, state.round + 1)
+        metrics = engine.metrics(rnd, result, server=agg)
         row_means = row_sum[:real] / real
         metrics.update(
             alpha_mean=jnp.sum(row_sum[:real]) / float(real) ** 2, alpha_row_mean_min=row_means.min(),
@@ -169,14 +169,9 @@ def pgfed(
         )
         return new_state, metrics
 
-    def evaluate_personal(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"client": engine.evaluator.personal(data, state.clients.theta, ids)}
-
-    def evaluate_global(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        return {"global": engine.evaluator.shared(data, state.global_params, ids)}
-
-    evaluate, parts = split_evaluate(evaluate_personal, evaluate_global)
-    return Algorithm("pgfed", init, round_fn, evaluate, {}, parts, host_state=True)
+    evaluate, parts = engine.evaluation(personal=lambda state: state.clients.theta,
+                                        shared=lambda state: state.global_params)
+    return engine.algorithm("pgfed", init, round_fn, evaluate, parts, host_state=True)
 
 
 def pgfed_plain(model: Model, config: EngineConfig, *, mu: float, alpha_lr: float

@@ -215,11 +215,6 @@ class AlgorithmSpec:
             raise ValueError("--sampling poisson needs --dp-clip (use --dp-clip inf for no "
                              "clipping): a round's empty slots are masked out by the private "
                              "server step only")
-        if config.dp_clip_quantile is not None:
-            from fedjax_pfl.algorithms import _adaptive_clip
-
-            return _adaptive_clip.adaptive_clipping(
-                lambda c: self.factory(model, c, **own), config)
         return self.factory(model, config, **own)
 
 
@@ -227,7 +222,7 @@ _REGISTRY: dict[str, AlgorithmSpec] = {}
 
 
 # The privacy parameters reach a private algorithm's program only as arithmetic on the uploads
-# (`Engine.private_update`, ops/dp.py): every algorithm that privatises its uplink can sweep them.
+# (the server chain, `core.server`, ops/dp.py): every algorithm that privatises its uplink can sweep them.
 DP_TRACEABLE = ("dp_clip", "dp_noise_multiplier")
 
 

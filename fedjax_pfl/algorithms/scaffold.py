@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, require_choices, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, require_choices
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, POSITIVE, register
 from fedjax_pfl.core.local import FullPass, add_aux_gradient
@@ -53,6 +53,7 @@ class State(NamedTuple):
     control: Params         # server control variate c = (1/N) Σ_i c_i          leaves [...]
     client_control: Params  # client control variates c_i                      leaves [N, ...]
     opt_state: Any          # per-client optimizer states (momentum_buffer=persist) [N, ...], else None
+    server: Any             # the server chain's state (Engine.init_server)
     round: jax.Array        # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("client_control", "opt_state")  # per-client rows [N, ...]
 
@@ -70,19 +71,17 @@ def scaffold(model: Model, config: EngineConfig, *, server_lr: float = 1.0,
         params = model.init(key)          # the same initial model as every algorithm from this key
         zeros = ops.tree_zeros_like(params)
         return State(params, zeros, core.broadcast(zeros, data.num_clients),       # c = c_i = 0
-                     engine.init_client_opt_states(params, data.num_clients),
-                     jnp.zeros((), jnp.int32))
+                     engine.init_opt_rows(params, data.num_clients),
+                     engine.init_server((zeros, zeros), data), jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
-        idx = engine.sample(sample_key, data)                                       # S
-        m = idx.shape[0]
+        rnd = engine.begin(data, key)                                               # S
+        idx, m = rnd.idx, rnd.m
         x, c = state.params, state.control
         c_i = core.gather(state.client_control, idx)
         correction = jax.tree.map(lambda ci, cs: cs - ci, c_i, core.broadcast(c, m))  # c − c_i
-        opt = engine.opt_states_for(state.opt_state, idx, x)
-        result = engine.train(data, idx, x, opt, train_key, extra={"correction": correction},
-                              shared_start=True)                                   # lines 6–10
+        result = engine.train(rnd, x, opt_rows=state.opt_state, shared_start=True,  # lines 6–10
+                              extra={"correction": correction})
         delta_y = jax.tree.map(lambda y, xs: y - xs, result.params, core.broadcast(x, m))  # Δy_i
         took_steps = result.num_steps > 0
         if variant == "ii":                                                         # line 11, II
@@ -100,29 +99,20 @@ def scaffold(model: Model, config: EngineConfig, *, server_lr: float = 1.0,
         c_plus = jax.tree.map(lambda new, old: new.astype(old.dtype), c_plus, c_i)  # as stored, A9
         wide = lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32))        # bfloat16 rows
         delta_c = jax.tree.map(lambda new, old: wide(new) - wide(old), c_plus, c_i)  # Δc_i
-        if engine.private:
-            # DP-FedAvg on the joint upload (Δy_i, Δc_i) under one L2 norm, uniform weights over
-            # the fixed denominator M: x ← x + η_g Δ̃y, c ← c + (M/N) Δ̃c.
-            zero = ops.tree_zeros_like(first_row((delta_y, delta_c)))
-            (mean_dy, mean_dc), dp_metrics = engine.private_update(zero, (delta_y, delta_c), key,
-                                                                   data, idx=idx)
-            params = jax.tree.map(lambda xs, dy: xs + server_lr * dy, x, mean_dy)
-            share = engine.expected_clients(data) / data.num_real_clients
-            control = jax.tree.map(lambda cs, dc: cs + (share * dc).astype(cs.dtype), c, mean_dc)
-        else:
-            dp_metrics = {}
-            w = core.gather(data.clients.train_count, idx) if weights == "data_size" else None
-            params = jax.tree.map(lambda xs, dy: xs + server_lr * dy,               # l. 15–16
-                                  x, core.mean_over_clients(delta_y, w))
-            control = jax.tree.map(lambda cs, dc: cs + dc / data.num_real_clients,  # l. 15–16
-                                   c, core.sum_over_clients(delta_c))
+        # Lines 15–16 on the server chain's mean of the joint upload (Δy_i, Δc_i): Δy's mean
+        # with `weights`, Δc's uniform; under --dp-clip DP-FedAvg's noisy mean of the upload
+        # under one L2 norm (uniform, the fixed denominator M).
+        w = rnd.train_counts if weights == "data_size" else None
+        zero = ops.tree_zeros_like(first_row((delta_y, delta_c)))
+        (mean_dy, mean_dc), server, agg = engine.aggregate(rnd, zero, (delta_y, delta_c),
+                                                           (w, None), state.server)
+        share = engine.expected_clients(data) / data.num_real_clients                # |S|/N
+        params = jax.tree.map(lambda xs, dy: xs + server_lr * dy, x, mean_dy)       # l. 15–16
+        control = jax.tree.map(lambda cs, dc: cs + (share * dc).astype(cs.dtype), c, mean_dc)
         new_state = State(params, control, core.scatter(state.client_control, idx, c_plus),
-                          engine.store_opt_states(state.opt_state, idx, result.opt_state),
-                          state.round + 1)
-        metrics = {**train_metrics(result, idx), **dp_metrics}
+                          result.opt_rows, server, state.round + 1)
         d = ops.tree_size(params)
-        metrics.update(engine.communication(idx, data, up_floats_per_client=2 * d,
-                                            down_floats_per_client=2 * d))
+        metrics = engine.metrics(rnd, result, up=2 * d, down=2 * d, server=agg)
         metrics.update(control_norm=ops.tree_norm(control),
                        client_control_norm_mean=jnp.mean(jax.vmap(ops.tree_norm)(c_plus)),
                        correction_norm_mean=jnp.mean(jax.vmap(ops.tree_norm)(correction)))
@@ -131,7 +121,7 @@ def scaffold(model: Model, config: EngineConfig, *, server_lr: float = 1.0,
     def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
         return {"client": engine.evaluator.shared(data, state.params, ids)}            # A6
 
-    return Algorithm("scaffold", init, round_fn, evaluate, {}, host_state=True)
+    return engine.algorithm("scaffold", init, round_fn, evaluate, host_state=True)
 
 
 register(AlgorithmSpec(

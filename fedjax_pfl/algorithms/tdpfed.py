@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl import core, ops
-from fedjax_pfl.algorithms.engine import Engine, EngineConfig, train_metrics
+from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, register
 from fedjax_pfl.core.local import masked_mean_loss
@@ -65,6 +65,7 @@ class State(NamedTuple):
     factors: Params        # A_t, the global CP tree (CPFactors nodes, dense biases) leaves [...]
     omega: Params          # ACT: ω̃_t, the dense start of the next round; AFM: None
     opt_state: Any         # per-client (NAG, factor) optimizer states when persisted, else None
+    server: Any            # the server chain's state (Engine.init_server)
     round: jax.Array       # rounds completed; shape=(), int32
     CLIENT_FIELDS = ("theta", "opt_state")  # per-client rows [N, ...]
 
@@ -170,7 +171,7 @@ def tdpfed(
                                                   (factors, factor_state))
         return (theta, factors), (nag_state, factor_state), loss
 
-    engine = Engine(model, config, step_fn=local_round,
+    engine = Engine(model, config, step_fn=local_round, trains="all",
                          optimizer=optax.GradientTransformation(init_opt, _no_update))
     factor_floats = cp.num_floats(template)
     dense_floats = cp.dense_num_floats(template)
@@ -183,42 +184,41 @@ def tdpfed(
         opt = core.broadcast(init_opt((start, factors)), k) if persist else None
         # ω̃ gets its own buffers: for CR = 1 or biases, ⟦A⟧ returns the very arrays of A.
         omega = jax.tree.map(jnp.copy, start) if aggregate == "act" else None
-        return State(core.broadcast(start, k), factors, omega, opt, jnp.zeros((), jnp.int32))
+        server = engine.init_server(factors if aggregate == "afm" else start, data)
+        return State(core.broadcast(start, k), factors, omega, opt, server,
+                     jnp.zeros((), jnp.int32))
 
     def round_fn(state: State, data, key: jax.Array) -> tuple[State, dict]:
-        sample_key, train_key = jax.random.split(key)
+        rnd = engine.begin(data, key)                                   # line 4: S_t (uploads)
         k = data.num_clients
-        everyone = jnp.arange(k, dtype=jnp.int32)                       # line 2: ALL clients train
         start = state.omega if aggregate == "act" else cp.reconstruct(state.factors)   # W_t
         opt = state.opt_state if persist else core.broadcast(init_opt((start, state.factors)), k)
-        result = engine.train(data, everyone, (start, state.factors), opt, train_key,
-                              shared_start=True)                        # θ_k ← W_t, A_k ← A_t
-        theta, local_factors = result.params
-        idx = engine.sample(sample_key, data)                           # line 4: S_t, after training
-        uploaded = core.gather(local_factors, idx)
-        p = core.gather(data.clients.train_count, idx) if weights == "data_size" else None
+        trained = engine.train(rnd, (start, state.factors), idx=engine.everyone(data),  # line 2:
+                               opt_state=opt, shared_start=True)        # ALL clients train;
+        theta, local_factors = trained.params                           # θ_k ← W_t, A_k ← A_t
+        uploaded = core.gather(local_factors, rnd.idx)
+        p = rnd.train_counts if weights == "data_size" else None
         # Σ p_k A_k (or Σ p_k ⟦A_k⟧); under --dp-clip DP-FedAvg's noisy mean of the clipped
         # updates A_k − A_t (⟦A_k⟧ − ⟦A_t⟧) instead, uniform over the M uploads.
         if aggregate == "afm":                                           # eq. 18
-            mean, metrics = engine.aggregate(state.factors, uploaded, p, key, data, idx=idx)
+            mean, server, agg = engine.aggregate(rnd, state.factors, uploaded, p, state.server)
             factors = ops.tree_lerp(state.factors, mean, beta)
             omega = None
         else:                                                            # eqs. 19–20
-            composed, metrics = engine.aggregate(cp.reconstruct(state.factors),
-                                                 jax.vmap(cp.reconstruct)(uploaded), p, key, data, idx=idx)
+            composed, server, agg = engine.aggregate(rnd, cp.reconstruct(state.factors),
+                                                     jax.vmap(cp.reconstruct)(uploaded), p,
+                                                     state.server)
             omega = ops.tree_lerp(cp.reconstruct(state.factors), composed, beta)
             factors, errors = refit(state.factors, omega)
-            metrics["act_fit_error_max"] = errors
-        new_state = State(theta, factors, omega, result.opt_state if persist else None,
+            agg = {**agg, "act_fit_error_max": errors}
+        new_state = State(theta, factors, omega, trained.opt_state if persist else None, server,
                           state.round + 1)
-        metrics.update(train_metrics(result, idx))
-        metrics["trained"] = everyone
         # Downlink: AFM clients rebuild ⟦A⟧ from the factors; ACT's ω̃ ≠ ⟦A⟧ must be sent dense.
         down = factor_floats + (dense_floats if aggregate == "act" else 0)
-        metrics.update(engine.communication(
-            idx, data, up_floats_per_client=factor_floats, down_clients=k,
-            down_floats_per_client=down, down_floats_factors_only=k * factor_floats,
-            down_floats_with_tensor=k * (factor_floats + dense_floats)))
+        metrics = engine.metrics(
+            rnd, trained, up=factor_floats, down=down, down_clients=k, server=agg,
+            down_floats_factors_only=k * factor_floats,
+            down_floats_with_tensor=k * (factor_floats + dense_floats))
         return new_state, metrics
 
     def refit(previous: Params, omega: Params) -> tuple[Params, jax.Array]:
@@ -239,7 +239,7 @@ def tdpfed(
         return {"client": engine.evaluator.personal(data, state.theta, ids),
                 "global": engine.evaluator.shared(data, cp.reconstruct(state.factors), ids)}
 
-    return Algorithm("tdpfed", init, round_fn, evaluate, {})
+    return engine.algorithm("tdpfed", init, round_fn, evaluate)
 
 
 def _no_update(updates, state, params=None):

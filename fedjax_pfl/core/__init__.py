@@ -20,6 +20,7 @@ from fedjax_pfl.core.execution import (
     ClientLoop,
     ClientMapper,
     client_mapper,
+    jit_unless_loop,
 )
 from fedjax_pfl.core.placement import (
     balanced_order,
@@ -58,7 +59,7 @@ __all__ = [
     "broadcast", "gather", "map_clients", "mean_over_clients", "num_sampled_clients",
     "sample_clients", "scatter", "sum_over_clients", "where_clients",
     "OVERFLOW_PROBABILITY", "poisson_capacity", "sample_poisson", "truncation_delta",
-    "BACKENDS", "EAGER_BACKENDS", "ClientError", "ClientLoop", "ClientMapper", "client_mapper",
+    "BACKENDS", "EAGER_BACKENDS", "ClientError", "ClientLoop", "ClientMapper", "client_mapper", "jit_unless_loop",
     "balanced_order", "client_mask", "client_mesh", "replicate", "to_host", "replicated_sharding",
     "single_device_clients",
     "AUTO_EVAL_BATCH", "ClientEval", "Evaluator", "FullPass", "auto_eval_batch", "LocalResult", "LocalTrainer", "add_aux_gradient",

@@ -9,7 +9,7 @@ holds K slots:
 
 The participants fill the first slots (ids ascending); the other slots hold `pad_id`, an empty
 padding client (no samples, never evaluated: `FederatedData.pad_clients`), whose rows a round may
-write freely and whose uploads the server masks out (`Engine.private_update`). When more than K
+write freely and whose uploads the server masks out (the server chain's `noised_mean`, `core.server`). When more than K
 clients are drawn (probability ≤ p a round), K of them, chosen uniformly, take part and the rest
 are dropped. A run of T rounds with truncation differs from the untruncated mechanism only on an
 event of probability ≤ T·p, so an (ε, δ) guarantee of the untruncated mechanism holds with

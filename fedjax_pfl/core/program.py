@@ -320,15 +320,18 @@ class Program(HostStateCalls):
 
     def _jitted_probe(self) -> Callable:
         """(clients, round_keys, first, count) -> [count, M] the rounds' participants
-        (`Algorithm.participants`), from the keys and the clients' counts alone: the state is a
-        stand-in of zeros (no algorithm samples from its state), the data a one-row stand-in."""
+        (`Algorithm.participants`, declared by the algorithm), from the keys and the clients'
+        counts alone: the data is a one-row stand-in."""
+        if self.algo.participants is None:
+            raise ValueError(f"{self.algo.name} does not declare the clients whose data a round "
+                             "reads (Algorithm.participants), so its data cannot be staged from "
+                             "the host: use --data-placement device")
         stub = dataclasses.replace(self.data, x=np.zeros((1,) + self.data.x.shape[1:], self.data.x.dtype),
                                    y=np.zeros((1,) + self.data.y.shape[1:], self.data.y.dtype))
 
         def probe(clients, round_keys, first, count):
-            state = _zeros_like(self.abstract_state)
             data = dataclasses.replace(stub, clients=clients)
-            return jnp.stack([self.algo.participants(state, data, jax.random.fold_in(round_keys, first + i))
+            return jnp.stack([self.algo.participants(data, jax.random.fold_in(round_keys, first + i))
                               for i in range(count)])
 
         return jax.jit(probe, static_argnums=3)

@@ -1,6 +1,6 @@
 """A run's privacy budget: the noise multiplier for --target-epsilon, and ε after every round.
 
-With --dp-clip the algorithm privatises its uplink (`ops.dp`, `Engine.private_update`): each
+With --dp-clip the algorithm privatises its uplink (`ops.dp`, the server chain of `core.server`): each
 round is the Gaussian mechanism with noise multiplier z on M of the N real clients, sampled
 without replacement (the engine's fixed-size sampling), or, with --sampling poisson, on the
 clients that each took part with probability q (`core.sample_poisson`). The accountant
@@ -12,7 +12,7 @@ sampling only) the summary's ε after the last round is PLD's, usually tighter; 
 RDP's, and the record names both (`accountant`, `rows_accountant`). Poisson sampling truncated to
 the round's K slots adds `core.poisson.truncation_delta` to δ; the record reports it.
 
-With --dp-clip-quantile (adaptive clipping, `algorithms._adaptive_clip`) the accounted z covers
+With --dp-clip-quantile (adaptive clipping, `core.server.adaptive_clip`) the accounted z covers
 the noised updates and the noised count together; the record gives the update noise z_Δ and the
 count noise σ_b that make it up, and `dp_clip` is then the initial clip norm C_0.
 """
@@ -103,15 +103,15 @@ def plan(cfg, hparams: dict[str, Any], num_clients: int) -> tuple[dict[str, Any]
         hparams = {**hparams, "dp_noise_multiplier": z}
     adaptive = None
     if hparams.get("dp_clip_quantile") is not None:
-        from fedjax_pfl.algorithms import EngineConfig, _adaptive_clip
+        from fedjax_pfl.algorithms import EngineConfig, engine
+        from fedjax_pfl.ops import dp
 
         config, _ = EngineConfig.split({**hparams, "dp_noise_multiplier": z})
-        _adaptive_clip.check(config, num_clients)
-        sigma = float(_adaptive_clip.count_noise(config, num_clients))
+        engine.check_adaptive_clip(config, num_clients)
+        sigma = float(engine.count_noise(config, engine.expected_clients(config, num_clients)))
         adaptive = {"quantile": hparams["dp_clip_quantile"], "lr": hparams["dp_clip_lr"],
                     "count_noise": sigma,
-                    "update_noise_multiplier": float(
-                        _adaptive_clip.update_noise_multiplier(z, sigma))}
+                    "update_noise_multiplier": float(dp.update_noise_multiplier(z, sigma))}
     epsilons = accounting.epsilons(z, rounds=cfg.rounds, accountant="rdp", **common)
     # No noise bounds nothing: ε = ∞, written as null (JSON has no infinity).
     finite = tuple(float(e) if math.isfinite(e) else None for e in epsilons)

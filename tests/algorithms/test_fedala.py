@@ -46,17 +46,20 @@ def random_models(seed, n):
 
 def run_ala(data, theta_g, locs, weights, *, rand_percent, passes, batch_size=32, eta=4.0,
             threshold=0.0, patience=2, backend="vmap", key=0):
-    ala = fedala.AdaptiveAggregation(linear_model(F, C), TOP, eta=eta, rand_percent=rand_percent,
-                                     batch_size=batch_size, threshold=threshold,
-                                     patience=patience, mapper=core.client_mapper(backend))
+    loop, probe = fedala.ala_loop(linear_model(F, C), TOP, eta=eta, rand_percent=rand_percent,
+                                  batch_size=batch_size, threshold=threshold, patience=patience)
+    mapper = core.client_mapper(backend)
+    run = core.jit_unless_loop(mapper, lambda shared, rows: mapper.run(loop, rows, shared=shared,
+                                                                        probe=probe))
     m = len(locs)
     idx = jnp.arange(m)
     local_top = {"b": None, "w": jnp.asarray(np.stack([l["w"] for l in locs]), jnp.float32)}
     w = {"b": None, "w": jnp.asarray(np.stack(weights), jnp.float32)}
     g = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), theta_g)
     keys = core.gather(jax.random.split(jax.random.key(key), m), idx)
-    return ala(data, g, local_top, w, core.gather(data.clients, idx), keys,
-               jnp.full((m,), passes, jnp.int32)), keys
+    rows = fedala.AlaRow(local_top, w, core.gather(data.clients, idx), keys,
+                         jnp.full((m,), passes, jnp.int32))
+    return run((data, g), rows), keys
 
 
 SIZES = [6, 8]

@@ -77,7 +77,8 @@ def test_evaluation_fine_tunes_the_whole_model_as_fedavg_ft():
     evals = jax.jit(algo.evaluate)(state, DATA)
     # FedAvg-FT with lr 0.02 and 2 fine-tuning epochs, holding FedBABU's global model.
     ft = algorithms.get("fedavg_ft", model=MLP, ft_epochs=2, batch_size=4, lr=0.02)
-    expected = jax.jit(ft.evaluate)(fedavg_lib.State(state.params, None, state.round, state.rng), DATA)
+    expected = jax.jit(ft.evaluate)(fedavg_lib.State(state.params, None, {}, state.round, state.rng),
+                                    DATA)
     tree_equal(evals["client"], expected["client"])
     tree_equal(evals["global"], expected["global"])
     assert not np.array_equal(evals["client"].loss_sum, evals["global"].loss_sum)

@@ -325,7 +325,8 @@ def test_algorithms_that_touch_other_rows_refuse_host_state():
             lambda a: a + jnp.arange(a.shape[0], dtype=a.dtype).reshape((-1,) + (1,) * (a.ndim - 1)),
             s.params))
 
-    odd = Algorithm("odd", init, inner.round_fn, inner.evaluate, {}, host_state=True)
+    odd = Algorithm("odd", init, inner.round_fn, inner.evaluate, {}, host_state=True,
+                    participants=inner.participants)
     program = core.Program(odd, data, mesh=None, state_placement="host")
     with pytest.raises(ValueError, match="different initial rows of .*params"):
         program.init(jax.random.key(0))

@@ -1,4 +1,4 @@
-"""Adaptive clipping (`--dp-clip-quantile γ`, algorithms/_adaptive_clip.py; Andrew et al.,
+"""Adaptive clipping (`--dp-clip-quantile γ`, core/server.py's adaptive_clip link; Andrew et al.,
 NeurIPS 2021, Algorithm 1): C_{t+1} = C_t·exp(−η(b̃_t − γ)) with b̃_t = (Σ_k 1[‖Δ_k‖ ≤ C_t] +
 N(0, σ_b²))/D; the updates noised with z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2), so that z, the accounted
 noise multiplier, covers both releases."""
@@ -12,7 +12,7 @@ import pytest
 
 from fedjax_pfl.algorithms import engine as engine_lib
 from fedjax_pfl import algorithms
-from fedjax_pfl.algorithms import _adaptive_clip
+from fedjax_pfl.ops import dp
 from helpers import linear_model, make_data
 
 # The quick suite keeps the clip's update against the update norms (fixed sampling) and the
@@ -41,19 +41,18 @@ def test_the_clip_follows_the_count_of_unclipped_updates(sampling):
         assert np.sum(ids >= len(SIZES)) > 0              # empty slots in this round
     ids = jnp.asarray(ids[ids < len(SIZES)])
     engine = engine_lib.Engine(linear_model(), engine_lib.EngineConfig(**HP))
-    trained = engine.train(data, ids, state.inner.params,
-                           engine.opt_states_for(None, ids, state.inner.params),
-                           jax.random.split(key)[1], shared_start=True)
+    rnd = engine_lib.Round(data, key, ids, {"train": jax.random.split(key)[1]})
+    trained = engine.train(rnd, state.params, shared_start=True)
     norms = np.sqrt(sum(((np.asarray(rows, np.float64) - np.asarray(start, np.float64)) ** 2)
                         .reshape(len(ids), -1).sum(axis=1)
                         for rows, start in zip(jax.tree.leaves(trained.params),
-                                               jax.tree.leaves(state.inner.params))))
+                                               jax.tree.leaves(state.params))))
     within = np.sum(norms <= 0.2)
     assert 0 < within < len(ids)                      # the case tells the update apart
     b = within / (HP["participation"] * len(SIZES))   # D = M = q·N = 5 here
     assert float(metrics["dp_clip"]) == pytest.approx(0.2)
     assert float(metrics["dp_unclipped_noisy"]) == pytest.approx(b)
-    assert float(after.clip) == pytest.approx(0.2 * math.exp(-0.7 * (b - 0.3)), rel=1e-6)
+    assert float(after.server["adaptive_clip"].clip) == pytest.approx(0.2 * math.exp(-0.7 * (b - 0.3)), rel=1e-6)
 
 
 @pytest.mark.slow
@@ -67,7 +66,7 @@ def test_the_geometric_step_in_closed_form(clip, factor):
     clips = []
     for r in range(3):
         state, _ = step(state, data, jax.random.key(r))
-        clips.append(float(state.clip))
+        clips.append(float(state.server["adaptive_clip"].clip))
     np.testing.assert_allclose(clips, clip * factor ** np.arange(1, 4), rtol=1e-5)
 
 
@@ -96,15 +95,15 @@ def test_a_round_is_the_fixed_clip_round_at_its_clip_with_the_update_noise():
     z, sigma = 0.2, 5 / 20
     z_delta = (z ** -2 - (2 * sigma) ** -2) ** -0.5
     assert (z_delta ** -2 + (2 * sigma) ** -2) ** -0.5 == pytest.approx(z)
-    assert float(_adaptive_clip.update_noise_multiplier(z, sigma)) == pytest.approx(z_delta)
+    assert float(dp.update_noise_multiplier(z, sigma)) == pytest.approx(z_delta)
     adaptive = _algo(dp_clip=0.4, dp_clip_quantile=0.5, dp_noise_multiplier=z)
     state = jax.jit(adaptive.init)(jax.random.key(0), data)
     state, _ = jax.jit(adaptive.round_fn)(state, data, jax.random.key(1))
-    clip = float(state.clip)
+    clip = float(state.server["adaptive_clip"].clip)
     fixed = _algo(dp_clip=clip, dp_noise_multiplier=float(np.float32(z_delta)))
     after, _ = jax.jit(adaptive.round_fn)(state, data, jax.random.key(2))
-    want, _ = jax.jit(fixed.round_fn)(state.inner, data, jax.random.key(2))
-    for a, b in zip(jax.tree.leaves(after.inner.params), jax.tree.leaves(want.params), strict=True):
+    want, _ = jax.jit(fixed.round_fn)(state._replace(server={}), data, jax.random.key(2))
+    for a, b in zip(jax.tree.leaves(after.params), jax.tree.leaves(want.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
@@ -127,15 +126,16 @@ def test_the_count_noise_must_exceed_half_the_noise_multiplier():
 
 
 @pytest.mark.slow
-def test_evaluation_is_the_wrapped_algorithms():
-    """Ditto's evaluation (split into the rows a round changes and the rest) of the wrapped
-    state: the inner algorithm's evaluation of its own state, entry for entry."""
+def test_evaluation_is_the_plain_algorithms():
+    """Ditto's evaluation (split into the rows a round changes and the rest) under adaptive
+    clipping: the fixed-clip algorithm's evaluation of the same models, entry for entry (the
+    clip is server state; it changes no model's evaluation)."""
     data = make_data(SIZES)
     plain = algorithms.get("ditto", model=linear_model(), **HP, dp_clip=0.2)
     algo = algorithms.get("ditto", model=linear_model(), **HP, dp_clip=0.2, dp_clip_quantile=0.5)
     state = jax.jit(algo.init)(jax.random.key(0), data)
     state, _ = jax.jit(algo.round_fn)(state, data, jax.random.key(1))
-    want = plain.evaluate(state.inner, data)
+    want = plain.evaluate(state._replace(server={}), data)
     parts = algo.evaluate_parts
     for got in (algo.evaluate(state, data),
                 {**parts.rows(state, data), **parts.rest(state, data)}):

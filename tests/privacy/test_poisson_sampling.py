@@ -1,7 +1,7 @@
 """Poisson sampling (`--sampling poisson`, core/poisson.py): each real client takes part
 independently with probability q; a round holds K slots, K = min{k : P(Binomial(N, q) > k) ≤
 1e-12}, the participants ascending and the empty slots holding a padding client; the private
-server step (`Engine.private_update`) adds only the participants' clipped updates and divides
+server step (the server chain's `noised_mean`) adds only the participants' clipped updates and divides
 by q·N; the accountant is the Poisson-subsampled Gaussian (add or remove one client)."""
 
 import math
@@ -139,8 +139,8 @@ def test_the_private_mean_divides_the_participants_updates_by_q_n():
         **{k: v for k, v in HP.items() if k != "sampling"}))
     train_key = jax.random.split(key)[1]
     ids = jnp.asarray(real, jnp.int32)
-    trained = engine.train(data, ids, state.params, engine.opt_states_for(None, ids, state.params),
-                           train_key, shared_start=True)
+    trained = engine.train(engine_lib.Round(data, key, ids, {"train": train_key}), state.params,
+                           shared_start=True)
     q_n = HP["participation"] * len(SIZES)
     for leaf_after, leaf_before, rows in zip(jax.tree.leaves(after.params),
                                              jax.tree.leaves(state.params),
