@@ -89,7 +89,7 @@ class VectorProgram:
         if self.resolved["sampling"] == "poisson":       # an empty client for unused slots
             data = data.pad_clients(1, minimum=1)
         # (a dataset loaded for host placement arrives as NumPy: on device once, not every call)
-        self.data = core.replicate(data, self.mesh) if self.mesh is not None else jax.device_put(data)
+        self.data = core.prepare_data(data, self.mesh) if self.mesh is not None else jax.device_put(data)
         self._round = self._per_device(self._round_all)
         self._init = self._per_device(self._init_all)
         self._evaluate = self._per_device(self._evaluate_all)
@@ -99,9 +99,9 @@ class VectorProgram:
 
     def _make(self, hp: dict) -> algorithms.Algorithm:
         """The algorithm with traced hyperparameters (inside the trace); clients of a run stay on
-        the run's device."""
-        with core.single_device_clients():
-            return self.spec.build(self.model, {**self.static, **hp})
+        the run's device (inside the shard_map over runs the clients axis is split by hand, so
+        the client mapper runs on one device: `core.layout.context_mesh`)."""
+        return self.spec.build(self.model, {**self.static, **hp})
 
     def _per_device(self, fn):
         """fn over the local runs [V/D, ...]; with a mesh, each device takes a block of runs."""

@@ -55,9 +55,9 @@ class Algorithm(NamedTuple):
     `host_state` True declares that the round and the evaluation read and write per-client state
     only through `core.gather` / `core.scatter` at the round's participants (or at the
     evaluated ids), and that every client starts from the same rows:
-    then `--state-placement host` can keep the rows off the devices (`core.hoststate`). Each
+    then `--state-placement host` can keep the rows off the devices (`core.state_placement`). Each
     algorithm that declares it is checked bit for bit against device placement
-    (tests/core/test_hoststate.py).
+    (tests/core/test_state_placement.py).
 
     `participants(data, key)`, declared by the algorithm's engine (`Engine.participants`), gives
     the ids of the clients whose samples `round_fn(state, data, key)` reads, from the key and the
@@ -69,7 +69,7 @@ class Algorithm(NamedTuple):
     `data_blocks` False declares that the round reads client samples in mapper calls dealt
     otherwise than its training (FedFomo evaluates client-model pairs): host data placement then
     stages each round's samples whole on every device instead of in per-device blocks
-    (`core.blocks`). True (the default) is checked at run time: a row dealt to a device without
+    (`core.rows.DeviceBlocks`). True (the default) is checked at run time: a row dealt to a device without
     its client's samples stops the run with an error."""
 
     name: str

@@ -10,24 +10,28 @@ clients, maps a one-client function over them, reduces across them, and scatters
     mean_over_clients / sum_over_clients   [M, ...] -> [...]
 
 These are DrJAX's broadcast / map / reduce over a client placement. How a map runs (vmap,
-chunks, a loop, several devices) is `core.execution`'s business; where rows live is
-`core.placement`'s.
+chunks, a loop, several devices) is `core.execution`'s business; where rows live is the
+placements' (`core.state_placement`, `core.data_placement`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfl.core.hoststate import put_leaves, take_leaves
-
-if TYPE_CHECKING:
-    from fedjax_pfl.core.execution import ClientMapper
+from fedjax_pfl.core.rows import put_leaves, take_leaves
 
 Params = Any
+
+
+class Mapper(Protocol):
+    """What `map_clients` calls: an execution strategy (`core.execution.ClientMapper`)."""
+
+    def __call__(self, fn: Callable, *rows: Params, shared: tuple = (),
+                 cost: jax.Array | None = None) -> Params: ...
 
 
 def broadcast(tree: Params, n: int) -> Params:
@@ -38,7 +42,7 @@ def broadcast(tree: Params, n: int) -> Params:
 def gather(tree: Params, idx: jax.Array) -> Params:
     """[N, ...] -> [m, ...]: the rows of the clients in `idx`. Rows stored in bfloat16 (client
     state under --state-dtype bfloat16) come back as float32: computation stays in float32.
-    A leaf held as `ClientRows` (client state on the host) is indexed by client id."""
+    A leaf held as `ClientRows` (client state on the host, `core.rows`) is indexed by client id."""
     leaves, treedef = jax.tree.flatten(tree)
     return treedef.unflatten([r.astype(jnp.float32) if r.dtype == jnp.bfloat16 else r
                               for r in take_leaves(leaves, idx)])
@@ -140,7 +144,7 @@ def num_sampled_clients(num_clients: int, participation: float) -> int:
     return max(1, int(np.floor(num_clients * participation + 1e-9)))
 
 
-def map_clients(mapper: "ClientMapper", fn: Callable, *rows: Params, shared: tuple = (),
+def map_clients(mapper: Mapper, fn: Callable, *rows: Params, shared: tuple = (),
                 cost: jax.Array | None = None) -> Params:
     """out[i] = fn(*shared, *(r[i] for r in rows)) for every client row i, run by `mapper`
     (the algorithm's execution strategy; `ClientMapper.__call__`)."""

@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedjax_pfl.core import blocks
+from fedjax_pfl.core import rows as rows_lib
 from fedjax_pfl.core.clients import gather
 from fedjax_pfl.core.analysis import compiled_for_analysis, traced_bounds
 from fedjax_pfl.core.execution import EAGER_BACKENDS, ClientLoop, ClientMapper, jit_unless_loop
-from fedjax_pfl.core.placement import balanced_order
+from fedjax_pfl.core.balance import balanced_order
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
 
@@ -144,9 +144,9 @@ class Evaluator:
         """With several devices, clients are evaluated in an order that gives each device an equal
         share of test samples; the (small) results are put back in client order. For one shared
         model only: the rows are the clients' (small) test splits, not their models. Data in
-        per-device blocks (`core.blocks`) was staged for the rows' own order: no reordering."""
+        per-device blocks (`core.rows.DeviceBlocks`) was staged for the rows' own order: no reordering."""
         devices = 1 if self.mapper.mesh is None else self.mapper.mesh.size
-        if devices == 1 or self.mapper.backend in EAGER_BACKENDS or blocks.has_blocks(data):
+        if devices == 1 or self.mapper.backend in EAGER_BACKENDS or rows_lib.has_blocks(data):
             return run(rows, ids)
         order = balanced_order(clients.test_count, devices)
         out = run(_rows(rows, order), None if ids is None else ids[order])

@@ -5,7 +5,8 @@ as steps) over the rows of the sampled clients. Its backends: "vmap" (one vector
 "chunked" (bounded vectorisation, clients grouped by length, a narrow tail stage for the longest
 clients), "loop" (a Python loop of jitted one-client calls: the reference) and "debug" (no jit,
 errors name the client and stage). With several devices the vectorised backends split the rows
-over the mesh (`core.placement`). Chunk sizes come from `core.chunking`.
+over the mesh the trace runs in (`layout.context_mesh`: the program's, entered around its
+calls). Chunk sizes come from `core.chunking`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from fedjax_pfl.core import blocks
+from fedjax_pfl.core import checks, layout, rows as rows_lib
 from fedjax_pfl.core.chunking import AUTO_CHUNK, abstract, abstract_row, auto_chunk_size, traced_chunk_size
 from fedjax_pfl.core.clients import gather, scatter
-from fedjax_pfl.core.placement import client_mesh, single_device_requested
 
 Params = Any
 BACKENDS: tuple[str, ...] = ("vmap", "chunked", "loop", "debug")
@@ -136,16 +135,16 @@ class ClientMapper:
                  operation runs eagerly, so a print or breakpoint inside a client's step works,
                  and an exception becomes a `ClientError` naming the client, the stage (local
                  training, evaluation, …) and, through `Program`, the round.
-    mesh: with several devices (GPUs, or one XLA:CPU device per core, see
-      `fedjax_pfl.use_cpu_cores`), "vmap" and "chunked" split the M clients across the devices
-      of this 1-D mesh (axis "clients") with shard_map. Loops are dealt to devices by cost
-      (longest first, in snake order) so devices finish together; plain functions take a
-      contiguous block of rows per device.
+    With several devices (GPUs, or one XLA:CPU device per core, see `fedjax_pfl.use_cpu_cores`)
+    in the trace's mesh (`mesh`: the context's, `jax.set_mesh`, which `core.Program` enters
+    around its calls; none inside a computation already split over the clients axis by hand),
+    "vmap" and "chunked" split the M clients across its devices (axis "clients") with
+    shard_map. Loops are dealt to devices by cost (longest first, in snake order) so devices
+    finish together; plain functions take a contiguous block of rows per device.
     """
 
     backend: str = "chunked"
     chunk_size: int = AUTO_CHUNK
-    mesh: Mesh | None = None
     # Compiled per-client functions and automatic chunk sizes, keyed by function identity: they
     # live exactly as long as this mapper (and the mappers `_replace` derives from it), i.e. as
     # long as the algorithm that built it; nothing is cached at module level.
@@ -154,6 +153,14 @@ class ClientMapper:
 
     def _replace(self, **changes) -> "ClientMapper":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def mesh(self):
+        """The mesh the clients are split over in the current trace (`layout.context_mesh`),
+        or None: one device (always for the loop and debug backends)."""
+        if self.backend in EAGER_BACKENDS:
+            return None
+        return layout.context_mesh()
 
     def __call__(
         self, fn: Callable, *args: Params, shared: tuple = (), cost: jax.Array | None = None,
@@ -208,9 +215,9 @@ class ClientMapper:
         return mapper._run_sharded(loop, shared, rows, ids if split else None)
 
     def _check_blocks(self, shared: tuple, ids) -> bool:
-        """Whether `shared` holds client data in per-device blocks (`core.blocks`); such data
+        """Whether `shared` holds client data in per-device blocks (`core.rows.DeviceBlocks`); such data
         is read only by a sharded mapper that knows the rows' clients."""
-        if not blocks.has_blocks(shared):
+        if not rows_lib.has_blocks(shared):
             return False
         if self.mesh is None or self.mesh.size == 1:
             raise ValueError("client data in per-device blocks needs a mapper sharded over the "
@@ -223,7 +230,7 @@ class ClientMapper:
 
     def _analysed(self, shared: tuple, split: bool) -> tuple:
         """What the automatic chunk size analyses: one device's block where data is split."""
-        return blocks.local_abstract(shared, self.mesh.size) if split else shared
+        return rows_lib.local_abstract(shared, self.mesh.size) if split else shared
 
     def _run_on_device(self, loop, shared, rows, valid):
         if self.backend == "vmap":
@@ -247,7 +254,7 @@ class ClientMapper:
 
     def _sharded(self, per_device, shared, rows, extra, ids, m: int, pad: int):
         """shard_map of per_device(shared, rows, extra) over contiguous blocks of rows. With
-        `ids` (data in per-device blocks, `core.blocks`): each device gets its own data block and
+        `ids` (data in per-device blocks, `core.rows.DeviceBlocks`): each device gets its own data block and
         counts its rows whose clients' samples are elsewhere (`blocks.misdealt`, noted for the
         program to check: `blocks.note`)."""
         spec = jax.sharding.PartitionSpec("clients")
@@ -262,13 +269,13 @@ class ClientMapper:
         valid = jnp.arange(m + pad) < m
 
         def with_check(shared, rows, extra, ids, valid):
-            misdealt = blocks.misdealt(blocks.owner_of(shared), ids, valid)
-            return per_device(blocks.local(shared), rows, extra), misdealt
+            misdealt = rows_lib.misdealt(rows_lib.owner_of(shared), ids, valid)
+            return per_device(rows_lib.local(shared), rows, extra), misdealt
 
         out, misdealt = jax.shard_map(
-            with_check, mesh=self.mesh, in_specs=(blocks.in_specs(shared), spec, spec, spec, spec),
+            with_check, mesh=self.mesh, in_specs=(rows_lib.in_specs(shared), spec, spec, spec, spec),
             out_specs=(spec, spec), check_vma=False)(shared, rows, extra, ids, valid)
-        blocks.note(misdealt)                        # ([devices]: one count per device)
+        checks.note("misdealt", misdealt)           # ([devices]: one count per device)
         return jax.tree.map(lambda x: x[:m], out) if pad else out
 
     def resolved(self, fn: Callable, shared: tuple, args: tuple) -> "ClientMapper":
@@ -302,25 +309,21 @@ class ClientMapper:
 def jit_unless_loop(mapper: ClientMapper, fn: Callable, **jit_kwargs) -> Callable:
     """`jax.jit(fn)` for the vectorised backends (inlined under an outer jit, and fast when
     called eagerly from a notebook), carrying the mapper's checks of client data in per-device
-    blocks out to its caller (`blocks.jit_carrying_checks`); `fn` itself for the loop and debug
+    blocks out to its caller (`checks.jit_carrying`); `fn` itself for the loop and debug
     backends, whose per-client calls are jitted separately and which must see concrete arrays to
     loop over."""
     if mapper.backend in EAGER_BACKENDS:
         return fn
-    return blocks.jit_carrying_checks(fn, **jit_kwargs)
+    return checks.jit_carrying(fn, **jit_kwargs)
 
 
-def client_mapper(backend: str = "chunked", chunk_size: int = AUTO_CHUNK, shard: bool = True) -> ClientMapper:
-    """Validated ClientMapper (see its docstring). With `shard` and several devices, the
-    vectorised backends split clients across devices (not within
-    `placement.single_device_clients()`)."""
+def client_mapper(backend: str = "chunked", chunk_size: int = AUTO_CHUNK) -> ClientMapper:
+    """Validated ClientMapper (see its docstring)."""
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {BACKENDS}, got {backend!r}")
     if chunk_size < 0:
         raise ValueError(f"--chunk-size must be >= 0 (0: automatic), got {chunk_size}")
-    shard = shard and not single_device_requested()
-    mesh = client_mesh() if shard and backend not in EAGER_BACKENDS else None
-    return ClientMapper(backend, int(chunk_size), mesh)
+    return ClientMapper(backend, int(chunk_size))
 
 
 def _num_rows(args) -> int:

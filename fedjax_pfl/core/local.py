@@ -396,7 +396,7 @@ class FullPass:
                  ids: jax.Array | None = None) -> tuple[jax.Array, Params]:
         """[M] mean losses and [M, ...] mean gradients for M clients (leading axis M on inputs);
         `ids`, the clients' ids, name a failing client (debug backend) and check data dealt in
-        per-device blocks (`core.blocks`)."""
+        per-device blocks (`core.rows.DeviceBlocks`)."""
         batch = self.batch_for(data)
         if batch not in self._per_batch:
             loop, probe = self._make_loop(batch)

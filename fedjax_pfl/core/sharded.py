@@ -16,13 +16,13 @@ devices, from the devices that own them to the devices that train them, before t
   1. the round's participants come from its key (`Algorithm.participants`, the program's probe,
      as for host placement);
   2. on the host, for each trainer t and each row p of t's block (its clients' samples one after
-     another, as `core.streaming` lays them out): the device that owns the sample and its row in
+     another, as `core.data_placement.HostData` lays them out): the device that owns the sample and its row in
      that device's range (`Routes`);
-  3. on the devices (`exchange`, one jitted `shard_map`): every device d gathers, for each trainer
+  3. on the devices (`transfer.exchange`, one jitted `shard_map`): every device d gathers, for each trainer
      t, the rows of t's block that d owns (zeros elsewhere); one `all_to_all` over the clients axis
      swaps the D × R rows; trainer t keeps each row from its owner.
 
-The result is the per-device block layout of host placement on several devices (`core.blocks`):
+The result is the per-device block layout of host placement on several devices (`core.rows.DeviceBlocks`):
 x / y `DeviceBlocks` of [D·R] rows with block-relative starts. So the rounds compute bit for bit
 what they compute with device (or host) placement, and the client mapper checks every row it
 reads against its block. Only the exchange's rows cross between devices; the host reads nothing
@@ -30,7 +30,7 @@ after the start.
 
 Evaluation runs where the clients live: its groups take ⌈G/D⌉ clients from each device's range
 in turn and deal each client to its owner, so each device gathers its group's samples from its
-own range and nothing crosses (`exchange(local=True)`), except where the ranges hold unequal
+own range and nothing crosses (`transfer.exchange(local=True)`), except where the ranges hold unequal
 numbers of clients, and for the last group's fillers.
 
 There is no background prefetch: the exchange is a collective on the devices that run the
@@ -44,12 +44,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fedjax_pfl.core.placement import put_replicated
-from fedjax_pfl.core.streaming import Stream
+from fedjax_pfl.core import transfer
+from fedjax_pfl.core.data_placement import HostData
 
 
 class Layout(NamedTuple):
@@ -97,44 +96,12 @@ class Routes(NamedTuple):
     row: np.ndarray
 
 
-def exchange(x: jax.Array, y: jax.Array, source: jax.Array, row: jax.Array, mesh,
-             local: bool = False) -> tuple:
-    """Inside a jit: the blocks of [D·S] owned rows `x` / `y` (sharded over the clients axis)
-    that `Routes` (replicated [D, K, R]) describe, as [K, D·R] arrays sharded over axis 1 (each
-    device its own block; [D·R] when K = 1). One `all_to_all` of D·K·R rows per device; every row is copied, never
-    summed, so the samples arrive bit for bit (zeros in padding rows). `local`: every row's
-    owner is the device that needs it (an evaluation group dealt by owner): each device gathers
-    from its own range and nothing crosses between devices."""
-    devices, k, r = source.shape
+class ShardedData(HostData):
+    """Sharded data placement: `HostData` whose blocks come from the devices' own ranges
+    (`transfer.exchange`) instead of the host. See the module docstring."""
 
-    def per_device(x, y, source, row):
-        here = jax.lax.axis_index("clients")
-        mine = source[here]                                         # [K, R]: who owns my rows
-        take = jnp.clip(mine, 0, devices - 1)
-
-        def move(a):
-            expand = lambda m: m.reshape(m.shape + (1,) * (a.ndim - 1))
-            if local:                                               # from this device's range
-                out = a[jnp.clip(row[here], 0, a.shape[0] - 1)]
-            else:
-                rows = a[jnp.clip(row, 0, a.shape[0] - 1)]          # [D, K, R, ...]
-                send = jnp.where(expand(source == here), rows, jnp.zeros((), a.dtype))
-                got = jax.lax.all_to_all(send, "clients", 0, 0)    # [D sources, K, R, ...]
-                out = got[take, jnp.arange(k)[:, None], jnp.arange(r)[None, :]]
-            out = jnp.where(expand(mine >= 0), out, jnp.zeros((), a.dtype))
-            return out[0] if k == 1 else out
-
-        return move(x), move(y)
-
-    block = P("clients") if k == 1 else P(None, "clients")
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(P("clients"), P("clients"), P(), P()),
-                         out_specs=(block, block), check_vma=False)(x, y, source, row)
-
-
-class ShardedStream(Stream):
-    """`core.streaming.Stream` whose blocks come from the devices' own ranges (`exchange`)
-    instead of the host: what `Program` uses for `--data-placement sharded`. See the module
-    docstring."""
+    name = "sharded"
+    needs_participants = True
 
     def __init__(self, data, participants, mesh, eval_group: int):
         if mesh is None or mesh.size < 2:
@@ -142,8 +109,9 @@ class ShardedStream(Stream):
         super().__init__(data, participants, mesh, eval_group, prefetch=False, blocks=True)
         self.layout = owner_layout(self.train_count, self.test_count, self.devices)
         self.owned_x, self.owned_y = self._place_ranges()
-        self._exchange = jax.jit(lambda x, y, s, r, local: exchange(x, y, s, r, mesh, local),
-                                 static_argnums=4)
+        self._exchange = jax.jit(
+            lambda x, y, s, r, local: transfer.exchange(x, y, s, r, mesh, local),
+            static_argnums=4)
         self.moved_rows = 0          # sample rows that crossed between devices so far
 
     def _place_ranges(self) -> tuple[jax.Array, jax.Array]:
@@ -163,18 +131,14 @@ class ShardedStream(Stream):
         sharding = NamedSharding(self.mesh, P("clients"))
 
         def array(which: int, source):
-            def provide(index):
-                d = (index[0].start or 0) // rows
-                return block(d)[which][(slice(None),) + tuple(index[1:])]
-
-            return jax.make_array_from_callback((self.devices * rows,) + source.shape[1:],
-                                                sharding, provide)
+            return transfer.put_blocks((self.devices * rows,) + source.shape[1:], sharding,
+                                       lambda d: block(d)[which], rows)
 
         return array(0, self.x), array(1, self.y)
 
     def routes(self, ids: np.ndarray, with_test: bool, rows: int, layouts: list) -> Routes:
         """`Routes` of one call's participants `ids` [K, M] (mapper order), blocks of `rows`,
-        where each round's `layouts[k]` (`Stream._block_layout`, the starts the round reads)
+        where each round's `layouts[k]` (`HostData._block_layout`, the starts the round reads)
         places each client's samples in its block."""
         count = ids.shape[0]
         source = np.full((self.devices, count, rows), -1, np.int32)
@@ -197,12 +161,12 @@ class ShardedStream(Stream):
         here = np.arange(self.devices)[:, None, None]
         crossing = int(np.sum((routes.source >= 0) & (routes.source != here)))
         self.moved_rows += crossing
-        source, row = put_replicated(routes, self.mesh)
+        source, row = transfer.put_whole(routes, self.mesh)
         return self._exchange(self.owned_x, self.owned_y, source, row, crossing == 0)
 
     # -- evaluation where the clients live -------------------------------------------------------
 
-    def evaluate(self, run, ids):
+    def evaluate(self, run, ids, grouped: bool = True):
         """`Stream.evaluate` with groups arranged so that each device evaluates the clients
         whose samples it holds: the clients taken ⌈G/D⌉ at a time from each device's range in
         turn (`_by_owner`), and each group dealt by owner (`eval_order`). Then the samples stay
@@ -214,7 +178,7 @@ class ShardedStream(Stream):
             out = self.evaluate(run, uniq)
             return jax.tree.map(lambda a: np.asarray(a)[back], out)
         order = self._by_owner(want)
-        out = super().evaluate(run, want[order])
+        out = super().evaluate(run, want[order], grouped)
         inverse = np.argsort(order)
         return jax.tree.map(lambda a: np.asarray(a)[inverse], out)
 

@@ -55,8 +55,8 @@ class RunConfig:
     eval_clients: str = "all"
     rounds_per_call: int = 1
     state_dtype: str = "float32"
-    data_placement: str = "auto"          # where client samples wait between rounds (core.streaming)
-    state_placement: str = "auto"         # where client state rows wait between rounds (core.hoststate)
+    data_placement: str = "auto"          # where client samples wait between rounds (core.data_placement)
+    state_placement: str = "auto"         # where client state rows wait between rounds (core.state_placement)
     memory_check: bool = True
     out: str | None = None
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)

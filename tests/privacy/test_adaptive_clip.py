@@ -167,7 +167,7 @@ def test_client_state_on_the_host_gives_the_same_run(tmp_path):
                            for line in (out / "metrics.jsonl").read_text().splitlines()]
     # To float rounding: at the suite's fast-compile XLA settings (tests/conftest.py) the two
     # placements' programs round differently by an ulp, plain Ditto's too; they agree bit for
-    # bit at XLA's defaults (tests/core/test_hoststate.py compares them there).
+    # bit at XLA's defaults (tests/core/test_state_placement.py compares them there).
     for host, device in zip(rows["host"], rows["device"], strict=True):
         assert set(host) == set(device)
         for k, v in device.items():

@@ -1,7 +1,15 @@
-"""Client data on the host, streamed to the devices round by round (`--data-placement host`).
+"""Where the clients' samples wait between rounds: the data placements (`--data-placement`).
 
-With device placement every sample of every client waits on every device (`prepare_data`). With
-host placement the client-sorted samples stay in host memory (NumPy arrays, or memory-mapped
+Every data placement answers the program's few questions (`DataPlacement`): what a call's data
+is on the devices (`take`, and `abstract` for compiling ahead), how an evaluation walks the
+clients (`evaluate`), and how many bytes it keeps on each device.
+
+  DeviceData   every sample of every client on every device, placed once: any device trains
+               any client, a call's data is the whole dataset
+  HostData     the samples in host memory, each call's participants' moved to the devices
+  ShardedData  each device holds its own range of clients (`core.sharded`)
+
+With host placement the client-sorted samples stay in host memory (NumPy arrays, or memory-mapped
 ones) and a round sees only its participants':
 
   1. the round's participants come from its key, by the algorithm's own sampling code
@@ -22,7 +30,7 @@ call the round's "sampled" metric is checked to lie among the staged participant
 
 With several devices (`blocks`), each device receives only the samples of the participants it
 trains: the round's participants come in the order the client mapper deals them (contiguous
-blocks of ⌈M/D⌉), so the buffer is split into one block per device (`core.blocks`), each of a
+blocks of ⌈M/D⌉), so the buffer is split into one block per device (`core.rows.DeviceBlocks`), each of a
 fixed R rows (the ⌈M/D⌉ largest clients' samples), and each process gathers only its own
 devices' blocks. The mapper checks every row against the block it reads.
 
@@ -36,19 +44,88 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import NamedSharding, PartitionSpec
 
-from fedjax_pfl.core.blocks import DeviceBlocks
-from fedjax_pfl.core.placement import balanced_order, put_replicated, replicated_sharding
+from fedjax_pfl.core import balance, transfer
+from fedjax_pfl.core.memory import nbytes
+from fedjax_pfl.core.rows import DeviceBlocks
 
 Params = Any
 DATA_PLACEMENTS = ("device", "host", "sharded", "auto")
+
+
+class DataPlacement(Protocol):
+    """What a program asks of its data placement."""
+
+    name: str              # "device", "host" or "sharded"
+    data: Any              # the program's FederatedData (its x / y on the devices or the host)
+    needs_participants: bool  # a call's data holds only its participants' samples
+    blocks: bool           # the data is in per-device blocks (`core.rows.DeviceBlocks`)
+
+    def take(self, round_keys: jax.Array, first: int, count: int) -> "Staged": ...
+    def prefetch(self, round_keys: jax.Array, first: int, count: int) -> None: ...
+    def abstract(self, count: int) -> Any: ...
+    def evaluate(self, run: Callable, ids: np.ndarray | None, grouped: bool) -> dict: ...
+    def abstract_evaluation(self, grouped: bool) -> Any: ...
+    def bytes_on_device(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class DeviceData:
+    """Device data placement: the dataset padded to the device count and placed whole on every
+    device, once (several processes compare a fingerprint first: the same files and flags on
+    every host). A call's data is the whole dataset; nothing moves per round."""
+
+    name = "device"
+    needs_participants = False
+    blocks = False
+
+    def __init__(self, data, mesh, eval_group: int):
+        data = prepare_data(data, mesh)      # idempotent: callers may have placed it already
+        if mesh is None and isinstance(data.x, np.ndarray):
+            data = jax.device_put(data)
+        self.data, self.mesh = data, mesh
+        self.num_clients = data.num_clients
+        self.eval_group = max(1, min(int(eval_group), self.num_clients))
+
+    def take(self, round_keys: jax.Array, first: int, count: int) -> "Staged":
+        return Staged((), None, self.data, per_round=False)
+
+    def prefetch(self, round_keys: jax.Array, first: int, count: int) -> None:
+        pass
+
+    def abstract(self, count: int):
+        return self.data
+
+    def evaluate(self, run: Callable, ids: np.ndarray | None, grouped: bool) -> dict:
+        """`run(data, ids)`: once for `ids` (None: every client), or, `grouped` (client state
+        off the devices), over groups of `eval_group` clients (`in_groups`)."""
+        if not grouped:
+            return run(self.data, None if ids is None else jnp.asarray(ids, jnp.int32))
+        return in_groups(lambda padded: run(self.data, jnp.asarray(padded, jnp.int32)), ids,
+                         self.num_clients, self.eval_group)
+
+    def abstract_evaluation(self, grouped: bool):
+        return self.data
+
+    def bytes_on_device(self) -> int:
+        return nbytes(self.data)
+
+    def close(self) -> None:
+        pass
+
+
+def prepare_data(data, mesh):
+    """The dataset padded to a multiple of the device count and placed on every device."""
+    if mesh is None:
+        return data
+    return transfer.put_whole(data.pad_clients(mesh.size), mesh,
+                              what="the dataset: the same files and flags on every host?")
 
 
 def top_sum(counts: np.ndarray, m: int) -> int:
@@ -64,16 +141,18 @@ def key_bytes(keys: jax.Array) -> bytes:
 
 
 class Staged(NamedTuple):
-    """One call's rounds on the devices: their participants [K, M] and their data (leaves with a
-    leading K axis when K > 1)."""
+    """One call's rounds on the devices: their participants [K, M] (None where the data does
+    not depend on them) and their data (leaves with a leading K axis when `per_round`)."""
 
     tag: tuple
-    ids: np.ndarray
+    ids: np.ndarray | None
     data: Any
+    per_round: bool = True
 
 
-class Stream:
-    """The host-side dataset and what moves its participants' rows to the devices.
+class HostData:
+    """Host data placement: the dataset in host memory and what moves each call's participants'
+    samples to the devices (module docstring).
 
     Args:
       data: the whole `FederatedData`, x / y host arrays (NumPy or memory-mapped), clients
@@ -84,10 +163,13 @@ class Stream:
       eval_group: clients per evaluation group.
       prefetch: stage the next call's rounds in the background (False: each call stages its own
         before it starts; for measuring what the prefetch hides).
-      blocks: each device receives only its participants' samples (`core.blocks`); needs a mesh
+      blocks: each device receives only its participants' samples (`core.rows.DeviceBlocks`); needs a mesh
         of several devices and an algorithm whose round reads samples only through mapper calls
         dealt like its training (`Algorithm.data_blocks`).
     """
+
+    name = "host"
+    needs_participants = True
 
     def __init__(self, data, participants: Callable, mesh, eval_group: int, prefetch: bool = True,
                  blocks: bool = False):
@@ -166,11 +248,11 @@ class Stream:
         return x, y, train_start, test_start
 
     def _sharding(self):
-        return None if self.mesh is None else replicated_sharding(self.mesh)
+        return None if self.mesh is None else transfer.replicated_sharding(self.mesh)
 
     def _put(self, tree):
         # Several processes: each builds the same host buffer and provides its devices' copies.
-        return put_replicated(tree, self.mesh)
+        return transfer.put_whole(tree, self.mesh)
 
     def _as_data(self, x, y, train_start, test_start, clients=None):
         """The dataset with buffer x / y and these starts (counts from `clients`, default the
@@ -194,11 +276,12 @@ class Stream:
         """The participants of rounds first … first + count − 1 and their data on the devices."""
         ids = self.participants(round_keys, first, count)
         if self.blocks:
-            return Staged((key_bytes(round_keys), first, count), ids, self._stage_blocks(ids))
+            return Staged((key_bytes(round_keys), first, count), ids, self._stage_blocks(ids),
+                          count > 1)
         parts = [self._local(ids[k], False, self.round_rows) for k in range(count)]
         host = tuple(np.stack(p) if count > 1 else p[0] for p in zip(*parts))
         data = self._as_data(*self._put(host), clients=self._clients_for(count))
-        return Staged((key_bytes(round_keys), first, count), ids, data)
+        return Staged((key_bytes(round_keys), first, count), ids, data, count > 1)
 
     def _dealt(self, ids: np.ndarray) -> list[np.ndarray]:
         """Round participants (in the mapper's order) per device: contiguous blocks of ⌈M/D⌉."""
@@ -264,12 +347,8 @@ class Stream:
 
         def array(which: int, source):
             shape = lead + (self.devices * rows,) + source.shape[1:]
-
-            def provide(index):
-                d = (index[len(lead)].start or 0) // rows
-                return block(d)[which][index[:len(lead)] + (slice(None),) + index[len(lead) + 1:]]
-
-            return jax.make_array_from_callback(shape, self._block_sharding(count), provide)
+            return transfer.put_blocks(shape, self._block_sharding(count),
+                                       lambda d: block(d)[which], rows, axis=len(lead))
 
         return array(0, self.x), array(1, self.y)
 
@@ -346,7 +425,7 @@ class Stream:
                                       clients=self.data.clients)
         return self._as_data(*self._put(self._local(ids, True, self.eval_rows)))
 
-    def abstract_evaluation(self):
+    def abstract_evaluation(self, grouped: bool = True):
         if self.blocks:
             return self._abstract_blocks(self.eval_block_rows)
         return self._abstract(self.eval_rows)
@@ -358,7 +437,7 @@ class Stream:
         if not self.blocks:
             return np.arange(len(ids))
         cost = (self.train_count + self.test_count)[np.asarray(ids, np.int64)]
-        return np.asarray(jax.device_get(balanced_order(jnp.asarray(cost, jnp.int32),
+        return np.asarray(jax.device_get(balance.balanced_order(jnp.asarray(cost, jnp.int32),
                                                         self.devices)), np.int64)
 
     def _fill_blocks(self, part: np.ndarray, group: int) -> np.ndarray:
@@ -368,24 +447,22 @@ class Stream:
         others = self._by_size[~np.isin(self._by_size, part)]
         return np.concatenate([part, others[:group - part.size]])
 
-    def evaluate(self, run: Callable, ids: np.ndarray | None) -> dict:
+    def evaluate(self, run: Callable, ids: np.ndarray | None, grouped: bool = True) -> dict:
         """`run(data, ids)` over groups of `eval_group` clients (`in_groups`), each group's
         samples moved to the devices first (per-device blocks in `eval_order`), the results
-        brought to the host in the group's order."""
-        from fedjax_pfl.core.placement import to_host
-
+        brought to the host in the group's order (always grouped)."""
         if self.blocks and ids is not None:
             # A client sits in one block only: evaluate each distinct client once (callers may
             # pad ids by repeating one, e.g. CachedEvaluation) and copy the rows back.
             uniq, back = np.unique(np.asarray(ids, np.int64), return_inverse=True)
             if uniq.size < np.size(ids):
-                out = self.evaluate(run, uniq)
+                out = self.evaluate(run, uniq, grouped)
                 return jax.tree.map(lambda a: np.asarray(a)[back], out)
 
         def group(padded: np.ndarray):
             order = self.eval_order(padded)
             dealt = padded[order]
-            out = to_host(run(self.evaluation_data(dealt), jnp.asarray(dealt, jnp.int32)))
+            out = transfer.to_host(run(self.evaluation_data(dealt), jnp.asarray(dealt, jnp.int32)))
             back = np.argsort(order)
             return jax.tree.map(lambda a: np.asarray(a)[back], out)
 

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from fedjax_pfl import algorithms, core
-from fedjax_pfl.core import placement
+from fedjax_pfl.core import layout, transfer
 from helpers import linear_model, make_data
 
 
@@ -33,7 +33,7 @@ def _state(n=10):
 
 
 def test_mask_marks_declared_fields_only_whatever_the_shapes():
-    mask = placement.client_mask(_state(), num_clients=10)
+    mask = layout.client_mask(_state(), num_clients=10)
     assert mask.bias is False                       # leading dim 10 = N, but not declared
     assert mask.personal == {"w": True, "b": True}
     assert mask.inner.rows is True and mask.inner.scalar is False
@@ -42,27 +42,27 @@ def test_mask_marks_declared_fields_only_whatever_the_shapes():
 def test_a_declaration_that_disagrees_with_the_shapes_is_an_error():
     bad = _state()._replace(personal={"w": jnp.ones((4, 3))})
     with pytest.raises(ValueError, match=r"Outer\.personal is declared per-client .* \(4, 3\)"):
-        placement.client_mask(bad, num_clients=10)
+        layout.client_mask(bad, num_clients=10)
 
     class Typo(NamedTuple):
         x: Any
         CLIENT_FIELDS = ("y",)
 
     with pytest.raises(ValueError, match="Typo.CLIENT_FIELDS names \\['y'\\]"):
-        placement.client_mask(Typo(jnp.ones(3)))
+        layout.client_mask(Typo(jnp.ones(3)))
 
 
 def test_shardings_and_storage_follow_the_declaration():
     mesh = Mesh(np.array(jax.devices()[:1]), ("clients",))
-    shardings = placement.client_shardings(_state(), mesh, 10)
+    shardings = layout.client_shardings(_state(), mesh, 10)
     assert shardings.bias.spec == PartitionSpec()
     assert shardings.personal["w"].spec == PartitionSpec("clients")
     assert shardings.inner.rows.spec == PartitionSpec("clients")
-    stored = placement.cast_client_leaves(_state(), jnp.bfloat16, 10)
+    stored = layout.cast_client_leaves(_state(), jnp.bfloat16, 10)
     assert stored.bias.dtype == jnp.float32          # a global leaf keeps its dtype
     assert stored.personal["w"].dtype == jnp.bfloat16
     assert stored.inner.scalar.dtype == jnp.float32
-    per_client, rest = placement.client_state_bytes(_state(), lambda d: np.dtype(d).itemsize)
+    per_client, rest = layout.client_state_bytes(_state(), lambda d: np.dtype(d).itemsize)
     assert per_client == 4 * (3 + 1 + 2)             # one client's rows: w[3], b, rows[2]
     assert rest == 4 * (10 + 1)                      # bias [10] and the scalar
 
@@ -151,22 +151,21 @@ def test_program_refuses_a_state_whose_declaration_disagrees_with_its_shapes():
 
 
 def test_the_fingerprint_that_processes_compare_before_replicating():
-    """`placement.fingerprint`, which the processes of a run compare before each provides its
+    """`transfer.fingerprint`, which the processes of a run compare before each provides its
     own copy of the dataset: equal for equal values (host or device arrays alike), different
     when a sampled row, a shape, a dtype or the structure differs. The rows sampled of a
     [10,000, 3] leaf are 4,096 evenly spaced ones, the first and last among them."""
-    from fedjax_pfl.core import placement
 
     x = np.arange(30_000, dtype=np.float32).reshape(10_000, 3)
     tree = {"x": x, "y": np.arange(7, dtype=np.int32), "n": np.int32(3)}
     same = {"x": jnp.asarray(x), "y": np.arange(7, dtype=np.int32), "n": np.int32(3)}
-    assert placement.fingerprint(tree) == placement.fingerprint(same)
-    rows = np.unique(np.linspace(0, 9_999, placement.FINGERPRINT_ROWS).astype(np.int64))
-    assert rows[0] == 0 and rows[-1] == 9_999 and len(rows) == placement.FINGERPRINT_ROWS
+    assert transfer.fingerprint(tree) == transfer.fingerprint(same)
+    rows = np.unique(np.linspace(0, 9_999, transfer.FINGERPRINT_ROWS).astype(np.int64))
+    assert rows[0] == 0 and rows[-1] == 9_999 and len(rows) == transfer.FINGERPRINT_ROWS
     for changed in ({**tree, "x": np.where(np.arange(10_000)[:, None] == rows[100], -1.0, x)},
                     {**tree, "x": np.where(np.arange(10_000)[:, None] == 9_999, -1.0, x)},
                     {**tree, "y": np.arange(8, dtype=np.int32)},
                     {**tree, "y": np.arange(7, dtype=np.int64)},
                     {**tree, "n": np.int32(4)},
                     {"x": x, "y": np.arange(7, dtype=np.int32)}):
-        assert placement.fingerprint(changed) != placement.fingerprint(tree)
+        assert transfer.fingerprint(changed) != transfer.fingerprint(tree)

@@ -1,4 +1,4 @@
-"""Client data on the host, streamed round by round (`--data-placement host`, `core.streaming`).
+"""Client data on the host, streamed round by round (`--data-placement host`, `core.data_placement`).
 
 - what a round's buffer holds, checked against the raw arrays by hand: exactly its participants'
   training samples, one client after another, zero padding after them, the participants'
@@ -52,8 +52,8 @@ def _leaves_equal(a, b):
 def _run(algo, data, placement, *, rounds=4, per_call=1, keys=None):
     program = core.Program(algo, data, mesh=None, data_placement=placement,
                            rounds_per_call=per_call)
-    if program.stream is not None:         # (off by default on CPU; its bookkeeping is tested)
-        program.stream.prefetch_enabled = True
+    if program.placements.data.needs_participants:   # (off by default on CPU; its bookkeeping is tested)
+        program.placements.data.prefetch_enabled = True
     state = program.init(jax.random.key(0))
     keys = jax.random.key(1) if keys is None else keys
     program.compile(keys)
@@ -69,14 +69,14 @@ def test_the_round_buffer_holds_exactly_the_participants_training_samples():
     program = core.Program(_algo("fedavg"), make_data(SIZES), mesh=None, data_placement="host")
     data = program.data
     keys = jax.random.key(5)
-    staged = program.stream.stage(keys, 2, 1)
+    staged = program.placements.data.stage(keys, 2, 1)
     ids = staged.ids[0]
     # The participants: the round's own sampling, by the documented key schedule.
     sample_key, _ = jax.random.split(jax.random.fold_in(keys, 2))
     want_ids = np.asarray(core.sample_clients(sample_key, len(SIZES), 3))
     np.testing.assert_array_equal(ids, want_ids)
     # M = 3 clients: the buffer fits the 3 largest (40 + 30 + 25 samples), whichever are drawn.
-    assert staged.data.x.shape[0] == 95 and program.stream.round_rows == 95
+    assert staged.data.x.shape[0] == 95 and program.placements.data.round_rows == 95
     bx, by = np.asarray(staged.data.x), np.asarray(staged.data.y)
     starts = np.asarray(staged.data.clients.train_start)
     at = 0
@@ -98,7 +98,7 @@ def test_host_placement_equals_device_placement_bit_for_bit(name):
     algo = _algo(name)
     _, ref_state, ref_m, ref_ev = _run(algo, data, "device")
     program, state, m, ev = _run(algo, data, "host")
-    assert program.data_placement == "host" and program.stream.hits == 3   # 3 of 4 prefetched
+    assert program.data_placement == "host" and program.placements.data.hits == 3   # 3 of 4 prefetched
     _leaves_equal(state, ref_state)
     _leaves_equal(m, ref_m)
     helpers.assert_evaluations_equal(ev, ref_ev)
@@ -116,8 +116,8 @@ def test_a_prefetch_for_other_keys_or_rounds_is_never_used():
 
     def run(placement):
         program = core.Program(algo, data, mesh=None, data_placement=placement)
-        if program.stream is not None:     # (off by default on CPU)
-            program.stream.prefetch_enabled = True
+        if program.placements.data.needs_participants:     # (off by default on CPU)
+            program.placements.data.prefetch_enabled = True
         state = program.init(jax.random.key(0))
         out = []
         for keys, r in schedule:
@@ -129,7 +129,7 @@ def test_a_prefetch_for_other_keys_or_rounds_is_never_used():
     program, state, m = run("host")
     # Prefetched after each call: (key 1, round 1), (key 2, round 2), (key 2, round 4), (…, 5):
     # only the last call's rounds matched.
-    assert (program.stream.hits, program.stream.misses) == (1, 3)
+    assert (program.placements.data.hits, program.placements.data.misses) == (1, 3)
     _leaves_equal(state, ref_state)
     _leaves_equal(m, ref_m)
 
@@ -138,9 +138,9 @@ def test_a_round_training_clients_outside_its_buffer_stops_with_an_error(monkeyp
     algo = _algo("fedavg")
     program = core.Program(algo, make_data(SIZES), mesh=None, data_placement="host")
     state = program.init(jax.random.key(0))
-    real = program.stream._participants
+    real = program.placements.data._participants
     # The probe answers the next clients over: the buffer holds clients the round does not train.
-    monkeypatch.setattr(program.stream, "_participants",
+    monkeypatch.setattr(program.placements.data, "_participants",
                         lambda *a: (real(*a) + 1) % len(SIZES))
     with pytest.raises(RuntimeError, match="not among the participants"):
         program.run_rounds(state, jax.random.key(1), 0, 1)
@@ -152,7 +152,7 @@ def test_auto_placement_and_the_memory_plan():
     auto = core.Program(algo, data, mesh=None, data_placement="auto")
     assert auto.data_placement == "device"                  # a tiny dataset fits on the device
     host = core.Program(algo, data, mesh=None, data_placement="host")
-    assert not host.stream.prefetch_enabled      # on CPU: the thread would compete for the cores
+    assert not host.placements.data.prefetch_enabled      # on CPU: the thread would compete for the cores
     early = host.memory_plan()                      # before compile: no working set yet, said so
     assert not early.compiled and early.working_set == 0
     assert "working set not known yet" in early.describe()
@@ -181,7 +181,7 @@ SCRIPT = textwrap.dedent('''
     import jax, numpy as np
     import pytest
     from fedjax_pfl import algorithms, core
-    from fedjax_pfl.core.blocks import DeviceBlocks
+    from fedjax_pfl.core.rows import DeviceBlocks
     import helpers
     from helpers import linear_model, make_data, make_raw
     SIZES = [12, 30, 7, 19, 25, 3, 40, 11, 9]
@@ -197,11 +197,11 @@ SCRIPT = textwrap.dedent('''
     by_start = lambda a: sorted(a.addressable_shards, key=lambda s: s.index[0].start or 0)
     for placement in ("host", "sharded"):
         program = core.Program(algo, data, mesh=core.client_mesh(), data_placement=placement)
-        staged = program.stream.stage(jax.random.key(1), 0, 1)
+        staged = program.placements.data.stage(jax.random.key(1), 0, 1)
         ids = staged.ids[0]
-        assert program.stream.blocks and isinstance(staged.data.x, DeviceBlocks)
+        assert program.placements.data.blocks and isinstance(staged.data.x, DeviceBlocks)
         rows = sorted(SIZES)[-1] + sorted(SIZES)[-2]             # the 2 largest clients together
-        assert program.stream.block_rows == rows
+        assert program.placements.data.block_rows == rows
         owner = np.asarray(staged.data.x.owner)
         start = np.asarray(staged.data.clients.train_start)
         for d, (xs, ys) in enumerate(zip(by_start(staged.data.x.rows), by_start(staged.data.y.rows))):
@@ -224,7 +224,7 @@ SCRIPT = textwrap.dedent('''
     # goes to the device whose half holds the middle of its samples: 8, 36, 60.5, 77.5, 106.5
     # (device 1 from 103), so 0-3 on device 0 (90 samples) and 4-9 on device 1 (116). Each
     # device holds its clients' training then test samples, one client after another.
-    stream = program.stream
+    stream = program.placements.data
     assert stream.layout.owner.tolist() == [0] * 4 + [1] * 6 and stream.layout.rows == 116
     for d, (xs, ys) in enumerate(zip(by_start(stream.owned_x), by_start(stream.owned_y))):
         mine = range(0, 4) if d == 0 else range(4, 9)
@@ -276,8 +276,8 @@ SCRIPT = textwrap.dedent('''
                                          (ditto, 1, "host"), (ditto, 2, "host")):
         wrong = core.Program(a, data, mesh=core.client_mesh(), data_placement="host",
                              state_placement=state_placement, rounds_per_call=per_call)
-        real = wrong.stream._participants
-        wrong.stream._participants = lambda *args, real=real: real(*args)[:, ::-1]
+        real = wrong.placements.data._participants
+        wrong.placements.data._participants = lambda *args, real=real: real(*args)[:, ::-1]
         with pytest.raises(RuntimeError, match="does not hold its samples"):
             wrong.run_rounds(wrong.init(jax.random.key(0)), jax.random.key(1), 0, per_call)
     # Evaluating ids with repeats (CachedEvaluation pads that way): each client once, its rows
@@ -288,13 +288,13 @@ SCRIPT = textwrap.dedent('''
     helpers.assert_evaluations_equal(program.evaluate(state, ids),
                                      device.evaluate(device.init(jax.random.key(0)), ids))
     # Likewise an evaluation group staged in another order than the one it is evaluated in.
-    staging = program.stream.evaluation_data
-    program.stream.evaluation_data = lambda ids: staging(ids[::-1])
+    staging = program.placements.data.evaluation_data
+    program.placements.data.evaluation_data = lambda ids: staging(ids[::-1])
     with pytest.raises(RuntimeError, match="evaluation: .* does not hold its samples"):
         program.evaluate(program.init(jax.random.key(0)))     # (the failed round took `state`)
     # FedFomo declares that its round reads samples in pair order: whole buffers, no blocks.
     fomo = algorithms.get("fedfomo", model=linear_model(), participation=0.4, batch_size=4)
-    assert not core.Program(fomo, data, mesh=core.client_mesh(), data_placement="host").stream.blocks
+    assert not core.Program(fomo, data, mesh=core.client_mesh(), data_placement="host").placements.data.blocks
 
     # (pgfedmo on two devices one round a call: tests/test_multiprocess.py, two processes)
     # Placements as (data, client state); ditto with its data sharded and its client rows on
@@ -379,19 +379,19 @@ SHARE_SCRIPT = textwrap.dedent('''
     out = {"process": jax.process_index()}
     for placement in ("host", "sharded"):
         program = core.Program(algo, data, mesh=core.client_mesh(), data_placement=placement)
-        program.stream.prefetch_enabled = False    # (what a round reads, not when: no round 4 staged)
-        placed = int(program.stream.bytes_read)    # sharded: each device's range, read once
+        program.placements.data.prefetch_enabled = False    # (what a round reads, not when: no round 4 staged)
+        placed = int(program.placements.data.bytes_read)    # sharded: each device's range, read once
         state = program.init(jax.random.key(0))
         for r in range(3):
             state, _ = program.run_rounds(state, jax.random.key(1), r, 1)
-        ids = [program.stream.participants(jax.random.key(1), r, 1)[0].tolist() for r in range(3)]
+        ids = [program.placements.data.participants(jax.random.key(1), r, 1)[0].tolist() for r in range(3)]
         plain = jax.tree.map(lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(
             a.dtype, jax.dtypes.prng_key) else a, state)
         leaves = [np.asarray(a).tolist() for a in jax.tree.leaves(core.to_host(plain))]
-        read = int(program.stream.bytes_read)
+        read = int(program.placements.data.bytes_read)
         evals = [np.asarray(a).tolist() for a in jax.tree.leaves(program.evaluate(state))]
         out[placement] = {"placed": placed, "read": read - placed, "ids": ids, "state": leaves,
-                          "evals": evals, "eval_read": int(program.stream.bytes_read) - read}
+                          "evals": evals, "eval_read": int(program.placements.data.bytes_read) - read}
     print(json.dumps(out))
 ''' % (SIZES,))
 

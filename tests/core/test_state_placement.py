@@ -1,4 +1,4 @@
-"""Client state off the devices (`--state-placement host`, `core.hoststate`).
+"""Client state off the devices (`--state-placement host`, `core.state_placement`).
 
 - the copy-on-write store, checked by hand: a client never written reads the initial row; a
   written one its own rows; only written clients take memory; its arrays round-trip (bfloat16
@@ -33,7 +33,7 @@ import pytest
 import helpers
 from fedjax_pfl import algorithms, core
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.core import hoststate
+from fedjax_pfl.core import checks, store as store_lib, transfer, world as world_lib
 from helpers import linear_model, make_data
 
 SIZES = [12, 30, 7, 19, 25, 3, 40, 11, 9, 22]
@@ -67,17 +67,17 @@ def _leaves_equal(a, b):
 
 def _whole(program, state):
     """The full state pytree of a HostState (every client's rows from the store)."""
-    if not isinstance(state, core.HostState):
+    if not isinstance(state, core.StoredState):
         return jax.device_get(state)
     host = state.store.gather(np.arange(program.num_clients))
-    return program.host.treedef.unflatten(program.host.join(jax.device_get(state.device), host))
+    return program.placements.state.host.treedef.unflatten(program.placements.state.host.join(jax.device_get(state.device), host))
 
 
 def _run(algo, *, state_placement, data_placement="device", schedule=None, dtype="float32",
          prefetch=True, cached=True):
     program = core.Program(algo, make_data(SIZES), mesh=None, state_placement=state_placement,
                            data_placement=data_placement, state_dtype=dtype)
-    program.prefetch_rows = prefetch       # (off by default on CPU: exercised here)
+    program.placements.state.prefetch_rows = prefetch       # (off by default on CPU: exercised here)
     state = program.init(jax.random.key(0))
     schedule = schedule or [(jax.random.key(1), r) for r in range(4)]
     use_cached, cached = cached, core.CachedEvaluation(program)
@@ -98,7 +98,7 @@ def _run(algo, *, state_placement, data_placement="device", schedule=None, dtype
 
 def test_the_store_is_copy_on_write_and_round_trips():
     init = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array(True)]
-    store = hoststate.ClientStore(init, num_clients=1000)
+    store = store_lib.ClientStore(init, num_clients=1000)
     rows = store.gather(np.array([5, 999, 1000]))            # 1000: the padding id N
     for r in rows[0]:
         np.testing.assert_array_equal(r, init[0])
@@ -112,7 +112,7 @@ def test_the_store_is_copy_on_write_and_round_trips():
     assert store.touched == 2 and sorted(store.ids.tolist()) == [5, 999]
     # Pages of P rows are added as clients are first written (never past N, nothing copied):
     # rows of 25 bytes (6 float32 + a bool) in pages of 1,000 bytes hold 40 clients each.
-    paged = hoststate.ClientStore(init, num_clients=1000, page_bytes=1000)
+    paged = store_lib.ClientStore(init, num_clients=1000, page_bytes=1000)
     assert paged.page_rows == 40 and paged.nbytes() == 1001 * 8 + 25
     ids = np.arange(100, 300)[::-1]                     # 200 clients: 5 pages
     values = np.arange(200 * 6, dtype=np.float32).reshape(200, 2, 3)
@@ -122,16 +122,16 @@ def test_the_store_is_copy_on_write_and_round_trips():
     np.testing.assert_array_equal(a, np.stack([values[0], values[199], init[0], values[149]]))
     assert b.tolist() == [True, False, True, False]
     # bfloat16 rows survive the checkpoint's arrays (NumPy's .npz has no bfloat16).
-    half = hoststate.ClientStore([np.full(3, 1.5, jnp.bfloat16)], num_clients=10)
+    half = store_lib.ClientStore([np.full(3, 1.5, jnp.bfloat16)], num_clients=10)
     half.put(np.array([7]), [np.array([[0.1, 2.0, -3.0]], jnp.bfloat16)])
-    back = hoststate.ClientStore.from_arrays(half.to_arrays(), half)
+    back = store_lib.ClientStore.from_arrays(half.to_arrays(), half)
     assert back.touched == 1 and back.initial[0].dtype == jnp.bfloat16
     np.testing.assert_array_equal(back.gather(np.array([7, 0]))[0].view(np.uint16),
                                   half.gather(np.array([7, 0]))[0].view(np.uint16))
     arrays = half.to_arrays()
     arrays["store/0/values"] = arrays["store/0/values"][:, :2]          # a truncated row
     with pytest.raises(ValueError, match="holds rows"):
-        hoststate.ClientStore.from_arrays(arrays, half)
+        store_lib.ClientStore.from_arrays(arrays, half)
     with pytest.raises(ValueError, match="outside"):
         store.put(np.array([1000]), [np.zeros((1, 2, 3), np.float32), np.zeros(1, bool)])
 
@@ -152,30 +152,30 @@ def test_each_process_keeps_its_range_of_rows_and_a_checkpoint_merges_the_parts(
     """Several processes: client i's rows belong to process ⌊i·P/N⌋ (contiguous ranges);
     each process saves its part under its own prefix, and a store restored from all the parts
     keeps the rows of the clients asked for (`keep`), from whichever part holds them."""
-    assert hoststate.row_owners(10, 3).tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert hoststate.row_owners(7, 1).tolist() == [0] * 7
-    assert hoststate.store_prefix(0, 1) == "store" and hoststate.store_prefix(2, 3) == "store.p2"
+    assert store_lib.row_owners(10, 3).tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert store_lib.row_owners(7, 1).tolist() == [0] * 7
+    assert store_lib.store_prefix(0, 1) == "store" and store_lib.store_prefix(2, 3) == "store.p2"
     init = [np.zeros(2, np.float32)]
     parts = {}
     for k, ids in ((0, [1, 3]), (1, [6, 5])):
-        part = hoststate.ClientStore(init, num_clients=8)
+        part = store_lib.ClientStore(init, num_clients=8)
         part.put(np.array(ids), [np.array([[i, -i] for i in ids], np.float32)])
-        parts.update(part.to_arrays(hoststate.store_prefix(k, 2)))
-    assert hoststate.saved_prefixes({**parts, "sampled": np.zeros(1)}) == ["store.p0", "store.p1"]
-    whole = hoststate.ClientStore.from_arrays(parts, hoststate.ClientStore(init, 8))
+        parts.update(part.to_arrays(store_lib.store_prefix(k, 2)))
+    assert store_lib.saved_prefixes({**parts, "sampled": np.zeros(1)}) == ["store.p0", "store.p1"]
+    whole = store_lib.ClientStore.from_arrays(parts, store_lib.ClientStore(init, 8))
     assert sorted(whole.ids.tolist()) == [1, 3, 5, 6]
     np.testing.assert_array_equal(whole.gather(np.array([5, 3, 0]))[0],
                                   [[5, -5], [3, -3], [0, 0]])
-    keep = hoststate.row_owners(8, 2) == 1                   # process 1 of 2: clients 4-7
+    keep = store_lib.row_owners(8, 2) == 1                   # process 1 of 2: clients 4-7
     read = _Reads(parts)
-    mine = hoststate.ClientStore.from_arrays(read, hoststate.ClientStore(init, 8), keep=keep)
+    mine = store_lib.ClientStore.from_arrays(read, store_lib.ClientStore(init, 8), keep=keep)
     assert sorted(mine.ids.tolist()) == [5, 6]
     # Of the part holding none of them only the ids (and, as the first part, the shared initial
     # rows) were read, as `checkpoint.HostArrays` reads them lazily.
     assert sorted(k for k in read.asked if k.startswith("store.p0")) == ["store.p0/0/initial",
                                                                        "store.p0/ids"]
     read = _Reads(parts)
-    hoststate.ClientStore.from_arrays(read, hoststate.ClientStore(init, 8), keep=~keep)
+    store_lib.ClientStore.from_arrays(read, store_lib.ClientStore(init, 8), keep=~keep)
     assert sorted(k for k in read.asked if k.startswith("store.p1")) == ["store.p1/ids"]
     np.testing.assert_array_equal(mine.gather(np.array([6, 1]))[0], [[6, -6], [0, 0]])
 
@@ -190,11 +190,11 @@ def test_gather_and_scatter_by_client_id_match_a_dense_array():
 
     @jax.jit
     def f(rows, world, idx, new):
-        with hoststate.counting_misses() as found:
+        with checks.collecting() as found:
             held = {"w": core.ClientRows(world, rows)}
             got = core.gather(held, idx)["w"]
             after = core.scatter(held, idx, {"w": new})["w"].rows
-        return got, after, hoststate.row_flags(found)
+        return got, after, checks.combined(found)["rows"]
 
     got, after, miss = f(rows, world, idx, new)
     np.testing.assert_array_equal(got, dense[idx])
@@ -209,24 +209,24 @@ def test_gather_and_scatter_by_client_id_match_a_dense_array():
 
 
 def test_a_world_is_dealt_as_the_mapper_deals_its_rows():
-    """`dealt.world`, worked by hand: blocks of ceil(M/D) of each round's order, sorted and
+    """`world.world`, worked by hand: blocks of ceil(M/D) of each round's order, sorted and
     padded with N; a call that writes holds each client on the first device dealt it, an
     evaluation group wherever it is asked for."""
-    from fedjax_pfl.core import dealt
+
 
     n = 10
     # M = 5 on 2 devices: positions 0-2 to device 0, 3-4 to device 1.
-    np.testing.assert_array_equal(dealt.world([[5, 2, 9, 7, 1]], 2, 3, n),
+    np.testing.assert_array_equal(world_lib.world([[5, 2, 9, 7, 1]], 2, 3, n),
                                   [2, 5, 9, 1, 7, n])
     # Two rounds: round 2 deals 7 to device 0 and 5 to device 1, which already hold them
     # elsewhere: they stay where round 1 put them.
-    np.testing.assert_array_equal(dealt.world([[5, 2, 9, 7], [7, 3, 5, 8]], 2, 4, n),
+    np.testing.assert_array_equal(world_lib.world([[5, 2, 9, 7], [7, 3, 5, 8]], 2, 4, n),
                                   [2, 3, 5, n, 7, 8, 9, n])
     # An evaluation group (nothing written): the repeated padding id 4 on both devices.
-    np.testing.assert_array_equal(dealt.world([4, 6, 1, 4], 2, 2, n, distinct=False),
+    np.testing.assert_array_equal(world_lib.world([4, 6, 1, 4], 2, 2, n, distinct=False),
                                   [4, 6, 1, 4])
     with pytest.raises(RuntimeError, match="4 clients dealt to device 0"):
-        dealt.world([[1, 2, 3, 4]], 1, 3, n)
+        world_lib.world([[1, 2, 3, 4]], 1, 3, n)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ def test_host_state_and_host_data_together_equal_device_placement():
     algo = _algo("ditto")
     _, ref_state, ref_m, ref_e = _run(algo, state_placement="device", data_placement="device")
     program, state, m, e = _run(algo, state_placement="host", data_placement="host")
-    assert program.stream is not None and program.host is not None
+    assert program.placements.data.needs_participants and program.state_placement == "host"
     _leaves_equal(state, ref_state)
     _leaves_equal(m, ref_m)
     helpers.assert_evaluations_equal(e, ref_e)
@@ -284,12 +284,12 @@ def test_only_sampled_clients_hold_rows_and_the_prefetch_matches_its_call():
     _leaves_equal(m, ref_m)
     helpers.assert_evaluations_equal(e, ref_e)
     # Prefetched after each call for (k1, 1), (k2, 2), (k2, 3), (k2, 5), (k2, 6), (k2, 7).
-    assert (program.rows_hits, program.rows_misses) == (3, 3)
+    assert (program.placements.state.rows_hits, program.placements.state.rows_misses) == (3, 3)
     sampled = [set(np.asarray(r["sampled"]).tolist()) for r in m]
     assert any(a & b for a, b in zip(sampled[2:], sampled[3:]))   # a client sampled twice in a row
     # (the state compared above comes from the store: every sampled client's rows, others initial)
     probe = core.Program(algo, make_data(SIZES), mesh=None, state_placement="host")
-    assert not probe.prefetch_rows                     # the default on CPU
+    assert not probe.placements.state.prefetch_rows                     # the default on CPU
     s = probe.init(jax.random.key(0))
     for keys, r in schedule:
         s, _ = probe.run_rounds(s, keys, r, 1)
@@ -371,7 +371,7 @@ def test_resume_across_state_placements(tmp_path, no_figures):
     for written in ("device", "host"):
         for reading, prep in programs.items():
             state = checkpoints.load(saved[written], None, prep)[0]
-            assert isinstance(state, core.HostState) == (reading == "host")
+            assert isinstance(state, core.StoredState) == (reading == "host")
             if reading == "host":
                 touched = state.store.touched
                 assert touched == (20 if written == "device" else len(np.unique(np.concatenate(
@@ -398,9 +398,9 @@ SCRIPT = textwrap.dedent('''
     from helpers import linear_model, make_data
 
     def whole(program, state):
-        if isinstance(state, core.HostState):
+        if isinstance(state, core.StoredState):
             rows = state.store.gather(np.arange(program.num_clients))
-            return program.host.treedef.unflatten(program.host.join(jax.device_get(state.device), rows))
+            return program.placements.state.host.treedef.unflatten(program.placements.state.host.join(jax.device_get(state.device), rows))
         return jax.device_get(state)
 
     def run(algo, data, mesh, per_call, placement, data_placement, worlds=None, dtype="float32",
@@ -409,9 +409,9 @@ SCRIPT = textwrap.dedent('''
                                state_placement=placement, data_placement=data_placement,
                                state_dtype=dtype)
         if prefetch is not None:
-            program.prefetch_rows = prefetch       # (off by default on CPU)
+            program.placements.state.prefetch_rows = prefetch       # (off by default on CPU)
         if worlds is not None:   # each call's world, and the devices and lengths of its rows' shards
-            put = program._put_rows
+            put = program.placements.state.put_rows
 
             def recorded(rows, world):
                 rows = put(rows, world)
@@ -419,7 +419,7 @@ SCRIPT = textwrap.dedent('''
                 worlds.append((world, [(s.device, s.data.shape[0]) for s in shards]))
                 return rows
 
-            program._put_rows = recorded
+            program.placements.state.put_rows = recorded
         state = program.init(jax.random.key(0))
         ms = []
         for r in range(0, 4, per_call):
@@ -454,7 +454,7 @@ SCRIPT = textwrap.dedent('''
         # devices (core.dealt's ring), with the same bits as above.
         program, crossing = host[2], 0
         for first in (0, 2):
-            ids = np.asarray(program._probe_ids(jax.random.key(1), first, 2))
+            ids = np.asarray(program._participants(jax.random.key(1), first, 2))
             r = -(-ids.shape[1] // 2)
             device = [{int(c): j // r for j, c in enumerate(row)} for row in ids]
             crossing += any(device[1][c] != d for c, d in device[0].items() if c in device[1])
@@ -463,7 +463,7 @@ SCRIPT = textwrap.dedent('''
     # One round per call: each device holds only the rows of the clients the mapper deals it
     # (contiguous blocks of ceil(M/D) of the sampled order), no row crosses, same bits; M = 3
     # (odd: the second device's block is padded).
-    from fedjax_pfl.core import dealt
+
     for participation in (0.3,):
         hp = {"participation": participation, "batch_size": 4, **algorithms.spec("ditto").test_hparams}
         algo = algorithms.get("ditto", model=linear_model(), **hp)
@@ -472,19 +472,19 @@ SCRIPT = textwrap.dedent('''
         same(run(algo, two, mesh, 1, "device", "device"), host)
         program = host[2]
         assert program.world_crossings == 0
-        m = int(program._clients_per_round)
+        m = int(program.placements.state.per_round)
         r = -(-m // 2)
         for call, (world, shards) in enumerate(worlds[:4]):      # (then the evaluation's)
             assert world.size == 2 * r
             assert shards == [(mesh.devices.flat[d], r) for d in range(2)]
-            sampled = np.asarray(program._probe_ids(jax.random.key(1), call, 1))[0]
+            sampled = np.asarray(program._participants(jax.random.key(1), call, 1))[0]
             for d in range(2):
                 want = np.sort(sampled[d * r:(d + 1) * r])
                 held = world[d * r:(d + 1) * r]
                 np.testing.assert_array_equal(held[:want.size], want)
                 assert (held[want.size:] == program.num_clients).all()
 
-    # dealt.take / dealt.put against a dense array: the mapper's order (no crossing), other
+    # world.take / world.put against a dense array: the mapper's order (no crossing), other
     # orders (the ring: same values), repeated ids (the last write wins, as a scatter in order),
     # an odd count (padding), and an id no device holds. ([13, 2, 13, 7]: device 1 holds 13 and
     # writes its own slot 2 first; device 0's earlier slot 0 arrives after it and must lose.)
@@ -495,8 +495,8 @@ SCRIPT = textwrap.dedent('''
     rows = dense[np.minimum(world, n - 1)]
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
     ids_d, rows_d = jax.device_put(world, sharding), jax.device_put(rows, sharding)
-    take = jax.jit(lambda i, r, idx: (lambda o: (o[0][0],) + o[1:])(dealt.take(mesh, i, [r], idx)))
-    put = jax.jit(lambda i, r, idx, v: (lambda o: (o[0][0],) + o[1:])(dealt.put(mesh, i, [r], idx, [v])))
+    take = jax.jit(lambda i, r, idx: (lambda o: (o[0][0],) + o[1:])(world_lib.take(mesh, i, [r], idx)))
+    put = jax.jit(lambda i, r, idx, v: (lambda o: (o[0][0],) + o[1:])(world_lib.put(mesh, i, [r], idx, [v])))
     for idx, crossed in (([5, 2, 11, 0, 13, 19], False), ([2, 5, 7, 13], False),
                          ([13, 19, 0, 2, 5, 11], True), ([7, 2, 5], True), ([0, 5, 2, 5, 7], True),
                          ([11, 7, 11], True), ([13, 2, 13, 7], True), ([5, 5, 13, 13], False)):
@@ -525,21 +525,21 @@ SCRIPT = textwrap.dedent('''
 
     # Rows moved between host and devices per process (resume across state placements), each
     # device pretended to be its own process: rows 0-2 on "process" 0's device, 3-5 on 1's.
-    from fedjax_pfl.core import placement
+
     mesh = core.client_mesh()
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
     dense = np.arange(6 * 3, dtype=np.float32).reshape(6, 3)
     a = jax.device_put(dense, sharding)
     process_of = {d: i for i, d in enumerate(mesh.devices.flat)}.__getitem__
-    assert placement.rows_held(a.shape, sharding, 1, process_of).tolist() == [0, 0, 0, 1, 1, 1]
+    assert transfer.rows_held(a.shape, sharding, 1, process_of).tolist() == [0, 0, 0, 1, 1, 1]
     for owners, exchanged in (([0, 0, 0, 1, 1, 1], []), ([0, 0, 1, 1, 1, 0], [2, 5])):
         owners = np.array(owners)
-        assert placement.rows_to_exchange(a.shape, sharding, owners, process_of).tolist() == exchanged
+        assert transfer.rows_to_exchange(a.shape, sharding, owners, process_of).tolist() == exchanged
         for p in (0, 1):
-            np.testing.assert_array_equal(placement.owned_rows(a, owners, p, process_of),
+            np.testing.assert_array_equal(transfer.owned_rows(a, owners, p, process_of),
                                           dense[owners == p])
     asked = []
-    b = placement.put_rows_from(dense.shape, np.float32, sharding,
+    b = transfer.put_rows_from(dense.shape, np.float32, sharding,
                                 lambda ids: asked.append(ids.tolist()) or dense[ids])
     assert sorted(asked) == [[0, 1, 2], [3, 4, 5]] and b.sharding == sharding
     np.testing.assert_array_equal(np.asarray(b), dense)

@@ -1,7 +1,8 @@
-"""A client world dealt to the devices: under `--state-placement host` on several devices, each
-device holds only the world rows of the clients it trains.
+"""A call's client world: the clients whose state rows a call moves to the devices
+(`--state-placement host`), one sorted block of ids, or on several devices one block per device,
+each holding only the world rows of the clients it trains.
 
-A call's client world (`core.hoststate`) would otherwise sit whole on every device: D copies of
+A call's client world (`core.state_placement`) would otherwise sit whole on every device: D copies of
 the participants' rows on D devices, and a scatter of the trained rows into every copy (an
 all-gather of the M results). Dealt, the world is D blocks of W rows, one per device, sharded
 over the mesh's "clients" axis: block d holds the clients the client mapper deals to device d
@@ -19,7 +20,7 @@ ppermutes: no device ever holds more than its block and one row in flight) and e
 mapper deals to another device than in the call's first round, and to an algorithm reading rows
 in its own order; `Program.world_crossings` counts such calls. (Poisson sampling, whose padding
 slots would repeat one client over the devices, runs with device placement only.) An id held by no device (a negative one included) is a miss, reported like the
-sorted world's (`hoststate.counting_misses`).
+sorted world's (`core.checks`).
 
 Writes end as a scatter in order (`x.at[idx].set(values)` on XLA:CPU) ends: a repeated id keeps
 its last write in `idx`, on either path. A round's client lives on one device only (`world(...,
@@ -36,6 +37,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from fedjax_pfl.core import transfer
+
 _AXIS = "clients"
 
 
@@ -44,7 +47,8 @@ def world(ids_per_round: np.ndarray, devices: int, per_device: int, num_clients:
     """[devices · per_device] int32: a world dealt as the mapper deals each row of
     `ids_per_round` ([rounds, M], or [M]): block d holds the distinct ids of every round's
     positions d·R … d·R + R − 1 (R = ⌈M/devices⌉), sorted, padded with the id N. With `distinct`
-    (a call that writes rows) a client is held only by the first device dealt it."""
+    (a call that writes rows) a client is held only by the first device dealt it. With one
+    device: the call's distinct participants, sorted, padded with N (the compact world)."""
     ids = np.asarray(ids_per_round, np.int64)
     ids = ids.reshape(-1, ids.shape[-1])
     r = -(-ids.shape[1] // devices)
@@ -105,21 +109,6 @@ def _set_row_if(a: jax.Array, k: jax.Array, row: jax.Array, keep: jax.Array) -> 
     return jax.lax.dynamic_update_slice_in_dim(a, jnp.where(keep[0], row, _one_row(a, k)), k, 0)
 
 
-def _ring(devices: int, slots: int, send, receive, acc):
-    """For each shift s = 1 … D − 1 and slot k < `slots`: every device e sends `send(s, k)` (a
-    tuple of one-row arrays) to device e + s, which folds it in: acc = receive(s, k, sent, acc).
-    One row is in flight at a time: XLA reserves a conditional branch's buffers even when the
-    other branch runs, so a whole block in flight would cost its memory every round."""
-    for s in range(1, devices):
-        shift = [(d, (d + s) % devices) for d in range(devices)]
-
-        def step(k, acc, s=s, shift=shift):
-            return receive(s, k, jax.lax.ppermute(send(s, k), _AXIS, shift), acc)
-
-        acc = jax.lax.fori_loop(0, slots, step, acc)
-    return acc
-
-
 def _held_nowhere(ids_l: jax.Array, idx_l: jax.Array, valid_l: jax.Array) -> jax.Array:
     """Whether some real slot of `idx` (any device's block) names an id held by no device (only
     the ids travel)."""
@@ -169,7 +158,7 @@ def take(mesh: Mesh, ids: jax.Array, rows: list[jax.Array],
                 got, held = sent
                 return [_set_row_if(o, k, g, held) for o, g in zip(out, got)]
 
-            return _ring(d, r, send, receive, out), _held_nowhere(ids_l, idx_l, valid_l)
+            return transfer.ring(d, r, send, receive, out), _held_nowhere(ids_l, idx_l, valid_l)
 
         # (the rows held here read first, the others filled in: one output buffer)
         out, miss = jax.lax.cond(away > 0, around, at_home, [x[pos] for x in rows_l])
@@ -221,7 +210,7 @@ def put(mesh: Mesh, ids: jax.Array, rows: list[jax.Array], idx: jax.Array,
                 at, held = _lookup(ids_l, i)
                 return [_set_row_if(x, at[0], v, held & keep) for x, v in zip(rows, values)]
 
-            return (_ring(d, idx_l.shape[0], send, receive, own),
+            return (transfer.ring(d, idx_l.shape[0], send, receive, own),
                     _held_nowhere(ids_l, idx_l, valid_l))
 
         new, miss = jax.lax.cond(away > 0, around, at_home)
