@@ -46,7 +46,10 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def _engine(algo: str, split: str, extra: list[str]):
+def protocol_program(algo: str, split: str, extra: list[str]):
+    """`runner.prepare` of the protocol's run.py flags for `algo` (then `extra`, which win): the
+    program `python experiments/run.py --preset pgfed_paper --dataset fashion_mnist --model cnn`
+    builds; `split` "iid" adds `--partition iid`."""
     from experiments import run as cli
     from fedjax_pfl import runner
 
@@ -200,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     fedjax_pfl.use_cpu_cores(args.cpu_devices)     # as run.py: one XLA device per core
     import jax
 
-    preps = {a: _engine(a, args.split, args.engine_args.split()) for a in args.algos}
+    preps = {a: protocol_program(a, args.split, args.engine_args.split()) for a in args.algos}
     first = next(iter(preps.values()))
     hp = first.hparams
     clients = _client_arrays(first.data)
