@@ -251,7 +251,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--protocol", action="store_true", help="PGFed's CNN protocol instead of the grid")
-    mode.add_argument("--peak", action="store_true", help="this machine's float32 matmul peak instead of the grid")
+    mode.add_argument("--peak", action="store_true",
+                      help="this machine's float32 matmul peak instead of the grid")
     p.add_argument("--algos", nargs="+", default=["fedavg"],
                    help="algorithms (default fedavg); --protocol: timed in turn, each after the "
                         "first also as a ratio to it")

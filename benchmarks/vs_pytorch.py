@@ -12,11 +12,12 @@ character LSTM's client step.
     python benchmarks/vs_pytorch.py --workload char_lstm --clients 10 50 --steps 3 --calls 2 \
         --torch-python /tmp/torchenv/bin/python                           # torch in its own venv
 
---workload protocol (the default). Protocol (issue 13; preset pgfed_paper with the FedAvg CNN): Fashion-MNIST, 25 clients, 75/25
-train/test per client, 6 sampled per round, 5 local epochs of batch 10 with drop_last, SGD lr
-0.005 momentum 0.9 with a per-client persistent buffer, evaluation of all 25 clients every round
-(the engine's as its runner does it: a personalised model is evaluated again only once a round
-has changed it, `core.CachedEvaluation`; PyTorch FedAvg has none).
+--workload protocol (the default). Protocol (issue 13; preset pgfed_paper with the FedAvg CNN):
+Fashion-MNIST, 25 clients, 75/25 train/test per client, 6 sampled per round, 5 local epochs of
+batch 10 with drop_last, SGD lr 0.005 momentum 0.9 with a per-client persistent buffer,
+evaluation of all 25 clients every round (the engine's as its runner does it: a personalised
+model is evaluated again only once a round has changed it, `core.CachedEvaluation`; PyTorch
+FedAvg has none).
 `--split iid` gives every client 2,100 training samples; `--split dirichlet` is the preset's
 class-wise Dir(0.3) split (574-3,430). Both sides get the identical client data and the same
 sampled clients (the engine's).
@@ -204,7 +205,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "character LSTM's client step")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (default 3)")
     p.add_argument("--torch-threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    p.add_argument("--json", help="append one JSON line per side (char_lstm: per side and M) with the raw timings")
+    p.add_argument("--json", help="append one JSON line per side (char_lstm: per side and M) "
+                                  "with the raw timings")
     g = p.add_argument_group("--workload protocol")
     g.add_argument("--split", choices=("iid", "dirichlet"), default="iid",
                    help="iid: 2,100 training samples per client; dirichlet: the preset's Dir(0.3) split (default iid)")
