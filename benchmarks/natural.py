@@ -149,16 +149,6 @@ class SyntheticReader:
 CACHE_ROOT = os.path.join(os.environ.get("TMPDIR", "/tmp"), "fedjax_pfl_bench_natural")
 
 
-def add_placement_args(parser) -> None:
-    """The options benchmarks/host_data.py and benchmarks/host_state.py share: M values,
-    rounds and repeats of the interleaved programs, the cache and the JSON log."""
-    parser.add_argument("--clients-per-round", nargs="+", type=int, default=[10, 50], dest="ms")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of each program per repeat")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cache-root", default=None, help="default: natural.CACHE_ROOT")
-    parser.add_argument("--json", default=None, help="append one JSON line per M here")
-
-
 def devices_line() -> str:
     """'D × KIND (platform)': the devices a benchmark ran on, for its header line."""
     import jax
@@ -169,8 +159,7 @@ def devices_line() -> str:
 
 def femnist_host_data(clients: int, cache_root: str = CACHE_ROOT):
     """The FEMNIST-shaped synthetic set of `clients` clients as host data (memory-mapped from
-    its cache under `cache_root`, built on first use): what benchmarks/host_data.py and
-    benchmarks/host_state.py run on."""
+    its cache under `cache_root`, built on first use): what benchmarks/placement.py runs on."""
     from fedjax_pfl.data import cache, formats
 
     cache_dir = os.path.join(cache_root, f"femnist_{clients}_1")
@@ -191,7 +180,7 @@ def run_one(cfg: dict) -> dict:
     import jax
     import numpy as np
 
-    from fedjax_pfl import algorithms, core, models
+    from fedjax_pfl import runner
     from fedjax_pfl.data import cache, formats
 
     out = dict(cfg)
@@ -221,12 +210,12 @@ def run_one(cfg: dict) -> dict:
     out["rss_after_data_mb"] = _peak_rss_mb()
     n = data.num_real_clients
     m = cfg["m"]
-    model = models.get(d["model"], data.input_shape, data.num_classes, task=data.task)
     hp = dict(participation=m / n, batch_size=cfg.get("batch") or d["batch"], local_epochs=1)
-    algo = algorithms.get(cfg["algo"], model=model, **hp)
-    mesh = core.client_mesh()
-    program = core.Program(algo, data, mesh=mesh)
-    keys = jax.random.key(1)
+    prep = runner.prepare(runner.RunConfig(algo=cfg["algo"], model=d["model"], hparams=hp,
+                                           progress=False, memory_check=False,
+                                           data_placement="device", state_placement="device"),
+                          data=data)
+    program, keys = prep.program, prep.round_keys
     out["compile_s"] = program.compile(keys)
     plan = program.memory_plan()
     out["plan_gib"] = plan.total / 2**30
@@ -241,7 +230,7 @@ def run_one(cfg: dict) -> dict:
         out["skipped"] = "memory plan does not fit"
         out["peak_rss_mb"] = _peak_rss_mb()
         return out
-    state = program.init(jax.random.key(0))
+    state = program.init(jax.random.fold_in(prep.root, 0))
     jax.block_until_ready(state)
     times, steps = [], []
     for r in range(cfg["rounds"]):

@@ -6,13 +6,14 @@
 
 FedAvg with the MLP on N synthetic Fashion-MNIST-shaped clients (28×28 uint8 images, 10 classes,
 `--samples` training and a quarter as many test samples each), M = `--clients-per-round`, one
-local epoch of B = 10, on the CLI's devices (one XLA:CPU device per core). Two programs compiled
-in one process: plain FedAvg, DP-FedAvg with --dp-clip 1 --dp-noise-multiplier 1 (per-client
-clipping in the vectorised step, the clipped sum, Gaussian noise, the fixed denominator), and
-the clipping alone (--dp-clip 1, no noise), and DP-FedAvg with Poisson sampling at the same
-expected M (--sampling poisson: K slots, K − |S| of them empty). They
-run interleaved, `--rounds` rounds of each per repeat, after one warm-up round each; per repeat
-the ratio of their median round times, then the median (range) of the ratios.
+local epoch of B = 10, on the CLI's devices (one XLA:CPU device per core), each program built as
+the command line builds it (`runner.prepare`). Four programs compiled in one process: plain
+FedAvg; DP-FedAvg with --dp-clip 1 --dp-noise-multiplier 1 (per-client clipping in the
+vectorised step, the clipped sum, Gaussian noise, the fixed denominator); the clipping alone
+(--dp-clip 1, no noise); and DP-FedAvg with Poisson sampling at the same expected M (--sampling
+poisson: K slots, K − |S| of them empty). They run interleaved, `--rounds` rounds of each per
+repeat, after one warm-up round each; per repeat the ratio of their median round times, then the
+median (range) of the ratios.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, ".."))          # this checkout's library
 
 
 def main() -> None:
@@ -43,8 +44,8 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from fedjax_pfl import algorithms, core, models
-    from fedjax_pfl.data.federated import FederatedData
+    from fedjax_pfl import runner
+    from fedjax_pfl.data import FederatedData
 
     rng = np.random.default_rng(0)
     n, s, t = args.clients, args.samples, max(1, args.samples // 4)
@@ -54,7 +55,6 @@ def main() -> None:
     data = FederatedData.from_arrays(x, y, [np.arange(a, a + s) for a in starts],
                                      [np.arange(a + s, a + s + t) for a in starts],
                                      num_classes=10, input_scale=1 / 255, name="fmnist-shaped")
-    model = models.get("mlp", data.input_shape, 10)
     common = dict(participation=args.clients_per_round / n, batch_size=10, lr=0.05,
                   chunk_size=args.chunk_size)
     programs = {}
@@ -62,23 +62,25 @@ def main() -> None:
                 ("clip only", {"dp_clip": 1.0}),
                 ("poisson", {"dp_clip": 1.0, "dp_noise_multiplier": 1.0, "sampling": "poisson"}))
     for name, extra in variants:
-        algo = algorithms.get("fedavg", model=model, **common, **extra)
-        program = core.Program(algo, data, mesh=core.client_mesh())
-        state = program.init(jax.random.key(0))
-        state, _ = program.run_rounds(state, jax.random.key(1), 0, 1)     # compile, warm up
+        prep = runner.prepare(runner.RunConfig(algo="fedavg", model="mlp", progress=False,
+                                               memory_check=False, data_placement="device",
+                                               state_placement="device",
+                                               hparams={**common, **extra}), data=data)
+        state = prep.program.init(jax.random.fold_in(prep.root, 0))
+        state, _ = prep.program.run_rounds(state, prep.round_keys, 0, 1)     # compile, warm up
         jax.block_until_ready(state)
-        programs[name] = [program, state]
+        programs[name] = [prep, state]
     print(f"devices {len(jax.devices())} ({jax.devices()[0].platform}), jax {jax.__version__}, "
           f"N = {n}, M = {args.clients_per_round}, {s} samples a client")
     ratios = []
     for rep in range(args.repeats):
         medians = {}
         for name, entry in programs.items():
-            program, state = entry
+            prep, state = entry
             times = []
             for r in range(args.rounds):
                 t0 = time.perf_counter()
-                state, m = program.run_rounds(state, jax.random.key(1), 1 + rep * args.rounds + r, 1)
+                state, m = prep.program.run_rounds(state, prep.round_keys, 1 + rep * args.rounds + r, 1)
                 jax.block_until_ready(state)
                 times.append(time.perf_counter() - t0)
             entry[1] = state

@@ -12,8 +12,9 @@ tokens over TFF's 10,004-word vocabulary, 5–20 real tokens each; lognormal cli
 median 130 and σ = 1.5 clipped to [1, 20,000], mean ≈ 390 against the real set's 397; 10 %
 held out), converted once into a dataset cache (about 24 GB of int32 tokens on disk). FedAvg with
 the word LSTM of TFF's experiments (`word_lstm`: embedding 96, LSTM 670, projection 96; batch
-16, one local epoch), `--data-placement host` on 2 XLA:CPU devices: the dataset stays in the
-memory-mapped cache and each round moves its M participants' sentences.
+16, one local epoch), `--data-placement host` on 2 XLA:CPU devices, each program built as the
+command line builds it (`runner.prepare`): the dataset stays in the memory-mapped cache and each
+round moves its M participants' sentences.
 
 Reported: conversion time and cache size; start-up from the cache (open, program, init, compile);
 seconds per round at each M (the rounds after the first of each program: medians); peak RSS of
@@ -23,11 +24,12 @@ with the same data and its client state on the devices, which does not fit.
 
 `--algo ditto --state-placement host` runs that personalised algorithm (a personal model per
 client, 15.5 MB each with word_lstm) at full N with its client rows in the copy-on-write host
-store (`core.hoststate`): each call moves only its participants' rows to the devices, and the
-store grows with the clients some round has written (`state.store.touched`, `.nbytes()`, reported
-after every round with the RSS), not with N. Also reported: the memory plan with host state, the
-plan the same program would need with device state (not allocated), and the checkpoint of the
-HostState (`Program.checkpoint_parts`: device leaves by orbax, the store's rows as host arrays).
+store: each call moves only its participants' rows to the devices, and the store grows with the
+clients some round has written, not with N (the RSS after every round; the store's size after the
+last, as the host arrays of `Program.checkpoint_parts`). Also reported: the memory plan with host
+state, the plan the same program would need with device state (not allocated), and the
+checkpoint of that state (`Program.checkpoint_parts`: device leaves by orbax, the store's rows as
+host arrays).
 `--state-placement device` with ditto runs only where its plan fits (it does not at full N);
 with host state an M whose compiled plan does not fit is skipped too (each device receives the
 rows of the clients it trains: M = 200 plans 19.0 GB on 2 devices, which a 24 GB host holds;
@@ -117,7 +119,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from fedjax_pfl import algorithms, checkpoint, core, models
+    from fedjax_pfl import checkpoint, models, runner
     from fedjax_pfl.data import cache, formats
     from natural import SyntheticReader
 
@@ -144,86 +146,83 @@ def main() -> None:
     out["open_s"] = time.perf_counter() - t_start
     out["sentences"] = {"train": int(nc.train_counts().sum()), "test": int(nc.test_counts().sum())}
     out["rss_after_open_mb"] = _rss_mb()
-    model = models.get(args.model, data.input_shape, data.num_classes, task=data.task,
-                       options=options)
+
+    def prepare(algo: str, m: int, state_placement: str):
+        """runner.prepare of `algo` on the cached set, its data on the host (nothing compiled,
+        nothing allocated yet)."""
+        cfg = runner.RunConfig(algo=algo, model=args.model, model_options=options, progress=False,
+                               memory_check=False, data_placement="host",
+                               state_placement=state_placement,
+                               hparams=dict(participation=m / args.clients, batch_size=16,
+                                            local_epochs=1))
+        return runner.prepare(cfg, data=data)
+
     out["devices"] = len(jax.devices())
-    out["parameters"] = int(sum(np.prod(a.shape) for a in
-                                jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))))
     print(f"{args.clients:,} clients, {out['sentences']['train']:,} training sentences, cache "
           f"{out['cache_gb']:.1f} GB, opened in {out['open_s']:.2f} s; {out['devices']} devices; "
           f"load {_load():.1f}", flush=True)
-    if args.algo != "fedavg" or options:
-        print(f"{args.algo} with {args.model} {options or ''}({out['parameters']:,} parameters), "
-              f"--state-placement {placement}, --data-placement host", flush=True)
-    keys = jax.random.key(1)
     out["runs"] = []
     for m in args.ms:
         row = {"m": m}
         t0 = time.perf_counter()
-        algo = algorithms.get(args.algo, model=model, participation=m / args.clients,
-                              batch_size=16, local_epochs=1)
         if placement == "device" and args.algo != "fedavg":
             # A model per client on the devices: run only where its plan fits (not at full N).
-            plan = core.Program(algo, data, mesh=core.client_mesh(),
-                                data_placement="host").memory_plan()
+            plan = prepare(args.algo, m, "device").program.memory_plan()
             if not plan.fits():
                 print(f"M = {m}: {args.algo} with its client state on the devices does not fit; "
                       f"not run (use --state-placement host):\n{plan.describe()}", flush=True)
                 row.update(skipped="does not fit", plan=plan.describe(), plan_total=plan.total)
                 out["runs"].append(row)
                 continue
-        program = core.Program(algo, data, mesh=core.client_mesh(), data_placement="host",
-                               state_placement=placement)
+        prep = prepare(args.algo, m, placement)
+        program = prep.program
+        if "parameters" not in out:
+            model = models.get(args.model, data.input_shape, data.num_classes, task=data.task,
+                               options=options)
+            out["parameters"] = int(sum(np.prod(a.shape) for a in jax.tree.leaves(
+                jax.eval_shape(model.init, jax.random.key(0)))))
+            if args.algo != "fedavg" or options:
+                print(f"{args.algo} with {args.model} {options or ''}({out['parameters']:,} "
+                      f"parameters), --state-placement {placement}, --data-placement host",
+                      flush=True)
         row["program_s"] = time.perf_counter() - t0
-        state = program.init(jax.random.key(0))
-        jax.block_until_ready(state.device if program.host is not None else state)
+        state = program.init(jax.random.fold_in(prep.root, 0))
+        jax.block_until_ready(state)           # (host state: its device leaves are not a pytree)
         row["init_s"] = time.perf_counter() - t0
-        row["compile_s"] = program.compile(keys)
+        row["compile_s"] = program.compile(prep.round_keys)
         row["startup_s"] = out["open_s"] + row["init_s"] + row["compile_s"]
         row["startup_load"] = _load()
         row["rss_after_compile_mb"] = _current_rss_mb()
         if args.algo != "fedavg" and not program.memory_plan().fits():
-            # The call's client world (its participants' rows, on every device) and the round's
-            # working set grow with M: where they do not fit, the rounds would only be killed.
+            # The call's client world (its participants' rows) and the round's working set grow
+            # with M: where they do not fit, the rounds would only be killed.
             plan = program.memory_plan()
             print(f"M = {m}: {args.algo}'s compiled plan does not fit in the memory available "
                   f"now; not run:\n{plan.describe()}", flush=True)
             row.update(skipped="does not fit", plan=plan.describe(), plan_total=plan.total)
-            program.stream.close()
-            del state
+            del prep, program, state
             out["runs"].append(row)
             continue
-        if program.host is not None:
-            print(f"M = {m}: start-up {row['startup_s']:.1f} s (open {out['open_s']:.2f}, init "
-                  f"{row['init_s']:.1f}, compile {row['compile_s']:.1f}); load "
-                  f"{row['startup_load']:.1f}; store {state.store.touched} clients written, "
-                  f"{state.store.nbytes() / 2**20:,.1f} MB; RSS {row['rss_after_compile_mb']:,.0f} MB",
-                  flush=True)
+        print(f"M = {m}: start-up {row['startup_s']:.1f} s (open {out['open_s']:.2f}, init "
+              f"{row['init_s']:.1f}, compile {row['compile_s']:.1f}); load "
+              f"{row['startup_load']:.1f}; RSS {row['rss_after_compile_mb']:,.0f} MB", flush=True)
         times, steps, loads, rounds = [], [], [], []
         for r in range(args.rounds):
             t0 = time.perf_counter()
-            state, metrics = program.run_rounds(state, keys, r, 1)
+            state, metrics = program.run_rounds(state, prep.round_keys, r, 1)
             times.append(time.perf_counter() - t0)
             steps.append(int(metrics[0]["client_steps"]))
             loads.append(_load())
-            extra = ""
-            if program.host is not None:
-                rounds.append({"touched": state.store.touched,
-                               "store_mb": state.store.nbytes() / 2**20,
-                               "rss_mb": _current_rss_mb(), "peak_rss_mb": _rss_mb()})
-                extra = (f"; store {rounds[-1]['touched']} clients written, "
-                         f"{rounds[-1]['store_mb']:,.1f} MB; RSS {rounds[-1]['rss_mb']:,.0f} MB "
-                         f"(peak {rounds[-1]['peak_rss_mb']:,.0f})")
+            rounds.append({"rss_mb": _current_rss_mb(), "peak_rss_mb": _rss_mb()})
             print(f"  M = {m}: round {r + 1} {times[-1]:.1f} s, {steps[-1]} client steps, load "
-                  f"{loads[-1]:.1f}{extra}", flush=True)
+                  f"{loads[-1]:.1f}; RSS {rounds[-1]['rss_mb']:,.0f} MB (peak "
+                  f"{rounds[-1]['peak_rss_mb']:,.0f})", flush=True)
         row["round_s"] = times
         row["round_s_median"] = statistics.median(times[1:] or times)
         row["client_steps"] = steps
         row["round_load"] = loads
-        if rounds:
-            row["rounds"] = rounds
+        row["rounds"] = rounds
         row["rss_mb"] = _rss_mb()
-        row["buffer_rows"] = program.stream.round_rows
         plan = program.memory_plan()
         row["plan"] = plan.describe()
         row["plan_total"] = plan.total
@@ -235,31 +234,29 @@ def main() -> None:
             row["checkpoint_s"] = time.perf_counter() - t0
             row["checkpoint_mb"] = _du_mb(ckpt)
             row["checkpoint_load"] = _load()
+            if placement == "host":   # the store: the rows of the clients some round has written
+                row["store_mb"] = sum(a.nbytes for a in host.values()) / 2**20
         finally:
             shutil.rmtree(ckpt, ignore_errors=True)
-        program.stream.close()
+        store = f"; store {row['store_mb']:,.1f} MB" if "store_mb" in row else ""
         print(f"M = {m}: start-up {row['startup_s']:.1f} s (open {out['open_s']:.2f}, init "
               f"{row['init_s']:.1f}, compile {row['compile_s']:.1f}); round {row['round_s_median']:.1f} s; "
               f"peak RSS {row['rss_mb']:,.0f} MB; checkpoint {row['checkpoint_mb']:.1f} MB in "
-              f"{row['checkpoint_s']:.2f} s (load {row['checkpoint_load']:.1f})\n{row['plan']}",
+              f"{row['checkpoint_s']:.2f} s (load {row['checkpoint_load']:.1f}){store}\n{row['plan']}",
               flush=True)
-        if program.host is not None:
+        del prep, program, state, tree, host
+        if placement == "host":
             # What the same program would need with the client rows on the devices (a plan only:
             # nothing is allocated or compiled).
-            device = core.Program(algo, data, mesh=core.client_mesh(), data_placement="host")
-            dplan = device.memory_plan()
-            device.stream.close()
+            dplan = prepare(args.algo, m, "device").program.memory_plan()
             row["device_plan"] = dplan.describe()
             row["device_plan_total"] = dplan.total
             print(f"M = {m}, the same program with --state-placement device (not compiled, "
                   f"not allocated): {dplan.total / 2**30:,.1f} GiB\n{dplan.describe()}", flush=True)
-        del state
         out["runs"].append(row)
     if args.algo == "fedavg":
         # A model per client: the memory plan of ditto on the same data (nothing is allocated).
-        ditto = algorithms.get("ditto", model=model, participation=args.ms[0] / args.clients,
-                               batch_size=16, local_epochs=1)
-        plan = core.Program(ditto, data, mesh=core.client_mesh(), data_placement="host").memory_plan()
+        plan = prepare("ditto", args.ms[0], "device").program.memory_plan()
         out["ditto_plan"] = plan.describe()
         out["ditto_state_per_client_mb"] = plan.state_per_client / 2**20
         out["ditto_total_gib"] = plan.total / 2**30

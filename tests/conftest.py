@@ -26,8 +26,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # XLA's CPU backend, for the suite's small programs, at LLVM -O0 instead of its default -O2 and
 # with its older elemental emitters instead of the fusion emitters: compiling a PGFed round of the
-# default configuration takes 1.7 s instead of 5.8 s (`python benchmarks/compile_opt_level.py
-# pgfed`, each setting in a fresh process). The programs then run ~5x
+# default configuration takes 1.7 s instead of 5.8 s (docs/decisions/compile-time.md, each
+# setting in a fresh process). The programs then run ~5x
 # slower (67 vs 12 ms a default PGFed round), which the suite's few-round tests never notice (the
 # default configurations' runs stop at their accuracy bar). Full suite: 1,116 s at -O1 with the
 # fusion emitters, 656 s at -O1 without, 440–669 s at -O0 without. Two different programs may
@@ -41,7 +41,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # XLA:CPU also splits each program's LLVM module into parts compiled in parallel; on two cores
 # shared by two test workers that buys nothing and costs each part its own target machine set-up
 # (`--xla_cpu_parallel_codegen_split_count=1`: about 5 % of the suite's CPU time, measured with the
-# other settings below in `benchmarks/suite_settings.py`).
+# other settings below, docs/decisions/test-suite-settings.md).
 _FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1")
 if tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
     _FAST_COMPILE += ("--xla_cpu_use_fusion_emitters=false",)
@@ -69,7 +69,7 @@ import fedjax_pfl  # noqa: E402, F401
 # Python's cyclic garbage collector was about 5 % of the suite's CPU time: JAX's tracing allocates
 # many short-lived containers, and each full collection walked every object the imports made.
 # Those are frozen out of the collector's view, and it runs a young-generation pass every 20,000
-# net allocations instead of 700 (5–6 % less CPU, `benchmarks/suite_settings.py`;
+# net allocations instead of 700 (5–6 % less CPU, docs/decisions/test-suite-settings.md;
 # FEDJAX_PFL_TEST_GC=default keeps Python's settings).
 if os.environ.get("FEDJAX_PFL_TEST_GC") != "default":
     gc.collect()

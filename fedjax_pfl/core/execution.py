@@ -98,7 +98,7 @@ class ClientLoop(NamedTuple):
     `uniform` says that every client takes either 0 steps or one common number of them (a fixed
     step count K): no client can hold up the others, so the mapper compiles one stage instead of
     the staged execution for unequal clients (twice the compile time of a small PGFed round:
-    `benchmarks/compile_stages.py`).
+    docs/decisions/compile-time.md).
     `large_carry` says that a client's carry is much larger than its result (an evaluation
     carries the client's model and returns a few sums): the staged execution then never holds
     every client's carry at once (`_run_capped`).

@@ -175,7 +175,7 @@ def lstm_recurrence(x_proj: jax.Array, kernel_rec: jax.Array,
         for H = 256) - the slowest matmul of the client step (benchmarks/RESULTS.md §17);
       * forward mode (jax.jvp) and forward-over-reverse (jax.jvp of jax.grad: Per-FedAvg HF's
         Hessian-vector products) differentiate the rule itself, exactly;
-    which a `jax.custom_vjp` (the earlier prototype in benchmarks/lstm_torch.py) would not allow.
+    which a `jax.custom_vjp` (the earlier prototype, docs/decisions/lstm-recurrence.md) would not allow.
     Values equal autodiff through the scan up to float rounding (tests/models/test_sequence.py
     checks loss, gradient, jvp and jvp-of-grad against a NumPy float64 LSTM).
     """
