@@ -229,9 +229,10 @@ def plan(args: argparse.Namespace) -> Plan:
                              f"expected one of {known}")
     _unique(datasets, source("datasets", "--datasets"), "dataset")
     try:
-        cli.check_seeds(seeds, source("seeds", "--seeds"))
+        sweep.check_seeds(seeds)
     except ValueError as e:
-        raise SweepError(str(e)) from None
+        raise SweepError(e.render(lambda name, space: source("seeds", "--seeds")
+                                  if (name, space) == ("seeds", "") else None)) from None
     try:
         runner.check_out(args.out, overwrite=True)     # a file, or a path that cannot be created
     except ValueError as e:
@@ -270,20 +271,19 @@ def plan(args: argparse.Namespace) -> Plan:
         for algo in algos:
             what = f"{algo} on {dataset}"
             try:
-                base = cli.config_from_args(cli.parse_flags(
-                    common_argv + ["--dataset", dataset, "--algo", algo, "--quiet"]))
-            except cli.UsageError as e:
-                raise SweepError(f"{where_common}: {e}") from None
+                base = runner.RunConfig.from_options(
+                    **cli.run_options(common_args, dataset=dataset, algo=algo))
             except ValueError as e:
+                text = cli.message(e, algo)
                 hint = (" (a hyperparameter that only some algorithms have goes in --grid "
                         "NAME=VALUE, which applies to the algorithms that have NAME)"
-                        if "does not apply to --algo" in str(e) else "")
-                raise SweepError(f"{what}: {e}{hint}") from None
+                        if "does not apply to --algo" in text else "")
+                raise SweepError(f"{what}: {text}{hint}") from None
             base.progress = False
             try:
                 base.validate()
             except ValueError as e:
-                raise SweepError(f"{what}: {e}") from None
+                raise SweepError(f"{what}: {cli.message(e, algo)}") from None
             groups += _algo_groups(args.out, dataset, algo, specs[algo], base, grid, seeds,
                                    folders, sweep)
     return Plan(args.out, groups, datasets)

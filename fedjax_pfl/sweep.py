@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Sequence
+import os
+from typing import Any, Collection, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_pfl import algorithms, core
+from fedjax_pfl.errors import OptionError, arg, marked
 
 Params = Any
 
@@ -221,6 +223,83 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
             runner.write_json(os.path.join(run_dir, "summary.json"), summary)
         summaries.append({**summary, "rows": history.rounds})
     return summaries
+
+
+def check_seeds(seeds: Sequence[int], *, target_acc: float | None = None) -> None:
+    """Each seed an integer in [0, 2**32) and none listed twice (two runs of one seed would share
+    one seed_S directory and count twice in the mean ± std); several seeds with a `target_acc`
+    are refused (it stops one run, and the seeds run as one program). OptionError naming
+    `seeds`."""
+    for seed in seeds:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise OptionError(f"{arg('seeds')} must be in [0, 2**32), got {seed!r}")
+    repeated = sorted({s for s in seeds if list(seeds).count(s) > 1})
+    if repeated:
+        raise OptionError(f"{arg('seeds')} lists seed {repeated[0]} more than once; each seed "
+                          "is one run")
+    if len(seeds) > 1 and target_acc is not None:
+        raise OptionError(f"{arg('target_acc')} stops one run; {arg('seeds')} runs several as "
+                          f"one program (run the seeds one by one with {arg('seed')} to stop "
+                          "each at the target)")
+
+
+# The metrics of the seeds' aggregate: mean ± std over the seeds of the best and the last round.
+SEED_METRICS = ("acc_mean", "acc_weighted", "acc_worst10", "global_acc_mean")
+
+
+def seeds_summary(seeds: Sequence[int], summaries: Sequence[dict]) -> dict[str, Any]:
+    """The aggregate of several seeds' runs (what OUT/summary.json of `run_seeds` holds): the
+    seeds, and for each of `SEED_METRICS` at the best and the last round ("best_acc_mean", …)
+    its mean, std (NumPy's, ddof 0) and per-seed values, over the runs that report it."""
+    import numpy as np
+
+    aggregate: dict[str, Any] = {"seeds": list(seeds), "runs": [s["seed"] for s in summaries]}
+    for kind in ("best", "last"):
+        for key in SEED_METRICS:
+            values = [s[kind][key] for s in summaries if key in s[kind]]
+            if values:
+                aggregate[f"{kind}_{key}"] = {"mean": float(np.mean(values)),
+                                              "std": float(np.std(values)), "values": values}
+    return aggregate
+
+
+def seeds_table(aggregate: dict[str, Any]) -> list[str]:
+    """The aggregate as lines of text: per metric, last and best round as mean ± std."""
+    lines = []
+    for key in SEED_METRICS:
+        if f"last_{key}" in aggregate:
+            last, best = aggregate[f"last_{key}"], aggregate[f"best_{key}"]
+            lines.append(f"  {key:<22} last {last['mean']:.4f} ± {last['std']:.4f}   "
+                         f"best {best['mean']:.4f} ± {best['std']:.4f}")
+    return lines
+
+
+def run_seeds(cfg, seeds: Sequence[int], *, data=None, data_info: dict | None = None,
+              progress: bool | None = None) -> tuple[dict[str, Any], list[dict]]:
+    """`cfg` once per seed, as one vmapped program (`run_group`; the partition comes from
+    cfg.seed, so every seed sees the same clients): what `run.py --seeds S1 S2 …` runs.
+
+    With cfg.out, a previous run's files there are removed first (as `runner.run` does), each
+    seed's run writes OUT/seed_S/ and the aggregate (`seeds_summary`: mean ± std over the seeds)
+    goes to OUT/summary.json. `data`, `data_info`: the federated dataset when the caller has
+    it (else `runner.load_data(cfg)`); `progress`: a progress bar (default cfg.progress).
+
+    Returns (the aggregate, each seed's summary as `run_group` returns it).
+    """
+    from fedjax_pfl import runner
+
+    check_seeds(seeds, target_acc=cfg.target_acc)
+    if data is None:
+        data, data_info = runner.load_data(cfg)
+    primary = jax.process_index() == 0             # a multi-process run: process 0 writes
+    if cfg.out and primary:
+        runner.clear_out(cfg.out)
+    summaries = run_group(cfg, [RunSpec(s) for s in seeds], data=data, data_info=data_info or {},
+                          out=cfg.out, progress=cfg.progress if progress is None else progress)
+    aggregate = seeds_summary(seeds, summaries)
+    if cfg.out and primary:
+        runner.write_json(os.path.join(cfg.out, "summary.json"), aggregate)
+    return aggregate, summaries
 
 
 def _privacy_plans(cfg, hparams: dict[str, Any], runs: Sequence[RunSpec], num_clients: int):

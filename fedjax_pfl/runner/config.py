@@ -73,6 +73,16 @@ class RunConfig:
     target_epsilon: float | None = None
     dp_accountant: str = "rdp"
 
+    @classmethod
+    def from_options(cls, *, hparams: dict[str, Any] | None = None, **options: Any) -> "RunConfig":
+        """The configuration run.py builds from the same flags, by their names (`rounds=100`,
+        `clients=50`, `min_size=40`, `data_dir=…`) with the algorithm's hyperparameters as
+        keywords or in `hparams=`: the defaults per dataset, the natural-client datasets' rules,
+        the data options and the default `out` (`fedjax_pfl.runner.options`)."""
+        from fedjax_pfl.runner import options as options_lib
+
+        return options_lib.from_options(hparams=hparams, **options)
+
     @property
     def natural(self) -> bool:
         """Whether `dataset` is a natural-client dataset (LEAF / TFF / FedJAX files)."""
