@@ -93,6 +93,8 @@ def test_the_library_defaults_are_the_flags_defaults():
     (dict(algo="fedavg", hparams={"mu": 0.1}), "mu does not apply to algo fedavg"),
     (dict(rouns=5), "unknown option 'rouns': the options are algo, rounds, "),
     (dict(lr=0.1, hparams={"lr": 0.2}), "lr is given twice, as a keyword and in hparams"),
+    (dict(log="nope"), "log: unknown sink 'nope'"),
+    (dict(checkpoint_on_signal="NOPE"), "checkpoint_on_signal must name a signal"),
 ])
 def test_bad_options_are_option_errors_naming_the_option(notebook, message):
     with pytest.raises(OptionError) as exc:
