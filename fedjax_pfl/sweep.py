@@ -162,7 +162,8 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
 
     hparams = cfg.validate()
     if cfg.target_acc is not None:
-        raise ValueError("--target-acc stops one run; the runs of a sweep share one program")
+        raise OptionError(f"{arg('target_acc')} stops one run; the runs of a sweep share one "
+                          "program")
     program_hparams, hparams, plans = _privacy_plans(cfg, hparams, runs, data.num_real_clients)
     model_name = cfg.model or runner.DEFAULT_MODEL.get(cfg.dataset, "mlp")
     model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
@@ -316,8 +317,8 @@ def _privacy_plans(cfg, hparams: dict[str, Any], runs: Sequence[RunSpec], num_cl
     untargeted = cfg
     if cfg.target_epsilon is not None:
         if any("dp_noise_multiplier" in dict(r.traced) for r in runs):
-            raise ValueError("--target-epsilon sets the noise multiplier; it cannot also vary "
-                             "in the sweep")
+            raise OptionError(f"{arg('target_epsilon')} sets the noise multiplier; it cannot "
+                              "also vary in the sweep")
         first, _ = privacy.plan(cfg, {**hparams, **dict(runs[0].traced)}, num_clients)
         overrides["dp_noise_multiplier"] = first["dp_noise_multiplier"]
         hparams = {**hparams, "dp_noise_multiplier": first["dp_noise_multiplier"]}
