@@ -287,7 +287,7 @@ def _carried_hparams(record: Mapping[str, Any], algo: str) -> dict[str, Any]:
             if flag in by_flag}
 
 
-def resume_config(out: str, *, hparams: Mapping[str, Any] | None = None, **overrides: Any):
+def resume_config(out: str, /, *, hparams: Mapping[str, Any] | None = None, **overrides: Any):
     """The RunConfig that continues the run in `out` from its last checkpoint (what
     `python experiments/run.py --resume OUT` runs): the saved configuration (`record_options`)
     with `overrides` (options and hyperparameters, as `from_options` takes them) on top.
