@@ -158,3 +158,47 @@ def test_a_preset_file_is_what_its_settings_are_as_options():
         cfg = cli.config_from_args(cli.parse(["--preset", path.stem, "--algo", algo,
                                               "--out", "o"]))
         assert lib == cfg, path.name
+
+
+def test_the_rules_per_dataset_without_the_command_line():
+    """The defaults and data options per dataset, written out here (not through run.py)."""
+    P = runner.PartitionConfig
+    cfg = runner.RunConfig.from_options(out="o")
+    assert cfg.partition == P(scheme="dirichlet", num_clients=20, alpha=0.5, min_size=10)
+    assert cfg.data_options == {"data_dir": None, "tfds_dir": None, "download": False}
+    assert (cfg.algo, cfg.dataset, cfg.rounds, cfg.model, cfg.hparams, cfg.log) == (
+        "fedavg", "digits", 50, None, {}, ())
+    syn = runner.RunConfig.from_options(dataset="synthetic", synthetic_clients=12, seed=4, out="o")
+    assert syn.partition == P(scheme="natural", num_clients=12, seed=4)
+    assert syn.data_options == {"data_dir": None, "tfds_dir": None, "download": False,
+                                "synthetic_alpha": 1.0, "synthetic_beta": 1.0,
+                                "synthetic_clients": 12}
+    nat = runner.RunConfig.from_options(dataset="shakespeare", data_dir="/d", out="o")
+    assert nat.partition.scheme == "natural" and nat.natural
+    assert nat.data_options == {"data_dir": "/d", "fmt": None, "max_clients": None,
+                                "min_samples": 0, "cache_dir": None, "token_accuracy": "default"}
+    assert runner.RunConfig.from_options(dataset="emnist", out="o").data_options[
+        "emnist_split"] == "balanced"
+    assert runner.RunConfig.from_options(model_options="hidden=64,tanh=true,name=x,r=0.5",
+                                         out="o").model_options == {
+        "hidden": 64, "tanh": True, "name": "x", "r": 0.5}
+
+
+@pytest.mark.parametrize("common,own", [
+    ("--clients 6 --rounds 2", "--algo pgfed --pgfed-mu 0.2 --rounds 3"),
+    ("--preset pgfed_paper --algo pgfed", "--clients 8"),
+    ("--preset pgfed_paper --algo pgfed --rounds 5", "--preset pfedsop_paper --algo pfedsop"),
+    ("--clients 6", "--preset fedpc_clustered --algo fedavg --lr 0.2"),
+    ("--lr 0.1 --quiet", "--lr 0.2 --log tensorboard"),
+])
+def test_a_runs_flags_on_top_of_common_flags_are_the_joined_command_line(common, own):
+    """compare.py parses --common once and each run's flags on top (`parse_on_top`): the same
+    configuration as the two joined into one command line (the last --preset counts, explicit
+    flags win over any preset)."""
+    import shlex
+
+    joined = cli.config_from_args(cli.parse(shlex.split(common) + shlex.split(own)
+                                            + ["--out", "o"]))
+    on_top = cli.config_from_args(cli.parse_on_top(shlex.split(own) + ["--out", "o"],
+                                                   cli.parse(shlex.split(common))))
+    assert on_top == joined
