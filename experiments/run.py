@@ -554,8 +554,9 @@ def _resume_config(args, runner):
     saved = runner.saved_options(out)       # (before the data loads: nothing to continue)
     given = {dest: getattr(args, dest) for dest in options.DEFAULTS
              if dest in args.explicit | args.preset_settings and dest not in ("out", "resume")}
-    values = {**saved, **given}
-    args.algo = values.get("algo")
+    values = {**options.DEFAULTS, **saved, **given}
+    del values["hparams"]                   # (the saved run's: resume_config carries them)
+    args.algo = values["algo"]
     # (a preset's hyperparameters give way to the saved run's)
     hparams = _checked_hparams(args, values, preset=False)
     args.algo = values["algo"]

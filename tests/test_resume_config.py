@@ -44,6 +44,10 @@ def test_agreeing_and_resumable_overrides_are_what_run_py_resume_builds(saved):
     args = cli.parse(["--resume", out, "--rounds", "4", "--quiet", "--pgfed-mu", "0.2", "--conv",
                       "im2col", "--seed", "0"])
     assert cli._resume_config(args, runner) == cfg
+    # (one seed is a plain run: its checks need the options a resume leaves at their defaults)
+    one_seed = cli.parse(["--resume", out, "--rounds", "4", "--quiet", "--conv", "im2col",
+                          "--seeds", "5"])
+    assert cli._resume_config(one_seed, runner) == cfg
 
 
 @pytest.mark.parametrize("overrides,said,flagged", [
