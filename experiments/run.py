@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="several runs that differ in model init and client sampling (the "
                         "partition comes from --seed), vmapped as one compiled program "
                         "(fedjax_pfl.sweep); OUT/seed_S/ per run and mean ± std at the end")
-    g.add_argument("--eval-every", type=int, default=D["eval_every"], help="evaluate every k rounds (and the last)")
+    g.add_argument("--eval-every", type=int, default=D["eval_every"],
+                   help="evaluate every k rounds (and the last)")
     g.add_argument("--target-acc", type=float, default=None, metavar="A",
                    help="stop after the first evaluation whose mean client accuracy (acc_mean) is "
                         ">= A, and record that round in summary.json (rounds to accuracy, as in "
@@ -110,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--state-dtype", default=D["state_dtype"], choices=("float32", "bfloat16"),
                    help="storage of per-client float state (bfloat16 halves its memory; "
                         "arithmetic stays float32)")
-    g.add_argument("--data-placement", default=D["data_placement"], choices=("device", "host", "sharded", "auto"),
+    g.add_argument("--data-placement", default=D["data_placement"],
+                   choices=("device", "host", "sharded", "auto"),
                    help="where the clients' samples wait between rounds: 'device' (on every "
                         "device), 'host' (in host memory; each round's participants moved to the "
                         "devices, on accelerators the next round's in the background), 'sharded' (each device "
@@ -119,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "all with the same results bit for bit; 'auto' (device when the data and "
                         "client state fit in 80%% of the memory, else sharded when a 1/D share "
                         "does, else host)")
-    g.add_argument("--state-placement", default=D["state_placement"], choices=("device", "host", "auto"),
+    g.add_argument("--state-placement", default=D["state_placement"],
+                   choices=("device", "host", "auto"),
                    help="where the clients' state rows wait between rounds: 'device' (sharded "
                         "over the devices), 'host' (a copy-on-write host store: each call's "
                         "participants' rows moved to the devices and back; clients never "
@@ -213,10 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prepared TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets)")
     g.add_argument("--download", action="store_true",
                    help="allow a TFDS download when the dataset is not found locally")
-    g.add_argument("--emnist-split", default=D["emnist_split"], help="EMNIST split (byclass, bymerge, "
-                   "balanced, letters, digits, mnist)")
-    g.add_argument("--synthetic-alpha", type=float, default=D["synthetic_alpha"], help="Synthetic(α, β): α")
-    g.add_argument("--synthetic-beta", type=float, default=D["synthetic_beta"], help="Synthetic(α, β): β")
+    g.add_argument("--emnist-split", default=D["emnist_split"],
+                   help="EMNIST split (byclass, bymerge, balanced, letters, digits, mnist)")
+    g.add_argument("--synthetic-alpha", type=float, default=D["synthetic_alpha"],
+                   help="Synthetic(α, β): α")
+    g.add_argument("--synthetic-beta", type=float, default=D["synthetic_beta"],
+                   help="Synthetic(α, β): β")
     g.add_argument("--synthetic-clients", type=int, default=D["synthetic_clients"],
                    help="number of natural clients of the synthetic dataset")
     g.add_argument("--partition", default=None,
@@ -224,10 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "synthetic)")
     g.add_argument("--clients", type=int, default=None,
                    help="number of clients N (default 20; synthetic: --synthetic-clients)")
-    g.add_argument("--alpha", type=float, default=D["alpha"], help="Dirichlet concentration α (> 0)")
+    g.add_argument("--alpha", type=float, default=D["alpha"],
+                   help="Dirichlet concentration α (> 0)")
     g.add_argument("--min-size", type=int, default=D["min_size"],
                    help="dirichlet: redraw until every client has at least this many samples")
-    g.add_argument("--classes-per-client", type=int, default=D["classes_per_client"], help="pathological: labels per client")
+    g.add_argument("--classes-per-client", type=int, default=D["classes_per_client"],
+                   help="pathological: labels per client")
     g.add_argument("--shards-per-client", type=int, default=None, help="shards: shards per client")
     g.add_argument("--shard-size", type=int, default=None, help="shards: samples per shard")
     g.add_argument("--clusters", type=int, default=D["clusters"],

@@ -13,6 +13,12 @@ a run are not split further), so V runs on D devices need no communication at al
 Run v uses the keys of a plain run with --seed seeds[v]: fold_in(key(seed), 0) for init and
 fold_in(key(seed), 1) folded with the round for rounds, so a vmapped run of one seed reproduces
 `runner.run` with that seed. The data (partition) is shared by all runs of a group.
+
+What the command lines do with it, as library calls: `run_seeds` (run.py --seeds: one
+configuration over several seeds, OUT/seed=S/ and their mean ± std, `seeds_summary`,
+`seeds_table`), `plan` / `plan_groups` (experiments/sweep.py's groups, folders and labels, every
+run checked first) and `group_results` / `results_table` / `write_results` (its results.md,
+results.json and curves.png).
 """
 
 from __future__ import annotations

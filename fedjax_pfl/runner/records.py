@@ -231,7 +231,8 @@ def check_evaluation(round_number: int, evals: dict, ids) -> None:
             raise NonFiniteError(
                 f"round {round_number}: the evaluation of {model} gives a non-finite loss on "
                 f"clients {clients[:8].tolist()}{'…' if clients.size > 8 else ''}; the run "
-                f"diverged (lower {arg('lr', 'hparams')}, or check the algorithm's hyperparameters)")
+                f"diverged (lower {arg('lr', 'hparams')}, or check the algorithm's "
+                "hyperparameters)")
 
 
 def communication_totals(rows: list[dict]) -> dict[str, float]:
