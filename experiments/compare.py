@@ -48,7 +48,16 @@ def _summary(path: str) -> dict | None:
 
 def _plan(args) -> list[tuple[str, list[str], object]]:
     """(label, run.py flags, RunConfig) of every --run, all checked before anything runs or any
-    folder is made: each a valid run.py configuration, each in a folder of its own."""
+    folder is made: each a valid run.py configuration, each in a folder of its own. --common is
+    parsed once; each run's flags on top of it (`run.parse_on_top`), its RunConfig built from
+    those options (`RunConfig.from_options`)."""
+    from fedjax_pfl import runner
+
+    common_argv = shlex.split(args.common)
+    try:
+        common, common_error = cli.parse_flags(common_argv), None
+    except cli.UsageError as e:          # reported with the first run, as each run's own
+        common, common_error = None, e
     planned, folders = [], {}
     for spec in args.run:
         label, sep, flags = spec.partition(":")
@@ -64,14 +73,19 @@ def _plan(args) -> list[tuple[str, list[str], object]]:
                                f"folder {os.path.join(args.out, folder)}: give them labels that "
                                "differ in their letters or digits")
         folders[folder] = label
-        argv_run = shlex.split(args.common) + shlex.split(flags) + [
-            "--out", os.path.join(args.out, folder), "--quiet"]
+        own = shlex.split(flags) + ["--out", os.path.join(args.out, folder), "--quiet"]
+        algo = None
         try:
-            cfg = cli.config_from_args(cli.parse_flags(argv_run))
+            if common_error is not None:
+                raise common_error
+            run_args = cli.parse_flags(own, on_top_of=common)
+            algo = run_args.algo
+            cfg = runner.RunConfig.from_options(**cli.run_options(run_args))
+            algo = cfg.algo
             cfg.validate()
         except ValueError as e:                    # (cli.UsageError too)
-            raise CompareError(f"--run {label!r}: {e}") from None
-        planned.append((label, argv_run, cfg))
+            raise CompareError(f"--run {label!r}: {cli.message(e, algo)}") from None
+        planned.append((label, common_argv + own, cfg))
     return planned
 
 
@@ -79,6 +93,7 @@ def _check_out(args, planned) -> None:
     """--out is new or empty, or (--resume) holds only runs of these configurations: nothing
     of an earlier run that this command cannot continue is touched."""
     from fedjax_pfl import runner
+    from fedjax_pfl.errors import render
 
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise CompareError(f"--out {args.out} is an existing file, not a directory")
@@ -100,6 +115,7 @@ def _check_out(args, planned) -> None:
                                "a new --out") from None
         conflict = runner.reuse_conflicts(cfg, cfg.validate(), runner.model_name_of(cfg), saved)
         if conflict:
+            conflict = render(conflict, cli.spelling(cfg.algo))
             raise CompareError(f"--run {label!r}: {cfg.out} holds a run made with {conflict}; "
                                "give this run another label, or use a new --out")
 
@@ -122,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fedjax_pfl.use_cpu_cores()
     from fedjax_pfl import runner
+    from fedjax_pfl.errors import spelled
 
     try:
         planned = _plan(args)
@@ -137,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 data_cache[key] = runner.load_data(cfg)
             except (ValueError, OSError) as e:       # (DatasetNotFoundError: an OSError)
-                _fail(f"--run {label!r}: {e}")
+                _fail(f"--run {label!r}: {spelled(e, cli.spelling(cfg.algo))}")
         data, info = data_cache[key]
         print(f"== {label}: {' '.join(argv_run)}", flush=True)
         command = "python experiments/run.py " + " ".join(argv_run[:-3])
@@ -160,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 summary = runner.run(cfg, data=data, data_info=info, log=print)
             except ValueError as e:             # (ResumeError, MemoryPlanError, …)
-                _fail(f"--run {label!r}: {e}")
+                _fail(f"--run {label!r}: {cli.message(e, cfg.algo)}")
             except runner.NonFiniteError as e:  # keep the sweep going; the table says so
                 diverged = str(e).split(":")[0]
-                print(f"   diverged: {e}", flush=True)
+                print(f"   diverged: {spelled(e, cli.spelling(cfg.algo))}", flush=True)
                 with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
                     curves[label] = [json.loads(line) for line in f]
                 rows.append({"label": label, "command": command, "diverged": diverged})

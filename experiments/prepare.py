@@ -39,6 +39,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", required=True, help="femnist, emnist62, shakespeare, stackoverflow_nwp, "
@@ -50,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-samples", type=int, default=0, help="keep clients with >= S training samples")
     p.add_argument("--seed", type=int, default=0, help="seed of the --max-clients draw")
     p.add_argument("--plots", default=None, metavar="OUTDIR", help="write stats.json and figures here")
-    return p.parse_args(argv)
+    return p
 
 
 def write_plots(stats: dict, nc, outdir: str) -> list[str]:
@@ -131,7 +135,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+    return message(e) or type(e).__name__
+
+
+def message(e: BaseException) -> str:
+    """What prepare.py says for an error, one line: the data options the library's errors name
+    (`fedjax_pfl.errors.arg`: data_dir, fmt, max_clients, …) as its flags."""
+    from fedjax_pfl.errors import spelled
+
+    flags = {a.dest: a.option_strings[0] for a in build_parser()._actions if a.option_strings}
+    spell = lambda name, space: flags.get({"fmt": "format"}.get(name, name))  # noqa: E731
+    return " ".join(spelled(e, spell).split())
 
 
 if __name__ == "__main__":

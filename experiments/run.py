@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import functools
 import json
-import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -58,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedjax_pfl.data import sources
     from fedjax_pfl.data.formats import FORMATS, NATURAL_DATASETS
     from fedjax_pfl import models
+    from fedjax_pfl.runner.options import DEFAULTS as D
 
     p = _Parser(
         prog="run.py", description="Simulate a (personalised) federated learning algorithm.",
@@ -72,14 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preset", default=None,
                    help=f"load defaults from experiments/configs/NAME.json; explicit flags win. "
                         f"Available: {_presets()}")
-    g.add_argument("--rounds", type=int, default=50, help="communication rounds R")
-    g.add_argument("--seed", type=int, default=0,
+    g.add_argument("--rounds", type=int, default=D["rounds"], help="communication rounds R")
+    g.add_argument("--seed", type=int, default=D["seed"],
                    help="seeds the partition, the model init and every round's sampling")
     g.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="several runs that differ in model init and client sampling (the "
                         "partition comes from --seed), vmapped as one compiled program "
                         "(fedjax_pfl.sweep); OUT/seed_S/ per run and mean ± std at the end")
-    g.add_argument("--eval-every", type=int, default=1, help="evaluate every k rounds (and the last)")
+    g.add_argument("--eval-every", type=int, default=D["eval_every"],
+                   help="evaluate every k rounds (and the last)")
     g.add_argument("--target-acc", type=float, default=None, metavar="A",
                    help="stop after the first evaluation whose mean client accuracy (acc_mean) is "
                         ">= A, and record that round in summary.json (rounds to accuracy, as in "
@@ -93,24 +94,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the noise multiplier is computed before the run so that ε after "
                         "--rounds rounds is at most E at --dp-delta (instead of "
                         "--dp-noise-multiplier)")
-    d.add_argument("--dp-accountant", default="rdp", choices=("rdp", "pld"),
+    d.add_argument("--dp-accountant", default=D["dp_accountant"], choices=("rdp", "pld"),
                    help="dp-accounting's accountant: Rényi DP, or privacy loss distributions "
                         "(pld: with --sampling poisson only, for the summary's final ε; the "
                         "per-round ε stays RDP's; refused with fixed-size sampling)")
-    g.add_argument("--eval-clients", default="all",
+    g.add_argument("--eval-clients", default=D["eval_clients"],
                    help="clients evaluated at each evaluation: 'all', 'participants' (the round's "
                         "sampled clients) or K (a fixed random subset of K clients); the last round "
                         "always evaluates every client. For large N, evaluation of all clients "
                         "costs more than training")
 
     g = p.add_argument_group("execution")
-    g.add_argument("--rounds-per-call", type=int, default=1,
+    g.add_argument("--rounds-per-call", type=int, default=D["rounds_per_call"],
                    help="K rounds per compiled call (one lax.scan, sampling and metrics on device): "
                         "fewer dispatches for small models; --eval-every must be a multiple of K")
-    g.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
+    g.add_argument("--state-dtype", default=D["state_dtype"], choices=("float32", "bfloat16"),
                    help="storage of per-client float state (bfloat16 halves its memory; "
                         "arithmetic stays float32)")
-    g.add_argument("--data-placement", default="auto", choices=("device", "host", "sharded", "auto"),
+    g.add_argument("--data-placement", default=D["data_placement"],
+                   choices=("device", "host", "sharded", "auto"),
                    help="where the clients' samples wait between rounds: 'device' (on every "
                         "device), 'host' (in host memory; each round's participants moved to the "
                         "devices, on accelerators the next round's in the background), 'sharded' (each device "
@@ -119,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "all with the same results bit for bit; 'auto' (device when the data and "
                         "client state fit in 80%% of the memory, else sharded when a 1/D share "
                         "does, else host)")
-    g.add_argument("--state-placement", default="auto", choices=("device", "host", "auto"),
+    g.add_argument("--state-placement", default=D["state_placement"],
+                   choices=("device", "host", "auto"),
                    help="where the clients' state rows wait between rounds: 'device' (sharded "
                         "over the devices), 'host' (a copy-on-write host store: each call's "
                         "participants' rows moved to the devices and back; clients never "
@@ -159,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "USR1): a scheduler's warning before it stops the job, e.g. SLURM's "
                         "--signal=B:USR1@120. SIGINT and SIGTERM always stop a run cleanly "
                         "(resumable; exit 130 and 143)")
-    g.add_argument("--log", default="",
+    g.add_argument("--log", default=D["log"],
                    help="metric sinks besides metrics.jsonl, comma-separated: tensorboard "
                         "(OUT/tensorboard), mlflow (OUT/mlflow.db unless MLFLOW_TRACKING_URI is set), "
                         "wandb (offline in OUT/wandb unless WANDB_MODE is set); each needs its "
@@ -176,17 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-options", default=None, metavar="KEY=VALUE,...",
                    help="sizes of the text models and femnist_cnn, e.g. hidden=64,layers=1 for "
                         "--model char_lstm (models/sequence.py lists each model's options)")
-    g.add_argument("--model-cr", type=float, default=2.0,
+    g.add_argument("--model-cr", type=float, default=D["model_cr"],
                    help="compression rate of --model cp_mlp / cp_vgg8: rank round(ΠI/(CR·ΣI)) per "
                         "weight tensor (TDPFed's rule; 1 = the dense model)")
-    g.add_argument("--conv", default="auto", choices=models.CONV_IMPLS,
+    g.add_argument("--conv", default=D["conv"], choices=models.CONV_IMPLS,
                    help="how convolutions are computed: winograd (F(m, kw) along the width) or "
                         "im2col; auto = winograd for stride-1 convs with kh*C_in >= 8 on CPU, "
                         "im2col elsewhere. The same function up to float rounding; im2col "
                         "reproduces runs made before winograd existed bit for bit")
 
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="digits",
+    g.add_argument("--dataset", default=D["dataset"],
                    help=f"one of {list(sources.DATASETS)}, or a natural-client dataset read from "
                         f"its files in --data-dir: {list(NATURAL_DATASETS)}")
     g.add_argument("--data-dir", default=None,
@@ -199,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-clients", type=int, default=None,
                    help="natural-client datasets: K clients drawn at random (seeded by --seed) "
                         "among those with at least --min-samples training samples (default all)")
-    g.add_argument("--min-samples", type=int, default=0,
+    g.add_argument("--min-samples", type=int, default=D["min_samples"],
                    help="natural-client datasets: leave out clients with fewer training samples")
     g.add_argument("--token-accuracy", default=None, choices=("default", "all", "no_oov"),
                    help="per-token tasks: which real targets accuracy scores: default (the "
@@ -213,27 +216,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prepared TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets)")
     g.add_argument("--download", action="store_true",
                    help="allow a TFDS download when the dataset is not found locally")
-    g.add_argument("--emnist-split", default="balanced", help="EMNIST split (byclass, bymerge, "
-                   "balanced, letters, digits, mnist)")
-    g.add_argument("--synthetic-alpha", type=float, default=1.0, help="Synthetic(α, β): α")
-    g.add_argument("--synthetic-beta", type=float, default=1.0, help="Synthetic(α, β): β")
-    g.add_argument("--synthetic-clients", type=int, default=30,
+    g.add_argument("--emnist-split", default=D["emnist_split"],
+                   help="EMNIST split (byclass, bymerge, balanced, letters, digits, mnist)")
+    g.add_argument("--synthetic-alpha", type=float, default=D["synthetic_alpha"],
+                   help="Synthetic(α, β): α")
+    g.add_argument("--synthetic-beta", type=float, default=D["synthetic_beta"],
+                   help="Synthetic(α, β): β")
+    g.add_argument("--synthetic-clients", type=int, default=D["synthetic_clients"],
                    help="number of natural clients of the synthetic dataset")
     g.add_argument("--partition", default=None,
                    help=f"one of {list(partition_lib.PARTITIONS)} (default dirichlet; natural for "
                         "synthetic)")
     g.add_argument("--clients", type=int, default=None,
                    help="number of clients N (default 20; synthetic: --synthetic-clients)")
-    g.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration α (> 0)")
-    g.add_argument("--min-size", type=int, default=10,
+    g.add_argument("--alpha", type=float, default=D["alpha"],
+                   help="Dirichlet concentration α (> 0)")
+    g.add_argument("--min-size", type=int, default=D["min_size"],
                    help="dirichlet: redraw until every client has at least this many samples")
-    g.add_argument("--classes-per-client", type=int, default=2, help="pathological: labels per client")
+    g.add_argument("--classes-per-client", type=int, default=D["classes_per_client"],
+                   help="pathological: labels per client")
     g.add_argument("--shards-per-client", type=int, default=None, help="shards: shards per client")
     g.add_argument("--shard-size", type=int, default=None, help="shards: samples per shard")
-    g.add_argument("--clusters", type=int, default=4,
+    g.add_argument("--clusters", type=int, default=D["clusters"],
                    help="clustered: G groups of clients (contiguous ids), each group holding its "
                         "own disjoint set of labels")
-    g.add_argument("--test-fraction", type=float, default=0.25,
+    g.add_argument("--test-fraction", type=float, default=D["test_fraction"],
                    help="fraction of each client's samples held out as its test split")
 
     g = p.add_argument_group("algorithm (all algorithms; defaults differ per algorithm)")
@@ -277,136 +284,122 @@ def _add_hparam(group, hp, flag: str, seen: set[str], defaults_by_flag: dict[str
                            help=help_text)
 
 
+# The dests of run.py's own flags, not options of RunConfig.from_options: a multi-process run's
+# layout, the seeds of a vmapped group, presets, what may happen to --out, the compile cache.
+CLI_ONLY = ("preset", "seeds", "coordinator", "distributed", "num_processes", "process_id",
+            "overwrite", "no_compile_cache")
+
+
 def config_from_args(args: argparse.Namespace):
-    """The RunConfig the flags describe (raises ValueError naming the flag on bad input)."""
-    from fedjax_pfl import algorithms
-    from fedjax_pfl.data.build import PartitionConfig
-    from fedjax_pfl.data.formats import NATURAL_DATASETS
+    """The RunConfig the flags describe (raises ValueError naming the flag on bad input):
+    `RunConfig.from_options` of `run_options(args)`."""
     from fedjax_pfl.runner import RunConfig
 
-    if args.algo is None:
+    return RunConfig.from_options(**run_options(args))
+
+
+def run_options(args: argparse.Namespace, **given: Any) -> dict[str, Any]:
+    """`RunConfig.from_options`'s keywords from the parsed flags (the options are the dests),
+    `given` on top (sweep.py: each run's algo and dataset): the hyperparameter flags by the
+    algorithm's names (a preset's where the algorithm has them, explicit flags over them), the
+    command line's own checks made (--preset without --algo, the process layout, --seeds, a
+    flag of another algorithm)."""
+    from fedjax_pfl.runner import options
+
+    values = {dest: getattr(args, dest) for dest in options.DEFAULTS}
+    values["resume"] = args.resume is not None
+    values.update(given)
+    values["hparams"] = _checked_hparams(args, values, preset=True)
+    return values
+
+
+def _checked_hparams(args: argparse.Namespace, values: dict[str, Any], *, preset: bool) -> dict:
+    """The checks `RunConfig.from_options` cannot make (the flags run.py has of its own), in the
+    order the command line reports them, then the hyperparameter flags by name for
+    values["algo"] (set to fedavg when neither --algo nor a preset names one)."""
+    from fedjax_pfl import algorithms, sweep
+    from fedjax_pfl.runner import options
+
+    if values["algo"] is None:
         if args.preset:
             raise ValueError(f"--preset {args.preset} is a protocol shared by several algorithms: "
                              f"name one with --algo (one of {algorithms.names()})")
-        args.algo = "fedavg"
-    if args.algo not in algorithms.names():
-        raise ValueError(f"--algo must be one of {algorithms.names()}, got {args.algo!r}")
-    for key, value in vars(args).items():
-        # (--dp-clip inf: clipping off, DP-FedAvg's step without clipping)
-        if isinstance(value, float) and not math.isfinite(value) and not (
-                key == "dp_clip" and value == math.inf):
-            raise ValueError(f"--{key.replace('_', '-')} must be finite, got {value}")
+        values["algo"] = "fedavg"
+    options.check_algo(values["algo"])
+    options.check_finite(values)
     check_processes(args)
     if args.seeds is not None:
-        check_seeds(args.seeds)
-        if len(args.seeds) > 1 and args.target_acc is not None:
-            raise ValueError("--target-acc stops one run; --seeds runs several as one program "
-                             "(run the seeds one by one with --seed to stop each at the target)")
-    spec = algorithms.spec(args.algo)
-    mine = {flag: hp for hp, flag in spec.all_hparams()}
+        sweep.check_seeds(args.seeds, target_acc=values["target_acc"])
+    mine = {flag: hp for hp, flag in algorithms.spec(values["algo"]).all_hparams()}
     hparams = {}
     # A preset's algorithm settings apply where the algorithm has them (a preset shared by
     # pgfed and fedavg sets --pgfed-mu); explicit flags below override them.
-    for flag, value in getattr(args, "preset_hparams", {}).items():
+    for flag, value in (getattr(args, "preset_hparams", {}).items() if preset else ()):
         if flag in mine:
-            hparams[mine[flag].name] = value
+            hparams[mine[flag].name] = _typed(mine[flag], value)
     for key, value in vars(args).items():
         if not key.startswith("hp__") or value is None:
             continue
         flag = "--" + key[4:].replace("_", "-")
         if flag not in mine:
-            if key not in getattr(args, "explicit", {key}):   # a saved run's setting (--resume)
-                continue
-            raise ValueError(f"{flag} does not apply to --algo {args.algo}")
-        hparams[mine[flag].name] = value
-    synthetic = args.dataset == "synthetic"
-    natural = args.dataset in NATURAL_DATASETS
-    if natural and args.clients is not None:
-        raise ValueError(f"--dataset {args.dataset} keeps its own clients: --clients does not "
-                         "apply (use --max-clients K)")
-    if not natural:
-        for flag, value in (("--format", args.format), ("--max-clients", args.max_clients),
-                            ("--cache-dir", args.cache_dir),
-                            ("--token-accuracy", args.token_accuracy),
-                            ("--min-samples", args.min_samples or None)):
-            if value is not None:
-                raise ValueError(f"{flag} applies to natural-client datasets "
-                                 f"({', '.join(NATURAL_DATASETS)}), not --dataset {args.dataset}")
-    scheme = args.partition or ("natural" if synthetic or natural else "dirichlet")
-    if args.clients is not None:
-        clients = args.clients
-    else:
-        clients = args.synthetic_clients if synthetic else 20
-    partition = PartitionConfig(
-        scheme=scheme, num_clients=clients, alpha=args.alpha, min_size=args.min_size,
-        classes_per_client=args.classes_per_client, shards_per_client=args.shards_per_client,
-        shard_size=args.shard_size, clusters=args.clusters, test_fraction=args.test_fraction, seed=args.seed,
-    )
-    data_options = {"data_dir": args.data_dir, "tfds_dir": args.tfds_dir, "download": args.download}
-    if natural:
-        data_options = {"data_dir": args.data_dir, "fmt": args.format, "max_clients": args.max_clients,
-                        "min_samples": args.min_samples, "cache_dir": args.cache_dir,
-                        "token_accuracy": args.token_accuracy or "default"}
-    if args.dataset == "emnist":
-        data_options["emnist_split"] = args.emnist_split
-    if synthetic:
-        data_options.update(synthetic_alpha=args.synthetic_alpha, synthetic_beta=args.synthetic_beta,
-                            synthetic_clients=args.synthetic_clients)
-    out = args.out or os.path.join("runs", f"{args.algo}_{args.dataset}_{time.strftime('%Y%m%d-%H%M%S')}")
-    from fedjax_pfl import sinks
-    from fedjax_pfl.interrupts import parse_signal
-
-    log = sinks.parse_log_flag(args.log)
-    if args.checkpoint_on_signal is not None:
-        parse_signal(args.checkpoint_on_signal)
-    return RunConfig(algo=args.algo, dataset=args.dataset, model=args.model,
-                     model_options=parse_model_options(args.model_options),
-                     model_cr=args.model_cr, model_conv=args.conv, partition=partition,
-                     rounds=args.rounds, seed=args.seed, eval_every=args.eval_every,
-                     eval_clients=args.eval_clients, rounds_per_call=args.rounds_per_call,
-                     state_dtype=args.state_dtype, data_placement=args.data_placement,
-                     state_placement=args.state_placement,
-                     memory_check=not args.no_memory_check, out=out,
-                     hparams=hparams, data_options=data_options, progress=not args.quiet,
-                     checkpoint_every=args.checkpoint_every, resume=args.resume is not None,
-                     target_acc=args.target_acc, log=log,
-                     checkpoint_on_signal=args.checkpoint_on_signal, dp_delta=args.dp_delta,
-                     target_epsilon=args.target_epsilon, dp_accountant=args.dp_accountant)
+            raise ValueError(f"{flag} does not apply to --algo {values['algo']}")
+        hparams[mine[flag].name] = _typed(mine[flag], value)
+    return hparams
 
 
-def parse_model_options(text: str | None) -> dict[str, Any]:
-    """'hidden=64,output_tanh=true' -> {"hidden": 64, "output_tanh": True} (ints, floats, booleans
-    and words)."""
-    out: dict[str, Any] = {}
-    for item in (text or "").split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key or not value:
-            raise ValueError(f"--model-options takes KEY=VALUE pairs separated by commas, got {item!r}")
-        if value.lower() in ("true", "false"):
-            out[key] = value.lower() == "true"
-            continue
-        for cast in (int, float):
-            try:
-                out[key] = cast(value)
-                break
-            except ValueError:
-                pass
-        else:
-            out[key] = value
-    return out
+def _typed(hp, value):
+    """A flag's text as the hyperparameter's type where it converts (`--lr 0.1` -> 0.1, what a
+    notebook passes); as it is otherwise, for `RunConfig.validate` to refuse in its words."""
+    if hp.type is bool or isinstance(value, hp.type):
+        return value
+    try:
+        return hp.type(value)
+    except (TypeError, ValueError):
+        return value
 
 
-def parse(argv: list[str] | None = None, base_defaults: dict | None = None) -> argparse.Namespace:
-    """The flags; `base_defaults` (dest -> value) replace the defaults (a preset and explicit
-    flags still win): --resume parses the flags on top of the saved run's configuration."""
+@functools.lru_cache(maxsize=None)
+def _flags() -> dict[str, str]:
+    """dest -> flag of every option."""
+    return {a.dest: a.option_strings[0] for a in build_parser()._actions if a.option_strings}
+
+
+def spelling(algo: str | None = None):
+    """(name, space) -> this command line's flag for an argument the library's errors name
+    (`fedjax_pfl.errors.arg`): RunConfig's fields, PartitionConfig's and the data options by the
+    option that sets them (`runner.options.option_name`), the run's own names by their dest, the
+    hyperparameters of `algo` by its flags; None (said plainly) for a name without a flag."""
+    from fedjax_pfl import algorithms
+    from fedjax_pfl.runner import options
+
+    flags = _flags()
+    hparams = ({hp.name: flag for hp, flag in algorithms.spec(algo).all_hparams()}
+               if algo in algorithms.names() else {})
+
+    def spell(name: str, space: str) -> str | None:
+        if space == "hparams":
+            return hparams.get(name)
+        option = options.option_name(name, space)
+        return flags.get(option if option is not None else name if space == "" else None)
+    return spell
+
+
+def message(e: BaseException, algo: str | None = None) -> str:
+    """What run.py says for an error: the library's argument names as its flags (with `algo`'s
+    hyperparameter flags), one line."""
+    from fedjax_pfl.errors import spelled
+
+    return " ".join(spelled(e, spelling(algo)).split())
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, a preset's settings as their defaults (explicit flags win); `preset_hparams`
+    holds the preset's hyperparameters by flag, `preset_settings` the dests it sets, `explicit`
+    the dests given on the command line."""
     parser = build_parser()
-    if base_defaults:
-        parser.set_defaults(**base_defaults)
     pre, _ = parser.parse_known_args(argv)
     preset_hparams: dict = {}
+    defaults: dict = {}
     if pre.preset:
         path = CONFIG_DIR / f"{pre.preset}.json"
         if not path.exists():
@@ -420,7 +413,6 @@ def parse(argv: list[str] | None = None, base_defaults: dict | None = None) -> a
                   f"{type(preset).__name__}")
         preset.pop("_doc", None)
         dests = {a.dest for a in parser._actions}
-        defaults = {}
         for key, value in preset.items():
             if key in dests:
                 defaults[key] = value
@@ -431,43 +423,29 @@ def parse(argv: list[str] | None = None, base_defaults: dict | None = None) -> a
         parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     args.preset_hparams = preset_hparams
+    args.preset_settings = set(defaults)
     args.explicit = _explicit_dests(argv)
     args.argv = argv
     return args
 
 
-def _saved_defaults(record: dict) -> dict:
-    """argparse defaults (dest -> value) that reproduce a saved config.json record."""
-    from fedjax_pfl import algorithms
-
-    part = record["partition"]
-    out = {key: record[key] for key in ("algo", "dataset", "model", "model_cr", "rounds", "seed",
-                                        "eval_every", "eval_clients", "rounds_per_call",
-                                        "state_dtype") if key in record}
-    out.update(partition=part["scheme"], clients=part["num_clients"], alpha=part["alpha"],
-               min_size=part["min_size"], classes_per_client=part["classes_per_client"],
-               shards_per_client=part["shards_per_client"], shard_size=part["shard_size"],
-               clusters=part["clusters"], test_fraction=part["test_fraction"])
-    out.update({("format" if k == "fmt" else k): v
-                for k, v in record.get("data_options", {}).items()})
-    if record.get("model_options"):
-        out["model_options"] = ",".join(f"{k}={v}" for k, v in record["model_options"].items())
-    from fedjax_pfl.data.formats import NATURAL_DATASETS
-
-    if record.get("dataset") in NATURAL_DATASETS:
-        out["clients"] = None                 # a natural dataset keeps its own clients
-    if "checkpoint_every" in record:
-        out["checkpoint_every"] = record["checkpoint_every"]
-    if record.get("log"):
-        out["log"] = ",".join(record["log"])
-    if record.get("checkpoint_on_signal"):
-        out["checkpoint_on_signal"] = record["checkpoint_on_signal"]
-    # A run saved before --conv existed computed every convolution by im2col.
-    out["conv"] = record.get("model_conv", "im2col")
-    for hp, flag in algorithms.spec(record["algo"]).all_hparams():
-        if hp.name in record.get("hparams", {}):
-            out["hp__" + flag.lstrip("-").replace("-", "_")] = record["hparams"][hp.name]
-    return out
+def parse_on_top(argv: list[str], base: argparse.Namespace) -> argparse.Namespace:
+    """`argv` parsed as if it followed the flags `base` was parsed from (compare.py: a run's
+    flags after --common): its explicit flags win, then `base`'s; its preset, if it names one,
+    replaces `base`'s (the last --preset is the one that counts)."""
+    top = parse(argv)
+    merged = argparse.Namespace(**vars(base))
+    own_preset = "preset" in top.explicit
+    for dest, value in vars(top).items():
+        if dest in ("preset_hparams", "preset_settings", "explicit", "argv"):
+            continue
+        if dest in top.explicit or (own_preset and dest not in base.explicit):
+            setattr(merged, dest, value)
+    if own_preset:
+        merged.preset_hparams, merged.preset_settings = top.preset_hparams, top.preset_settings
+    merged.explicit = base.explicit | top.explicit
+    merged.argv = [*(base.argv or []), *argv]
+    return merged
 
 
 def _explicit_dests(argv: list[str] | None) -> set[str]:
@@ -487,25 +465,16 @@ class UsageError(ValueError):
 _RAISE_USAGE_ERRORS = contextvars.ContextVar("raise_usage_errors", default=False)
 
 
-def parse_flags(argv: list[str]) -> argparse.Namespace:
-    """`parse(argv)` for entry points that report errors their own way (experiments/sweep.py's
-    --common): a bad flag, value or preset raises UsageError instead of exiting."""
+def parse_flags(argv: list[str], on_top_of: argparse.Namespace | None = None
+                ) -> argparse.Namespace:
+    """`parse(argv)` (`parse_on_top(argv, on_top_of)` with a base) for entry points that report
+    errors their own way (experiments/sweep.py's --common, compare.py's runs): a bad flag, value
+    or preset raises UsageError instead of exiting."""
     token = _RAISE_USAGE_ERRORS.set(True)
     try:
-        return parse(argv)
+        return parse(argv) if on_top_of is None else parse_on_top(argv, on_top_of)
     finally:
         _RAISE_USAGE_ERRORS.reset(token)
-
-
-def check_seeds(seeds: Sequence[int], flag: str = "--seeds") -> None:
-    """Each seed an integer in [0, 2**32) and none listed twice (two runs of one seed would share
-    one seed_S directory and count twice in the mean ± std). ValueError naming `flag`."""
-    for seed in seeds:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-            raise ValueError(f"{flag} must be in [0, 2**32), got {seed!r}")
-    repeated = sorted({s for s in seeds if list(seeds).count(s) > 1})
-    if repeated:
-        raise ValueError(f"{flag} lists seed {repeated[0]} more than once; each seed is one run")
 
 
 def check_processes(args: argparse.Namespace) -> None:
@@ -574,7 +543,11 @@ def _report_interrupt(e: KeyboardInterrupt) -> None:
 
 
 def _resume_config(args, runner):
-    """--resume: the RunConfig of the run in the directory, with the flags that may change."""
+    """--resume: `runner.resume_config` of the run in the directory, with the flags given on the
+    command line (or in a --preset) on top; they must agree with the saved run, except those a
+    resume may change."""
+    from fedjax_pfl.runner import options
+
     out = args.resume or args.out
     if not out:
         raise ValueError("--resume needs the run's directory: --resume DIR (or --out DIR)")
@@ -585,18 +558,16 @@ def _resume_config(args, runner):
     if args.overwrite:
         raise ValueError("--resume continues the run in --out; --overwrite would replace it")
     args.out = out
-    runner.check_out(out, resume=True)
-    runner.require_checkpoint(out)          # (before the data loads: nothing to continue)
-    saved = runner.read_config(out)
-    # Flags on top of the saved configuration: those given must agree with it (checked below).
-    cfg = config_from_args(parse(args.argv, base_defaults=_saved_defaults(saved)))
-    cfg.out, cfg.resume = out, True
-    cfg.progress = not args.quiet
-    cfg.memory_check = not args.no_memory_check
-    conflict = runner.resume_conflicts(cfg, cfg.validate(), runner.model_name_of(cfg), saved)
-    if conflict:
-        raise ValueError(conflict)
-    return cfg
+    saved = runner.saved_options(out)       # (before the data loads: nothing to continue)
+    given = {dest: getattr(args, dest) for dest in options.DEFAULTS
+             if dest in args.explicit | args.preset_settings and dest not in ("out", "resume")}
+    values = {**options.DEFAULTS, **saved, **given}
+    del values["hparams"]                   # (the saved run's: resume_config carries them)
+    args.algo = values["algo"]
+    # (a preset's hyperparameters give way to the saved run's)
+    hparams = _checked_hparams(args, values, preset=False)
+    args.algo = values["algo"]
+    return runner.resume_config(out, **given, hparams=hparams)
 
 
 def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
@@ -631,9 +602,10 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
             jax.config.update("jax_enable_compilation_cache", False)   # $JAX_COMPILATION_CACHE_DIR too
         else:
             fedjax_pfl.use_compile_cache()
-        from fedjax_pfl import core, runner
+        from fedjax_pfl import core, runner, sinks
         from fedjax_pfl.checkpoint import CheckpointError
         from fedjax_pfl.data.sources import DatasetNotFoundError
+        from fedjax_pfl.errors import spelled
         import orbax.checkpoint  # noqa: F401  (imported here, not in the middle of a run)
 
     with runner.interruptible():
@@ -642,33 +614,32 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
                 cfg = _resume_config(args, runner)
             else:
                 cfg = config_from_args(args)
+                args.algo = cfg.algo
                 cfg.validate()
                 runner.check_out(cfg.out, overwrite=args.overwrite)
             data, info = runner.compute(runner.load_data, cfg)
             prepared = runner.compute(runner.prepare, cfg, data, info)   # the algorithm's checks
         except DatasetNotFoundError as e:
             # One line, but keep everything the message says (where we looked, what to put where).
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            text = spelled(e, spelling(cfg.algo))
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
             _fail(f"--dataset {cfg.dataset}: {lines[0]} " + "; ".join(lines[1:]))
         except ValueError as e:
-            _fail(" ".join(str(e).split()))
+            _fail(message(e, args.algo))
         n = info["num_clients"]
         print(f"{cfg.algo} on {cfg.dataset}: {n} client{'' if n == 1 else 's'} "
               f"({info['train_size']['total']} train / {info['test_size']['total']} test samples), "
               f"output in {cfg.out}", flush=True)
         if args.seeds and len(args.seeds) > 1:
-            import jax
-
-            if jax.process_index() == 0:
-                runner.clear_out(cfg.out)
             return _run_seeds(cfg, args.seeds, data, info)
         try:
             summary = runner.run(cfg, prepared=prepared, log=lambda s: print(s, flush=True),
                                  callbacks=callbacks)
         except runner.NonFiniteError as e:
-            _fail(str(e), code=1)
-        except (core.MemoryPlanError, runner.ResumeError, CheckpointError) as e:
-            _fail(" ".join(str(e).split()))
+            _fail(spelled(e, spelling(cfg.algo)), code=1)
+        except (core.MemoryPlanError, runner.ResumeError, CheckpointError,
+                sinks.MissingExtraError) as e:
+            _fail(message(e, cfg.algo))
     best, last = summary["best"], summary["last"]
     print(f"done in {summary['wall_time_s']:.1f}s (compile {summary['compile_time_s']:.1f}s, "
           f"{summary['time_per_round_s'] * 1e3:.1f} ms/round, "
@@ -688,37 +659,20 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
 
 
 def _run_seeds(cfg, seeds, data, info) -> int:
-    """--seeds: one vmapped program over the seeds; per-seed directories and mean ± std."""
-    import numpy as np
-
+    """--seeds: `sweep.run_seeds` (one vmapped program over the seeds; OUT/seed_S/ per run, the
+    mean ± std in OUT/summary.json), printed."""
     from fedjax_pfl import runner, sweep
+    from fedjax_pfl.errors import spelled
 
-    runs = [sweep.RunSpec(s) for s in seeds]
     try:
-        summaries = sweep.run_group(cfg, runs, data=data, data_info=info, out=cfg.out,
-                                    progress=cfg.progress)
+        aggregate, summaries = sweep.run_seeds(cfg, seeds, data=data, data_info=info)
     except runner.NonFiniteError as e:
-        _fail(str(e), code=1)
+        _fail(spelled(e, spelling(cfg.algo)), code=1)
     except (ValueError, TypeError) as e:
-        _fail(f"--seeds: {' '.join(str(e).split())}")
-    keys = ("acc_mean", "acc_weighted", "acc_worst10", "global_acc_mean")
-    aggregate = {"seeds": list(seeds), "runs": [s["seed"] for s in summaries]}
-    for kind in ("best", "last"):
-        for key in keys:
-            values = [s[kind][key] for s in summaries if key in s[kind]]
-            if values:
-                aggregate[f"{kind}_{key}"] = {"mean": float(np.mean(values)),
-                                              "std": float(np.std(values)), "values": values}
-    import jax
-
-    if jax.process_index() == 0:                  # a multi-process run: process 0 writes
-        runner.write_json(os.path.join(cfg.out, "summary.json"), aggregate)
+        _fail(f"--seeds: {message(e, cfg.algo)}")
     print(f"{len(seeds)} seeds in one program, {summaries[0]['group_wall_time_s']:.1f}s")
-    for key in keys:
-        if f"last_{key}" in aggregate:
-            last, best = aggregate[f"last_{key}"], aggregate[f"best_{key}"]
-            print(f"  {key:<22} last {last['mean']:.4f} ± {last['std']:.4f}   "
-                  f"best {best['mean']:.4f} ± {best['std']:.4f}")
+    for line in sweep.seeds_table(aggregate):
+        print(line)
     return 0
 
 

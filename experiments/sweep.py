@@ -13,7 +13,7 @@ A config file holds {"algos": [...], "datasets": [...], "seeds": [...], "grid": 
 name that none of the chosen algorithms has is an error.
 
 Everything is checked before the first run starts and before any folder is created, with the
-checks run.py makes (`run.config_from_args`, `RunConfig.validate`, the algorithms' `resolve`):
+checks run.py makes (`RunConfig.from_options`, `RunConfig.validate`, the algorithms' `resolve`):
 the config file's fields, every run's configuration (each grid value for each algorithm that
 has it, every combination), the seeds (no seed twice), --out (not a file; a folder that already
 holds files only with --resume), then every dataset's files and every run's algorithm built for
@@ -41,8 +41,6 @@ reuses the runs whose summary.json is there.
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import json
 import os
 import shlex
@@ -173,31 +171,21 @@ def _unique(values: list, where: str, what: str) -> None:
 # -- the plan: every run, validated, before anything runs ---------------------------------------
 
 
-@dataclasses.dataclass
-class Group:
-    """Runs of one algorithm on one dataset with the same static hyperparameters: one vmapped
-    program when possible. `traced` lists the traced combinations (each run is one of them with
-    one seed)."""
+def _message(e: BaseException, algo: str | None = None) -> str:
+    """A library error as sweep.py says it: run.py's flags (with `algo`'s hyperparameter flags),
+    the sweep's --grid, and the runs' base configuration as --common."""
+    from fedjax_pfl.errors import spelled
 
-    dataset: str
-    algo: str
-    cfg: Any                          # runner.RunConfig with the static hyperparameters set
-    static: dict[str, Any]
-    traced: list[dict[str, Any]]
-    runs: list                        # fedjax_pfl.sweep.RunSpec
-    directory: str
-    resolved: list[dict[str, Any]]    # every hyperparameter of each traced combination
+    spell = cli.spelling(algo)
+    own = {("grid", ""): "--grid", ("base", ""): "--common"}
+    return " ".join(spelled(e, lambda name, space: own.get((name, space)) or spell(name, space)
+                            ).split())
 
 
-@dataclasses.dataclass
-class Plan:
-    out: str
-    groups: list[Group]
-    datasets: list[str]
-
-
-def plan(args: argparse.Namespace) -> Plan:
-    """Checks everything the sweep will run and lays out its groups; creates nothing.
+def plan(args: argparse.Namespace):
+    """Checks everything the sweep will run and lays out its groups (`fedjax_pfl.sweep.Plan`);
+    creates nothing. Each (dataset, algorithm)'s configuration is built once from the --common
+    flags (`RunConfig.from_options`), its groups by `fedjax_pfl.sweep.plan_groups`.
 
     Raises SweepError (ValueError) with one line naming the flag, the config field or the file.
     """
@@ -229,13 +217,14 @@ def plan(args: argparse.Namespace) -> Plan:
                              f"expected one of {known}")
     _unique(datasets, source("datasets", "--datasets"), "dataset")
     try:
-        cli.check_seeds(seeds, source("seeds", "--seeds"))
+        sweep.check_seeds(seeds)
     except ValueError as e:
-        raise SweepError(str(e)) from None
+        raise SweepError(e.render(lambda name, space: source("seeds", "--seeds")
+                                  if (name, space) == ("seeds", "") else None)) from None
     try:
         runner.check_out(args.out, overwrite=True)     # a file, or a path that cannot be created
     except ValueError as e:
-        raise SweepError(str(e)) from None
+        raise SweepError(_message(e)) from None
     if os.path.isdir(args.out) and os.listdir(args.out) and not args.resume:
         found = sorted(os.listdir(args.out))
         shown = ", ".join(found[:4]) + (", …" if len(found) > 4 else "")
@@ -260,117 +249,38 @@ def plan(args: argparse.Namespace) -> Plan:
                              f"{where_common}: {flag} is not a per-run flag (use {instead})"
                              if instead.startswith("sweep.py") else
                              f"{where_common}: {flag} is not a sweep setting (use {instead})")
+    try:
+        sweep.check_grid_names(grid, algos, settings=set(vars(common_args)))
+    except ValueError as e:
+        raise SweepError(_message(e)) from None
 
-    specs = {a: algorithms.spec(a) for a in algos}
-    _check_grid_names(grid, specs, set(vars(common_args)))
-
-    groups: list[Group] = []
+    groups = []
     folders: dict[str, str] = {}
     for dataset in datasets:
         for algo in algos:
             what = f"{algo} on {dataset}"
             try:
-                base = cli.config_from_args(cli.parse_flags(
-                    common_argv + ["--dataset", dataset, "--algo", algo, "--quiet"]))
-            except cli.UsageError as e:
-                raise SweepError(f"{where_common}: {e}") from None
+                base = runner.RunConfig.from_options(
+                    **cli.run_options(common_args, dataset=dataset, algo=algo))
             except ValueError as e:
+                text = _message(e, algo)
                 hint = (" (a hyperparameter that only some algorithms have goes in --grid "
                         "NAME=VALUE, which applies to the algorithms that have NAME)"
-                        if "does not apply to --algo" in str(e) else "")
-                raise SweepError(f"{what}: {e}{hint}") from None
+                        if "does not apply to --algo" in text else "")
+                raise SweepError(f"{what}: {text}{hint}") from None
             base.progress = False
             try:
                 base.validate()
             except ValueError as e:
-                raise SweepError(f"{what}: {e}") from None
-            groups += _algo_groups(args.out, dataset, algo, specs[algo], base, grid, seeds,
-                                   folders, sweep)
-    return Plan(args.out, groups, datasets)
+                raise SweepError(f"{what}: {_message(e, algo)}") from None
+            try:
+                groups += sweep.plan_groups(base, grid, seeds, args.out, folders=folders)
+            except ValueError as e:
+                raise SweepError(_message(e, algo)) from None
+    return sweep.Plan(args.out, groups, datasets)
 
 
-def _check_grid_names(grid: dict, specs: dict, run_dests: set[str]) -> None:
-    """Every grid name is a hyperparameter of at least one chosen algorithm."""
-    from fedjax_pfl.algorithms import COMMON_HPARAMS
-
-    common_names = [hp.name for hp in COMMON_HPARAMS]
-    for name in grid:
-        if any(name in {hp.name for hp, _ in spec.all_hparams()} for spec in specs.values()):
-            continue
-        if name in run_dests and not name.startswith("hp__"):
-            raise SweepError(f"--grid {name}: --{name.replace('_', '-')} is a run setting, not an "
-                             f"algorithm hyperparameter; set it in --common (one value per sweep)")
-        own = "; ".join(f"{algo}: {', '.join(hp.name for hp in spec.hparams) or '(none)'}"
-                        for algo, spec in specs.items())
-        raise SweepError(f"--grid {name}: no chosen algorithm ({', '.join(specs)}) has a "
-                         f"hyperparameter {name!r}; they take {', '.join(common_names)} (all) "
-                         f"and their own ({own})")
-
-
-def _algo_groups(out, dataset, algo, spec, base, grid, seeds, folders, sweep) -> list[Group]:
-    """The groups of one algorithm on one dataset, every run's configuration validated."""
-    table = {hp.name: hp for hp, _ in spec.all_hparams()}
-    mine = {k: v for k, v in grid.items() if k in table}
-    what = f"{algo} on {dataset}"
-    skipped = sorted(set(grid) - set(mine))
-    if skipped:
-        print(f"{algo}: no hyperparameter {skipped}; not varied for it")
-
-    def validated(hparams: dict, label: str) -> dict:
-        cfg = copy.deepcopy(base)
-        cfg.hparams = {**base.hparams, **hparams}
-        try:
-            return cfg.validate()
-        except ValueError as e:
-            raise SweepError(f"--grid {label}: {what}: {e}") from None
-
-    typed: dict[str, list] = {}
-    for name, texts in mine.items():
-        values = []
-        for text in texts:
-            value: Any = text
-            if table[name].type is bool:              # run.py's switches: true/false here
-                value = {"true": True, "1": True, "yes": True, "false": False, "0": False,
-                         "no": False}.get(text.lower(), text)
-            values.append(validated({name: value}, f"{name}={text}")[name])
-        for i, v in enumerate(values):
-            if v in values[:i]:
-                raise SweepError(f"--grid {name} lists the value {v!r} more than once "
-                                 f"({texts[values.index(v)]!r} and {texts[i]!r})")
-        typed[name] = values
-    traced_names = {k for k, v in typed.items() if k in spec.traceable and all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)}
-    static_grid = {k: v for k, v in typed.items() if k not in traced_names}
-    traced_grid = {k: v for k, v in typed.items() if k in traced_names}
-    groups = []
-    for static in sweep.grid(static_grid):
-        static_label = " ".join(f"{k}={v}" for k, v in static.items())
-        traced = sweep.grid(traced_grid)
-        resolved = [validated({**static, **combo}, _label({**static, **combo}) or "(none)")
-                    for combo in traced]                  # every combination of the sweep
-        cfg = copy.deepcopy(base)
-        cfg.hparams = {**base.hparams, **static}
-        directory = os.path.join(out, dataset, algo,
-                                 sweep.slug(static_label) if static_label else "default")
-        runs = [sweep.RunSpec(seed, tuple(sorted(tc.items()))) for tc in traced for seed in seeds]
-        for r in runs:
-            folder = os.path.normpath(os.path.join(directory, sweep.slug(r.label)))
-            values = " ".join(f"{k}={v!r}" for k, v in {**static, **dict(r.traced)}.items())
-            label = f"{what} {values} seed={r.seed}".replace("  ", " ")
-            if folder in folders:
-                raise SweepError(f"--grid: the runs {folders[folder]!r} and {label!r} would share "
-                                 f"the folder {folder} (folder names keep 6 significant digits "
-                                 "of each value); use values that differ in their first 6 significant digits")
-            folders[folder] = label
-        groups.append(Group(dataset, algo, cfg, static, traced, runs, directory, resolved))
-    return groups
-
-
-def _label(hparams: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in hparams.items())
-
-
-def check_algorithms(the_plan: Plan, data: dict[str, tuple]) -> None:
+def check_algorithms(the_plan, data: dict[str, tuple]) -> None:
     """Builds every run's algorithm for its dataset's model, as the runner's `prepare` does
     (`models.get`, `algorithms.get`): the checks a factory makes (pFedSOP's plain-SGD probe, a
     split model's head) stop the sweep before its first run. Nothing is initialised or compiled."""
@@ -378,30 +288,32 @@ def check_algorithms(the_plan: Plan, data: dict[str, tuple]) -> None:
 
     for group in the_plan.groups:
         cfg, (fed, _) = group.cfg, data[group.dataset]
+        where = f"{group.algo} on {group.dataset}"
         try:
             runner.check_with_data(cfg, fed)
         except ValueError as e:
-            raise SweepError(f"{group.algo} on {group.dataset}: {e}") from None
+            raise SweepError(f"{where}: {_message(e, group.algo)}") from None
         try:
             model = models.get(runner.model_name_of(cfg), fed.input_shape, fed.num_classes,
                                cr=cfg.model_cr, conv=cfg.model_conv, task=fed.task,
                                options=cfg.model_options)
         except ValueError as e:
-            raise SweepError(f"{group.algo} on {group.dataset}: {e}") from None
+            raise SweepError(f"{where}: {_message(e, group.algo)}") from None
         for combo, hparams in zip(group.traced, group.resolved):
             try:
                 algorithms.get(group.algo, model=model, **hparams)
             except ValueError as e:
-                label = _label({**group.static, **combo})
-                where = f"{group.algo} on {group.dataset}" + (f" ({label})" if label else "")
-                raise SweepError(f"{where}: {e}") from None
+                label = group.label(combo)
+                raise SweepError(f"{where}" + (f" ({label})" if label else "")
+                                 + f": {_message(e, group.algo)}") from None
 
 
-def _load_all_data(the_plan: Plan) -> dict[str, tuple]:
+def _load_all_data(the_plan) -> dict[str, tuple]:
     """Each dataset's federated split (the partition comes from --common), loaded before any run
     so that a missing dataset stops the sweep before its first run."""
     from fedjax_pfl import runner
     from fedjax_pfl.data.sources import DatasetNotFoundError
+    from fedjax_pfl.errors import spelled
 
     data = {}
     for group in the_plan.groups:
@@ -410,11 +322,12 @@ def _load_all_data(the_plan: Plan) -> dict[str, tuple]:
         try:
             data[group.dataset] = runner.load_data(group.cfg)
         except DatasetNotFoundError as e:
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            text = spelled(e, cli.spelling(group.algo))
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
             raise SweepError(f"--datasets {group.dataset}: {lines[0]} " + "; ".join(lines[1:])
                              ) from None
         except ValueError as e:
-            raise SweepError(f"--datasets {group.dataset}: {e}") from None
+            raise SweepError(f"--datasets {group.dataset}: {_message(e, group.algo)}") from None
     return data
 
 
@@ -496,32 +409,29 @@ def main(argv: list[str] | None = None) -> int:
         multihost_utils.sync_global_devices("fedjax_pfl sweep: plan checked")
     created = _missing_dirs(args.out)
     os.makedirs(args.out, exist_ok=True)
+    group = None
     try:
         with stop_signals():                    # SIGTERM ends the sweep as Ctrl-C does
             rows, curves = [], {}
             for group in the_plan.groups:
                 runs_data, info = data[group.dataset]
-                summaries = _run_or_resume(group.cfg, group.runs, runs_data, info, group.directory,
-                                           args, runner, sweep)
-                for tc in group.traced:
-                    label = " ".join(f"{k}={v}" for k, v in {**group.static, **tc}.items())
-                    cell = [s for s in summaries if s["traced"] == tc]
-                    rows.append(_row(group.dataset, group.algo, label, cell))
-                    name = f"{group.dataset} {group.algo} {label}".strip()
-                    curves[name] = [s["rows"] for s in cell]
+                summaries = _run_or_resume(group, runs_data, info, args)
+                group_rows, group_curves = sweep.group_results(group, summaries)
+                rows += group_rows
+                curves.update(group_curves)
             if primary:
-                _write(args.out, rows, curves)
+                sweep.write_results(args.out, rows, curves)
     except BaseException as e:
         if primary:
             _remove_empty_dirs(args.out, created)
         if isinstance(e, runner.NonFiniteError):
-            _fail(str(e), code=1)
+            _fail(_message(e, getattr(group, "algo", None)), code=1)
         if isinstance(e, KeyboardInterrupt):
             print(f"sweep.py: interrupted; the finished runs are in {args.out} (continue with "
                   "--resume)", file=sys.stderr)
             raise SystemExit(exit_status(e)) from None
         if isinstance(e, ValueError):
-            _fail(str(e))
+            _fail(_message(e, getattr(group, "algo", None)))
         raise
     print(f"wrote {os.path.join(args.out, 'results.md')}")
     return 0
@@ -554,27 +464,17 @@ def _remove_empty_dirs(out: str, created: list[str]) -> None:
             break
 
 
-def _run_config(cfg, r, group_dir: str, sweep):
-    """The RunConfig of one run of a group: its seed and traced values on the group's."""
-    run_cfg = copy.deepcopy(cfg)
-    run_cfg.seed = r.seed
-    run_cfg.hparams = {**run_cfg.hparams, **dict(r.traced)}
-    run_cfg.out = os.path.join(group_dir, sweep.slug(r.label))
-    run_cfg.progress = False
-    run_cfg.partition = cfg.partition               # the group's shared partition seed
-    return run_cfg
-
-
-def check_resume(the_plan: Plan) -> None:
+def check_resume(the_plan) -> None:
     """--resume: every run folder that holds a run was made with that run's configuration
     (`runner.reuse_conflicts`: the --common flags, the grid values, the seed), checked before
     anything runs. A sweep whose configuration changed stops here (SweepError naming the run
     and the flag) instead of reporting another configuration's numbers or replacing its runs."""
-    from fedjax_pfl import runner, sweep
+    from fedjax_pfl import runner
+    from fedjax_pfl.errors import render
 
     for group in the_plan.groups:
         for r in group.runs:
-            run_cfg = _run_config(group.cfg, r, group.directory, sweep)
+            run_cfg = group.run_config(r)
             record = os.path.join(run_cfg.out, "config.json")
             if not os.path.isdir(run_cfg.out) or not os.listdir(run_cfg.out):
                 continue
@@ -587,6 +487,7 @@ def check_resume(the_plan: Plan) -> None:
             conflict = runner.reuse_conflicts(run_cfg, run_cfg.validate(),
                                               runner.model_name_of(run_cfg), saved)
             if conflict:
+                conflict = render(conflict, cli.spelling(run_cfg.algo))
                 raise SweepError(f"--resume: {run_cfg.out} holds a run made with {conflict}: "
                                  "this sweep's configuration differs from the one that made "
                                  "it; use a new --out")
@@ -602,9 +503,12 @@ def _finished(path: str) -> dict | None:
     return None if summary.get("interrupted", False) else summary
 
 
-def _run_or_resume(cfg, runs, data, info, group_dir, args, runner, sweep) -> list[dict]:
+def _run_or_resume(group, data, info, args) -> list[dict]:
     """The group's summaries: reused (--resume: every run finished, and of this configuration,
     `check_resume`), vmapped, or one run after another."""
+    from fedjax_pfl import runner, sweep
+
+    cfg, runs, group_dir = group.cfg, group.runs, group.directory
     paths = [os.path.join(group_dir, sweep.slug(r.label), "summary.json") for r in runs]
     saved = [_finished(p) for p in paths] if args.resume else []
     if args.resume and all(s is not None for s in saved):
@@ -624,87 +528,16 @@ def _run_or_resume(cfg, runs, data, info, group_dir, args, runner, sweep) -> lis
             return sweep.run_group(cfg, runs, data=data, data_info=info, out=group_dir,
                                    progress=False)
         except (ValueError, TypeError) as e:            # e.g. FedPC's host-side init
-            print(f"   not vectorisable ({' '.join(str(e).split())[:120]}): one run at a time")
+            print(f"   not vectorisable ({_message(e, cfg.algo)[:120]}): one run at a time")
     out = []
     for r in runs:
-        run_cfg = _run_config(cfg, r, group_dir, sweep)
+        run_cfg = group.run_config(r)
         summary = runner.run(run_cfg, data=data, data_info=info, log=lambda *_: None)
         summary["traced"] = dict(r.traced)
         with open(os.path.join(run_cfg.out, "metrics.jsonl")) as f:
             summary["rows"] = [json.loads(line) for line in f]
         out.append(summary)
     return out
-
-
-def _stat(values):
-    import numpy as np
-
-    values = [v for v in values if v is not None]
-    if not values:
-        return "–"
-    return f"{100 * np.mean(values):.2f} ± {100 * np.std(values):.2f}"
-
-
-def _row(dataset, algo, label, summaries) -> dict:
-    get = lambda kind, key: [s[kind].get(key) for s in summaries]
-    return {"dataset": dataset, "algo": algo, "hparams": label or "defaults",
-            "seeds": len(summaries),
-            "best": _stat(get("best", "acc_mean")), "last": _stat(get("last", "acc_mean")),
-            "worst10": _stat(get("last", "acc_worst10")),
-            "global": _stat(get("last", "global_acc_mean")), **_privacy(summaries)}
-
-
-def _privacy(summaries) -> dict:
-    """A private group's ε at δ after its last round (the same for every seed: ε depends on the
-    noise multiplier, the clients per round, N, the rounds and δ); None: no noise, no bound."""
-    if not any("privacy" in s for s in summaries):
-        return {}
-    eps = [s["privacy"]["dp_epsilon"] for s in summaries]
-    return {"dp_epsilon": None if None in eps else max(eps),
-            "dp_delta": summaries[0]["privacy"]["delta"]}
-
-
-def _write(out, rows, curves) -> None:
-    import numpy as np
-
-    private = any("dp_delta" in r for r in rows)
-    eps = lambda r: ("—" if "dp_delta" not in r else "∞" if r["dp_epsilon"] is None
-                     else f"{r['dp_epsilon']:.3g} (δ = {r['dp_delta']:.2g})")
-    lines = ["# Sweep", "", "Mean client accuracy (%) as mean ± std over seeds: best round, last "
-             "round, worst 10 % of clients (last), global model (last)"
-             + ("; ε of client-level DP after the last round." if private else "."), "",
-             "| dataset | algorithm | hyperparameters | seeds | best | last | worst 10% | global |"
-             + (" ε |" if private else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|" if private else "")]
-    lines += [f"| {r['dataset']} | {r['algo']} | {r['hparams']} | {r['seeds']} | {r['best']} | "
-              f"{r['last']} | {r['worst10']} | {r['global']} |" + (f" {eps(r)} |" if private else "")
-              for r in rows]
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(rows, f, indent=2)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for label, runs in curves.items():
-        series = [[(r["round"], r["acc_mean"]) for r in rows_ if "acc_mean" in r] for rows_ in runs]
-        if not series or not series[0]:
-            continue
-        rounds = [x for x, _ in series[0]]
-        values = np.array([[y for _, y in s] for s in series if len(s) == len(rounds)])
-        mean, std = values.mean(axis=0), values.std(axis=0)
-        ax.plot(rounds, mean, label=label)
-        ax.fill_between(rounds, mean - std, mean + std, alpha=0.2)
-    ax.set_xlabel("round")
-    ax.set_ylabel("mean client test accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "curves.png"), dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

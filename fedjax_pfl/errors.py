@@ -63,3 +63,43 @@ class OptionError(ValueError):
     def arguments(self) -> list[tuple[str, str]]:
         """(name, space) of the arguments the message names, the first the one at fault."""
         return names(self.message)
+
+
+class MarkedError:
+    """Mixin for exceptions that are no ValueError (a FileNotFoundError, a FloatingPointError)
+    whose messages mark arguments all the same: `str(e)` says them plainly, `e.render(spell)`
+    as a front end spells them, as an `OptionError` does.
+
+        class DatasetNotFoundError(MarkedError, FileNotFoundError): ...
+    """
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return render(self.message)
+
+    def render(self, spell: Callable[[str, str], str | None] | None) -> str:
+        return render(self.message, spell)
+
+    @property
+    def arguments(self) -> list[tuple[str, str]]:
+        return names(self.message)
+
+
+def marked(e: BaseException) -> str:
+    """The message of `e` with its argument marks kept, to quote it inside another marked
+    message (`OptionError(f"{arg('grid')} lr=0: {marked(e)}")`); `str(e)` for an exception
+    whose message marks nothing."""
+    if isinstance(e, (OptionError, MarkedError)):
+        return e.message
+    return str(e)
+
+
+def spelled(e: BaseException, spell: Callable[[str, str], str | None] | None) -> str:
+    """What a front end prints for `e`: its arguments as `spell` says them where its message
+    marks them (`OptionError`, `MarkedError`), else `str(e)`."""
+    if isinstance(e, (OptionError, MarkedError)):
+        return e.render(spell)
+    return str(e)

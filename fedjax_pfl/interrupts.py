@@ -160,12 +160,15 @@ class WarningSignal:
 
 
 def parse_signal(name: str) -> int:
-    """'USR1', 'SIGUSR1' or '10' -> the signal number (ValueError naming the flag otherwise)."""
+    """'USR1', 'SIGUSR1' or '10' -> the signal number (OptionError naming the run's
+    `checkpoint_on_signal` otherwise)."""
+    from fedjax_pfl.errors import OptionError, arg
+
     text = str(name).upper()
     try:
         if text.isdigit():
             return int(signal.Signals(int(text)))
         return int(signal.Signals[text if text.startswith("SIG") else f"SIG{text}"])
     except (KeyError, ValueError):
-        raise ValueError(f"--checkpoint-on-signal must name a signal (e.g. USR1, SIGUSR2), "
-                         f"got {name!r}") from None
+        raise OptionError(f"{arg('checkpoint_on_signal')} must name a signal (e.g. USR1, "
+                          f"SIGUSR2), got {name!r}") from None

@@ -273,8 +273,9 @@ def test_header_pluralises_clients(tmp_path, capsys):
 def test_conv_flag_reaches_the_config_and_is_checked():
     assert cli.config_from_args(cli.parse(["--conv", "im2col"])).model_conv == "im2col"
     assert cli.config_from_args(cli.parse([])).model_conv == "auto"
-    with pytest.raises(ValueError, match="--conv must be one of"):
+    with pytest.raises(ValueError, match="^model_conv must be one of") as exc:
         runner.RunConfig(model_conv="fft").validate()
+    assert cli.message(exc.value).startswith("--conv must be one of")     # the flag that sets it
 
 
 def test_preset_naming_its_algorithm_or_with_algo_runs(no_compute, capsys):

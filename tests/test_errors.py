@@ -20,3 +20,27 @@ def test_an_option_error_names_arguments_plainly_and_renders_them_per_front_end(
     assert isinstance(e, ValueError)
     with pytest.raises(ValueError, match="^eval_every 4 must"):
         raise e
+
+
+def test_marked_errors_of_other_types_and_quoting_one_message_in_another():
+    """An exception that is no ValueError (a FileNotFoundError) marks its arguments the same way;
+    `marked` keeps the marks when one message quotes another, `spelled` is what a front end
+    prints for any exception."""
+    from fedjax_pfl.errors import MarkedError, marked, spelled
+
+    class Missing(MarkedError, FileNotFoundError):
+        pass
+
+    flags = {("data_dir", "data"): "--data-dir", ("grid", ""): "--grid",
+             ("lr", "hparams"): "--lr"}
+    spell = lambda name, space: flags.get((name, space))
+    e = Missing(f"{arg('data_dir', 'data')} /x is not a directory")
+    assert isinstance(e, FileNotFoundError) and str(e) == "data_dir /x is not a directory"
+    assert spelled(e, spell) == "--data-dir /x is not a directory"
+    assert e.arguments == [("data_dir", "data")]
+    inner = OptionError(f"{arg('lr', 'hparams')} must be > 0, got -1.0")
+    outer = OptionError(f"{arg('grid')} lr=-1: fedavg on digits: {marked(inner)}")
+    assert spelled(outer, spell) == "--grid lr=-1: fedavg on digits: --lr must be > 0, got -1.0"
+    assert str(outer) == "grid lr=-1: fedavg on digits: lr must be > 0, got -1.0"
+    plain = ValueError("--lr must be > 0")                  # not converted yet: as it is
+    assert marked(plain) == spelled(plain, spell) == "--lr must be > 0"

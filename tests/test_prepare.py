@@ -73,8 +73,9 @@ def test_detect_format(tmp_path):
     (tmp_path / "fj" / "shakespeare_train.sqlite").write_text("")
     assert prepare.detect_format(str(tmp_path / "fj")) == "fedjax"
     (tmp_path / "fj" / "emnist_train.h5").write_text("")
-    with pytest.raises(prepare.UsageError, match="several formats.*--format"):
+    with pytest.raises(prepare.UsageError, match="several formats.*choose one with fmt$") as exc:
         prepare.detect_format(str(tmp_path / "fj"))
+    assert prepare.message(exc.value).endswith("choose one with --format")   # its flag
     (tmp_path / "half" / "train").mkdir(parents=True)                 # LEAF needs test/ too
     (tmp_path / "half" / "train" / "a.json").write_text("{}")
     with pytest.raises(DatasetNotFoundError, match=r"train/\*.json and test/\*.json.*_train.h5.*sqlite"):

@@ -4,6 +4,7 @@ smallest such z: 2 % less noise misses it), every metrics row reports ε after i
 summary records the budget; the flags are refused where they cannot apply."""
 
 import json
+import re
 
 import pytest
 
@@ -54,8 +55,12 @@ def test_a_run_at_a_target_epsilon_reports_epsilon_after_every_round(tmp_path):
      "device placement only"),
 ])
 def test_privacy_flags_that_cannot_apply_are_refused(tmp_path, flags, words):
-    with pytest.raises(ValueError, match=words):
-        runner.prepare(_config(tmp_path, *flags))
+    import run as cli          # experiments/run.py: the command line's words, its flags
+
+    cfg = _config(tmp_path, *flags)
+    with pytest.raises(ValueError) as exc:
+        runner.prepare(cfg)
+    assert re.search(words, cli.message(exc.value, cfg.algo)), cli.message(exc.value, cfg.algo)
 
 
 @pytest.mark.slow

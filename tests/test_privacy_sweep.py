@@ -78,5 +78,5 @@ def test_each_run_of_a_sweep_has_the_epsilon_of_its_own_noise_multiplier():
     for plan in plans:
         assert plan.noise_multiplier == z and plan.target_epsilon == 4.0
         assert plan.epsilons[-1] <= 4.0
-    with pytest.raises(ValueError, match="target-epsilon"):
+    with pytest.raises(ValueError, match="^target_epsilon sets the noise multiplier"):
         _privacy_plans(target, hparams, runs, n)

@@ -47,7 +47,7 @@ def test_resume_with_fewer_rounds_than_done_fails_before_compiling_and_writing(t
     before = _snapshot(out)
     fresh = runner.prepare(_config(out, 2, "--resume"))           # not compiled yet
     _forbid_compile(monkeypatch)
-    with pytest.raises(runner.ResumeError, match=r"--rounds 2 is less than the 4 rounds"):
+    with pytest.raises(runner.ResumeError, match=r"^rounds 2 is less than the 4 rounds"):
         runner.run(_config(out, 2, "--resume"), prepared=fresh, log=quiet)
     assert _snapshot(out) == before                                # config.json untouched
 

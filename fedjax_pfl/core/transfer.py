@@ -186,7 +186,7 @@ def owned_rows(a: jax.Array, owners: np.ndarray, process: int | None = None,
     """a[owners == process] as a host NumPy array, for a [N, ...] array sharded over the
     processes' devices: the rows this process's devices hold are copied from its shards; the
     rows that some process owns but its devices do not hold (`rows_to_exchange`: none where the
-    devices' row ranges follow the owners', as with `hoststate.row_owners` and one contiguous
+    devices' row ranges follow the owners', as with `store.row_owners` and one contiguous
     range of devices per process) are gathered to every process by one collective (every process
     must call this with the same `a` and `owners`). Unlike `to_host`, which all-gathers every
     row, a process then receives only those rows beyond its own. Assumes a's rows are split

@@ -9,6 +9,7 @@ import numpy as np
 
 from fedjax_pfl.data import partition as partition_lib
 from fedjax_pfl.data.federated import FederatedData, label_counts
+from fedjax_pfl.errors import OptionError, arg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,23 +34,28 @@ class PartitionConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        """Config-level checks that need no data (errors name the CLI flag)."""
+        """Config-level checks that need no data (OptionError naming the field)."""
+        p = lambda name: arg(name, "partition")  # noqa: E731
         if self.scheme not in partition_lib.PARTITIONS:
-            raise ValueError(f"--partition must be one of {list(partition_lib.PARTITIONS)}, got {self.scheme!r}")
+            raise OptionError(f"{p('scheme')} must be one of {list(partition_lib.PARTITIONS)}, "
+                              f"got {self.scheme!r}")
         if self.num_clients < 1:
-            raise ValueError(f"--clients must be >= 1, got {self.num_clients}")
+            raise OptionError(f"{p('num_clients')} must be >= 1, got {self.num_clients}")
         if not self.alpha > 0:  # checked for every scheme: a bad value is a typo even where unused
-            raise ValueError(f"--alpha must be > 0, got {self.alpha}")
+            raise OptionError(f"{p('alpha')} must be > 0, got {self.alpha}")
         if self.min_size < 0:
-            raise ValueError(f"--min-size must be >= 0, got {self.min_size}")
+            raise OptionError(f"{p('min_size')} must be >= 0, got {self.min_size}")
         if not 0.0 < self.test_fraction < 1.0:
-            raise ValueError(f"--test-fraction must be in (0, 1), got {self.test_fraction}")
+            raise OptionError(f"{p('test_fraction')} must be in (0, 1), got {self.test_fraction}")
         if self.scheme == "pathological" and self.classes_per_client < 1:
-            raise ValueError(f"--classes-per-client must be >= 1, got {self.classes_per_client}")
+            raise OptionError(f"{p('classes_per_client')} must be >= 1, got "
+                              f"{self.classes_per_client}")
         if self.scheme == "shards" and (self.shards_per_client is None) == (self.shard_size is None):
-            raise ValueError("--partition shards needs exactly one of --shards-per-client or --shard-size")
+            raise OptionError(f"{p('scheme')} shards needs exactly one of "
+                              f"{p('shards_per_client')} or {p('shard_size')}")
         if self.scheme == "clustered" and not 1 <= self.clusters <= self.num_clients:
-            raise ValueError(f"--clusters must be in [1, --clients {self.num_clients}], got {self.clusters}")
+            raise OptionError(f"{p('clusters')} must be in [1, {p('num_clients')} "
+                              f"{self.num_clients}], got {self.clusters}")
 
 
 def partition_indices(raw: Any, cfg: PartitionConfig) -> list[np.ndarray]:
@@ -58,7 +64,8 @@ def partition_indices(raw: Any, cfg: PartitionConfig) -> list[np.ndarray]:
     labels = np.asarray(raw.y)
     if cfg.scheme == "natural":
         if getattr(raw, "client_ids", None) is None:
-            raise ValueError(f"--partition natural: dataset {raw.name!r} has no natural clients")
+            raise OptionError(f"{arg('scheme', 'partition')} natural: dataset {raw.name!r} has no "
+                              "natural clients")
         return partition_lib.natural(raw.client_ids, cfg.num_clients)
     if cfg.scheme == "iid":
         return partition_lib.iid(labels.size, cfg.num_clients, seed=cfg.seed)

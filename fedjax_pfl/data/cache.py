@@ -41,6 +41,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from fedjax_pfl.data.natural import ClientBlock, DataFormatError, NaturalClients, NaturalReader, SourceInfo, Task
+from fedjax_pfl.errors import OptionError, arg
 
 __all__ = ["FORMAT_VERSION", "CACHE_DIRNAME", "StaleCacheError", "default_cache_root", "cache_key",
            "build", "open", "check", "load", "select", "subset"]
@@ -506,18 +507,19 @@ def select(nc: NaturalClients, *, max_clients: int | None = None, min_samples: i
     their original order. `max_clients=None` keeps every client that passes the minimum.
 
     Raises:
-      ValueError: `max_clients` < 1, `min_samples` < 0, or no client has `min_samples` training
-        samples (the messages name the flags `--max-clients` / `--min-samples`).
+      OptionError: `max_clients` < 1, `min_samples` < 0, or no client has `min_samples` training
+        samples (the messages name `max_clients` / `min_samples`, data options of a run).
     """
     if max_clients is not None and int(max_clients) < 1:
-        raise ValueError(f"--max-clients must be >= 1, got {max_clients}")
+        raise OptionError(f"{arg('max_clients', 'data')} must be >= 1, got {max_clients}")
     if int(min_samples) < 0:
-        raise ValueError(f"--min-samples must be >= 0, got {min_samples}")
+        raise OptionError(f"{arg('min_samples', 'data')} must be >= 0, got {min_samples}")
     counts = nc.train_counts()
     keep = np.flatnonzero(counts >= int(min_samples)).astype(np.int64)
     if keep.size == 0:
-        raise ValueError(f"--min-samples {min_samples}: no client has that many training samples "
-                         f"(the largest has {int(counts.max()) if counts.size else 0})")
+        raise OptionError(f"{arg('min_samples', 'data')} {min_samples}: no client has that many "
+                          f"training samples (the largest has "
+                          f"{int(counts.max()) if counts.size else 0})")
     if max_clients is not None and keep.size > int(max_clients):
         rng = np.random.default_rng(seed)
         keep = np.sort(rng.choice(keep, size=int(max_clients), replace=False))

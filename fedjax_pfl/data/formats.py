@@ -21,6 +21,7 @@ import numpy as np
 
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.data.natural import NaturalClients
+from fedjax_pfl.errors import OptionError, arg
 
 __all__ = ["NATURAL_DATASETS", "FORMATS", "READERS", "UsageError", "detect_format", "open_reader",
            "load_natural", "to_federated"]
@@ -44,9 +45,9 @@ READERS = {"leaf": ("fedjax_pfl.data.leaf", "open_leaf"),
            "fedjax": ("fedjax_pfl.data.fedjax_sqlite", "open_fedjax")}
 
 
-class UsageError(ValueError):
+class UsageError(OptionError):
     """A format that cannot be chosen or used (several present, a reader or its package missing):
-    one line."""
+    one line, naming the data options (`errors.arg`)."""
 
 
 def _glob_detect(fmt: str, data_dir: str) -> bool:
@@ -64,7 +65,7 @@ def detect_format(data_dir: str, name: str | None = None) -> str:
     """The file format in `data_dir`: "leaf" (train/*.json and test/*.json), "tff" (*_train.h5 or
     *_test.h5) or "fedjax" (*.sqlite). A reader module's own `detect(data_dir, name)` decides for
     its format where it has one (LEAF's accepts the nested `DIR/data/train/` layouts too). Raises
-    DatasetNotFoundError when no format is there, UsageError when several are (--format decides)."""
+    DatasetNotFoundError when no format is there, UsageError when several are (`fmt` decides)."""
     from fedjax_pfl.data.sources import DatasetNotFoundError
 
     found = []
@@ -89,7 +90,7 @@ def detect_format(data_dir: str, name: str | None = None) -> str:
             f"TFF's *_train.h5 / *_test.h5 and FedJAX's *.sqlite")
     if len(found) > 1:
         raise UsageError(f"{data_dir} holds files of several formats ({', '.join(found)}): "
-                         "choose one with --format")
+                         f"choose one with {arg('fmt', 'data')}")
     return found[0]
 
 
@@ -102,12 +103,13 @@ def open_reader(name: str, data_dir: str, fmt: str | None = None, **options: Any
     from fedjax_pfl.data.sources import DatasetNotFoundError
 
     if fmt is not None and fmt not in READERS:
-        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise UsageError(f"{arg('fmt', 'data')} must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt is not None and name in NATURAL_DATASETS and fmt not in NATURAL_DATASETS[name]:
-        raise UsageError(f"--format {fmt}: {name} is read from {list(NATURAL_DATASETS[name])} files")
+        raise UsageError(f"{arg('fmt', 'data')} {fmt}: {name} is read from "
+                         f"{list(NATURAL_DATASETS[name])} files")
     data_dir = os.path.abspath(os.path.expanduser(data_dir))
     if not os.path.isdir(data_dir):
-        raise DatasetNotFoundError(f"--data-dir {data_dir} is not a directory")
+        raise DatasetNotFoundError(f"{arg('data_dir', 'data')} {data_dir} is not a directory")
     if fmt is None:
         try:
             fmt = detect_format(data_dir, name)
@@ -164,12 +166,13 @@ def with_token_accuracy(nc: NaturalClients, rule: str) -> NaturalClients:
     `accuracy_without_out_of_vocab_or_end_of_sentence`). Special ids are found by name in the
     source vocabulary ("<eos>", "<oov>")."""
     if rule not in TOKEN_ACCURACY:
-        raise ValueError(f"--token-accuracy must be one of {list(TOKEN_ACCURACY)}, got {rule!r}")
+        raise OptionError(f"{arg('token_accuracy', 'data')} must be one of {list(TOKEN_ACCURACY)}, "
+                          f"got {rule!r}")
     if rule == "default":
         return nc
     if nc.task.kind != "sequence":
-        raise ValueError(f"--token-accuracy applies to per-token tasks; {nc.source.name} is a "
-                         f"{nc.task.kind} task")
+        raise OptionError(f"{arg('token_accuracy', 'data')} applies to per-token tasks; "
+                          f"{nc.source.name} is a {nc.task.kind} task")
     vocab = list(nc.source.vocab)
     names = () if rule == "all" else ("<eos>", "<oov>")
     excluded = tuple(vocab.index(n) for n in names if n in vocab)
@@ -187,8 +190,9 @@ def load_natural(name: str, *, data_dir: str | None, fmt: str | None = None,
     from fedjax_pfl.data import cache
 
     if not data_dir:
-        raise ValueError(f"--dataset {name} reads natural-client files: give --data-dir DIR "
-                         f"(the folder holding the {'/'.join(NATURAL_DATASETS.get(name, ()))} files)")
+        raise OptionError(f"{arg('dataset')} {name} reads natural-client files: give "
+                          f"{arg('data_dir', 'data')} DIR (the folder holding the "
+                          f"{'/'.join(NATURAL_DATASETS.get(name, ()))} files)")
     reader = open_reader(name, data_dir, fmt, **options)
     root = cache_dir or os.path.join(os.path.abspath(os.path.expanduser(data_dir)), ".fedjax_pfl_cache")
     nc = with_token_accuracy(cache.load(reader, root, log=log), token_accuracy)

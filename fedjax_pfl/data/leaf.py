@@ -95,6 +95,7 @@ import numpy as np
 
 from fedjax_pfl.data.natural import ClientBlock, DataFormatError, SourceInfo, Task
 from fedjax_pfl.data.sources import DatasetNotFoundError
+from fedjax_pfl.errors import arg
 
 __all__ = [
     "LEAF_DATASETS", "ALL_LETTERS", "DEFAULT_MAX_VOCAB", "DEFAULT_MIN_COUNT", "DEFAULT_SEQ_LEN",
@@ -185,7 +186,7 @@ def _not_found(name: str, data_dir: str | os.PathLike) -> DatasetNotFoundError:
     return DatasetNotFoundError(
         f"LEAF {name}: no train and test JSON shards found (looked for {looked}); LEAF writes "
         f"them with `{_PREPROCESS[name]}` run in leaf/data/{name} of "
-        f"github.com/TalwalkarLab/leaf (then pass --data-dir leaf/data/{name})")
+        f"github.com/TalwalkarLab/leaf (then pass {arg('data_dir', 'data')} leaf/data/{name})")
 
 
 # ---------------------------------------------------------------------------------------------

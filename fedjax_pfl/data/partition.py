@@ -18,12 +18,21 @@ from typing import Sequence
 
 import numpy as np
 
+from fedjax_pfl.errors import OptionError, arg
+
 PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "dirichlet_client", "pathological", "shards",
                                "clustered", "natural")
 
 
-class PartitionError(ValueError):
-    """A partition that cannot be built with the requested settings."""
+class PartitionError(OptionError):
+    """A partition that cannot be built with the requested settings: the message names them as
+    `build.PartitionConfig`'s fields (`errors.arg(name, "partition")`; the functions here take the
+    same names)."""
+
+
+def _p(name: str) -> str:
+    """A PartitionConfig field, marked in a message."""
+    return arg(name, "partition")
 
 
 def iid(num_samples: int, num_clients: int, *, seed: int) -> list[np.ndarray]:
@@ -53,13 +62,14 @@ def dirichlet(
     labels = np.asarray(labels)
     _check_clients(labels.size, num_clients)
     if not alpha > 0:
-        raise PartitionError(f"--alpha must be > 0, got {alpha}")
+        raise PartitionError(f"{_p('alpha')} must be > 0, got {alpha}")
     if min_size * num_clients > labels.size:
         raise PartitionError(
-            f"--min-size {min_size} × --clients {num_clients} exceeds the {labels.size} samples: "
-            f"use at most --clients {labels.size // max(min_size, 1)}, or --min-size at most "
+            f"{_p('min_size')} {min_size} × {_p('num_clients')} {num_clients} exceeds the "
+            f"{labels.size} samples: use at most {_p('num_clients')} "
+            f"{labels.size // max(min_size, 1)}, or {_p('min_size')} at most "
             f"{labels.size // num_clients} (the mean client size; dirichlet rarely reaches it), or "
-            "--partition dirichlet_client (equal client sizes, any --alpha)"
+            f"{_p('scheme')} dirichlet_client (equal client sizes, any {_p('alpha')})"
         )
     rng = np.random.default_rng(seed)
     classes = np.unique(labels)
@@ -82,14 +92,15 @@ def dirichlet(
         best = max(best, smallest)
         if smallest >= min_size:
             return [np.sort(np.asarray(q, dtype=np.int64)) for q in parts]
-    # The draws do not depend on min_size: with the same seed, --min-size `best` succeeds.
-    feasible = (f"--min-size {best} works with this seed" if best > 0 else
+    # The draws do not depend on min_size: with the same seed, min_size `best` succeeds.
+    feasible = (f"{_p('min_size')} {best} works with this seed" if best > 0 else
                 "no draw gave every client a sample")
     raise PartitionError(
-        f"dirichlet partition: in {max_tries} draws the smallest client never reached --min-size "
-        f"{min_size} (alpha={alpha}, {num_clients} clients, {labels.size} samples); {feasible}; "
-        "or raise --alpha (less skew), use fewer --clients, or --partition dirichlet_client "
-        "(equal client sizes, feasible for any --alpha)"
+        f"dirichlet partition: in {max_tries} draws the smallest client never reached "
+        f"{_p('min_size')} {min_size} (alpha={alpha}, {num_clients} clients, {labels.size} "
+        f"samples); {feasible}; or raise {_p('alpha')} (less skew), use fewer "
+        f"{_p('num_clients')}, or {_p('scheme')} dirichlet_client (equal client sizes, feasible "
+        f"for any {_p('alpha')})"
     )
 
 
@@ -105,7 +116,7 @@ def dirichlet_client(labels: np.ndarray, num_clients: int, *, alpha: float, seed
     labels = np.asarray(labels)
     _check_clients(labels.size, num_clients)
     if not alpha > 0:
-        raise PartitionError(f"--alpha must be > 0, got {alpha}")
+        raise PartitionError(f"{_p('alpha')} must be > 0, got {alpha}")
     rng = np.random.default_rng(seed)
     classes = np.unique(labels)
     pools = [list(rng.permutation(np.flatnonzero(labels == c))) for c in classes]
@@ -140,7 +151,7 @@ def pathological(
     classes = np.unique(labels)
     if not 1 <= classes_per_client <= classes.size:
         raise PartitionError(
-            f"--classes-per-client must be in [1, {classes.size}], got {classes_per_client}"
+            f"{_p('classes_per_client')} must be in [1, {classes.size}], got {classes_per_client}"
         )
     rng = np.random.default_rng(seed)
     holders: dict[int, list[int]] = {int(c): [] for c in classes}
@@ -183,8 +194,8 @@ def clustered(labels: np.ndarray, num_clients: int, *, clusters: int, seed: int)
     classes = np.unique(labels)
     if not 1 <= clusters <= min(classes.size, num_clients):
         raise PartitionError(
-            f"--clusters must be in [1, min(classes, clients)] = [1, {min(classes.size, num_clients)}], "
-            f"got {clusters}")
+            f"{_p('clusters')} must be in [1, min(classes, clients)] = "
+            f"[1, {min(classes.size, num_clients)}], got {clusters}")
     rng = np.random.default_rng(seed)
     groups = cluster_of_clients(num_clients, clusters)
     parts: list[list[int]] = [[] for _ in range(num_clients)]
@@ -218,11 +229,12 @@ def shards(
     labels = np.asarray(labels)
     _check_clients(labels.size, num_clients)
     if (shards_per_client is None) == (shard_size is None):
-        raise PartitionError("shards: give exactly one of --shards-per-client or --shard-size")
+        raise PartitionError(f"shards: give exactly one of {_p('shards_per_client')} or "
+                             f"{_p('shard_size')}")
     n = labels.size
     if shards_per_client is not None:
         if shards_per_client < 1:
-            raise PartitionError(f"--shards-per-client must be >= 1, got {shards_per_client}")
+            raise PartitionError(f"{_p('shards_per_client')} must be >= 1, got {shards_per_client}")
         num_shards = num_clients * shards_per_client
         size = n // num_shards
         if size < 1:
@@ -231,12 +243,13 @@ def shards(
             )
     else:
         if shard_size < 1:
-            raise PartitionError(f"--shard-size must be >= 1, got {shard_size}")
+            raise PartitionError(f"{_p('shard_size')} must be >= 1, got {shard_size}")
         size = shard_size
         shards_per_client = (n // size) // num_clients
         if shards_per_client < 1:
             raise PartitionError(
-                f"--shard-size {size} gives {n // size} shards, fewer than {num_clients} clients"
+                f"{_p('shard_size')} {size} gives {n // size} shards, fewer than {num_clients} "
+                "clients"
             )
         num_shards = num_clients * shards_per_client
     rng = np.random.default_rng(seed)
@@ -254,8 +267,8 @@ def natural(client_ids: np.ndarray, num_clients: int | None = None) -> list[np.n
     count = int(client_ids.max()) + 1
     if num_clients is not None and num_clients != count:
         raise PartitionError(
-            f"this dataset has {count} natural clients; --clients {num_clients} does not match "
-            "(for synthetic data set --synthetic-clients instead)"
+            f"this dataset has {count} natural clients; {_p('num_clients')} {num_clients} does "
+            f"not match (for synthetic data set {arg('synthetic_clients', 'data')} instead)"
         )
     # One stable sort instead of a scan of every sample per client (20,000 clients of 4.75
     # million samples took 25 s that way): each client's sample indices, ascending.
@@ -273,7 +286,7 @@ def split_train_test(
     distribution in expectation. Raises if a client would be left with no training sample.
     """
     if not 0.0 < test_fraction < 1.0:
-        raise PartitionError(f"--test-fraction must be in (0, 1), got {test_fraction}")
+        raise PartitionError(f"{_p('test_fraction')} must be in (0, 1), got {test_fraction}")
     rng = np.random.default_rng(seed)
     train, test = [], []
     for k, part in enumerate(parts):
@@ -282,7 +295,8 @@ def split_train_test(
         if part.size - n_test < 1:
             raise PartitionError(
                 f"client {k} has {part.size} samples: none left for training after the "
-                f"{test_fraction} test split; use fewer --clients or a larger --min-size"
+                f"{test_fraction} test split; use fewer {_p('num_clients')} or a larger "
+                f"{_p('min_size')}"
             )
         test.append(np.sort(part[:n_test]))
         train.append(np.sort(part[n_test:]))
@@ -296,8 +310,9 @@ def unassigned_count(parts: Sequence[np.ndarray], num_samples: int) -> int:
 
 def _check_clients(num_samples: int, num_clients: int) -> None:
     if num_clients < 1:
-        raise PartitionError(f"--clients must be >= 1, got {num_clients}")
+        raise PartitionError(f"{_p('num_clients')} must be >= 1, got {num_clients}")
     if num_clients > num_samples:
         raise PartitionError(
-            f"--clients {num_clients} is more than the {num_samples} samples in the dataset"
+            f"{_p('num_clients')} {num_clients} is more than the {num_samples} samples in the "
+            "dataset"
         )

@@ -48,6 +48,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fedjax_pfl.data import idx
+from fedjax_pfl.errors import MarkedError, OptionError, arg
 from fedjax_pfl.data._raw_common import _ImageSpec, _Loaded
 from fedjax_pfl.data.cifar_pickle import (  # UnsafePickleError: re-exported, callers catch it here
     UnsafePickleError,
@@ -105,8 +106,9 @@ class RawDataset(NamedTuple):
     source: str  # human-readable: where the data was read from (path / "embedded" / "generated")
 
 
-class DatasetNotFoundError(FileNotFoundError):
-    """No readable copy of a dataset was found. The message lists where we looked and what to do."""
+class DatasetNotFoundError(MarkedError, FileNotFoundError):
+    """No readable copy of a dataset was found. The message lists where we looked and what to do
+    (naming the data options, `errors.arg`)."""
 
 
 DATASETS: tuple[str, ...] = (
@@ -202,8 +204,9 @@ def load_raw(
     if name not in _IMAGE_DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     if name == "emnist" and emnist_split not in EMNIST_SPLITS:
-        raise ValueError(
-            f"--emnist-split must be one of {', '.join(EMNIST_SPLITS)}, got {emnist_split!r}"
+        raise OptionError(
+            f"{arg('emnist_split', 'data')} must be one of {', '.join(EMNIST_SPLITS)}, got "
+            f"{emnist_split!r}"
         )
 
     spec = _IMAGE_DATASETS[name]
@@ -330,7 +333,8 @@ def _download_with_tfds(
     host, port = spec.probe
     if not _can_reach(host, port):
         notes.append(
-            f"--download: cannot reach {host}:{port} within {_PROBE_TIMEOUT_S:g} s (no network?)"
+            f"{arg('download', 'data')}: cannot reach {host}:{port} within {_PROBE_TIMEOUT_S:g} s "
+            "(no network?)"
         )
         raise DatasetNotFoundError(_not_found_message(spec, split, data_dir, tfds_dir, notes))
     # Imported before the try: without TFDS installed, --download raises this ImportError as is.
@@ -341,7 +345,8 @@ def _download_with_tfds(
     try:
         return _download_and_read(spec, split, tfds_dir, merge_splits)
     except Exception as e:  # TFDS raises many error types; keep the cause chained
-        notes.append(f"--download: TFDS failed to download/prepare {full_name}: {e!r}")
+        notes.append(f"{arg('download', 'data')}: TFDS failed to download/prepare {full_name}: "
+                     f"{e!r}")
         raise DatasetNotFoundError(
             _not_found_message(spec, split, data_dir, tfds_dir, notes)
         ) from e
@@ -366,16 +371,16 @@ def _not_found_message(
 ) -> str:
     lines = [
         f"dataset {_with_split(spec, split)} not found. Searched, in order:",
-        f"  TFDS data dir (--tfds-dir / $TFDS_DATA_DIR): {tfds_dir}",
+        f"  TFDS data dir ({arg('tfds_dir', 'data')} / $TFDS_DATA_DIR): {tfds_dir}",
         *(f"  {d}" for d in _searched_dirs(spec, split, data_dir)),
         f"Expected files: {spec.expected(split)}.",
         f"Get them from {spec.url} and put them in {Path(data_dir) / spec.name}/ "
-        f"(or pass --data-dir DIR).",
+        f"(or pass {arg('data_dir', 'data')} DIR).",
     ]
     if spec.extra_help:
         lines.append(spec.extra_help)
     lines.append(
-        f"Or pass --download to let TensorFlow Datasets fetch and prepare "
+        f"Or pass {arg('download', 'data')} to let TensorFlow Datasets fetch and prepare "
         f"{_tfds_full_name(spec, split)} into {tfds_dir}."
     )
     lines.extend(f"Note: {note}" for note in notes)

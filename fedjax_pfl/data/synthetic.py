@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from fedjax_pfl.errors import OptionError, arg
+
 # Synthetic(α, β): each client's sample count is lognormal(4, 2) + 50, whose tail is unbounded
 # (e^(4 + 2·3) ≈ 22,000 at three sigma); we cap it so one client cannot dominate memory and time.
 SYNTHETIC_MAX_SAMPLES_PER_CLIENT = 1000
@@ -61,13 +63,15 @@ def _generate_synthetic(
     Returns:
       The `RawDataset` fields, as keyword arguments.
     """
-    for flag, value in (("--synthetic-alpha", alpha), ("--synthetic-beta", beta)):
+    # (named as `sources.load_raw` takes them: the data options synthetic_alpha, …)
+    for name, value in (("synthetic_alpha", alpha), ("synthetic_beta", beta)):
         if not (np.isfinite(value) and value >= 0):
-            raise ValueError(f"{flag} must be a finite variance >= 0, got {value!r}")
+            raise OptionError(f"{arg(name, 'data')} must be a finite variance >= 0, got {value!r}")
     if int(num_clients) != num_clients or num_clients < 1:
-        raise ValueError(f"--synthetic-clients must be an integer >= 1, got {num_clients!r}")
+        raise OptionError(f"{arg('synthetic_clients', 'data')} must be an integer >= 1, got "
+                          f"{num_clients!r}")
     if int(dim) != dim or dim < 1:
-        raise ValueError(f"--synthetic-dim must be an integer >= 1, got {dim!r}")
+        raise OptionError(f"{arg('synthetic_dim', 'data')} must be an integer >= 1, got {dim!r}")
     num_clients, dim = int(num_clients), int(dim)
 
     rng = np.random.default_rng(seed)

@@ -23,6 +23,7 @@ import numpy as np
 
 from fedjax_pfl.data._raw_common import _ImageSpec, _Loaded, _merge
 from fedjax_pfl.data.idx import _emnist_fix
+from fedjax_pfl.errors import arg, render
 
 _log = logging.getLogger(__name__)
 
@@ -110,9 +111,9 @@ def _from_prepared_tfds(
         notes.append(
             f"TFDS copy {builder.data_dir} is in {builder.info.file_format.value} format, which needs "
             "TensorFlow (not installed); install tensorflow, re-prepare it with "
-            "file_format='array_record', or put the original files in --data-dir"
+            f"file_format='array_record', or put the original files in {arg('data_dir', 'data')}"
         )
-        _log.warning("skipping %s: %s", builder.data_dir, notes[-1])
+        _log.warning("skipping %s: %s", builder.data_dir, render(notes[-1]))
         return None
     return _read_tfds(builder, spec, split, merge_splits)
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from fedjax_pfl import checkpoint, core
 from fedjax_pfl.callbacks import Callback, RoundEnd
+from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.interrupts import compute, deferred_signals
 from fedjax_pfl.runner.config import config_record
 from fedjax_pfl.runner.records import Progress
@@ -27,9 +28,10 @@ from fedjax_pfl.runner.records import Progress
 KEEP = 2                      # checkpoints kept: the newest and a fallback
 
 
-class ResumeError(ValueError):
-    """A run cannot resume: its flags differ from the saved run's, its checkpoint is past
-    --rounds, or no intact checkpoint is left. The message names the flag or the file."""
+class ResumeError(OptionError):
+    """A run cannot resume: its configuration differs from the saved run's, its checkpoint is past
+    `rounds`, or no intact checkpoint is left. The message names the setting (`errors.arg`) or
+    the file."""
 
 
 def _root(out: str) -> str:
@@ -56,9 +58,10 @@ def require_checkpoint(out: str) -> None:
     continue is refused before anything is loaded, compiled or written, so the run's files stay
     as they are."""
     if latest_checkpoint(out) is None:
-        raise ResumeError(f"--resume: {out} holds no checkpoint to continue from (it was made "
-                          "with --checkpoint-every 0, stopped before its first checkpoint, or its "
-                          "checkpoints/ was removed); start it again with --overwrite")
+        raise ResumeError(f"{arg('resume')}: {out} holds no checkpoint to continue from (it was "
+                          f"made with {arg('checkpoint_every')} 0, stopped before its first "
+                          "checkpoint, or its checkpoints/ was removed); start it again with "
+                          f"{arg('overwrite')}")
 
 
 def resume_point(out: str, log: Callable[[str], None] = print) -> tuple[str, dict] | None:
@@ -78,7 +81,7 @@ def resume_point(out: str, log: Callable[[str], None] = print) -> tuple[str, dic
             if len(problems) < len(done):
                 log(f"checkpoint {path} is damaged ({problems[-1]}); using the one before it")
     if problems:
-        raise ResumeError(f"--resume: no intact checkpoint in {out}: {problems[0]}")
+        raise ResumeError(f"{arg('resume')}: no intact checkpoint in {out}: {problems[0]}")
     return None
 
 

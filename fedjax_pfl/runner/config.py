@@ -15,6 +15,7 @@ import numpy as np
 
 from fedjax_pfl import algorithms, core, models
 from fedjax_pfl.data.build import PartitionConfig
+from fedjax_pfl.errors import OptionError, arg
 
 
 DEFAULT_CHECKPOINT_EVERY = 10
@@ -73,6 +74,16 @@ class RunConfig:
     target_epsilon: float | None = None
     dp_accountant: str = "rdp"
 
+    @classmethod
+    def from_options(cls, *, hparams: dict[str, Any] | None = None, **options: Any) -> "RunConfig":
+        """The configuration run.py builds from the same flags, by their names (`rounds=100`,
+        `clients=50`, `min_size=40`, `data_dir=…`) with the algorithm's hyperparameters as
+        keywords or in `hparams=`: the defaults per dataset, the natural-client datasets' rules,
+        the data options and the default `out` (`fedjax_pfl.runner.options`)."""
+        from fedjax_pfl.runner import options as options_lib
+
+        return options_lib.from_options(hparams=hparams, **options)
+
     @property
     def natural(self) -> bool:
         """Whether `dataset` is a natural-client dataset (LEAF / TFF / FedJAX files)."""
@@ -89,58 +100,63 @@ class RunConfig:
         return k * max(1, math.ceil(DEFAULT_CHECKPOINT_EVERY / k))
 
     def validate(self) -> dict[str, Any]:
-        """Checks everything that needs no data; returns the resolved algorithm hyperparameters."""
+        """Checks everything that needs no data; returns the resolved algorithm hyperparameters.
+        Errors are OptionErrors naming the field (`errors.arg`)."""
         spec = algorithms.spec(self.algo)
-        for flag, value in (("--rounds", self.rounds), ("--seed", self.seed),
-                            ("--eval-every", self.eval_every),
-                            ("--rounds-per-call", self.rounds_per_call)):
+        for name in ("rounds", "seed", "eval_every", "rounds_per_call"):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise ValueError(f"{flag} must be an integer, got {value!r}")
+                raise OptionError(f"{arg(name)} must be an integer, got {value!r}")
         if not 0 <= self.seed < 2**32:
-            raise ValueError(f"--seed must be in [0, 2**32), got {self.seed}")
+            raise OptionError(f"{arg('seed')} must be in [0, 2**32), got {self.seed}")
         if self.rounds < 1:
-            raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
+            raise OptionError(f"{arg('rounds')} must be >= 1, got {self.rounds}")
         if self.eval_every < 1:
-            raise ValueError(f"--eval-every must be >= 1, got {self.eval_every}")
+            raise OptionError(f"{arg('eval_every')} must be >= 1, got {self.eval_every}")
         if self.model is not None and self.model not in models.MODELS:
-            raise ValueError(f"--model must be one of {list(models.MODELS)}, got {self.model!r}")
+            raise OptionError(f"{arg('model')} must be one of {list(models.MODELS)}, got "
+                              f"{self.model!r}")
         if not self.model_cr >= 1:
-            raise ValueError(f"--model-cr must be >= 1, got {self.model_cr}")
+            raise OptionError(f"{arg('model_cr')} must be >= 1, got {self.model_cr}")
         if self.model_conv not in models.CONV_IMPLS:
-            raise ValueError(f"--conv must be one of {list(models.CONV_IMPLS)}, got {self.model_conv!r}")
+            raise OptionError(f"{arg('model_conv')} must be one of {list(models.CONV_IMPLS)}, got "
+                              f"{self.model_conv!r}")
         if self.state_dtype not in core.STATE_DTYPES:
-            raise ValueError(f"--state-dtype must be one of {list(core.STATE_DTYPES)}, "
-                             f"got {self.state_dtype!r}")
+            raise OptionError(f"{arg('state_dtype')} must be one of {list(core.STATE_DTYPES)}, "
+                              f"got {self.state_dtype!r}")
         if self.rounds_per_call < 1:
-            raise ValueError(f"--rounds-per-call must be >= 1, got {self.rounds_per_call}")
+            raise OptionError(f"{arg('rounds_per_call')} must be >= 1, got {self.rounds_per_call}")
         if self.dp_delta is not None and not 0 < self.dp_delta < 1:
-            raise ValueError(f"--dp-delta must be in (0, 1), got {self.dp_delta}")
+            raise OptionError(f"{arg('dp_delta')} must be in (0, 1), got {self.dp_delta}")
         if self.target_epsilon is not None and not self.target_epsilon > 0:
-            raise ValueError(f"--target-epsilon must be > 0, got {self.target_epsilon}")
+            raise OptionError(f"{arg('target_epsilon')} must be > 0, got {self.target_epsilon}")
         if self.dp_accountant not in ("rdp", "pld"):
-            raise ValueError(f"--dp-accountant must be one of ['rdp', 'pld'], "
-                             f"got {self.dp_accountant!r}")
+            raise OptionError(f"{arg('dp_accountant')} must be one of ['rdp', 'pld'], "
+                              f"got {self.dp_accountant!r}")
         if self.data_placement not in core.DATA_PLACEMENTS:
-            raise ValueError(f"--data-placement must be one of {list(core.DATA_PLACEMENTS)}, "
-                             f"got {self.data_placement!r}")
+            raise OptionError(f"{arg('data_placement')} must be one of "
+                              f"{list(core.DATA_PLACEMENTS)}, got {self.data_placement!r}")
         if self.state_placement not in core.STATE_PLACEMENTS:
-            raise ValueError(f"--state-placement must be one of {list(core.STATE_PLACEMENTS)}, "
-                             f"got {self.state_placement!r}")
+            raise OptionError(f"{arg('state_placement')} must be one of "
+                              f"{list(core.STATE_PLACEMENTS)}, got {self.state_placement!r}")
         if self.eval_every % self.rounds_per_call:
-            raise ValueError(f"--eval-every {self.eval_every} must be a multiple of "
-                             f"--rounds-per-call {self.rounds_per_call} (evaluation runs between calls)")
+            raise OptionError(f"{arg('eval_every')} {self.eval_every} must be a multiple of "
+                              f"{arg('rounds_per_call')} {self.rounds_per_call} (evaluation runs "
+                              "between calls)")
         if self.checkpoint_every is not None:
             if self.checkpoint_every < 0:
-                raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+                raise OptionError(f"{arg('checkpoint_every')} must be >= 0, got "
+                                  f"{self.checkpoint_every}")
             if self.checkpoint_every % self.rounds_per_call:
-                raise ValueError(f"--checkpoint-every {self.checkpoint_every} must be a multiple of "
-                                 f"--rounds-per-call {self.rounds_per_call} (checkpoints are written "
-                                 "between calls)")
+                raise OptionError(f"{arg('checkpoint_every')} {self.checkpoint_every} must be a "
+                                  f"multiple of {arg('rounds_per_call')} {self.rounds_per_call} "
+                                  "(checkpoints are written between calls)")
         if not math.isfinite(self.model_cr):
-            raise ValueError(f"--model-cr must be finite, got {self.model_cr}")
+            raise OptionError(f"{arg('model_cr')} must be finite, got {self.model_cr}")
         if self.target_acc is not None and (isinstance(self.target_acc, bool) or not isinstance(
                 self.target_acc, (int, float, np.integer, np.floating)) or not 0 < self.target_acc <= 1):
-            raise ValueError(f"--target-acc must be in (0, 1] (a mean client accuracy), got {self.target_acc}")
+            raise OptionError(f"{arg('target_acc')} must be in (0, 1] (a mean client accuracy), "
+                              f"got {self.target_acc}")
         parse_eval_clients(self.eval_clients)
         if self.checkpoint_on_signal is not None:
             from fedjax_pfl.interrupts import parse_signal
@@ -154,40 +170,43 @@ class RunConfig:
         if self.natural:
             check_natural_options(self.dataset, self.data_options, self.partition)
         hparams = spec.resolve(self.hparams)
-        for hp, flag in spec.all_hparams():
+        for hp, _ in spec.all_hparams():
             value = hparams.get(hp.name)
             if hp.type is float and value is not None and not math.isfinite(value) and not (
                     hp.name == "dp_clip" and value == math.inf):     # inf: clipping off
-                raise ValueError(f"{flag} must be finite, got {value}")
+                raise OptionError(f"{arg(hp.name, 'hparams')} must be finite, got {value}")
         if self.rounds_per_call > 1 and hparams["backend"] in core.EAGER_BACKENDS:
-            raise ValueError(f"--rounds-per-call needs --backend chunked or vmap (the "
-                             f"{hparams['backend']} backend runs one client at a time from Python)")
+            raise OptionError(f"{arg('rounds_per_call')} needs {arg('backend', 'hparams')} chunked "
+                              f"or vmap (the {hparams['backend']} backend runs one client at a "
+                              "time from Python)")
         return hparams
 
 
 def check_natural_options(dataset: str, options: dict, partition: PartitionConfig) -> None:
-    """The flags of a natural-client dataset that need no files (ValueError naming the flag)."""
+    """The settings of a natural-client dataset that need no files (OptionError naming the
+    data option or the partition's field)."""
     from fedjax_pfl.data.formats import NATURAL_DATASETS
 
     if partition.scheme != "natural":
-        raise ValueError(f"--dataset {dataset} keeps its own clients: --partition "
-                         f"{partition.scheme} does not apply (use --max-clients / --min-samples)")
+        raise OptionError(f"{arg('dataset')} {dataset} keeps its own clients: "
+                          f"{arg('scheme', 'partition')} {partition.scheme} does not apply (use "
+                          f"{arg('max_clients', 'data')} / {arg('min_samples', 'data')})")
     fmt = options.get("fmt")
     if fmt is not None and fmt not in NATURAL_DATASETS[dataset]:
-        raise ValueError(f"--format must be one of {list(NATURAL_DATASETS[dataset])} for "
-                         f"--dataset {dataset}, got {fmt!r}")
+        raise OptionError(f"{arg('fmt', 'data')} must be one of {list(NATURAL_DATASETS[dataset])} "
+                          f"for {arg('dataset')} {dataset}, got {fmt!r}")
     k, s = options.get("max_clients"), options.get("min_samples", 0)
     if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1):
-        raise ValueError(f"--max-clients must be an integer >= 1, got {k!r}")
+        raise OptionError(f"{arg('max_clients', 'data')} must be an integer >= 1, got {k!r}")
     if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
-        raise ValueError(f"--min-samples must be an integer >= 0, got {s!r}")
+        raise OptionError(f"{arg('min_samples', 'data')} must be an integer >= 0, got {s!r}")
     if not options.get("data_dir"):
-        raise ValueError(f"--dataset {dataset} reads natural-client files: give --data-dir DIR "
-                         f"(README, 'Natural federated datasets')")
+        raise OptionError(f"{arg('dataset')} {dataset} reads natural-client files: give "
+                          f"{arg('data_dir', 'data')} DIR (README, 'Natural federated datasets')")
 
 
 def model_name_of(cfg: RunConfig) -> str:
-    """--model, or the dataset's default model."""
+    """`model`, or the dataset's default model."""
     return cfg.model or DEFAULT_MODEL.get(cfg.dataset, "mlp")
 
 
@@ -199,10 +218,10 @@ def parse_eval_clients(value: str) -> str | int:
     try:
         k = int(value)
     except ValueError:
-        raise ValueError(f"--eval-clients must be 'all', 'participants' or a number of clients, "
-                         f"got {value!r}") from None
+        raise OptionError(f"{arg('eval_clients')} must be 'all', 'participants' or a number of "
+                          f"clients, got {value!r}") from None
     if k < 1:
-        raise ValueError(f"--eval-clients must be >= 1, got {k}")
+        raise OptionError(f"{arg('eval_clients')} must be >= 1, got {k}")
     return k
 
 
@@ -223,33 +242,37 @@ def config_record(cfg: RunConfig, hparams: dict, model_name: str, data_info: dic
 REUSABLE_CHANGES = ("out", "progress", "memory_check", "checkpoint_every", "resume", "overwrite",
                     "log", "checkpoint_on_signal", "data_placement", "state_placement")
 
-_RESUME_TAIL = ("only --rounds, --checkpoint-every, --target-acc, --conv, --log, "
-                "--checkpoint-on-signal, --data-placement, --state-placement, --quiet and "
-                "--no-memory-check may change")
+_RESUME_TAIL = (f"only {arg('rounds')}, {arg('checkpoint_every')}, {arg('target_acc')}, "
+                f"{arg('model_conv')}, {arg('log')}, {arg('checkpoint_on_signal')}, "
+                f"{arg('data_placement')}, {arg('state_placement')}, {arg('progress')} and "
+                f"{arg('memory_check')} may change")
 
 
 def resume_conflicts(cfg: RunConfig, hparams: dict, model_name: str, saved: dict) -> str | None:
     """The first setting of `cfg` that differs from the saved run's config.json record, as a
-    one-line message naming its flag (None when the run may resume)."""
+    one-line message naming it (marked, `errors.arg`: raise it as an OptionError or say it with
+    `errors.render`); None when the run may resume."""
     found = config_conflict(cfg, hparams, model_name, saved, may_change=RESUMABLE_CHANGES)
-    return None if found is None else f"--resume: the run in {cfg.out} was made with {found} ({_RESUME_TAIL})"
+    return None if found is None else (f"{arg('resume')}: the run in {cfg.out} was made with "
+                                       f"{found} ({_RESUME_TAIL})")
 
 
 def reuse_conflicts(cfg: RunConfig, hparams: dict, model_name: str, saved: dict) -> str | None:
     """The first setting of `cfg` that differs from a finished run's config.json record, where
-    any difference but `REUSABLE_CHANGES` would change its results: a message naming the flag
-    ("--lr 0.1, not 0.05"), or None when the saved results are this configuration's."""
+    any difference but `REUSABLE_CHANGES` would change its results: a message naming the setting
+    ("lr 0.1, not 0.05", marked as `resume_conflicts`'), or None when the saved results are this
+    configuration's."""
     return config_conflict(cfg, hparams, model_name, saved, may_change=REUSABLE_CHANGES)
 
 
 def config_conflict(cfg: RunConfig, hparams: dict, model_name: str, saved: dict, *,
                     may_change: tuple[str, ...]) -> str | None:
-    """"FLAG SAVED, not MINE" for the first setting outside `may_change` in which `cfg` (with its
-    resolved `hparams`) and a saved config.json record differ; None where none does. With
-    --target-epsilon the saved noise multiplier is the one it called for, so it is compared
-    through --target-epsilon (and the privacy settings) alone."""
+    """"NAME SAVED, not MINE" for the first setting outside `may_change` in which `cfg` (with its
+    resolved `hparams`) and a saved config.json record differ, NAME marked (`errors.arg`: a
+    field of RunConfig, of its partition, a data option, a hyperparameter); None where none
+    does. With `target_epsilon` the saved noise multiplier is the one it called for, so it is
+    compared through `target_epsilon` (and the privacy settings) alone."""
     mine = config_record(cfg, hparams, model_name, {})
-    flags = _flag_names(cfg.algo)
     derived = {("hparams", "dp_noise_multiplier")} if cfg.target_epsilon is not None else set()
     for key in sorted(set(mine) | set(saved)):
         if key in may_change or key in ("data", "versions", "devices"):
@@ -264,11 +287,9 @@ def config_conflict(cfg: RunConfig, hparams: dict, model_name: str, saved: dict,
                     continue
                 if a.get(sub) != b.get(sub) and not (key == "hparams" and
                                                      _same_number(a.get(sub), b.get(sub))):
-                    flag = flags.get((key, sub), f"--{sub.replace('_', '-')}")
-                    return f"{flag} {b.get(sub)!r}, not {a.get(sub)!r}"
+                    return f"{_setting(key, sub)} {b.get(sub)!r}, not {a.get(sub)!r}"
         elif a != b and not _same_number(a, b):
-            flag = flags.get((key, None), f"--{key.replace('_', '-')}")
-            return f"{flag} {b!r}, not {a!r}"
+            return f"{arg(key)} {b!r}, not {a!r}"
     return None
 
 
@@ -277,16 +298,16 @@ def _same_number(a, b) -> bool:
             and not isinstance(a, bool) and not isinstance(b, bool) and float(a) == float(b))
 
 
-def _flag_names(algo: str) -> dict:
-    names = {("algo", None): "--algo", ("model", None): "--model", ("dataset", None): "--dataset",
-             ("partition", "scheme"): "--partition", ("partition", "num_clients"): "--clients",
-             ("partition", "seed"): "--seed"}
-    try:
-        for hp, flag in algorithms.spec(algo).all_hparams():
-            names[("hparams", hp.name)] = flag
-    except ValueError:
-        pass
-    return names
+# The space (`errors.arg`) of the entries of a record's dict-valued settings.
+_SPACES = {"partition": "partition", "data_options": "data", "hparams": "hparams"}
+
+
+def _setting(key: str, sub: str) -> str:
+    """Entry `sub` of the record's dict `key`, marked: a partition field, a data option, a
+    hyperparameter, or a model option (as `model_options NAME`)."""
+    if key in _SPACES:
+        return arg(sub, _SPACES[key])
+    return f"{arg(key)} {sub}"
 
 
 def read_config(out: str) -> dict:

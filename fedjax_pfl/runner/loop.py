@@ -24,6 +24,7 @@ from fedjax_pfl import algorithms, core, models, plots
 from fedjax_pfl.callbacks import Callback, RoundEnd, RunStart
 from fedjax_pfl.data.build import build_federated
 from fedjax_pfl.data.federated import FederatedData, label_counts
+from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.interrupts import (WarningSignal, compute, deferred_signals, parse_signal,
                                    signal_name, stop_signals)
 from fedjax_pfl.runner import checkpoints, privacy, rundir
@@ -63,7 +64,8 @@ def load_data(cfg: RunConfig) -> tuple[FederatedData, dict[str, Any]]:
     n = int(np.asarray(raw.y).size)
     part = cfg.partition
     if part.scheme != "natural" and part.num_clients > n:
-        raise ValueError(f"--clients {part.num_clients} is more than the {n} samples of {cfg.dataset}")
+        raise OptionError(f"{arg('num_clients', 'partition')} {part.num_clients} is more than the "
+                          f"{n} samples of {cfg.dataset}")
     return build_federated(raw, part, device=device)
 
 
@@ -80,8 +82,8 @@ class Prepared:
     program: core.Program
     root: jax.Array
     round_keys: jax.Array
-    eval_ids: np.ndarray | None        # a fixed evaluation subset (--eval-clients K), or None
-    privacy: PrivacyPlan | None = None  # --dp-clip: the noise multiplier and ε after each round
+    eval_ids: np.ndarray | None        # a fixed evaluation subset (eval_clients K), or None
+    privacy: PrivacyPlan | None = None  # dp_clip: the noise multiplier and ε after each round
 
     @property
     def poisson(self) -> bool:
@@ -90,19 +92,20 @@ class Prepared:
 
 
 def check_with_data(cfg: RunConfig, data: FederatedData) -> None:
-    """The checks of `cfg` that need its dataset (ValueError naming the flag): a model that
-    collapses the dataset's images, an --eval-clients subset larger than the clients. `prepare`
+    """The checks of `cfg` that need its dataset (OptionError naming the setting): a model that
+    collapses the dataset's images, an `eval_clients` subset larger than the clients. `prepare`
     calls it; the sweep tool calls it for every run before the first one starts."""
     model_name = model_name_of(cfg)
     side = MIN_IMAGE_SIDE.get(model_name)
     shape = tuple(data.input_shape)
     if side and len(shape) == 3 and min(shape[:2]) < side:
-        raise ValueError(f"--model {model_name} needs images of at least {side}x{side} (its strided "
-                         f"stages reduce {shape[0]}x{shape[1]} {cfg.dataset} images to 1x1 and it "
-                         "trains at chance); use --model mlp")
+        raise OptionError(f"{arg('model')} {model_name} needs images of at least {side}x{side} "
+                          f"(its strided stages reduce {shape[0]}x{shape[1]} {cfg.dataset} images "
+                          f"to 1x1 and it trains at chance); use {arg('model')} mlp")
     subset = parse_eval_clients(cfg.eval_clients)
     if isinstance(subset, int) and subset > data.num_real_clients:
-        raise ValueError(f"--eval-clients {subset} is more than the {data.num_real_clients} clients")
+        raise OptionError(f"{arg('eval_clients')} {subset} is more than the "
+                          f"{data.num_real_clients} clients")
 
 
 def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict | None = None) -> Prepared:
@@ -230,8 +233,8 @@ def _resume_point(cfg: RunConfig, prep: Prepared, log) -> tuple[str, dict] | Non
     point = checkpoints.resume_point(cfg.out, log)
     assert point is not None                 # (an intact one, or ResumeError naming the damage)
     if int(point[1]["round"]) > cfg.rounds:
-        raise ResumeError(f"--rounds {cfg.rounds} is less than the {point[1]['round']} rounds the "
-                          f"checkpoint {point[0]} has done")
+        raise ResumeError(f"{arg('rounds')} {cfg.rounds} is less than the {point[1]['round']} "
+                          f"rounds the checkpoint {point[0]} has done")
     return point
 
 

@@ -24,6 +24,7 @@ import math
 from typing import Any
 
 from fedjax_pfl import core
+from fedjax_pfl.errors import OptionError, arg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +71,14 @@ def default_delta(num_clients: int) -> float:
 
 
 def plan(cfg, hparams: dict[str, Any], num_clients: int) -> tuple[dict[str, Any], PrivacyPlan | None]:
-    """(the hyperparameters, with the noise multiplier --target-epsilon calls for; the run's
-    privacy plan, None without --dp-clip). Errors name the flag."""
+    """(the hyperparameters, with the noise multiplier `target_epsilon` calls for; the run's
+    privacy plan, None without `dp_clip`). OptionErrors name the setting."""
     clip = hparams.get("dp_clip")
     if clip is None:
-        for flag, value in (("--target-epsilon", cfg.target_epsilon), ("--dp-delta", cfg.dp_delta)):
+        for name, value in (("target_epsilon", cfg.target_epsilon), ("dp_delta", cfg.dp_delta)):
             if value is not None:
-                raise ValueError(f"{flag} needs --dp-clip (client-level DP of the uplink)")
+                raise OptionError(f"{arg(name)} needs {arg('dp_clip', 'hparams')} (client-level "
+                                  "DP of the uplink)")
         return hparams, None
     from fedjax_pfl.privacy import accounting      # (dp-accounting: only for private runs)
 
@@ -89,15 +91,16 @@ def plan(cfg, hparams: dict[str, Any], num_clients: int) -> tuple[dict[str, Any]
     else:
         m = core.num_sampled_clients(num_clients, q)
         if cfg.dp_accountant == "pld":
-            raise ValueError("--dp-accountant pld: dp-accounting's PLD accountant does not "
-                             "support the engine's fixed-size sampling (M of N without "
-                             "replacement); use rdp, or --sampling poisson")
+            raise OptionError(f"{arg('dp_accountant')} pld: dp-accounting's PLD accountant does "
+                              "not support the engine's fixed-size sampling (M of N without "
+                              f"replacement); use rdp, or {arg('sampling', 'hparams')} poisson")
         common = dict(num_clients=num_clients, clients_per_round=m, sampling="fixed",
                       delta=delta)
     z = hparams["dp_noise_multiplier"]
     if cfg.target_epsilon is not None:
         if z:
-            raise ValueError("give --dp-noise-multiplier or --target-epsilon, not both")
+            raise OptionError(f"give {arg('dp_noise_multiplier', 'hparams')} or "
+                              f"{arg('target_epsilon')}, not both")
         z = accounting.noise_multiplier_for(cfg.target_epsilon, rounds=cfg.rounds,
                                             accountant=cfg.dp_accountant, **common)
         hparams = {**hparams, "dp_noise_multiplier": z}

@@ -12,10 +12,11 @@ import jax
 import numpy as np
 
 from fedjax_pfl import core, plots
+from fedjax_pfl.errors import MarkedError, arg
 from fedjax_pfl.runner import rundir
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(MarkedError, FloatingPointError):
     """Training produced NaN/Inf; the message names the round and the clients."""
 
 
@@ -174,7 +175,7 @@ def round_row(round_number: int, m: dict, round_time: float,
     if not np.all(np.isfinite(losses)):
         bad = trained[~np.isfinite(losses)].tolist()
         raise NonFiniteError(f"round {round_number}: clients {bad} have a non-finite training "
-                             "loss; lower --lr or check the data")
+                             f"loss; lower {arg('lr', 'hparams')} or check the data")
     # A Poisson-sampled round may have no participant: its loss is no one's (null, not 0).
     loss = float(losses.mean()) if losses.size else None
     row: dict[str, Any] = {"round": round_number, "train_loss": loss,
@@ -185,7 +186,7 @@ def round_row(round_number: int, m: dict, round_time: float,
 
 
 def eval_ids(prep, sampled: np.ndarray, *, final: bool) -> np.ndarray | None:
-    """The clients evaluated this time: all at the last round, else per --eval-clients."""
+    """The clients evaluated this time: all at the last round, else per `eval_clients`."""
     if final or prep.cfg.eval_clients == "all":
         return None
     if prep.cfg.eval_clients == "participants":
@@ -230,7 +231,8 @@ def check_evaluation(round_number: int, evals: dict, ids) -> None:
             raise NonFiniteError(
                 f"round {round_number}: the evaluation of {model} gives a non-finite loss on "
                 f"clients {clients[:8].tolist()}{'…' if clients.size > 8 else ''}; the run "
-                "diverged (lower --lr, or check the algorithm's hyperparameters)")
+                f"diverged (lower {arg('lr', 'hparams')}, or check the algorithm's "
+                "hyperparameters)")
 
 
 def communication_totals(rows: list[dict]) -> dict[str, float]:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fedjax_pfl import sinks
+from fedjax_pfl.errors import OptionError, arg
 
 # Files a run writes into its output directory (and removes from it when it starts afresh).
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "client_metrics.npz",
@@ -32,28 +33,30 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "client_metrics.npz
 
 
 def check_out(out: str, *, overwrite: bool = False, resume: bool = False) -> None:
-    """Refuses an output directory before any computation (ValueError naming --out): an
+    """Refuses an output directory before any computation (OptionError naming `out`): an
     existing file, a path that cannot be created or written, or a directory that holds another
     run's files (unless `overwrite`, which replaces them, or `resume`, which continues that run)."""
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--out {out} is an existing file, not a directory")
+        raise OptionError(f"{arg('out')} {out} is an existing file, not a directory")
     ancestor = path
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
-        raise ValueError(f"--out {out} cannot be created: {ancestor} is a file")
+        raise OptionError(f"{arg('out')} {out} cannot be created: {ancestor} is a file")
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out} is not writable ({ancestor} does not allow writing)")
+        raise OptionError(f"{arg('out')} {out} is not writable ({ancestor} does not allow "
+                          "writing)")
     if resume:
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"--resume: {out} holds no run to resume (no config.json)")
+            raise OptionError(f"{arg('resume')}: {out} holds no run to resume (no config.json)")
         return
     if os.path.isdir(path) and os.listdir(path) and not overwrite:
         found = sorted(os.listdir(path))
         shown = ", ".join(found[:4]) + (", …" if len(found) > 4 else "")
-        raise ValueError(f"--out {out} already holds files ({shown}); pass --overwrite to replace "
-                         "that run's files or --resume to continue it")
+        raise OptionError(f"{arg('out')} {out} already holds files ({shown}); pass "
+                          f"{arg('overwrite')} to replace that run's files or {arg('resume')} to "
+                          "continue it")
 
 
 def clear_out(out: str) -> None:

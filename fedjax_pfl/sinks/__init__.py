@@ -26,6 +26,7 @@ import importlib
 from typing import Iterable
 
 from fedjax_pfl.callbacks import Callback
+from fedjax_pfl.errors import MarkedError, OptionError, arg
 
 SINKS = ("tensorboard", "mlflow", "wandb")
 
@@ -42,14 +43,15 @@ _LIBRARIES = {
 }
 
 
-class MissingExtraError(ImportError):
-    """A sink's library is not installed; the message names the pip extra that installs it."""
+class MissingExtraError(MarkedError, ImportError):
+    """A sink's library is not installed; the message names the pip extra that installs it
+    (and the run's `log` option, `errors.arg`)."""
 
 
 def parse_log_flag(text: str | None) -> tuple[str, ...]:
     """The sink names of `--log` ("tensorboard,mlflow"), in order, without repeats.
 
-    "" or "none" (any case) means no sink. Raises ValueError, one line naming --log and the
+    "" or "none" (any case) means no sink. Raises OptionError, one line naming `log` and the
     valid names, for any other name.
     """
     if text is None or text.strip().lower() in ("", "none"):
@@ -58,8 +60,8 @@ def parse_log_flag(text: str | None) -> tuple[str, ...]:
     for part in text.split(","):
         name = part.strip().lower()
         if name not in SINKS:
-            raise ValueError(f"--log: unknown sink {part.strip()!r}; valid names: "
-                             f"{', '.join(SINKS)} (comma-separated), or none")
+            raise OptionError(f"{arg('log')}: unknown sink {part.strip()!r}; valid names: "
+                              f"{', '.join(SINKS)} (comma-separated), or none")
         if name not in names:
             names.append(name)
     return tuple(names)
@@ -71,12 +73,13 @@ def make(names: Iterable[str], out: str | None) -> list[Callback]:
 
     Each library is imported here, when its sink is asked for, so the package never needs one
     that is not used. A missing library raises MissingExtraError with the install command, e.g.
-    `--log mlflow needs mlflow (not installed): pip install "fedjax_pfl[mlflow]"`.
+    `log mlflow needs mlflow (not installed): pip install "fedjax_pfl[mlflow]"`.
     """
     sinks: list[Callback] = []
     for name in names:
         if name not in SINKS:
-            raise ValueError(f"--log: unknown sink {name!r}; valid names: {', '.join(SINKS)}")
+            raise OptionError(f"{arg('log')}: unknown sink {name!r}; valid names: "
+                              f"{', '.join(SINKS)}")
         try:
             module = importlib.import_module(f"fedjax_pfl.sinks.{name}")
             sinks.append(module.Sink(out))
@@ -85,6 +88,6 @@ def make(names: Iterable[str], out: str | None) -> list[Callback]:
             if missing not in _LIBRARIES[name]:
                 raise
             raise MissingExtraError(
-                f'--log {name} needs {missing} (not installed): '
+                f'{arg("log")} {name} needs {missing} (not installed): '
                 f'pip install "fedjax_pfl[{name}]"') from None
     return sinks

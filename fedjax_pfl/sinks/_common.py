@@ -11,10 +11,12 @@ Flat = dict[str, bool | int | float | str]
 
 
 def run_dir(own: str | None, start_out: str | None, sink: str) -> str:
-    """The directory a sink writes to: the one it was made with, else the run's --out."""
+    """The directory a sink writes to: the one it was made with, else the run's `out`."""
+    from fedjax_pfl.errors import OptionError, arg
+
     out = own if own is not None else start_out
     if out is None:
-        raise ValueError(f"--log {sink} needs a run directory (--out)")
+        raise OptionError(f"{arg('log')} {sink} needs a run directory ({arg('out')})")
     os.makedirs(out, exist_ok=True)
     return out
 

@@ -1,4 +1,4 @@
-"""core.placement: per-client state is what a state declares (CLIENT_FIELDS), never a shape guess;
+"""core.layout: per-client state is what a state declares (CLIENT_FIELDS), never a shape guess;
 and the debug backend names the client, round and stage of a failure."""
 
 from typing import Any, NamedTuple

@@ -323,7 +323,7 @@ def test_select_min_samples_counts_training_samples_only(tmp_path):
     train = [n for n, _ in counts]
     for s in range(0, 11):
         if not brute_force_eligible(train, s):
-            with pytest.raises(ValueError, match="--min-samples"):
+            with pytest.raises(ValueError, match="^min_samples"):
                 cache.select(nc, max_clients=None, min_samples=s, seed=0)
             continue
         for k in (None, 100, len(brute_force_eligible(train, s))):
@@ -348,14 +348,17 @@ def test_select_draws_k_uniformly_in_original_order(tmp_path):
     assert same.tolist() == cache.select(nc, max_clients=k, min_samples=4, seed=7).tolist()
 
 
-@pytest.mark.parametrize("kw, flag", [(dict(max_clients=0), "--max-clients"),
-                                      (dict(max_clients=-3), "--max-clients"),
-                                      (dict(min_samples=-1), "--min-samples"),
-                                      (dict(min_samples=1000), "--min-samples")])
-def test_select_errors_name_the_flag(tmp_path, kw, flag):
+@pytest.mark.parametrize("kw, name", [(dict(max_clients=0), "max_clients"),
+                                      (dict(max_clients=-3), "max_clients"),
+                                      (dict(min_samples=-1), "min_samples"),
+                                      (dict(min_samples=1000), "min_samples")])
+def test_select_errors_name_the_argument(tmp_path, kw, name):
+    """The argument, a data option of a run (`errors.arg(name, "data")`), which the command
+    lines say as their flag (--max-clients, --min-samples)."""
     nc, _ = load(FakeReader(str(tmp_path), make_blocks(COUNTS)), tmp_path / "cache")
-    with pytest.raises(ValueError, match=flag):
+    with pytest.raises(ValueError, match=f"^{name}") as exc:
         cache.select(nc, **{"max_clients": None, "min_samples": 0, "seed": 0, **kw})
+    assert exc.value.arguments[0] == (name, "data")
 
 
 def test_subset_holds_the_selected_clients(tmp_path):

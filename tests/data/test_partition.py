@@ -51,18 +51,20 @@ def test_smaller_alpha_means_more_label_skew():
 
 
 def test_dirichlet_gives_up_with_a_clear_error():
-    with pytest.raises(P.PartitionError, match=r"in 5 draws.*--min-size 290") as exc:
+    with pytest.raises(P.PartitionError, match=r"in 5 draws.*min_size 290") as exc:
         P.dirichlet(LABELS, 20, alpha=0.05, seed=0, min_size=290, max_tries=5)
     assert "dirichlet_client" in str(exc.value)
-    # The message's feasible --min-size really works with the same seed and draws.
-    feasible = int(re.search(r"--min-size (\d+) works", str(exc.value)).group(1))
+    # The message's feasible min_size really works with the same seed and draws.
+    feasible = int(re.search(r"min_size (\d+) works", str(exc.value)).group(1))
     assert 0 < feasible < 290
     parts = P.dirichlet(LABELS, 20, alpha=0.05, seed=0, min_size=feasible, max_tries=5)
     assert min(map(len, parts)) >= feasible
-    with pytest.raises(P.PartitionError, match=r"use at most --clients 1\b") as exc:
+    with pytest.raises(P.PartitionError, match=r"use at most num_clients 1\b") as exc:
         P.dirichlet(LABELS, 20, alpha=0.5, seed=0, min_size=LABELS.size)
     assert "dirichlet_client" in str(exc.value)
-    with pytest.raises(P.PartitionError, match="--alpha"):
+    # The names are PartitionConfig's (the command line says its flags, --clients, --min-size).
+    assert exc.value.arguments[:2] == [("min_size", "partition"), ("num_clients", "partition")]
+    with pytest.raises(P.PartitionError, match="^alpha must be > 0"):
         P.dirichlet(LABELS, 20, alpha=0.0, seed=0)
 
 
@@ -107,7 +109,7 @@ def test_train_test_split_sizes():
 
 
 def test_too_many_clients():
-    with pytest.raises(P.PartitionError, match="--clients 11 is more than the 10 samples"):
+    with pytest.raises(P.PartitionError, match="num_clients 11 is more than the 10 samples"):
         P.iid(10, 11, seed=0)
 
 
@@ -155,11 +157,11 @@ def test_clustered_groups_have_disjoint_label_sets_and_share_them_inside():
 
 
 def test_clustered_limits_and_build_info():
-    with pytest.raises(P.PartitionError, match="--clusters must be in"):
+    with pytest.raises(P.PartitionError, match="^clusters must be in"):
         P.clustered(LABELS, 20, clusters=11, seed=0)
-    with pytest.raises(P.PartitionError, match="--clusters must be in"):
+    with pytest.raises(P.PartitionError, match="^clusters must be in"):
         P.clustered(LABELS, 5, clusters=6, seed=0)
-    with pytest.raises(ValueError, match="--clusters must be in"):
+    with pytest.raises(ValueError, match=r"^clusters must be in \[1, num_clients 4\]"):
         PartitionConfig("clustered", 4, clusters=0).validate()
     one = P.clustered(LABELS, 4, clusters=1, seed=0)       # one group: every client all labels
     assert all(set(LABELS[p].tolist()) == set(range(10)) for p in one)
@@ -175,7 +177,7 @@ def test_clustered_limits_and_build_info():
 def test_natural_clients_hold_exactly_the_samples_with_their_id():
     """Client k holds the indices i with client_ids[i] == k, ascending (checked against that
     definition, sample by sample); an id with no samples gives an empty client, negative ids
-    none; a --clients count other than the dataset's is refused."""
+    none; a client count (num_clients) other than the dataset's is refused."""
     rng = np.random.default_rng(0)
     ids = rng.integers(-1, 9, size=500)
     ids[ids == 4] = 5                                       # client 4: no samples
@@ -184,5 +186,6 @@ def test_natural_clients_hold_exactly_the_samples_with_their_id():
     for k, part in enumerate(parts):
         assert part.tolist() == [i for i in range(500) if ids[i] == k], k
     assert sum(p.size for p in parts) == int((ids >= 0).sum())
-    with pytest.raises(P.PartitionError, match="9 natural clients; --clients 8"):
+    with pytest.raises(P.PartitionError, match="9 natural clients; num_clients 8 does not match "
+                       r"\(for synthetic data set synthetic_clients instead\)"):
         P.natural(ids, 8)

@@ -21,8 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import run as cli  # noqa: E402  (experiments/run.py: how the command line says the names)
 from fedjax_pfl.data import idx, sources
 from fedjax_pfl.data.sources import DATASETS, DatasetNotFoundError, RawDataset, load_raw
+from fedjax_pfl.errors import spelled
 
 N_TRAIN, N_TEST = 12, 5
 _REAL_DEBIAN_DIR = idx._DEBIAN_FASHION_MNIST_DIR
@@ -367,7 +369,7 @@ def test_emnist_letters_zero_label_is_corrupt(tmp_path):
 
 def test_emnist_bad_split():
     with pytest.raises(
-        ValueError, match="--emnist-split must be one of byclass, .*letters.*, got 'bogus'"
+        ValueError, match="^emnist_split must be one of byclass, .*letters.*, got 'bogus'"
     ):
         load_raw("emnist", emnist_split="bogus")
 
@@ -616,7 +618,7 @@ def test_tfds_tfrecord_without_tensorflow(tmp_path, fake_tfds, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow", None)  # `import tensorflow` raises ImportError
     # Without raw files: a not-found error that explains why the TFDS copy was not used.
     with pytest.raises(
-        DatasetNotFoundError, match=r"(?s)tfrecord format, which needs TensorFlow.*--data-dir"
+        DatasetNotFoundError, match=r"(?s)tfrecord format, which needs TensorFlow.*in data_dir"
     ):
         load_raw("mnist", tfds_dir=str(tfrecord_dir), data_dir=str(tmp_path / "raw"))
     # With raw files: they are read instead.
@@ -684,7 +686,12 @@ def test_missing_dataset_fails_fast_with_instructions(tmp_path, name, monkeypatc
         load_raw(name, data_dir=str(data_dir), tfds_dir=str(tfds_dir))
     assert time.monotonic() - start < 5
     message = str(info.value)
-    assert name in message and "--download" in message
+    assert name in message and "Or pass download to let TensorFlow Datasets" in message
+    assert "TFDS data dir (tfds_dir / $TFDS_DATA_DIR)" in message
+    # run.py says the flags: --download, --tfds-dir, --data-dir
+    said = spelled(info.value, cli.spelling())
+    assert "Or pass --download to let" in said and "(--tfds-dir / $TFDS_DATA_DIR)" in said
+    assert "(or pass --data-dir DIR)" in said
     for directory in (tfds_dir, data_dir, data_dir / name):
         assert str(directory) in message
     for expected in _EXPECTED_IN_MESSAGE[name]:
@@ -901,12 +908,12 @@ def test_synthetic_labels_are_a_linear_argmax_per_client():
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(synthetic_alpha=-0.5), "--synthetic-alpha must be a finite variance >= 0, got -0.5"),
-        (dict(synthetic_beta=-1.0), "--synthetic-beta must be"),
-        (dict(synthetic_alpha=float("nan")), "--synthetic-alpha"),
-        (dict(synthetic_clients=0), "--synthetic-clients must be an integer >= 1, got 0"),
-        (dict(synthetic_clients=2.5), "--synthetic-clients"),
-        (dict(synthetic_dim=0), "--synthetic-dim must be an integer >= 1"),
+        (dict(synthetic_alpha=-0.5), "^synthetic_alpha must be a finite variance >= 0, got -0.5"),
+        (dict(synthetic_beta=-1.0), "^synthetic_beta must be"),
+        (dict(synthetic_alpha=float("nan")), "^synthetic_alpha"),
+        (dict(synthetic_clients=0), "^synthetic_clients must be an integer >= 1, got 0"),
+        (dict(synthetic_clients=2.5), "^synthetic_clients"),
+        (dict(synthetic_dim=0), "^synthetic_dim must be an integer >= 1"),
     ],
 )
 def test_synthetic_validation(kw, message):

@@ -267,5 +267,5 @@ def test_the_run_accounts_poisson_sampling():
     assert pld_plan.epsilons == plan.epsilons               # the rows stay RDP's
     fixed = runner.RunConfig(algo="fedavg", rounds=rounds, dp_delta=delta, dp_accountant="pld",
                              hparams={"dp_clip": 1.0, "participation": q})
-    with pytest.raises(ValueError, match="--sampling poisson"):
+    with pytest.raises(ValueError, match="use rdp, or sampling poisson"):
         privacy.plan(fixed, fixed.validate(), n)
