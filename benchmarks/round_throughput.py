@@ -170,7 +170,6 @@ def protocol(args) -> None:
     fedjax_pfl.use_cpu_cores(args.cpu_devices or None)    # as run.py: one XLA device per core
     import jax
     import numpy as np
-
     from vs_pytorch import protocol_program, warm_evaluation
 
     extra = (["--local-steps", str(args.local_steps)] if args.local_steps else [])

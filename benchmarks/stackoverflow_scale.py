@@ -118,10 +118,10 @@ def main() -> None:
     fedjax_pfl.use_cpu_cores()
     import jax
     import numpy as np
+    from natural import SyntheticReader
 
     from fedjax_pfl import checkpoint, models, runner
     from fedjax_pfl.data import cache, formats
-    from natural import SyntheticReader
 
     options = _model_options(args.model_option)
     out: dict = {"clients": args.clients, "model": args.model, "devices": None}

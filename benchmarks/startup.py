@@ -45,8 +45,8 @@ def in_process(algo: str, flags: list[str]) -> None:
     """One algorithm's start-up, timed from this process's start."""
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     import jax
-
     import run as cli
+
     from fedjax_pfl import runner
 
     prep = runner.prepare(cli.config_from_args(cli.parse(["--algo", algo, "--quiet", *flags])))

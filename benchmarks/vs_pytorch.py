@@ -133,7 +133,8 @@ class TorchFedAvg:
         # Training data stays on the host for the DataLoader (moved batch by batch); resident data
         # and the test data live on the training device.
         train_on = self.device if resident else torch.device("cpu")
-        self.clients = [tuple(torch.from_numpy(v).to(on) for v, on in zip(c, (train_on, train_on, self.device, self.device)))
+        places = (train_on, train_on, self.device, self.device)
+        self.clients = [tuple(torch.from_numpy(v).to(on) for v, on in zip(c, places))
                         for c in clients]
         self.epochs, self.batch = epochs, batch
         self.global_model = self._cnn(clients[0][0].shape[1], 10).to(self.device)

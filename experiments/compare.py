@@ -231,7 +231,8 @@ def write_table(args, rows, info) -> None:
              "`best` is the best round's mean; `part.-best` is pFedSOP's Table II statistic (each "
              "client's best accuracy over the rounds it took part in, averaged); `worst 10%` is the "
              "mean of the worst tenth of clients.", "",
-             "| run | mean (last) | mean (best round) | weighted (last) | worst 10% (last) | part.-best | global model (last) | s/round |"
+             "| run | mean (last) | mean (best round) | weighted (last) | worst 10% (last) | part.-best "
+             "| global model (last) | s/round |"
              + comm_header,
              "|---|---|---|---|---|---|---|---|" + "---|" * comm_header.count("|")]
     for r in rows:

@@ -28,8 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fedjax_pfl.data.formats import (FORMATS, READERS, UsageError,  # noqa: E402,F401
-                                    detect_format, open_reader)
+from fedjax_pfl.data.formats import FORMATS, READERS, UsageError, detect_format, open_reader  # noqa: E402,F401
 
 
 class _Parser(argparse.ArgumentParser):

@@ -48,15 +48,12 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from fedjax_pfl import algorithms
+    from fedjax_pfl import algorithms, models
     from fedjax_pfl.algorithms import COMMON_HPARAMS
     from fedjax_pfl.data import partition as partition_lib
     from fedjax_pfl.data import sources
     from fedjax_pfl.data.formats import FORMATS, NATURAL_DATASETS
-    from fedjax_pfl import models
     from fedjax_pfl.runner.options import DEFAULTS as D
 
     p = _Parser(
@@ -524,7 +521,7 @@ def _report_interrupt(e: KeyboardInterrupt) -> None:
 
     how = "terminated (SIGTERM)" if signal_name(e) == "SIGTERM" else "interrupted"
     if isinstance(e, runner.Interrupted) and e.out:
-        where = (f"during compilation" if e.phase == "compile" else f"after round {e.last_round}")
+        where = ("during compilation" if e.phase == "compile" else f"after round {e.last_round}")
         # What is on disk decides (a resume stopped while compiling has loaded no checkpoint yet,
         # but its directory holds them): --resume only where there is something to continue.
         latest = runner.latest_checkpoint(e.out)
@@ -602,11 +599,12 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
             jax.config.update("jax_enable_compilation_cache", False)   # $JAX_COMPILATION_CACHE_DIR too
         else:
             fedjax_pfl.use_compile_cache()
+        import orbax.checkpoint  # noqa: F401  (imported here, not in the middle of a run)
+
         from fedjax_pfl import core, runner, sinks
         from fedjax_pfl.checkpoint import CheckpointError
         from fedjax_pfl.data.sources import DatasetNotFoundError
         from fedjax_pfl.errors import spelled
-        import orbax.checkpoint  # noqa: F401  (imported here, not in the middle of a run)
 
     with runner.interruptible():
         try:

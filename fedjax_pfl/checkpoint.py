@@ -218,8 +218,8 @@ def verify(path: str, *, shared: bool = False) -> None:
     raise CheckpointError(f"checkpoint {path}: {what} {kind or 'is damaged'} (found by process {by})")
 
 
-_NOTHING = np.iinfo(np.int32).max          # (no finding, in `verify`'s exchange: int32, as JAX
-                                           # holds it without x64)
+# (no finding, in `verify`'s exchange: int32, as JAX holds it without x64)
+_NOTHING = np.iinfo(np.int32).max
 
 
 # What `verify`'s exchange tells the other processes about a file (its position in the manifest

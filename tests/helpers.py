@@ -110,7 +110,6 @@ def tree_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-
 def states_per_backend(name, data, *, rounds=3, backends=("loop", "vmap", "chunked"), **hparams):
     """The state after `rounds` rounds of algorithm `name` on each backend (same keys throughout)."""
     from fedjax_pfl import algorithms
@@ -137,7 +136,8 @@ def default_prepared(algo: str):
     compiled once per test process: tests/test_defaults_train.py trains it to its accuracy bar and
     stops and resumes it (`check_resume_equals_uninterrupted`); a Prepared does not depend on
     --rounds or --out."""
-    import run as cli          # experiments/run.py (importing it starts nothing)
+    import run as cli  # experiments/run.py (importing it starts nothing)
+
     from fedjax_pfl import runner
 
     return runner.prepare(cli.config_from_args(cli.parse(["--algo", algo, "--quiet"])))

@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import run  # noqa: E402
+
 from fedjax_pfl.callbacks import Callback  # noqa: E402
 
 

@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import run  # noqa: E402
+
 from fedjax_pfl import plots  # noqa: E402
 
 plots.plot_label_distribution = lambda *args, **kwargs: None

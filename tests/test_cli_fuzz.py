@@ -8,9 +8,9 @@ import os
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
-
 import run as cli  # noqa: E402  (experiments/run.py)
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from fedjax_pfl import algorithms, runner  # noqa: E402
 

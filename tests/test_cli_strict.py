@@ -6,7 +6,6 @@ import json
 import os
 
 import pytest
-
 import run as cli  # noqa: E402  (experiments/run.py)
 
 from fedjax_pfl import runner  # noqa: E402

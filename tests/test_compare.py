@@ -4,9 +4,8 @@ reusing only runs of the same configuration, and nothing of an earlier run touch
 import json
 import os
 
+import compare  # experiments/compare.py
 import pytest
-
-import compare        # experiments/compare.py
 
 COMMON = "--clients 6 --rounds 2 --participation 0.5"
 

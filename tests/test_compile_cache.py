@@ -8,9 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import helpers
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--algo", "fedavg", "--rounds", "2", "--clients", "4", "--quiet"]

@@ -18,9 +18,9 @@ round): the first round at or above 0.8 is 4 (fedpc, pfedme), 5 (tdpfed),
 
 import dataclasses
 
+import helpers
 import pytest
 
-import helpers
 from fedjax_pfl import algorithms, runner
 
 BAR = 0.8

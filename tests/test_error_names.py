@@ -8,7 +8,6 @@ import math
 import pathlib
 
 import pytest
-
 import run as cli  # noqa: E402  (experiments/run.py)
 
 from fedjax_pfl import runner  # noqa: E402

@@ -12,7 +12,6 @@ from the client sizes and the sampled ids the run recorded."""
 import json
 import math
 
-import jax
 import numpy as np
 import pytest
 

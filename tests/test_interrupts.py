@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import helpers
 import numpy as np
 import pytest
 
-import helpers
 from fedjax_pfl import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

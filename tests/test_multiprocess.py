@@ -14,10 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 import numpy as np
 import pytest
-
-import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 

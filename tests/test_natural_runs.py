@@ -9,11 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import natural_files as nf
 import numpy as np
 import pytest
 
-import natural_files as nf
-from fedjax_pfl import algorithms, runner
+from fedjax_pfl import runner
 from fedjax_pfl.data.build import PartitionConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ import subprocess
 import sys
 import textwrap
 
+import prepare
 import pytest
 
-import prepare
 from fedjax_pfl.data.sources import DatasetNotFoundError
 
 FAKE_MODULE = textwrap.dedent('''

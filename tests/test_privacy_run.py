@@ -13,7 +13,7 @@ from fedjax_pfl.privacy import accounting
 
 
 def _config(out, *flags):
-    import run as cli          # experiments/run.py
+    import run as cli  # experiments/run.py
 
     return cli.config_from_args(cli.parse(["--algo", "fedavg", "--quiet", "--out", str(out),
                                            "--clients", "10", "--participation", "0.5",
@@ -55,7 +55,7 @@ def test_a_run_at_a_target_epsilon_reports_epsilon_after_every_round(tmp_path):
      "device placement only"),
 ])
 def test_privacy_flags_that_cannot_apply_are_refused(tmp_path, flags, words):
-    import run as cli          # experiments/run.py: the command line's words, its flags
+    import run as cli  # experiments/run.py: the command line's words, its flags
 
     cfg = _config(tmp_path, *flags)
     with pytest.raises(ValueError) as exc:

@@ -4,9 +4,9 @@ every round included."""
 
 import numpy as np
 import pytest
+from helpers import make_data
 
 from fedjax_pfl import runner, sweep
-from helpers import make_data
 
 
 @pytest.mark.slow

@@ -3,11 +3,11 @@ the same metrics and ends in the same state, bit for bit, as a run that was neve
 
 import json
 
+import helpers
 import numpy as np
 import pytest
+import run as cli  # experiments/run.py (on the tests' pythonpath)
 
-import helpers
-import run as cli        # experiments/run.py (on the tests' pythonpath)
 from fedjax_pfl import runner
 from fedjax_pfl.callbacks import Callback
 

@@ -2,9 +2,8 @@
 `run.py --resume`: the saved record as the base, the overrides on top, only what a resume may
 change allowed to differ, a directory without a run or without a checkpoint refused first."""
 
-import pytest
-
 import helpers
+import pytest
 import run as cli  # noqa: E402  (experiments/run.py)
 
 from fedjax_pfl import runner  # noqa: E402

@@ -6,7 +6,6 @@ flags' defaults."""
 import json
 
 import pytest
-
 import run as cli  # noqa: E402  (experiments/run.py)
 
 from fedjax_pfl import runner  # noqa: E402

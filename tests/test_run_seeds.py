@@ -6,12 +6,11 @@ import json
 
 import numpy as np
 import pytest
-
 import run as cli  # noqa: E402  (experiments/run.py)
+from helpers import make_data  # noqa: E402
 
 from fedjax_pfl import runner, sweep  # noqa: E402
 from fedjax_pfl.errors import OptionError  # noqa: E402
-from helpers import make_data  # noqa: E402
 
 SEEDS = [0, 3, 5]
 

@@ -6,10 +6,10 @@ import json
 import os
 import signal
 
+import helpers
 import numpy as np
 import pytest
 
-import helpers
 from fedjax_pfl import checkpoint, core, plots, runner
 from fedjax_pfl.callbacks import Callback
 
@@ -193,7 +193,7 @@ def test_log_tensorboard_in_a_real_run_holds_the_metrics_rows_and_overwrite_clea
 
 
 def _cli_resume_refused(out, argv, capsys):
-    import run as cli     # experiments/run.py
+    import run as cli  # experiments/run.py
 
     before = _snapshot(out)
     ckpts = {n: sorted(os.listdir(out / "checkpoints" / n)) for n in os.listdir(out / "checkpoints")}
@@ -229,7 +229,7 @@ def test_a_resume_with_no_checkpoint_is_refused_and_changes_no_file(tmp_path, ca
     replace them)."""
     import shutil
 
-    import run as cli     # experiments/run.py
+    import run as cli  # experiments/run.py
 
     prep = helpers.default_prepared("fedavg")
     out = tmp_path / "run"
@@ -258,7 +258,7 @@ def test_a_resume_with_no_checkpoint_is_refused_and_changes_no_file(tmp_path, ca
 def test_an_interrupt_before_the_first_checkpoint_does_not_offer_a_resume(tmp_path, capsys):
     """The message after a stop names --resume only where a checkpoint exists to continue from;
     before the first one it says there is nothing to resume."""
-    import run as cli     # experiments/run.py
+    import run as cli  # experiments/run.py
 
     out = tmp_path / "run"
     out.mkdir()

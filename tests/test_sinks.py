@@ -18,8 +18,8 @@ import sys
 
 import numpy as np
 import pytest
-
 import run as cli  # noqa: E402  (experiments/run.py)
+
 from fedjax_pfl import sinks
 from fedjax_pfl.callbacks import RoundEnd, RunStart
 
@@ -202,6 +202,7 @@ def _metric_points(client, run_id, key) -> dict[int, list[float]]:
 def test_mlflow_run_params_metrics_status_and_resume(tmp_path, monkeypatch, empty_mlflow_db):
     from mlflow.tracking import MlflowClient
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
     from fedjax_pfl.sinks import mlflow as mlflow_sink
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
@@ -248,6 +249,7 @@ def test_mlflow_run_params_metrics_status_and_resume(tmp_path, monkeypatch, empt
 @pytest.mark.slow  # MLflow makes its SQLite tables once: 3-10 s
 def test_mlflow_uses_the_users_tracking_uri(tmp_path, monkeypatch, empty_mlflow_db):
     from mlflow.tracking import MlflowClient
+
     from fedjax_pfl.sinks import mlflow as mlflow_sink
     elsewhere = tmp_path / "server.db"
     shutil.copy(empty_mlflow_db, elsewhere)

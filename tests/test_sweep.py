@@ -3,12 +3,11 @@
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
+from helpers import make_data
 
 from fedjax_pfl import models, runner, sweep
-from helpers import make_data
 
 
 @pytest.mark.slow

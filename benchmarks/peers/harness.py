@@ -111,7 +111,7 @@ def prepare(job: str, rounds: int, seed: int, smoke: bool, work: str) -> str:
     """The job's .npz in `work`, written by prepare.py unless there already, with the current
     synthetic generator (prepare.GENERATOR: a job written by an older one is written again)."""
     path = os.path.join(work, f"{'smoke_' if smoke else ''}{job}_r{rounds}_s{seed}.npz")
-    from prepare import GENERATOR as current       # (prepare.py imports only NumPy at the top)
+    from prepare import GENERATOR as current  # (prepare.py imports only NumPy at the top)
 
     if os.path.exists(path) and generator_of(path) != current:
         log(f"{path}: written by another synthetic generator; preparing it again ({current})")
@@ -302,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burners", type=int, default=1, help="CPU-burning neighbours in 'contended' (default 1)")
     parser.add_argument("--contended-devices", type=int, nargs="*", default=[1],
                         help="extra fedjax_pfl FedAvg runs with this many XLA devices when contended (default 1)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="pfl-research's torch threads (default: cores)")
-    parser.add_argument("--flower-client-cpus", type=float, default=2.0, help="Ray num_cpus per Flower client (default 2)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="pfl-research's torch threads (default: cores)")
+    parser.add_argument("--flower-client-cpus", type=float, default=2.0,
+                        help="Ray num_cpus per Flower client (default 2)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where every side trains: cpu (default) or cuda (each framework's GPU settings)")
     parser.add_argument("--flower-client-gpus", type=float, default=0.25,
@@ -333,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run once per seed: another draw of batch orders, independent of --seed "
                              "(own: ours and Flower reshuffle, pfl-research unchanged; engine: the "
                              "engine's orders under keys folded with the seed)")
-    parser.add_argument("--smoke", action="store_true", help="one round on tiny data, quiet only: do all three still run?")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one round on tiny data, quiet only: do all three still run?")
     parser.add_argument("--venv-dir", default=os.path.join(HERE, ".venvs"))
     parser.add_argument("--work-dir", default=os.path.join(HERE, "work"))
     parser.add_argument("--torch-wheel", default=os.environ.get("PEERS_TORCH_WHEEL"),
@@ -428,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     for what, why in skipped.items():
         print(f"not run, does not fit in this machine's memory: {what}: {why}")
-    print(f"\nlocal steps per round equal on every side ({'smoke: ' if args.smoke else ''}checked); raw results in {out_json}")
+    print(f"\nlocal steps per round equal on every side ({'smoke: ' if args.smoke else ''}checked); "
+          f"raw results in {out_json}")
     return 0
 
 

@@ -34,7 +34,8 @@ white noise e_i ~ N(0, 1) per pixel. A weak, shifted pattern, partly shared with
 under stronger clutter of the same frequencies: fedjax_pfl's FedAvg on the cifar10 job reached
 51 % after 5 rounds (43 % with SIGNAL = 28; both measured with the clutter product in float32,
 which differs from this float64 one in 3e-6 of the pixels by one grey level), where the earlier
-generator (a per-pixel pattern U(60, 196) plus N(0, 48) noise) gave every side ≥ 99.8 % after 4. The pgfed job's synthetic
+generator (a per-pixel pattern U(60, 196) plus N(0, 48) noise) gave every side ≥ 99.8 % after 4.
+The pgfed job's synthetic
 fallback and the --smoke jobs use the same generator at their shapes. `--smoke`: six clients of
 20-odd samples, two a round, one epoch — seconds per framework.
 

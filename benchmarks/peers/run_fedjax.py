@@ -266,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                   available_mb=round(plan.available / 2**20, 1), margin=args.memory_margin,
                   working_set_mb=round(max(plan.working_set, plan.eval_working_set) / 2**20, 1),
                   declined=declined)
+    auto_host = placement == "host" and args.state_placement == "auto"
     print(f"fedjax_pfl {args.algo}: client state on the {placement}"
-          f"{' (auto: the device plan would not fit)' if placement == 'host' and args.state_placement == 'auto' else ''}"
+          f"{' (auto: the device plan would not fit)' if auto_host else ''}"
           f"; plan {memory['planned_mb']:,.0f} MB of {memory['available_mb']:,.0f} MB available; "
           f"chunk sizes {chunk_sizes}", flush=True)
     state = program.init(jax.random.fold_in(root, 0))

@@ -40,6 +40,7 @@ sys.path.insert(0, HERE)
 
 import common  # noqa: E402
 
+
 def client_train(msg, context):
     """The ClientApp's train function: E local epochs on the partition the config names."""
     import torch
@@ -48,7 +49,7 @@ def client_train(msg, context):
     config = msg.content["config"]
     if str(config["peers_dir"]) not in sys.path:
         sys.path.insert(0, str(config["peers_dir"]))
-    import common as c           # by name: its cache lives as long as the Ray worker
+    import common as c  # by name: its cache lives as long as the Ray worker
     import torch_models
 
     device = str(config["device"])
@@ -112,15 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     t_launch = common.launch_time()
     load_start = common.loadavg()
 
-    import torch
     import flwr
+    import torch
+    import torch_models
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg
     from flwr.simulation import run_simulation
-
-    import torch_models
 
     job = common.Job(os.path.abspath(args.job))
     m = job.meta

@@ -56,10 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     load_start = common.loadavg()
     os.environ["PFL_PYTORCH_DEVICE"] = args.device         # read by pfl when it places tensors
 
-    import numpy as np
-    import torch
-
     import pfl
+    import torch  # noqa: F401  (pfl needs it imported before its own torch modules)
+    import torch_models
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.aggregate.weighting import WeightByDatapoints
     from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
@@ -67,11 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     from pfl.data.dataset import Dataset
     from pfl.data.federated_dataset import FederatedDataset
     from pfl.hyperparam import NNTrainHyperParams
-    from pfl.metrics import Metrics, Weighted
     from pfl.internal.ops import pytorch_ops
+    from pfl.metrics import Metrics, Weighted
     from pfl.model.pytorch import PyTorchModel
-
-    import torch_models
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from fedjax_pfl import core
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
-from fedjax_pfl.core import split as split_lib
+from fedjax_pfl.models import split as split_lib
 from fedjax_pfl.models.model import Model
 
 Params = Any

@@ -38,7 +38,7 @@ import optax
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
-from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, UNIT_CLOSED, register
+from fedjax_pfl.algorithms.registry import NON_NEGATIVE, UNIT_CLOSED, AlgorithmSpec, HParam, register
 from fedjax_pfl.core.local import masked_mean_loss
 from fedjax_pfl.models.model import Model
 

@@ -39,7 +39,7 @@ from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms import _prox
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig, require_choices
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, register
+from fedjax_pfl.algorithms.registry import NON_NEGATIVE, AlgorithmSpec, HParam, register
 from fedjax_pfl.models.model import Model
 
 Params = Any

@@ -93,7 +93,6 @@ def expected_clients(config: EngineConfig, num_real: int) -> float:
     return core.num_sampled_clients(num_real, config.participation)
 
 
-
 class Round(NamedTuple):
     """One round's common inputs, drawn by `Engine.begin` from the round's key."""
 
@@ -368,12 +367,27 @@ class Engine:
         return self.evaluator.rows(data, trained.params, ids)
 
     def evaluation(self, *, personal: Callable[[Any], Params] | None = None,
-                   shared: Callable[[Any], Params] | None = None
+                   shared: Callable[[Any], Params] | None = None,
+                   fine_tuner: LocalTrainer | None = None
                    ) -> tuple[Callable, EvaluateParts | None]:
         """(evaluate, evaluate_parts) of an algorithm whose clients use a personal model kept
         per client (`personal(state)`: leaves [N, ...], "client") and/or a shared one
         (`shared(state)`: "global", or "client" when there is no personal model). Personal
-        models change only where a round samples them: they are the cached part."""
+        models change only where a round samples them: they are the cached part.
+
+        `fine_tuner`: each client's model is the shared one trained on its own data first
+        (`evaluate_after_training`: FedAvg-FT's fine-tuning, FedBABU's, Per-FedAvg's
+        adaptation), "client", beside the shared one, "global"; the batch order's key is
+        fold_in(state.rng, state.round), so every evaluation of a state gives the same numbers."""
+        if fine_tuner is not None:
+            def tuned(state, data, ids=None) -> dict[str, ClientEval]:
+                global_eval = self.evaluator.shared(data, shared(state), ids)
+                key = jax.random.fold_in(state.rng, state.round)
+                client = self.evaluate_after_training(fine_tuner, data, shared(state), key, ids)
+                return {"client": client, "global": global_eval}
+
+            return tuned, None
+
         def rows(state, data, ids=None) -> dict[str, ClientEval]:
             return {"client": self.evaluator.personal(data, personal(state), ids)}
 

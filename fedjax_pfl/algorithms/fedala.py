@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, Check, HParam, NON_NEGATIVE, POSITIVE, register
-from fedjax_pfl.core import split as split_lib
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, AlgorithmSpec, Check, HParam, register
 from fedjax_pfl.data.federated import ClientSplits
+from fedjax_pfl.models import split as split_lib
 from fedjax_pfl.models.model import Model
 
 Params = Any

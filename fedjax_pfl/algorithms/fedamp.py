@@ -30,7 +30,7 @@ from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms import _prox
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, require_choices
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, UNIT_CLOSED, register
+from fedjax_pfl.algorithms.registry import NON_NEGATIVE, POSITIVE, UNIT_CLOSED, AlgorithmSpec, HParam, register
 from fedjax_pfl.models.model import Model
 from fedjax_pfl.ops import attention_mix
 

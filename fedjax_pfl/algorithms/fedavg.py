@@ -15,14 +15,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fedjax_pfl import core, ops
+from fedjax_pfl import ops
 from fedjax_pfl.algorithms._global_model import GlobalModelState
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, register
 from fedjax_pfl.core.local import LocalTrainer
 from fedjax_pfl.models.model import Model
-
 
 State = GlobalModelState     # the global model θ, per-client optimizer states, round, rng
 
@@ -54,14 +53,7 @@ def fedavg(model: Model, config: EngineConfig, *, ft_epochs: int | None = None
         metrics = engine.metrics(rnd, trained, up=d, down=d, server=agg)
         return State(params, trained.opt_rows, server, state.round + 1, state.rng), metrics
 
-    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        global_eval = engine.evaluator.shared(data, state.params, ids)
-        if fine_tuner is None:
-            return {"client": global_eval}
-        key = jax.random.fold_in(state.rng, state.round)
-        personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
-        return {"client": personal, "global": global_eval}
-
+    evaluate, _ = engine.evaluation(shared=lambda state: state.params, fine_tuner=fine_tuner)
     return engine.algorithm("fedavg", init, round_fn, evaluate, host_state=True)
 
 

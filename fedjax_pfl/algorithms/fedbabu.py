@@ -2,7 +2,7 @@
 Classification", ICLR 2022, arXiv:2106.06042), Algorithm 1: Federated Averaging with Body
 Aggregation and Body Update, then fine-tuning.
 
-The parameters split by path (`core/split.py`) into the body θ_B and the head θ_H (--fedbabu-head,
+The parameters split by path (`models/split.py`) into the body θ_B and the head θ_H (--fedbabu-head,
 default the last dense layer). The head stays at its random initialisation θ_H^0 during federated
 training; only the body learns and is averaged. Per round t:
 
@@ -41,12 +41,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_pfl import core
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, Check, HParam, POSITIVE, register
-from fedjax_pfl.core import split as split_lib
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, POSITIVE, AlgorithmSpec, Check, HParam, register
 from fedjax_pfl.core.local import LocalTrainer
+from fedjax_pfl.models import split as split_lib
 from fedjax_pfl.models.model import Model
 
 Params = Any
@@ -92,12 +91,7 @@ def fedbabu(model: Model, config: EngineConfig, *, head: str, finetune_epochs: i
         metrics = engine.metrics(rnd, trained, up=body_size, down=body_size, server=agg)
         return new_state, metrics
 
-    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        global_eval = engine.evaluator.shared(data, state.params, ids)
-        key = jax.random.fold_in(state.rng, state.round)
-        personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
-        return {"client": personal, "global": global_eval}
-
+    evaluate, _ = engine.evaluation(shared=lambda state: state.params, fine_tuner=fine_tuner)
     return engine.algorithm("fedbabu", init, round_fn, evaluate, host_state=True)
 
 

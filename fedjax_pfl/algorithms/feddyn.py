@@ -40,7 +40,7 @@ from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms import _prox
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, POSITIVE, register
+from fedjax_pfl.algorithms.registry import POSITIVE, AlgorithmSpec, HParam, register
 from fedjax_pfl.core.local import add_aux_gradient
 from fedjax_pfl.models.model import Model
 

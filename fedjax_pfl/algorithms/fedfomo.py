@@ -36,7 +36,15 @@ import jax.numpy as jnp
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys, first_row, require_choices
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, NON_NEGATIVE, UNIT_CLOSED, UNIT_CLOSED_OPEN, register
+from fedjax_pfl.algorithms.registry import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    UNIT_CLOSED,
+    UNIT_CLOSED_OPEN,
+    AlgorithmSpec,
+    HParam,
+    register,
+)
 from fedjax_pfl.data.federated import ClientSplits
 from fedjax_pfl.models.model import Model
 from fedjax_pfl.ops import fomo

@@ -3,7 +3,7 @@
 docs/algorithms/fedpc.md (the draft "A Fast Training Framework for Federated Model with
 Personalized Component", Algorithms 1, 3, 4, 5, with its closed forms corrected). Every client's
 model is y^(n) = M x + N z^(n): the shared leaves x (one copy) and the personal leaves z^(n) (one
-row per client), split by parameter path (`core/split.py`, `--fedpc-personal`). Objective
+row per client), split by parameter path (`models/split.py`, `--fedpc-personal`). Objective
 (#objective):
 
     min_{x, Z} (1/N) Σ_n f_n(M x + N z^(n)) + λ Σ_{edges (i,j)} ‖z^(i) − z^(j)‖_p
@@ -70,7 +70,6 @@ of edges inside a planted cluster).
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 from typing import Any, NamedTuple
 
@@ -83,10 +82,10 @@ import optax
 from fedjax_pfl import core
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig, client_keys
 from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
-from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, Check, HParam, NON_NEGATIVE, POSITIVE, register
-from fedjax_pfl.core import split as split_lib
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, AlgorithmSpec, Check, HParam, register
 from fedjax_pfl.core.local import LocalTrainer, epoch_permutation
 from fedjax_pfl.data.federated import label_counts
+from fedjax_pfl.models import split as split_lib
 from fedjax_pfl.models.model import Model
 from fedjax_pfl.ops import difference
 from fedjax_pfl.ops import graph as graph_ops

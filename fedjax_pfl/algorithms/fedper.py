@@ -1,7 +1,7 @@
 """FedPer (Arivazhagan, Aggarwal, Singh & Choudhary, arXiv:1912.00818, 2019): federated base
 layers, personalisation layers kept on each client.
 
-The parameters split by path (`core/split.py`) into the base (body) θ_B, shared by all, and the
+The parameters split by path (`models/split.py`) into the base (body) θ_B, shared by all, and the
 personalisation layers (head) h_i of client i (--fedper-head, default the last dense layer).
 Per round, as FedAvg (McMahan et al. 2017, Algorithm 1) on the whole model:
 
@@ -24,7 +24,7 @@ from fedjax_pfl.algorithms._split_fedavg import SplitModelState, split_fedavg
 from fedjax_pfl.algorithms.engine import EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, Check, HParam, register
-from fedjax_pfl.core import split as split_lib
+from fedjax_pfl.models import split as split_lib
 from fedjax_pfl.models.model import Model
 
 # body: the base layers θ_B; heads: the personalisation layers h_i, [N, ...]

@@ -31,10 +31,9 @@ from fedjax_pfl.algorithms import _prox
 from fedjax_pfl.algorithms._global_model import GlobalModelState
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, NON_NEGATIVE, register
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, NON_NEGATIVE, AlgorithmSpec, HParam, register
 from fedjax_pfl.core.local import LocalTrainer
 from fedjax_pfl.models.model import Model
-
 
 State = GlobalModelState     # FedAvg's: the global model, optimizer rows, round, rng
 
@@ -67,14 +66,7 @@ def fedprox(model: Model, config: EngineConfig, *, mu: float, ft_epochs: int | N
         metrics = engine.metrics(rnd, trained, up=d, down=d, server=agg)
         return State(params, trained.opt_rows, server, state.round + 1, state.rng), metrics
 
-    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        global_eval = engine.evaluator.shared(data, state.params, ids)
-        if fine_tuner is None:
-            return {"client": global_eval}
-        key = jax.random.fold_in(state.rng, state.round)
-        personal = engine.evaluate_after_training(fine_tuner, data, state.params, key, ids)
-        return {"client": personal, "global": global_eval}
-
+    evaluate, _ = engine.evaluation(shared=lambda state: state.params, fine_tuner=fine_tuner)
     return engine.algorithm("fedprox", init, round_fn, evaluate, host_state=True)
 
 

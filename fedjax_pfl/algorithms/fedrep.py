@@ -1,7 +1,7 @@
 """FedRep (Collins, Hassani, Mokhtari & Shakkottai, "Exploiting Shared Representations for
 Personalized Federated Learning", ICML 2021, arXiv:2102.07078), Algorithm 1.
 
-The parameters split by path (`core/split.py`) into the representation (body) φ, shared by all,
+The parameters split by path (`models/split.py`) into the representation (body) φ, shared by all,
 and the head h_i of client i (--fedrep-head, default the last dense layer). Per round t, each
 sampled client i ∈ S_t, from (φ^t, h_i):
 
@@ -44,9 +44,9 @@ import optax
 from fedjax_pfl import core
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig, Trained
 from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
-from fedjax_pfl.algorithms.registry import AlgorithmSpec, Check, HParam, NON_NEGATIVE, register
-from fedjax_pfl.core import split as split_lib
+from fedjax_pfl.algorithms.registry import NON_NEGATIVE, AlgorithmSpec, Check, HParam, register
 from fedjax_pfl.core.local import LocalTrainer
+from fedjax_pfl.models import split as split_lib
 from fedjax_pfl.models.model import Model
 
 Params = Any

@@ -2,7 +2,7 @@
 Classification", ICLR 2022, arXiv:2107.00778), the variant with a linear personal head trained
 locally (no hypernetwork).
 
-The model splits by path (`core/split.py`) into a body θ (features z = f(x; θ)) and a head
+The model splits by path (`models/split.py`) into a body θ (features z = f(x; θ)) and a head
 (--fedrod-head, default the last dense layer). The server holds the generic model (θ, ψ): body
 and generic head, both federated. Client i also holds a personal head φ_i shaped like ψ. With
 g(z; ψ) and p(z; φ_i) the two heads' logits:
@@ -47,8 +47,8 @@ from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm, evaluated_ids
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, Check, HParam, register
-from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.core.evaluate import Evaluator
+from fedjax_pfl.models import split as split_lib
 from fedjax_pfl.models.model import Model  # noqa: F401  (type hints)
 
 Params = Any

@@ -83,7 +83,6 @@ class Algorithm(NamedTuple):
     participants: Callable[[FederatedData, jax.Array], jax.Array] | None = None
 
 
-
 def split_evaluate(rows: Callable[..., dict[str, ClientEval]],
                    rest: Callable[..., dict[str, ClientEval]] | None = None
                    ) -> tuple[Callable[..., dict[str, ClientEval]], EvaluateParts]:

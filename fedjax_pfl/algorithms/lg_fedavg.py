@@ -3,7 +3,7 @@ Act Globally: Federated Learning with Local and Global Representations", arXiv:2
 local representations, a global head.
 
 FedPer's split the other way round (`split_fedavg`): the parameters split by path
-(`core/split.py`) into the global layers θ_G (--lg-fedavg-head, default the last dense layer,
+(`models/split.py`) into the global layers θ_G (--lg-fedavg-head, default the last dense layer,
 as the PGFed reference code's `LocalModel(base, predictor)` aggregates only `predictor`), shared
 by all, and the local layers ℓ_i of client i (everything else: the representation). Per round:
 
@@ -36,7 +36,7 @@ from fedjax_pfl.algorithms._split_fedavg import split_fedavg
 from fedjax_pfl.algorithms.engine import EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, Check, HParam, register
-from fedjax_pfl.core import split as split_lib
+from fedjax_pfl.models import split as split_lib
 from fedjax_pfl.models.model import Model
 
 

@@ -33,7 +33,7 @@ import optax
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, register
+from fedjax_pfl.algorithms.registry import NON_NEGATIVE, POSITIVE, AlgorithmSpec, HParam, register
 from fedjax_pfl.data.natural import PAD
 from fedjax_pfl.models.model import Model
 

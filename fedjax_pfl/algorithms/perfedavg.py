@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_pfl import core, ops
+from fedjax_pfl import ops
 from fedjax_pfl.algorithms._global_model import GlobalModelState
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig, require_choices
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, POSITIVE, register
+from fedjax_pfl.algorithms.registry import POSITIVE, AlgorithmSpec, HParam, register
 from fedjax_pfl.core.local import LocalTrainer, masked_mean_loss
 from fedjax_pfl.models.model import Model
 
@@ -105,12 +105,7 @@ def perfedavg(model: Model, config: EngineConfig, *, variant: str, alpha: float
         metrics = engine.metrics(rnd, trained, up=d, down=d, server=agg)
         return State(params, trained.opt_rows, server, state.round + 1, state.rng), metrics
 
-    def evaluate(state: State, data, ids=None) -> dict[str, core.ClientEval]:
-        global_eval = engine.evaluator.shared(data, state.params, ids)
-        key = jax.random.fold_in(state.rng, state.round)
-        personal = engine.evaluate_after_training(adapter, data, state.params, key, ids)
-        return {"client": personal, "global": global_eval}
-
+    evaluate, _ = engine.evaluation(shared=lambda state: state.params, fine_tuner=adapter)
     return engine.algorithm("perfedavg", init, round_fn, evaluate, host_state=True)
 
 

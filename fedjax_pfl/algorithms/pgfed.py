@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, NON_NEGATIVE, UNIT_CLOSED, register
+from fedjax_pfl.algorithms.registry import NON_NEGATIVE, UNIT_CLOSED, AlgorithmSpec, HParam, register
 from fedjax_pfl.core.local import FullPass, add_aux_gradient
 from fedjax_pfl.models.model import Model
 

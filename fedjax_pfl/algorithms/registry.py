@@ -23,7 +23,6 @@ from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Check:
     """A validity condition with the words used in the error message."""
@@ -264,7 +263,8 @@ def check_model_fits(model: Model, data: Any) -> None:
     """TypeError / ValueError naming the mismatch unless `data` is a `FederatedData` whose
     samples `model` takes and whose classes its outputs score: a classifier (the default loss,
     softmax cross-entropy, and metric, argmax = label) must give `num_classes` outputs, else
-    its loss and accuracy compare output positions with labels of another range. From shapes only (`jax.eval_shape`), so it
+    its loss and accuracy compare output positions with labels of another range. From shapes
+    only (`jax.eval_shape`), so it
     costs one trace of the model and works inside a trace."""
     if not isinstance(data, FederatedData):
         raise TypeError(f"init(key, data): data must be a fedjax_pfl.data.FederatedData, got "

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig, first_row, require_choices
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import AlgorithmSpec, HParam, POSITIVE, register
+from fedjax_pfl.algorithms.registry import POSITIVE, AlgorithmSpec, HParam, register
 from fedjax_pfl.core.local import FullPass, add_aux_gradient
 from fedjax_pfl.models.model import Model
 

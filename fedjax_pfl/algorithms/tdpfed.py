@@ -52,7 +52,7 @@ import optax
 from fedjax_pfl import core, ops
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, AlgorithmSpec, HParam, NON_NEGATIVE, POSITIVE, register
+from fedjax_pfl.algorithms.registry import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, AlgorithmSpec, HParam, register
 from fedjax_pfl.core.local import masked_mean_loss
 from fedjax_pfl.models import cp
 from fedjax_pfl.models.model import Model

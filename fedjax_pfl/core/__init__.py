@@ -17,6 +17,8 @@ By role:
   memory, cached_evaluation   its memory plan; evaluation of only the models a round changed
 """
 
+from fedjax_pfl.core.balance import balanced_order
+from fedjax_pfl.core.cached_evaluation import CachedEvaluation
 from fedjax_pfl.core.clients import (
     broadcast,
     gather,
@@ -28,8 +30,8 @@ from fedjax_pfl.core.clients import (
     sum_over_clients,
     where_clients,
 )
-from fedjax_pfl.core.poisson import (OVERFLOW_PROBABILITY, poisson_capacity, sample_poisson,
-                                     truncation_delta)
+from fedjax_pfl.core.data_placement import DATA_PLACEMENTS, prepare_data
+from fedjax_pfl.core.evaluate import AUTO_EVAL_BATCH, ClientEval, Evaluator, auto_eval_batch
 from fedjax_pfl.core.execution import (
     BACKENDS,
     EAGER_BACKENDS,
@@ -39,10 +41,7 @@ from fedjax_pfl.core.execution import (
     client_mapper,
     jit_unless_loop,
 )
-from fedjax_pfl.core.balance import balanced_order
 from fedjax_pfl.core.layout import client_mask, client_mesh
-from fedjax_pfl.core.transfer import replicated_sharding, to_host
-from fedjax_pfl.core.evaluate import AUTO_EVAL_BATCH, ClientEval, Evaluator, auto_eval_batch
 from fedjax_pfl.core.local import (
     FullPass,
     LocalResult,
@@ -53,14 +52,14 @@ from fedjax_pfl.core.local import (
     masked_mean_loss,
     steps_per_epoch,
 )
-from fedjax_pfl.core.metrics import History, summarize
-from fedjax_pfl.core.rows import ClientRows
-from fedjax_pfl.core.store import ClientStore
-from fedjax_pfl.core.data_placement import DATA_PLACEMENTS, prepare_data
-from fedjax_pfl.core.state_placement import STATE_PLACEMENTS, StoredState
 from fedjax_pfl.core.memory import MemoryPlan, MemoryPlanError, check_memory
+from fedjax_pfl.core.metrics import History, summarize
+from fedjax_pfl.core.poisson import OVERFLOW_PROBABILITY, poisson_capacity, sample_poisson, truncation_delta
 from fedjax_pfl.core.program import STATE_DTYPES, Program
-from fedjax_pfl.core.cached_evaluation import CachedEvaluation
+from fedjax_pfl.core.rows import ClientRows
+from fedjax_pfl.core.state_placement import STATE_PLACEMENTS, StoredState
+from fedjax_pfl.core.store import ClientStore
+from fedjax_pfl.core.transfer import replicated_sharding, to_host
 
 __all__ = [
     "broadcast", "gather", "map_clients", "mean_over_clients", "num_sampled_clients",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
 # Above this many rows balanced_order deals them in snake order (vectorised): with many rows
 # it is within a fraction of a percent of even, and the greedy pass costs O(m²) a swap (0.8 ms
 # at 300 rows, 6 ms at 1,000 on one core; the snake order 0.1 and 0.5 ms).

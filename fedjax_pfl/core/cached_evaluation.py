@@ -3,17 +3,25 @@ it (`CachedEvaluation`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from fedjax_pfl.core.clients import num_sampled_clients
-
-if TYPE_CHECKING:
-    from fedjax_pfl.core.program import Program
+from fedjax_pfl.core.evaluate import default_eval_group
 
 Params = Any
+
+
+class Evaluates(Protocol):
+    """What `CachedEvaluation` reads of a program (`core.Program`)."""
+
+    algo: Any
+    data: Any
+    num_clients: int
+
+    def evaluate(self, state: Params, ids: np.ndarray | None = None) -> dict: ...
+    def evaluate_part(self, part: str, state: Params, ids: np.ndarray | None = None) -> dict: ...
 
 
 class CachedEvaluation:
@@ -37,7 +45,7 @@ class CachedEvaluation:
         evals = evaluation(state)              # or evaluation(state, ids)
     """
 
-    def __init__(self, program: "Program", group: int | None = None):
+    def __init__(self, program: Evaluates, group: int | None = None):
         self.program = program
         self.parts = program.algo.evaluate_parts
         n = program.num_clients
@@ -70,10 +78,3 @@ class CachedEvaluation:
         self.current[todo] = True
         kept = {name: jax.tree.map(lambda a: a[want], entry) for name, entry in self.cache.items()}
         return {**kept, **self.program.evaluate_part("rest", state, ids)}
-
-
-def default_eval_group(algo, data) -> int:
-    """Clients evaluated together by one compiled program: the power of two at or above the M
-    clients a round samples."""
-    m = num_sampled_clients(data.num_real_clients, algo.hparams.get("participation", 1.0))
-    return 1 << (m - 1).bit_length()

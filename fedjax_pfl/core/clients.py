@@ -81,6 +81,7 @@ def mean_over_clients(tree: Params, weights: jax.Array | None = None) -> Params:
     """[m, ...] -> [...]: the (weighted) mean over clients; weights are normalised here."""
     if weights is None:
         return jax.tree.map(lambda x: _sum_rows(x) / x.shape[0], tree)
+
     def weighted(x):
         w = jnp.asarray(weights).astype(x.dtype)  # normalise in the leaf's precision
         return jnp.tensordot(w / jnp.sum(w), x, axes=1)

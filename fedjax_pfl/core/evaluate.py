@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pfl.core import rows as rows_lib
-from fedjax_pfl.core.clients import gather
 from fedjax_pfl.core.analysis import compiled_for_analysis, traced_bounds
-from fedjax_pfl.core.execution import EAGER_BACKENDS, ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.core.balance import balanced_order
+from fedjax_pfl.core.clients import gather, num_sampled_clients
+from fedjax_pfl.core.execution import EAGER_BACKENDS, ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
 
@@ -108,7 +108,7 @@ class Evaluator:
         if mapper.backend == "vmap":
             mapper = mapper._replace(backend="chunked")
         self.mapper = mapper
-        self._loops = {}
+        self._loops: dict = {}
         self._personal = jit_unless_loop(mapper, self._map_personal, static_argnums=3)
         self._shared = jit_unless_loop(mapper, self._map_shared, static_argnums=3)
 
@@ -237,3 +237,10 @@ def _rows(tree: Params, ids: jax.Array) -> Params:
 def _as_float32(params: Params) -> Params:
     """Client state stored in bfloat16 (--state-dtype) is evaluated in float32."""
     return jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x, params)
+
+
+def default_eval_group(algo, data) -> int:
+    """Clients evaluated together by one compiled program: the power of two at or above the M
+    clients a round samples."""
+    m = num_sampled_clients(data.num_real_clients, algo.hparams.get("participation", 1.0))
+    return 1 << (m - 1).bit_length()

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfl.core import checks, layout, rows as rows_lib
+from fedjax_pfl.core import checks, layout
+from fedjax_pfl.core import rows as rows_lib
 from fedjax_pfl.core.chunking import AUTO_CHUNK, abstract, abstract_row, auto_chunk_size, traced_chunk_size
 from fedjax_pfl.core.clients import gather, scatter
 

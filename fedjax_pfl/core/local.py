@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_pfl.core.execution import ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.core.evaluate import auto_eval_batch, input_dtype
+from fedjax_pfl.core.execution import ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
 from fedjax_pfl.models.model import Model
 

@@ -35,8 +35,9 @@ class MemoryPlan:
     state_placement: str = "device"
     host_row_bytes: int = 0        # host placement: one client's rows in the host store
     world_rows: int = 0            # host placement: client rows on each device (a call's world)
-    staging_rows: int = 0          # host placement, several processes: rows each device receives
-                                   # from its process before the world is assembled (transient)
+    # host placement, several processes: rows each device receives from its process before the
+    # world is assembled (transient)
+    staging_rows: int = 0
 
     @property
     def per_device(self) -> int:

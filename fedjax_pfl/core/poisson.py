@@ -36,7 +36,7 @@ def poisson_capacity(num_clients: int, rate: float,
         raise ValueError(f"Poisson sampling needs a rate in (0, 1], got {rate!r}")
     if rate == 1.0:
         return int(num_clients)
-    from scipy.stats import binom                      # (a dependency of jax)
+    from scipy.stats import binom  # (a dependency of jax)
 
     k = int(binom.isf(overflow, num_clients, rate))
     # isf is the smallest k with sf(k) ≤ overflow up to scipy's rounding: settle it exactly.

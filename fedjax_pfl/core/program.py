@@ -34,8 +34,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fedjax_pfl.core import checks, layout, placing, transfer
-from fedjax_pfl.core.cached_evaluation import default_eval_group
 from fedjax_pfl.core.data_placement import DATA_PLACEMENTS, DeviceData, HostData
+from fedjax_pfl.core.evaluate import default_eval_group
 from fedjax_pfl.core.execution import ClientError
 from fedjax_pfl.core.memory import MemoryPlan, available_memory, itemsize, nbytes
 from fedjax_pfl.core.sharded import ShardedData

@@ -62,8 +62,8 @@ class Uploads:
 
     start: Params                   # the server value the clients started from
     clients: Params                 # [M, ...] their uploads: models (or updates of a zero start)
-    weights: Any                    # [M] the plain mean's weights (None: uniform), or a prefix
-                                    # tree of them, one per part of the uploads
+    weights: Any                    # [M] the plain mean's weights (None: uniform), or a tree of
+    # them that is a prefix of the uploads' tree, one per part
     clip: Any = None                # the clip norm C a clip link set (None: no clipping)
     model: Params | None = None     # after a reduction: the mean model
     update: Params | None = None    # after a reduction: the mean update of `start`
@@ -176,7 +176,8 @@ def adaptive_clip(initial, *, quantile, lr, count_noise) -> ServerLink:
         C_{t+1} = C_t · exp(−η (b̃_t − γ))                 η = `lr`, σ_b = `count_noise`
 
     The round clips at C_t (as `clip`); the count's noise draws from its own stream of the
-    round's key (DP_COUNT_NOISE); `count_noise` may be a function of the round's `Context`. Metrics: `clip`'s, "dp_clip" (C_t) and "dp_unclipped_noisy"
+    round's key (DP_COUNT_NOISE); `count_noise` may be a function of the round's `Context`.
+    Metrics: `clip`'s, "dp_clip" (C_t) and "dp_unclipped_noisy"
     (b̃_t). docs/privacy.md has the accounting (the update noise z_Δ that keeps the accounted z)."""
     def init(start):
         return AdaptiveClipState(jnp.asarray(initial, jnp.float32))

@@ -45,7 +45,8 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from fedjax_pfl.core import transfer
 from fedjax_pfl.core.data_placement import HostData
@@ -199,7 +200,7 @@ class ShardedData(HostData):
         width = -(-n // self.devices)
         room = [min(width, max(0, n - d * width)) for d in range(self.devices)]
         slots: list[list[int]] = [[] for _ in range(self.devices)]
-        rest = []
+        rest: list[int] = []
         for j, o in enumerate(self.layout.owner[np.asarray(ids, np.int64)]):
             (slots[o] if len(slots[o]) < room[o] else rest).append(j)
         for d in range(self.devices):

@@ -33,7 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from fedjax_pfl.core import layout, store as store_lib, transfer, world as world_lib
+from fedjax_pfl.core import layout, transfer
+from fedjax_pfl.core import store as store_lib
+from fedjax_pfl.core import world as world_lib
 from fedjax_pfl.core.rows import ClientRows
 
 Params = Any

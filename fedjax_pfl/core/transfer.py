@@ -53,7 +53,8 @@ def replicate(tree: Params, mesh: Mesh | None) -> Params:
 
 def put_agreed(tree: Params, shardings: Params, what: str = "") -> Params:
     """Host values that every process computed alike (NumPy arrays, or JAX arrays this process
-    holds whole), placed under `shardings` (a tree of shardings matching `tree`). With several processes each process provides its own devices'
+    holds whole), placed under `shardings` (a tree of shardings matching `tree`). With several
+    processes each process provides its own devices'
     shards from its own values, after the processes compare a fingerprint of them
     (`fingerprint`, one all-gather of 32 bytes): processes holding other values stop, naming
     them (`what`), instead of computing on different values."""

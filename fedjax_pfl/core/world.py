@@ -19,7 +19,8 @@ ppermutes: no device ever holds more than its block and one row in flight) and e
 / writes the ones it asked for / holds. That happens in a call of several rounds to a client the
 mapper deals to another device than in the call's first round, and to an algorithm reading rows
 in its own order; `Program.world_crossings` counts such calls. (Poisson sampling, whose padding
-slots would repeat one client over the devices, runs with device placement only.) An id held by no device (a negative one included) is a miss, reported like the
+slots would repeat one client over the devices, runs with device placement only.) An id held
+by no device (a negative one included) is a miss, reported like the
 sorted world's (`core.checks`).
 
 Writes end as a scatter in order (`x.at[idx].set(values)` on XLA:CPU) ends: a repeated id keeps

@@ -14,7 +14,8 @@ A reader (`data/leaf.py`, `data/tff.py`, `data/fedjax_sqlite.py`) turns its file
 
 `open` maps the arrays read-only (`np.memmap`; train_x and test_x are the two parts of x.bin),
 and x.bin / y.bin whole are already `FederatedData`'s layout (train blocks, then test blocks),
-so `--data-placement host` streams from the mapped file without a copy in memory. So a later run on hundreds of thousands of
+so `--data-placement host` streams from the mapped file without a copy in memory. So a later
+run on hundreds of thousands of
 clients starts in seconds and pages in only the clients it touches. `load` is what a run calls:
 it keys the cache by dataset, format, reader options and source directory, opens it when it is
 current, and otherwise says in one line why it is converting again (never reading a stale or

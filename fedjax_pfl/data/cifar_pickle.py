@@ -77,7 +77,7 @@ def _numpy_reconstruct() -> Callable:
     try:  # NumPy >= 2 keeps it in numpy._core; NumPy 1.x pickles name numpy.core
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # pragma: no cover (NumPy 1.x)
-        from numpy.core.multiarray import _reconstruct
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
     return _reconstruct
 
 
@@ -85,7 +85,7 @@ def _numpy_frombuffer() -> Callable:
     try:
         from numpy._core.numeric import _frombuffer
     except ImportError:  # pragma: no cover (NumPy 1.x)
-        from numpy.core.numeric import _frombuffer
+        from numpy.core.numeric import _frombuffer  # type: ignore[no-redef]
     return _frombuffer
 
 

@@ -43,8 +43,7 @@ import numpy as np
 
 from fedjax_pfl.data.natural import ClientBlock, DataFormatError, SourceInfo, Task
 from fedjax_pfl.data.sources import DatasetNotFoundError
-from fedjax_pfl.data.tff import (DATASETS, DatasetSpec, check_lengths, dataset_spec, pair_clients,
-                                 resolve_options)
+from fedjax_pfl.data.tff import DATASETS, DatasetSpec, check_lengths, dataset_spec, pair_clients, resolve_options
 
 __all__ = ["DATASETS", "FedjaxSqliteReader", "fedjax_files", "open_fedjax", "detect",
            "decode_examples"]

@@ -27,7 +27,6 @@ import numpy as np
 
 from fedjax_pfl.data._raw_common import _find_file_set, _ImageSpec, _Loaded, _merge
 
-
 # Debian/Ubuntu's `dataset-fashion-mnist` package installs the four original .gz files here.
 # A module constant so tests can point it elsewhere (patch it here, in `idx`: `_mnist_dirs` reads it).
 _DEBIAN_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"

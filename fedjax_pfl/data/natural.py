@@ -26,44 +26,11 @@ from typing import Iterator, NamedTuple, Protocol
 
 import numpy as np
 
+# What is predicted from what is the models' business (`models.tasks`); the readers build it.
+from fedjax_pfl.models.tasks import INPUTS, KINDS, PAD, Task
+
 __all__ = ["PAD", "KINDS", "INPUTS", "Task", "ClientBlock", "SourceInfo", "NaturalReader",
            "NaturalClients", "DataFormatError"]
-
-PAD = 0
-KINDS = ("classify", "sequence", "multilabel")
-INPUTS = ("image", "tokens", "features")
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    """What is predicted from what; hashable (it is static metadata of the jitted programs).
-
-    kind: "classify" | "sequence" | "multilabel" (module docstring).
-    num_classes: the output width: classes, output vocabulary (specials included) or tags.
-    inputs: "image" | "tokens" | "features".
-    vocab_size: for token inputs, the input vocabulary size (specials included); else 0.
-    metric_excluded: sequence tasks: labels besides `PAD` that accuracy leaves out.
-    topk: multilabel tasks: k of recall@k.
-    default_model: the published model of this dataset (models.get name).
-    """
-
-    kind: str = "classify"
-    num_classes: int = 10
-    inputs: str = "image"
-    vocab_size: int = 0
-    metric_excluded: tuple[int, ...] = ()
-    topk: int = 5
-    default_model: str = ""
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"Task.kind must be one of {KINDS}, got {self.kind!r}")
-        if self.inputs not in INPUTS:
-            raise ValueError(f"Task.inputs must be one of {INPUTS}, got {self.inputs!r}")
-        if self.num_classes < 1:
-            raise ValueError(f"Task.num_classes must be >= 1, got {self.num_classes}")
-        if self.inputs == "tokens" and self.vocab_size < 1:
-            raise ValueError("a task with token inputs needs vocab_size >= 1")
 
 
 class ClientBlock(NamedTuple):

@@ -48,10 +48,9 @@ from typing import NamedTuple
 import numpy as np
 
 from fedjax_pfl.data import idx
-from fedjax_pfl.errors import MarkedError, OptionError, arg
 from fedjax_pfl.data._raw_common import _ImageSpec, _Loaded
 from fedjax_pfl.data.cifar_pickle import (  # UnsafePickleError: re-exported, callers catch it here
-    UnsafePickleError,
+    UnsafePickleError,  # noqa: F401
     _cifar_dirs,
     _cifar_expected,
     _load_cifar_files,
@@ -64,11 +63,8 @@ from fedjax_pfl.data.idx import (
     _mnist_dirs,
     _mnist_expected,
 )
-from fedjax_pfl.data.synthetic import (
-    SYNTHETIC_MAX_SAMPLES_PER_CLIENT,
-    _generate_synthetic,
-    _load_digits,
-)
+from fedjax_pfl.data.synthetic import SYNTHETIC_MAX_SAMPLES_PER_CLIENT, _generate_synthetic, _load_digits
+
 # `_download_with_tfds` calls `_can_reach` through this module's globals, so tests patch
 # `sources._can_reach` (patching `tfds_source._can_reach` would not reach it).
 from fedjax_pfl.data.tfds_source import (
@@ -79,6 +75,7 @@ from fedjax_pfl.data.tfds_source import (
     _resolve_tfds_dir,
     _tfds_full_name,
 )
+from fedjax_pfl.errors import MarkedError, OptionError, arg
 
 __all__ = [
     "DATASETS",

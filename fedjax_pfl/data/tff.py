@@ -267,7 +267,7 @@ def dataset_spec(name: str, data_dir: str, options: Mapping[str, Any]) -> Datase
     tags = text.read_tag_counts(tag_path, opts["num_tags"])
     L, K = opts["max_tokens"], opts["max_tags"]
 
-    def convert(f: Features, path: str, client: str):
+    def convert(f: Features, path: str, client: str):  # type: ignore[no-redef]
         return text.stackoverflow_tp_examples(
             _strings(f["tokens"], "tokens", path, client), _strings(f["title"], "title", path, client),
             _strings(f["tags"], "tags", path, client), vocab, tags, L, K)

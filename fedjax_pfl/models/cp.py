@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pfl.models.layers import conv2d, max_pool_2x2, torch_default_bias_init
-from fedjax_pfl.ops.cp import cp_num_params, cp_rank_for_compression, cp_reconstruct
+from fedjax_pfl.ops.cp import cp_rank_for_compression, cp_reconstruct
 
 Params = Any
 

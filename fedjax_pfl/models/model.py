@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_pfl.models import layers, nets
+from fedjax_pfl.models import split as split_lib
 
 Params = Any
 
@@ -43,7 +43,7 @@ class Model(NamedTuple):
             scored (accuracy = Σ hits / Σ count: token accuracy, recall@k); None: argmax == label,
             one each.
     features: (params, x [B, ...]) -> z: the representation, the input of the head (the last
-            Dense layer, `core.split.head_pattern`), e.g. [B, 100] for the MLP, [B, T, H] for a
+            Dense layer, `models.split.head_pattern`), e.g. [B, 100] for the MLP, [B, T, H] for a
             per-token model; `from_flax` and the sequence models fill it (`head_input`); None: a
             hand-written model without one (MOON needs it).
     """
@@ -60,7 +60,7 @@ class Model(NamedTuple):
 def head_input(module: nn.Module, params_template: Params
                ) -> Callable[[Params, jax.Array], jax.Array]:
     """features(params, x) = z, the input of `module`'s head: the first positional argument of the
-    first call of the submodule that `core.split.head_pattern(params_template)` selects (the last
+    first call of the submodule that `models.split.head_pattern(params_template)` selects (the last
     Dense layer), recorded with `flax.linen.intercept_methods` while the module runs on x. Generic:
     no per-model code. The head's own computation is dead code that XLA removes under jit;
     `features.with_outputs(params, x)` gives (apply(params, x), z) from one forward pass.
@@ -69,8 +69,6 @@ def head_input(module: nn.Module, params_template: Params
     top-level parameters) gets its input x. Raises ValueError at trace time if the head is never
     called (e.g. its parameters are used through another method than `__call__`).
     """
-    from fedjax_pfl.core import split as split_lib   # lazily: fedjax_pfl.core imports this module
-
     pattern = re.compile(split_lib.head_pattern(params_template))
 
     def is_head(module_path: tuple[str, ...]) -> bool:
@@ -78,7 +76,7 @@ def head_input(module: nn.Module, params_template: Params
         return pattern.search("/".join(module_path) + "/" if module_path else "") is not None
 
     def outputs_and_features(params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        captured = []
+        captured: list = []
 
         def record(next_fun, args, kwargs, context):
             if (not captured and context.method_name == "__call__" and args
@@ -131,89 +129,3 @@ def from_flax(
 
     return Model(init=init, apply=apply, loss=loss, name=name or type(module).__name__,
                  features=head_input(module, variables["params"]))
-
-
-MODELS: tuple[str, ...] = ("mlp", "logreg", "cnn", "vgg8", "resnet9", "resnet18", "cp_mlp", "cp_vgg8",
-                           # natural-dataset models (models/sequence.py): text and FEMNIST
-                           "char_lstm", "word_lstm", "transformer", "tag_logreg", "sent_lstm",
-                           "femnist_cnn")
-
-
-def get(
-    name: str,
-    input_shape: Sequence[int],
-    num_classes: int,
-    *,
-    hidden: Sequence[int] = (100,),
-    width: int = 64,
-    norm: str = "group",
-    cr: float = 2.0,
-    conv: str = "auto",
-    task=None,
-    options: dict | None = None,
-) -> Model:
-    """A named model for inputs of `input_shape` (without the batch axis).
-
-    mlp: Flatten-Dense(hidden...)-Dense(C) (784-100-10 on MNIST, pFedMe/TDPFed);
-    logreg: multinomial logistic regression; cnn: the FedAvg CNN of the PGFed code (needs at
-    least 16×16 images); vgg8: TDPFed's VGG8 (32×32 images); resnet9 / resnet18: pFedSOP's
-    networks with GroupNorm; cp_mlp / cp_vgg8: TDPFed's CP-DNN / CP-VGG8, every weight tensor as
-    CP factors with ranks for compression rate `cr` (models/cp.py; cr = 1 is the dense model).
-    `conv` picks how convolutions are computed (layers.CONV_IMPLS: "auto", "im2col",
-    "winograd"; see layers.conv2d); the function is the same up to float rounding.
-
-    `task` (a `data.natural.Task`, e.g. `FederatedData.task`): what a natural dataset predicts;
-    None is image or feature classification. The text models (char_lstm, word_lstm, transformer,
-    tag_logreg, sent_lstm) and femnist_cnn are `models/sequence.py`'s, with the task's loss,
-    weight and metric (`models/tasks.py`); `options` sets their sizes (e.g. {"hidden": 64}).
-    """
-    from fedjax_pfl.models import cp, sequence
-    from fedjax_pfl.data.natural import Task
-
-    input_shape = tuple(int(s) for s in input_shape)
-    if conv not in layers.CONV_IMPLS:
-        raise ValueError(f"--conv must be one of {list(layers.CONV_IMPLS)}, got {conv!r}")
-    options = dict(options or {})
-    if name in sequence.SEQUENCE_MODELS:
-        if task is None:   # an image dataset without a Task: one label per image
-            task = Task(kind="classify", num_classes=num_classes, inputs="image")
-        if name == "femnist_cnn":
-            options.setdefault("conv", conv)
-        return Model(**sequence.get(name, task, input_shape, **options))
-    if options:
-        raise ValueError(f"--model {name} takes no model options, got {sorted(options)}")
-    if task is not None and (task.inputs == "tokens" or task.kind != "classify"):
-        raise ValueError(f"--model {name} classifies images or features; this dataset is a "
-                         f"{task.kind} task of {task.inputs} inputs (use --model "
-                         f"{task.default_model or 'char_lstm'})")
-    if name in ("cp_mlp", "cp_vgg8") and cr == 1:
-        name = name[3:]  # CR ×1: no decomposition
-    if name == "mlp":
-        module = nets.MLP(num_classes, tuple(hidden))
-    elif name == "logreg":
-        module = nets.MLP(num_classes, ())
-    elif name == "cp_mlp":
-        module = cp.CPMLP(num_classes, tuple(hidden), cr=cr)
-    elif name in ("vgg8", "cp_vgg8"):
-        if len(input_shape) != 3 or min(input_shape[:2]) < 32:
-            raise ValueError(f"--model {name} needs images of at least 32x32 (five 2x2 pools), "
-                             f"got shape {input_shape}; use --model mlp or cnn")
-        module = (nets.VGG8(num_classes, conv=conv) if name == "vgg8"
-                  else cp.CPVGG8(num_classes, cr=cr, conv=conv))
-    elif name in ("cnn", "resnet9", "resnet18"):
-        if len(input_shape) != 3:
-            raise ValueError(f"--model {name} needs image inputs [H, W, C], got shape {input_shape}")
-        if name == "cnn":
-            if min(input_shape[:2]) < 16:
-                raise ValueError(
-                    f"--model cnn needs images of at least 16x16 (two 5x5 valid convs and two "
-                    f"2x2 pools), got {input_shape[0]}x{input_shape[1]}; use --model mlp"
-                )
-            module = nets.FedAvgCNN(num_classes, conv=conv)
-        elif name == "resnet9":
-            module = nets.ResNet9(num_classes, width=width, norm=norm, conv=conv)
-        else:
-            module = nets.ResNet18(num_classes, width=width, norm=norm, conv=conv)
-    else:
-        raise ValueError(f"unknown --model {name!r}; expected one of {MODELS}")
-    return from_flax(module, input_shape, name=name)

@@ -7,7 +7,7 @@ vmaps them over clients like any other model. Inputs are cast to int32 inside, s
 whole numbers (e.g. `model.from_flax`'s float32 zeros at init) also works.
 
 Split-model algorithms (FedPer, FedRep, FedRoD, ...) take the last `Dense_<k>` module as the head
-(core/split.py:head_pattern). Here that is always the output projection: every other submodule
+(models/split.py:head_pattern). Here that is always the output projection: every other submodule
 has a name that is not Dense-like (`projection`, `fc`, `qkv`, ...), and the LSTM and bag-of-words
 layers keep their parameters directly rather than in Dense submodules.
 
@@ -33,10 +33,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_pfl.data.natural import PAD, Task
 from fedjax_pfl.models import nets
 from fedjax_pfl.models.layers import Dense
 from fedjax_pfl.models.model import head_input
+from fedjax_pfl.models.tasks import PAD, Task
 
 __all__ = ["lstm_cell", "lstm_recurrence", "LSTMCell", "LSTM", "CharLSTM", "WordLSTM",
            "CausalTransformer", "TagLogReg", "SentLSTM", "SEQUENCE_MODELS", "FlaxFunctions",

@@ -11,20 +11,57 @@ Every function here follows `Model`'s contract (models/model.py), on ONE batch o
   units; accuracy = Σ hits / Σ count (None: argmax == label, one each).
 
 Labels follow data/natural.py: sequence labels y [B, T] with 0 = PAD; multilabel y [B, K] tag ids
-padded with −1. `for_task(task)` returns the triple for a `natural.Task`.
+padded with −1. `Task` (here: the data readers build it, the models read it) says what is
+predicted from what; `for_task(task)` returns the triple for a `Task`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_pfl.data.natural import PAD, Task
+PAD = 0
+KINDS = ("classify", "sequence", "multilabel")
+INPUTS = ("image", "tokens", "features")
 
-__all__ = ["sequence_cross_entropy", "token_weight", "token_accuracy", "multi_hot",
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What is predicted from what; hashable (it is static metadata of the jitted programs).
+
+    kind: "classify" | "sequence" | "multilabel" (module docstring).
+    num_classes: the output width: classes, output vocabulary (specials included) or tags.
+    inputs: "image" | "tokens" | "features".
+    vocab_size: for token inputs, the input vocabulary size (specials included); else 0.
+    metric_excluded: sequence tasks: labels besides `PAD` that accuracy leaves out.
+    topk: multilabel tasks: k of recall@k.
+    default_model: the published model of this dataset (models.get name).
+    """
+
+    kind: str = "classify"
+    num_classes: int = 10
+    inputs: str = "image"
+    vocab_size: int = 0
+    metric_excluded: tuple[int, ...] = ()
+    topk: int = 5
+    default_model: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Task.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.inputs not in INPUTS:
+            raise ValueError(f"Task.inputs must be one of {INPUTS}, got {self.inputs!r}")
+        if self.num_classes < 1:
+            raise ValueError(f"Task.num_classes must be >= 1, got {self.num_classes}")
+        if self.inputs == "tokens" and self.vocab_size < 1:
+            raise ValueError("a task with token inputs needs vocab_size >= 1")
+
+
+__all__ = ["PAD", "KINDS", "INPUTS", "Task", "sequence_cross_entropy", "token_weight", "token_accuracy", "multi_hot",
            "multilabel_sigmoid_loss", "recall_at_k", "for_task"]
 
 Metric = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]

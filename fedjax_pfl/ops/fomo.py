@@ -121,7 +121,6 @@ def fomo_update(weights: jax.Array, slots: jax.Array, own: Params, pool: Params)
       own: m models θ_i, leaves [m, ...].
       pool: P models, leaves [P, ...].
     """
-    m = weights.shape[0]
     p = jax.tree.leaves(pool)[0].shape[0]
     to_pool = jnp.einsum("ic,icp->ip", weights, jax.nn.one_hot(slots, p, dtype=weights.dtype))
     mix = jnp.concatenate([jnp.diag(1.0 - jnp.sum(weights, axis=1)), to_pool], axis=1)

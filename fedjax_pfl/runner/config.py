@@ -16,7 +16,7 @@ import numpy as np
 from fedjax_pfl import algorithms, core, models
 from fedjax_pfl.data.build import PartitionConfig
 from fedjax_pfl.errors import OptionError, arg
-
+from fedjax_pfl.runner import options as options_lib
 
 DEFAULT_CHECKPOINT_EVERY = 10
 # Configuration that may change when a run is resumed (everything else must match).
@@ -80,9 +80,7 @@ class RunConfig:
         `clients=50`, `min_size=40`, `data_dir=…`) with the algorithm's hyperparameters as
         keywords or in `hparams=`: the defaults per dataset, the natural-client datasets' rules,
         the data options and the default `out` (`fedjax_pfl.runner.options`)."""
-        from fedjax_pfl.runner import options as options_lib
-
-        return options_lib.from_options(hparams=hparams, **options)
+        return cls(**options_lib.run_fields(hparams=hparams, **options))
 
     @property
     def natural(self) -> bool:

@@ -25,15 +25,20 @@ from fedjax_pfl.callbacks import Callback, RoundEnd, RunStart
 from fedjax_pfl.data.build import build_federated
 from fedjax_pfl.data.federated import FederatedData, label_counts
 from fedjax_pfl.errors import OptionError, arg
-from fedjax_pfl.interrupts import (WarningSignal, compute, deferred_signals, parse_signal,
-                                   signal_name, stop_signals)
+from fedjax_pfl.interrupts import WarningSignal, compute, deferred_signals, parse_signal, signal_name, stop_signals
 from fedjax_pfl.runner import checkpoints, privacy, rundir
 from fedjax_pfl.runner.checkpoints import ResumeError
+from fedjax_pfl.runner.config import (
+    MIN_IMAGE_SIDE,
+    RunConfig,
+    config_record,
+    model_name_of,
+    parse_eval_clients,
+    read_config,
+    resume_conflicts,
+)
 from fedjax_pfl.runner.privacy import PrivacyPlan
-from fedjax_pfl.runner.config import (MIN_IMAGE_SIDE, RunConfig, config_record, model_name_of,
-                                      parse_eval_clients, read_config, resume_conflicts)
-from fedjax_pfl.runner.records import (Progress, eval_ids, record_call, report, round_row,
-                                       round_slots, target_round)
+from fedjax_pfl.runner.records import Progress, eval_ids, record_call, report, round_row, round_slots, target_round
 from fedjax_pfl.runner.writers import MetricsWriter, ProgressBar
 
 
@@ -136,7 +141,6 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
         eval_ids = np.sort(rng.choice(data.num_real_clients, subset, replace=False)).astype(np.int32)
     return Prepared(cfg, hparams, data, data_info or {}, model_name, algo, program, root,
                     jax.random.fold_in(root, 1), eval_ids, privacy_plan)
-
 
 
 def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | None = None,

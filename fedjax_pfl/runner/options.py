@@ -144,9 +144,10 @@ def _hyperparameters(algo: str, hparams: Mapping[str, Any] | None,
     return given
 
 
-def from_options(*, hparams: Mapping[str, Any] | None = None, **options: Any):
-    """The RunConfig of a run given by its options (the module docstring says which and their
-    rules): what `python experiments/run.py` builds from the same flags.
+def run_fields(*, hparams: Mapping[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+    """The fields of the RunConfig of a run given by its options (the module docstring says which
+    and their rules): what `python experiments/run.py` builds from the same flags
+    (`RunConfig.from_options` is `RunConfig(**run_fields(...))`).
 
     Args:
       hparams: the algorithm's hyperparameters by name (also accepted as keywords).
@@ -157,7 +158,6 @@ def from_options(*, hparams: Mapping[str, Any] | None = None, **options: Any):
     from fedjax_pfl import sinks
     from fedjax_pfl.data.formats import NATURAL_DATASETS
     from fedjax_pfl.interrupts import parse_signal
-    from fedjax_pfl.runner.config import RunConfig
 
     keywords = {k: v for k, v in options.items() if k not in DEFAULTS}
     o = {**DEFAULTS, **{k: v for k, v in options.items() if k in DEFAULTS}}
@@ -205,119 +205,16 @@ def from_options(*, hparams: Mapping[str, Any] | None = None, **options: Any):
     log = sinks.parse_log_flag(log if log is None or isinstance(log, str) else ",".join(log))
     if o["checkpoint_on_signal"] is not None:
         parse_signal(o["checkpoint_on_signal"])
-    return RunConfig(algo=algo, dataset=dataset, model=o["model"],
-                     model_options=parse_model_options(o["model_options"]),
-                     model_cr=o["model_cr"], model_conv=o["conv"], partition=partition,
-                     rounds=o["rounds"], seed=o["seed"], eval_every=o["eval_every"],
-                     eval_clients=o["eval_clients"], rounds_per_call=o["rounds_per_call"],
-                     state_dtype=o["state_dtype"], data_placement=o["data_placement"],
-                     state_placement=o["state_placement"],
-                     memory_check=not o["no_memory_check"], out=out,
-                     hparams=hparams, data_options=data_options, progress=not o["quiet"],
-                     checkpoint_every=o["checkpoint_every"], resume=bool(o["resume"]),
-                     target_acc=o["target_acc"], log=log,
-                     checkpoint_on_signal=o["checkpoint_on_signal"], dp_delta=o["dp_delta"],
-                     target_epsilon=o["target_epsilon"], dp_accountant=o["dp_accountant"])
-
-
-# -- resuming a saved run ------------------------------------------------------------------------
-
-
-def record_options(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The options that reproduce a run's config.json record, its hyperparameters (of its
-    algorithm, by name) under "hparams". The settings a resume may change and that start afresh
-    (`target_acc`, `data_placement`, `state_placement`, and `quiet`, `no_memory_check`) are not
-    taken from the record, nor are `dp_delta`, `target_epsilon` and `dp_accountant` (a resume
-    gives them again: they must agree with the record). A run saved before `conv` existed
-    computed its convolutions by im2col."""
-    from fedjax_pfl.data.formats import NATURAL_DATASETS
-
-    part = record["partition"]
-    out = {key: record[key] for key in ("algo", "dataset", "model", "model_cr", "rounds", "seed",
-                                        "eval_every", "eval_clients", "rounds_per_call",
-                                        "state_dtype") if key in record}
-    out.update(partition=part["scheme"], clients=part["num_clients"], alpha=part["alpha"],
-               min_size=part["min_size"], classes_per_client=part["classes_per_client"],
-               shards_per_client=part["shards_per_client"], shard_size=part["shard_size"],
-               clusters=part["clusters"], test_fraction=part["test_fraction"])
-    out.update({("format" if k == "fmt" else k): v
-                for k, v in record.get("data_options", {}).items()})
-    if record.get("model_options"):
-        out["model_options"] = dict(record["model_options"])
-    if record.get("dataset") in NATURAL_DATASETS:
-        out["clients"] = None                 # a natural dataset keeps its own clients
-    if "checkpoint_every" in record:
-        out["checkpoint_every"] = record["checkpoint_every"]
-    if record.get("log"):
-        out["log"] = ",".join(record["log"])
-    if record.get("checkpoint_on_signal"):
-        out["checkpoint_on_signal"] = record["checkpoint_on_signal"]
-    out["conv"] = record.get("model_conv", "im2col")
-    saved = record.get("hparams", {})
-    out["hparams"] = {hp.name: saved[hp.name]
-                      for hp, _ in algorithms.spec(record["algo"]).all_hparams()
-                      if saved.get(hp.name) is not None}
-    return out
-
-
-def _saved_record(out: str) -> dict[str, Any]:
-    """The config.json record of the run in `out`, once `out` holds a run with a checkpoint to
-    continue from (OptionError / ResumeError otherwise, before anything is loaded)."""
-    from fedjax_pfl.runner import checkpoints, rundir
-    from fedjax_pfl.runner.config import read_config
-
-    rundir.check_out(out, resume=True)
-    checkpoints.require_checkpoint(out)
-    return read_config(out)
-
-
-def saved_options(out: str) -> dict[str, Any]:
-    """`record_options` of the run in `out` (checked as `resume_config` checks it)."""
-    return record_options(_saved_record(out))
-
-
-def _carried_hparams(record: Mapping[str, Any], algo: str) -> dict[str, Any]:
-    """The saved run's hyperparameters that `algo` has too: the same hyperparameter (the same
-    flag: the common ones, and an algorithm's own where `algo` shares them, as fedprox_ft does
-    fedprox's μ); all of them when `algo` is the saved run's."""
-    saved = record.get("hparams", {})
-    by_flag = {flag: saved[hp.name] for hp, flag in algorithms.spec(record["algo"]).all_hparams()
-               if saved.get(hp.name) is not None}
-    return {hp.name: by_flag[flag] for hp, flag in algorithms.spec(algo).all_hparams()
-            if flag in by_flag}
-
-
-def resume_config(out: str, /, *, hparams: Mapping[str, Any] | None = None, **overrides: Any):
-    """The RunConfig that continues the run in `out` from its last checkpoint (what
-    `python experiments/run.py --resume OUT` runs): the saved configuration (`record_options`)
-    with `overrides` (options and hyperparameters, as `from_options` takes them) on top.
-
-    Only what a resume may change may differ from the saved run (`RESUMABLE_CHANGES`: rounds, to
-    extend the run, checkpoint_every, target_acc, conv, log, checkpoint_on_signal, the
-    placements, quiet and no_memory_check); anything else that differs is refused
-    (`resume_conflicts`), as is a directory with no run or no checkpoint to continue from
-    (`require_checkpoint`), before anything is loaded. Raises OptionError / ResumeError.
-    """
-    from fedjax_pfl.runner.checkpoints import ResumeError
-    from fedjax_pfl.runner.config import model_name_of, resume_conflicts
-
-    record = _saved_record(out)
-    given = dict(overrides)
-    if given.get("out") is not None and os.path.abspath(given["out"]) != os.path.abspath(out):
-        raise OptionError(f"{arg('out')} {given['out']} is not the directory of the run to "
-                          f"resume, {out}")
-    given.pop("out", None)
-    given.pop("resume", None)
-    options = {k: v for k, v in record_options(record).items() if k != "hparams"}
-    options.update({k: v for k, v in given.items() if k in DEFAULTS})
-    keywords = {k: v for k, v in given.items() if k not in DEFAULTS}
-    algo = options.get("algo")
-    carried = _carried_hparams(record, algo) if algo in algorithms.names() else {}
-    mine = {**carried, **(hparams or {})}
-    for name in keywords:                          # (a keyword overrides the saved value)
-        mine.pop(name, None)
-    cfg = from_options(**options, **keywords, hparams=mine, out=out, resume=True)
-    conflict = resume_conflicts(cfg, cfg.validate(), model_name_of(cfg), record)
-    if conflict:
-        raise ResumeError(conflict)
-    return cfg
+    return dict(algo=algo, dataset=dataset, model=o["model"],
+                model_options=parse_model_options(o["model_options"]),
+                model_cr=o["model_cr"], model_conv=o["conv"], partition=partition,
+                rounds=o["rounds"], seed=o["seed"], eval_every=o["eval_every"],
+                eval_clients=o["eval_clients"], rounds_per_call=o["rounds_per_call"],
+                state_dtype=o["state_dtype"], data_placement=o["data_placement"],
+                state_placement=o["state_placement"],
+                memory_check=not o["no_memory_check"], out=out,
+                hparams=hparams, data_options=data_options, progress=not o["quiet"],
+                checkpoint_every=o["checkpoint_every"], resume=bool(o["resume"]),
+                target_acc=o["target_acc"], log=log,
+                checkpoint_on_signal=o["checkpoint_on_signal"], dp_delta=o["dp_delta"],
+                target_epsilon=o["target_epsilon"], dp_accountant=o["dp_accountant"])

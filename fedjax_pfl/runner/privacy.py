@@ -80,7 +80,7 @@ def plan(cfg, hparams: dict[str, Any], num_clients: int) -> tuple[dict[str, Any]
                 raise OptionError(f"{arg(name)} needs {arg('dp_clip', 'hparams')} (client-level "
                                   "DP of the uplink)")
         return hparams, None
-    from fedjax_pfl.privacy import accounting      # (dp-accounting: only for private runs)
+    from fedjax_pfl.privacy import accounting  # (dp-accounting: only for private runs)
 
     q = hparams["participation"]
     poisson = hparams.get("sampling") == "poisson"

@@ -5,13 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import linear_model, make_data, tree_allclose
 
 from fedjax_pfl import algorithms, core
 from fedjax_pfl.algorithms import apfl
 from fedjax_pfl.core.local import masked_mean_loss
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import linear_model, make_data, tree_allclose
 
 QUADRATIC = Model(init=lambda key: {"w": jnp.array([0.5, -1.0])}, apply=lambda p, x: p["w"] - x,
                   loss=lambda out, y: 0.5 * jnp.sum(out**2, axis=-1))

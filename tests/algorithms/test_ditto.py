@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import linear_model, make_data, tree_allclose, tree_equal
 
 from fedjax_pfl import algorithms
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import linear_model, make_data, tree_allclose, tree_equal
 
 QUADRATIC = Model(init=lambda key: {"w": jnp.array([0.5, -1.0])}, apply=lambda p, x: p["w"] - x,
                   loss=lambda out, y: 0.5 * jnp.sum(out**2, axis=-1))

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from fedjax_pfl import algorithms, core, models
-from fedjax_pfl.models import sequence, tasks
-from fedjax_pfl.models.layers import Dense
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.data.natural import Task
+from fedjax_pfl.models import sequence, tasks
+from fedjax_pfl.models.layers import Dense
 
 V, T, TAGS, K = 7, 6, 9, 3
 SEQ = Task(kind="sequence", inputs="tokens", num_classes=V, vocab_size=V, metric_excluded=(2,))

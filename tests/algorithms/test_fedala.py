@@ -3,15 +3,15 @@ transcriptions of the ALA weight update (eq. 5) on softmax regression, the close
 local aggregation (eq. 4) and a hand-built round on the tests' linear model {w, b}, whose layers
 in path order are b < w: p = 1 puts w under ALA and keeps b as the lower layer (θ_g)."""
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_states_close, linear_model
 
-import helpers
 from fedjax_pfl import algorithms, core
 from fedjax_pfl.algorithms import fedala
-from helpers import assert_states_close, linear_model
 
 F, C = 5, 3
 TOP = {"b": False, "w": True}

@@ -2,16 +2,16 @@
 transcription of its round, one client and one pair of clients at a time, on quadratic clients
 whose full-batch gradient steps can be written out by hand."""
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_states_close, linear_model, tree_equal
 
-import helpers
 from fedjax_pfl import algorithms
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import assert_states_close, linear_model, tree_equal
 
 THETA0 = np.array([0.5, -0.2, 0.1])
 # f_i(w) = mean_k ½‖w − x_k‖² over client i's samples: gradient w − mean(x).

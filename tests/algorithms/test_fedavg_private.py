@@ -6,9 +6,9 @@ algorithms that do not privatise their uplink refusing --dp-clip."""
 import jax
 import numpy as np
 import pytest
+from helpers import linear_model, make_data
 
 from fedjax_pfl import algorithms, core
-from helpers import linear_model, make_data
 
 SIZES = [12, 30, 7, 19, 25, 3, 40, 11, 9, 22]
 

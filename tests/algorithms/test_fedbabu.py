@@ -8,14 +8,14 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import make_data, tree_allclose, tree_equal
 
 from fedjax_pfl import algorithms, core, models
 from fedjax_pfl.algorithms import fedavg as fedavg_lib
-from fedjax_pfl.core import split as split_lib
 from fedjax_pfl.core.local import LocalTrainer
 from fedjax_pfl.models import nets
+from fedjax_pfl.models import split as split_lib
 from fedjax_pfl.models.model import Model
-from helpers import make_data, tree_allclose, tree_equal
 
 MLP = models.from_flax(nets.MLP(3, hidden=(4,)), (5,))       # Dense_0 (body) → Dense_1 (head)
 DATA = make_data([7, 23, 12, 9])

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import linear_model, tree_allclose
 
 from fedjax_pfl import algorithms
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import linear_model, tree_allclose
 
 # Linear regression ŷ = x·w + b, per-example loss ½(ŷ − y)².
 REGRESSION = Model(init=lambda key: {"w": 0.1 * jax.random.normal(key, (3,)), "b": jnp.zeros(())},

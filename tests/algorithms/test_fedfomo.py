@@ -3,16 +3,16 @@ float64 transcription of its round, one client and one pair of clients at a time
 regression clients whose validation losses and full-batch gradient steps are written out in
 NumPy."""
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_states_close, linear_model, tree_equal
 
-import helpers
 from fedjax_pfl import algorithms
 from fedjax_pfl.algorithms import fedfomo, registry
 from fedjax_pfl.data.federated import FederatedData
-from helpers import assert_states_close, linear_model, tree_equal
 
 SIZES = [10, 12, 9, 11, 8]
 # v_i = min(⌈0.2 n_i⌉, n_i − 1): the last v_i training samples are client i's validation block.

@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import make_data, tree_allclose, tree_equal
 
 from fedjax_pfl import algorithms, core
 from fedjax_pfl.algorithms import fedpc as fedpc_lib
-from fedjax_pfl.core import split as S
 from fedjax_pfl.data.federated import FederatedData
+from fedjax_pfl.models import split as S
 from fedjax_pfl.models.model import Model, softmax_cross_entropy
 from fedjax_pfl.ops import graph as G
-from helpers import make_data, tree_allclose, tree_equal
 
 
 def _init(key):

@@ -5,13 +5,12 @@ import functools
 
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make_data, tree_allclose, tree_equal
 
 from fedjax_pfl import algorithms, models
 from fedjax_pfl.models import nets
-from helpers import make_data, tree_allclose, tree_equal
 
 MLP = models.from_flax(nets.MLP(3, hidden=(4,)), (5,))       # Dense_0 (body) → Dense_1 (head)
 

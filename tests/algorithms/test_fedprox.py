@@ -5,12 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import linear_model, make_data, tree_allclose, tree_equal
 
 from fedjax_pfl import algorithms
 from fedjax_pfl.algorithms import _prox
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import linear_model, make_data, tree_allclose, tree_equal
 
 # Per-example loss ½‖w − x‖²: the full-batch gradient at w is w − mean(x).
 QUADRATIC = Model(init=lambda key: {"w": jnp.zeros(2)}, apply=lambda p, x: p["w"] - x,

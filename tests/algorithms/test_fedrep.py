@@ -6,16 +6,15 @@ import functools
 
 import chex
 import jax
-import jax.numpy as jnp
+import mlp_reference as ref
 import numpy as np
 import pytest
-
-import mlp_reference as ref
-from fedjax_pfl import algorithms, models
-from fedjax_pfl.core import split as split_lib
-from fedjax_pfl.models import nets
-from fedjax_pfl.models.model import Model
 from helpers import make_data, make_raw, tree_allclose, tree_equal
+
+from fedjax_pfl import algorithms, models
+from fedjax_pfl.models import nets
+from fedjax_pfl.models import split as split_lib
+from fedjax_pfl.models.model import Model
 
 MLP = models.from_flax(nets.MLP(3, hidden=(4,)), (5,))       # Dense_0 (body) → Dense_1 (head)
 SIZES = [7, 23, 12, 9]

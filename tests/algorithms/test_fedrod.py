@@ -6,15 +6,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import mlp_reference as ref
 import numpy as np
 import pytest
+from helpers import make_raw, tree_allclose
 
-import mlp_reference as ref
 from fedjax_pfl import algorithms, models
 from fedjax_pfl.algorithms import fedrod
 from fedjax_pfl.data.federated import FederatedData, label_counts
 from fedjax_pfl.models import nets
-from helpers import make_raw, tree_allclose
 
 MLP = models.from_flax(nets.MLP(3, hidden=(4,)), (5,))
 SIZES = [7, 23, 12, 9]

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make_data
 
 from fedjax_pfl import algorithms
 from fedjax_pfl.models.model import Model
-from helpers import make_data
 
 FEATURES, CLASSES = 20, 10           # d = 20·10 + 10 = 210 coordinates
 

@@ -20,9 +20,9 @@ import itertools
 
 import jax
 import numpy as np
+from helpers import linear_model, make_data, make_raw
 
 from fedjax_pfl import algorithms
-from helpers import linear_model, make_data, make_raw
 
 SIZES = [4, 4, 4]
 FEATURES, CLASSES, LR = 3, 3, 0.8

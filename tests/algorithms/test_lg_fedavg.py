@@ -4,13 +4,13 @@ swapped split equals FedPer, rounds against a NumPy float64 transcription, backe
 import functools
 
 import jax
+import mlp_reference as ref
 import numpy as np
 import pytest
+from helpers import make_data, make_raw, tree_allclose, tree_equal
 
-import mlp_reference as ref
 from fedjax_pfl import algorithms, models
 from fedjax_pfl.models import nets
-from helpers import make_data, make_raw, tree_allclose, tree_equal
 
 MLP = models.from_flax(nets.MLP(3, hidden=(4,)), (5,))       # Dense_0 (body) → Dense_1 (head)
 SIZES = [7, 23, 12, 9]

@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make_raw
 
 from fedjax_pfl import algorithms
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import make_raw
 
 SIZES = [6, 9, 4, 7, 5]          # N = 5 clients; B = 10 ≥ n_i: one full-batch step per epoch
 TEST_SIZES = [8, 8, 8, 8, 8]

@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_states_close, linear_model, states_per_backend
 
 from fedjax_pfl import algorithms, models
 from fedjax_pfl.algorithms import moon as moon_lib
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.data.natural import Task
 from fedjax_pfl.models import nets, sequence, tasks
-from helpers import assert_states_close, linear_model, states_per_backend
 
 F, H, C = 5, 4, 3                       # the tiny MLP: F → Dense H → ReLU → Dense C (the head)
 MLP = models.from_flax(nets.MLP(C, (H,)), (F,))

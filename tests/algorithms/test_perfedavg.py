@@ -5,16 +5,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import linear_model, tree_allclose
 from jax.flatten_util import ravel_pytree
 
-from fedjax_pfl import algorithms
+from fedjax_pfl import algorithms, models
 from fedjax_pfl.algorithms import perfedavg
 from fedjax_pfl.core.local import masked_mean_loss
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models import nets
-from fedjax_pfl import models
 from fedjax_pfl.models.model import Model
-from helpers import linear_model, tree_allclose
 
 MLP = models.from_flax(nets.MLP(3, hidden=(4,)), (5,))
 QUADRATIC = Model(init=lambda key: {"w": jnp.array([0.5, -1.0])}, apply=lambda p, x: p["w"] - x,

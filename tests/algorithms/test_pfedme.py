@@ -6,9 +6,9 @@ sampled clients' local models)."""
 import jax
 import numpy as np
 import pytest
+from helpers import linear_model, make_data, make_raw
 
 from fedjax_pfl import algorithms
-from helpers import linear_model, make_data, make_raw
 
 SIZES = [6, 9, 4]                               # unequal: the two weightings differ
 HP = dict(lam=4.0, personal_lr=0.1, personal_steps=2, beta=0.8, lr=0.05, momentum=0.0,

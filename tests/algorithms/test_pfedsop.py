@@ -4,13 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_states_close, linear_model, states_per_backend, tree_equal
 
 from fedjax_pfl import algorithms, core, ops
 from fedjax_pfl.algorithms.pfedsop import ClientState
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import (assert_states_close, linear_model, make_data, states_per_backend,
-                     tree_allclose, tree_equal)
 
 # P_i(x) = ½‖x − c_i‖² with c_i the client's (single) training row: gradient x − c_i.
 QUADRATIC = Model(init=lambda key: {"x": jnp.zeros(2)}, apply=lambda p, x: p["x"] - x,

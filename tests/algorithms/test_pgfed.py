@@ -1,17 +1,16 @@
 """PGFed / PGFedMo / PGFed-CE: docs/algorithms/pgfed.md#tests (T-numbers below) against an
 independent NumPy transcription."""
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_states_close, linear_model, make_data, tree_equal
 
-import helpers
-from fedjax_pfl import algorithms, core, ops
+from fedjax_pfl import algorithms
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import (assert_states_close, linear_model, make_data,
-                     tree_allclose, tree_equal)
 
 THETA0 = np.array([0.5, -0.2, 0.1])
 # f_i(θ) = mean_j ½‖θ − x_j‖² over client i's samples: gradient θ − mean(x).

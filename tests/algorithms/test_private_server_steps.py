@@ -25,12 +25,11 @@ tests/algorithms/test_private_uplinks.py."""
 import jax
 import numpy as np
 import pytest
+from helpers import linear_model, make_data
 
 # The quick suite keeps SCAFFOLD's joint clipping; the full suite runs every case.
-
 from fedjax_pfl import algorithms
 from fedjax_pfl.models import cp
-from helpers import linear_model, make_data
 
 HP = dict(local_steps=2, batch_size=4, participation=0.5, beta=0.5, weights="uniform")
 CASES = {"afm": ("tdpfed", {"cr": 1.2, "aggregate": "afm"}),

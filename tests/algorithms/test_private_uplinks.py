@@ -6,13 +6,13 @@ every per-client row (personal models, heads, optimizer states) is bit for bit t
 without noise. The clipping norm and the noise multiplier are traced (as a sweep passes them), so
 the runs with and without noise are one compiled program."""
 
+import helpers
 import jax
 import numpy as np
 import pytest
+from helpers import linear_model, make_data
 
 from fedjax_pfl import algorithms, core
-import helpers
-from helpers import linear_model, make_data
 
 SIZES = [12, 30, 7, 19, 25, 3, 40, 11, 9, 22]
 PRIVATE = [n for n in algorithms.names() if algorithms.spec(n).private_uplink]

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import linear_model, make_data
 
 from fedjax_pfl import algorithms
 from fedjax_pfl.algorithms import _global_model, _split_fedavg, engine, interface, registry
-from helpers import linear_model, make_data
 
 ALGORITHMS_DIR = pathlib.Path(registry.__file__).parent
 # The package's modules that are not algorithms: what algorithms are assembled from.
@@ -134,8 +134,9 @@ def test_init_refuses_a_model_whose_outputs_are_not_the_data_classes():
     """A classifier built for 4 classes on data of 3 trains without an error and scores output
     positions against labels of another range: `init` refuses it, naming both widths, as it
     refuses data that is not a FederatedData."""
-    from fedjax_pfl import models
     from helpers import make_data
+
+    from fedjax_pfl import models
 
     data = make_data([5, 6], num_classes=3)
     wrong = models.get("mlp", data.input_shape, 4)

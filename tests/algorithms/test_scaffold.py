@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import linear_model, tree_allclose
 
 from fedjax_pfl import algorithms
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import linear_model, tree_allclose
 
 # Linear regression ŷ = a·w + b with per-example loss ½(ŷ − t)²: each client's f_i is a quadratic
 # whose gradient NumPy computes exactly (`numpy_grad`).

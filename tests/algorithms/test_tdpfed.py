@@ -7,14 +7,14 @@ unfoldings for the factor gradient (eq. 23), Nesterov and Adam written out, soft
 gradients by hand.
 """
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from helpers import linear_model, make_data, make_raw, states_per_backend, tree_allclose
 
 from fedjax_pfl import algorithms, models
 from fedjax_pfl.models import cp
-from helpers import linear_model, make_data, make_raw, states_per_backend, tree_allclose
 
 SIZES = [6, 9, 4]                        # three clients, full batches (batch 16 ≥ every n_i)
 COMMON = dict(batch_size=16, local_steps=2)
@@ -366,7 +366,8 @@ def test_sar_masks():
     counts = [float(sum(jnp.sum(m) for m in jax.tree.leaves(random_mask(jax.random.key(i), like, 2.0, "bernoulli"))))
               for i in range(20)]
     assert abs(np.mean(counts) / 1007 - 0.5) < 0.01      # 20·1007 draws: sd of the mean 0.0035
-    a, b = random_mask(jax.random.key(1), like, 2.0, "bernoulli"), random_mask(jax.random.key(2), like, 2.0, "bernoulli")
+    a = random_mask(jax.random.key(1), like, 2.0, "bernoulli")
+    b = random_mask(jax.random.key(2), like, 2.0, "bernoulli")
     assert not np.array_equal(a["a"], b["a"])              # a fresh mask per transmission
 
 

@@ -4,9 +4,10 @@ changed it, and the results equal a fresh evaluation of every client."""
 import jax
 import numpy as np
 import pytest
+from helpers import linear_model, make_data
 
 from fedjax_pfl import algorithms, core
-from helpers import linear_model, make_data
+
 
 def _algorithm(name, **hp):
     """Algorithm `name` on the linear model with its declared test configuration."""

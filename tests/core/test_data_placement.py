@@ -20,14 +20,14 @@ import subprocess
 import sys
 import textwrap
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import helpers
-from fedjax_pfl import algorithms, core
 from helpers import linear_model, make_data, make_raw
+
+from fedjax_pfl import algorithms, core
 
 SIZES = [12, 30, 7, 19, 25, 3, 40, 11, 9, 22]
 
@@ -359,7 +359,9 @@ def test_a_run_may_resume_with_another_data_placement():
         cfg = RunConfig(algo="fedavg", data_placement=placement, out="/tmp/x")
         assert resume_conflicts(cfg, hp, "mlp", record) is None
     other = RunConfig(algo="fedavg", data_placement="device", seed=3, out="/tmp/x")
-    assert "--seed" in resume_conflicts(other, hp, "mlp", record)
+    from fedjax_pfl.errors import render
+
+    assert "made with seed 0, not 3" in render(resume_conflicts(other, hp, "mlp", record))
 
 
 SHARE_SCRIPT = textwrap.dedent('''

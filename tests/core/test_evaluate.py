@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import linear_model, make_data, make_raw
 
 from fedjax_pfl import core
-from helpers import linear_model, make_data, make_raw
 
 
 @pytest.mark.parametrize("backend", ["vmap", "chunked", "loop"])

@@ -10,10 +10,10 @@ model's own prediction, so counting it would add hits, loss and count."""
 import jax
 import numpy as np
 import pytest
+from helpers import linear_model
 
 from fedjax_pfl import algorithms, core
 from fedjax_pfl.data.federated import FederatedData
-from helpers import linear_model
 
 TRAIN = [6, 4, 9, 5]
 TEST = [5, 1, 11, 3]        # with batch 4: 3, 3, 1 and 1 padded positions; auto batch 16: all padded

@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import linear_model, make_data
 from jax.sharding import Mesh, PartitionSpec
 
 from fedjax_pfl import algorithms, core
 from fedjax_pfl.core import layout, transfer
-from helpers import linear_model, make_data
 
 
 class Inner(NamedTuple):

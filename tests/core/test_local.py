@@ -7,13 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import linear_model, make_data, make_raw, tree_allclose
 
 from fedjax_pfl import core
-from fedjax_pfl.core.local import (FullPass, LocalTrainer, add_aux_gradient, masked_mean_loss,
-                                   steps_per_epoch)
+from fedjax_pfl.core.local import FullPass, LocalTrainer, add_aux_gradient, masked_mean_loss, steps_per_epoch
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from helpers import linear_model, make_data, make_raw, tree_allclose
 
 
 def counting_data(sizes):

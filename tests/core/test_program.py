@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import linear_model, make_data, tree_allclose
 
 from fedjax_pfl import algorithms, core
-from helpers import linear_model, make_data, tree_allclose
 
 
 def program(name, data, **kw):

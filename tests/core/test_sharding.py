@@ -11,9 +11,9 @@ import subprocess
 import sys
 import textwrap
 
+import helpers
 import pytest
 
-import helpers
 from fedjax_pfl import algorithms
 
 SCRIPT = textwrap.dedent('''

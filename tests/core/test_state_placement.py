@@ -25,16 +25,18 @@ import subprocess
 import sys
 import textwrap
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import linear_model, make_data
 
-import helpers
 from fedjax_pfl import algorithms, core
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.core import checks, store as store_lib, transfer, world as world_lib
-from helpers import linear_model, make_data
+from fedjax_pfl.core import checks
+from fedjax_pfl.core import store as store_lib
+from fedjax_pfl.core import world as world_lib
 
 SIZES = [12, 30, 7, 19, 25, 3, 40, 11, 9, 22]
 HOST_STATE = [n for n in algorithms.names()
@@ -70,7 +72,8 @@ def _whole(program, state):
     if not isinstance(state, core.StoredState):
         return jax.device_get(state)
     host = state.store.gather(np.arange(program.num_clients))
-    return program.placements.state.host.treedef.unflatten(program.placements.state.host.join(jax.device_get(state.device), host))
+    split = program.placements.state.host
+    return split.treedef.unflatten(split.join(jax.device_get(state.device), host))
 
 
 def _run(algo, *, state_placement, data_placement="device", schedule=None, dtype="float32",
@@ -212,7 +215,6 @@ def test_a_world_is_dealt_as_the_mapper_deals_its_rows():
     """`world.world`, worked by hand: blocks of ceil(M/D) of each round's order, sorted and
     padded with N; a call that writes holds each client on the first device dealt it, an
     evaluation group wherever it is asked for."""
-
 
     n = 10
     # M = 5 on 2 devices: positions 0-2 to device 0, 3-4 to device 1.
@@ -400,7 +402,8 @@ SCRIPT = textwrap.dedent('''
     def whole(program, state):
         if isinstance(state, core.StoredState):
             rows = state.store.gather(np.arange(program.num_clients))
-            return program.placements.state.host.treedef.unflatten(program.placements.state.host.join(jax.device_get(state.device), rows))
+            split = program.placements.state.host
+            return split.treedef.unflatten(split.join(jax.device_get(state.device), rows))
         return jax.device_get(state)
 
     def run(algo, data, mesh, per_call, placement, data_placement, worlds=None, dtype="float32",

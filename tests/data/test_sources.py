@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import run as cli  # noqa: E402  (experiments/run.py: how the command line says the names)
+
 from fedjax_pfl.data import idx, sources
 from fedjax_pfl.data.sources import DATASETS, DatasetNotFoundError, RawDataset, load_raw
 from fedjax_pfl.errors import spelled

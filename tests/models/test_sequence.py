@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_pfl.core.split import head_pattern, leaf_paths, personal_mask
 from fedjax_pfl.data.natural import Task
 from fedjax_pfl.models import nets, sequence, tasks
+from fedjax_pfl.models.split import head_pattern, leaf_paths, personal_mask
 from fedjax_pfl.ops import tree_size
 
-
 # ---------------------------------------------------------------- NumPy float64 reference LSTM
+
 
 def _sigmoid(z):
     return 1.0 / (1.0 + np.exp(-z))

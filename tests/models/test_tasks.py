@@ -138,7 +138,6 @@ def test_multilabel_sigmoid_loss_is_finite_for_large_logits():
 
 
 def _recall_loop(logits, labels, k):
-    hits = count = 0
     per = []
     for z, tags in zip(logits, labels):
         true = {int(t) for t in tags if t >= 0}

@@ -63,7 +63,8 @@ class AngleTest(parameterized.TestCase):
     def test_bounds_and_exact_copy(self):
         rng = np.random.default_rng(0)
         for _ in range(20):
-            a = {"w": jnp.asarray(rng.normal(size=(7, 3)), jnp.float32), "b": jnp.asarray(rng.normal(size=5), jnp.float32)}
+            a = {"w": jnp.asarray(rng.normal(size=(7, 3)), jnp.float32),
+                 "b": jnp.asarray(rng.normal(size=5), jnp.float32)}
             b = jax.tree.map(lambda x: x * 3.0 + 0.1, a)
             sim = self.variant(ops.cosine_similarity)(a, b)
             phi = self.variant(ops.cosine_angle)(a, b)

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from convex_reference import norm_epigraph_minimize
+
 from fedjax_pfl.ops import difference as D
 from fedjax_pfl.ops.prox import soft_threshold
 

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.linalg
-
 from convex_reference import norm_epigraph_minimize
+
 from fedjax_pfl.ops import graph as G
 
 

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import linear_model, make_data, make_raw
 
 from fedjax_pfl import algorithms
 from fedjax_pfl.ops import graph as G
-from helpers import linear_model, make_data, make_raw
 
 
 def _incidence(senders, receivers, n):

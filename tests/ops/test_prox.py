@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import parameterized
-
 from convex_reference import norm_epigraph_minimize, norm_np
+
 from fedjax_pfl.ops import prox
 
 

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from fedjax_pfl.algorithms import engine as engine_lib
-from fedjax_pfl import algorithms
-from fedjax_pfl.ops import dp
 from helpers import linear_model, make_data
+
+from fedjax_pfl import algorithms
+from fedjax_pfl.algorithms import engine as engine_lib
+from fedjax_pfl.ops import dp
 
 # The quick suite keeps the clip's update against the update norms (fixed sampling) and the
 # refusals; the full suite runs every test.

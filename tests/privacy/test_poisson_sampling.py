@@ -7,16 +7,16 @@ by q·N; the accountant is the Poisson-subsampled Gaussian (add or remove one cl
 import math
 
 import dp_accounting
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from fedjax_pfl.algorithms import engine as engine_lib
-from fedjax_pfl import algorithms, core
-from fedjax_pfl.ops import dp
-import helpers
 from helpers import linear_model, make_data
+
+from fedjax_pfl import algorithms, core
+from fedjax_pfl.algorithms import engine as engine_lib
+from fedjax_pfl.ops import dp
 
 
 def _log_binom_tail(n: int, q: float, k: int) -> float:

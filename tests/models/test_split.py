@@ -1,14 +1,14 @@
-"""core/split.py: leaf paths, the head of each model, masks, split/merge and row flattening."""
+"""models/split.py: leaf paths, the head of each model, masks, split/merge and row flattening."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import tree_equal
 
 from fedjax_pfl import core, models
-from fedjax_pfl.core import split as S
-from helpers import tree_equal
+from fedjax_pfl.models import split as S
 
 
 def shapes(name, input_shape, classes=10):
