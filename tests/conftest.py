@@ -1,4 +1,4 @@
-"""Shared fixtures (helper functions live in tests/helpers.py, importable as `helpers`)."""
+"""Shared fixtures (helper functions live in tests/support/helpers.py, importable as `helpers`)."""
 
 import ctypes.util
 import gc
@@ -111,8 +111,8 @@ def no_figures(monkeypatch):
     """Runs that write no PNGs: drawing them (~0.8 s per run directory) was two thirds of the
     time of the per-algorithm resume checks (`helpers.check_resume_equals_uninterrupted`), and
     what they show is not what resume must reproduce
-    (test_interrupted_run_records_what_finished_and_resumes, tests/test_cli.py and
-    tests/test_interrupts.py check that runs write them)."""
+    (test_interrupted_run_records_what_finished_and_resumes, tests/cli/test_cli.py and
+    tests/system/test_interrupts.py check that runs write them)."""
     from fedjax_pfl import plots
 
     monkeypatch.setattr(plots, "plot_label_distribution", lambda *args, **kwargs: None)
@@ -127,9 +127,9 @@ def pytest_unconfigure(config):
 
 # Longest first, so that the two xdist workers (stealing each other's queued tests, see --dist in
 # pyproject.toml) end together instead of one waiting for a long test that started last.
-_LONGEST_FIRST = ("tests/test_defaults_train.py", "tests/core/test_sharding.py",
-                  "tests/test_interrupts.py", "tests/core/test_distributed.py",
-                  "tests/test_cli_fuzz.py")
+_LONGEST_FIRST = ("tests/runner/test_defaults_train.py", "tests/core/test_sharding.py",
+                  "tests/system/test_interrupts.py", "tests/system/test_distributed.py",
+                  "tests/cli/test_cli_fuzz.py")
 
 
 def pytest_collection_modifyitems(config, items):

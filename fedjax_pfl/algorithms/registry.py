@@ -167,7 +167,7 @@ class AlgorithmSpec:
     traceable: tuple[str, ...] = ("lr",)
     # The algorithm's test configuration: hyperparameters (common or own) on top of its
     # defaults that keep a test run small and training on the tests' linear model {w, b}
-    # (tests/helpers.py): a few local steps where the defaults would run many, both parts
+    # (tests/support/helpers.py): a few local steps where the defaults would run many, both parts
     # non-empty in a split model, persistent momentum rows where the algorithm keeps them. The
     # cross-cutting tests (tests/core/test_sharding.py, tests/core/test_cached_evaluation.py) run
     # every registered algorithm with it on top of their own small common settings. None: not

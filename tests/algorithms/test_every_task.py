@@ -67,6 +67,7 @@ CASES = [pytest.param(name, task, id=f"{name}-{label}",
          for name in algorithms.names() for task, label in ((SEQ, "per_token"), (TAG, "multilabel"))]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name, task", CASES)
 def test_every_algorithm_runs_on_every_task(name, task):
     data, y = _data(task)

@@ -3,13 +3,14 @@ the frozen part bit for bit unchanged in each phase, τ_h = 0 against FedAvg on 
 backends equal, config errors and --help."""
 
 import functools
+import itertools
 
 import chex
 import jax
 import mlp_reference as ref
 import numpy as np
 import pytest
-from helpers import make_data, make_raw, tree_allclose, tree_equal
+from helpers import linear_model, make_data, make_raw, tree_allclose, tree_equal
 
 from fedjax_pfl import algorithms, models
 from fedjax_pfl.models import nets
@@ -163,3 +164,62 @@ def test_help_explains_the_flags():
     text = " ".join(cli.build_parser().format_help().split())
     assert "--fedrep-head-epochs" in text and "the first τ_h train the head with the body frozen" in text
     assert "--fedrep-head" in text and "fedrep: FedRep:" in text
+
+# -- Guard for FedRep (issue 30, item 10): the head phase and the body phase draw their own batch ----
+
+
+GUARD_SIZES = [4, 4, 4]
+FEATURES, CLASSES, LR = 3, 3, 0.8
+
+
+def _error(w, b, x, y):
+    logits = x @ w + b
+    p = np.exp(logits - logits.max())
+    return p / p.sum() - np.eye(CLASSES)[y]
+
+
+def _head_after(order, w, b, x, y):
+    for j in order:
+        b = b - LR * _error(w, b, x[j], y[j])
+    return b
+
+
+def _body_after(order, w, b, x, y):
+    for j in order:
+        w = w - LR * np.outer(x[j], _error(w, b, x[j], y[j]))
+    return w
+
+
+def _unique_order(simulate, got):
+    """The one permutation whose simulation gives `got`; the runner-up must be far off."""
+    dist = sorted((np.abs(simulate(order) - got).max(), order)
+                  for order in itertools.permutations(range(GUARD_SIZES[0])))
+    (best, order), (second, _) = dist[0], dist[1]
+    assert best < 1e-10 and second > 1e-8, (best, second)
+    return order
+
+
+def test_the_head_phase_does_not_reuse_the_body_phases_batch_order(x64):
+    data = make_data(GUARD_SIZES, num_classes=CLASSES, feature_dim=FEATURES, seed=4)
+    x_raw, y_raw, train, _, _, _ = make_raw(GUARD_SIZES, num_classes=CLASSES, feature_dim=FEATURES, seed=4)
+    algo = algorithms.get("fedrep", model=linear_model(FEATURES, CLASSES), head="^b$",
+                          head_epochs=1, local_epochs=2, batch_size=1, lr=LR, momentum=0.0,
+                          participation=1 / len(GUARD_SIZES))
+    state = algo.init(jax.random.key(0), data)
+    step = jax.jit(algo.round_fn)
+    same = []
+    for r in range(8):
+        new, metrics = step(state, data, jax.random.key(r))
+        (i,) = np.asarray(metrics["sampled"]).tolist()
+        x = np.asarray(x_raw[train[i]], np.float64)
+        y = y_raw[train[i]]
+        w0 = np.asarray(state.body["w"], np.float64)
+        b0 = np.asarray(state.heads["b"][i], np.float64)
+        b1 = np.asarray(new.heads["b"][i], np.float64)
+        w1 = np.asarray(new.body["w"], np.float64)
+        head_order = _unique_order(lambda o: _head_after(o, w0, b0, x, y), b1)
+        body_order = _unique_order(lambda o: _body_after(o, w0, b1, x, y), w1)
+        same.append(head_order == body_order)
+        state = new
+    assert not all(same), "the head phase visited the samples in the body phase's order every round"
+    assert sum(same) <= 2, same         # 8 rounds at 1/24 each: more than 2 has probability < 1 %

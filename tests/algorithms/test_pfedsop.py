@@ -168,7 +168,7 @@ def test_probe_must_be_plain_sgd():
 
 def test_defaults_are_the_reading_that_trains():
     # keep="sgd" (R2) and η₁ = 1: the literal R1 with η₁ = --lr stays at chance on digits
-    # (tests/test_defaults_train.py); both remain options.
+    # (tests/runner/test_defaults_train.py); both remain options.
     hp = algorithms.get("pfedsop", model=linear_model(), lr=0.3).hparams
     assert (hp["keep"], hp["eta_personal"], hp["eta_local"], hp["rho"], hp["blend"]) == \
         ("sgd", 1.0, None, 1.0, "gompertz")

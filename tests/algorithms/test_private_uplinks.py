@@ -49,6 +49,7 @@ def _rounds(name, data):
     return jax.device_get(before), plain, jax.jit(private), core.client_mask(before)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow)
                                   for n in PRIVATE])
 def test_privacy_acts_on_the_uplink_only(name):

@@ -175,7 +175,7 @@ def test_auto_placement_and_the_memory_plan():
 
 SCRIPT = textwrap.dedent('''
     import sys
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, "tests/support")
     import fedjax_pfl
     assert fedjax_pfl.use_cpu_cores(2) == 2
     import jax, numpy as np
@@ -257,14 +257,14 @@ SCRIPT = textwrap.dedent('''
                      data_placement="sharded")
     # auto: device while the dataset fits on both devices (with the client state, in 80 % of the
     # memory), sharded while half of it does, host below that.
-    from fedjax_pfl.core import program as program_module
-    whole, measured = data.x.nbytes + data.y.nbytes, program_module.available_memory
+    from fedjax_pfl.core import placing as placing_module
+    whole, measured = data.x.nbytes + data.y.nbytes, placing_module.available_memory
     for available, want in ((4 * whole, "device"), (int(1.5 * whole / 0.8), "sharded"),
                             (int(0.9 * whole / 0.8), "host")):
-        program_module.available_memory = lambda platform, a=available: a
+        placing_module.available_memory = lambda platform, a=available: a
         assert core.Program(algo, data, mesh=core.client_mesh(),
                             data_placement="auto").data_placement == want, (available, want)
-    program_module.available_memory = measured
+    placing_module.available_memory = measured
     program = core.Program(algo, data, mesh=core.client_mesh(), data_placement="host")
 
     # A probe answering the round's clients in another order (the blocks then hold other
@@ -296,7 +296,7 @@ SCRIPT = textwrap.dedent('''
     fomo = algorithms.get("fedfomo", model=linear_model(), participation=0.4, batch_size=4)
     assert not core.Program(fomo, data, mesh=core.client_mesh(), data_placement="host").placements.data.blocks
 
-    # (pgfedmo on two devices one round a call: tests/test_multiprocess.py, two processes)
+    # (pgfedmo on two devices one round a call: tests/system/test_multiprocess.py, two processes)
     # Placements as (data, client state); ditto with its data sharded and its client rows on
     # the host; fedpc, whose init reads every client's samples (eagerly, from the host copy).
     both = [("host", "device"), ("sharded", "device")]
@@ -366,7 +366,7 @@ def test_a_run_may_resume_with_another_data_placement():
 
 SHARE_SCRIPT = textwrap.dedent('''
     import json, sys
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, "tests/support")
     import fedjax_pfl
     port, pid, nproc = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if nproc > 1:

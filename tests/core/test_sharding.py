@@ -18,7 +18,7 @@ from fedjax_pfl import algorithms
 
 SCRIPT = textwrap.dedent('''
     import json, sys, traceback
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, "tests/support")
     import fedjax_pfl
     assert fedjax_pfl.use_cpu_cores(2) == 2
     import jax, numpy as np
@@ -104,6 +104,7 @@ REST = sorted(set(algorithms.names()) - set(QUICK))
 GROUPS = {"quick": QUICK, "rest_a": tuple(REST[0::2]), "rest_b": tuple(REST[1::2])}
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("group", [g if g == "quick" else pytest.param(g, marks=pytest.mark.slow)
                                    for g in GROUPS])
 def test_sharded_state_on_two_devices_equals_the_loop(group):

@@ -235,6 +235,7 @@ def test_a_world_is_dealt_as_the_mapper_deals_its_rows():
 # Host placement equals device placement
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow)
                                   for n in HOST_STATE])
 def test_host_state_equals_device_state_bit_for_bit(name):
@@ -386,12 +387,12 @@ def test_resume_across_state_placements(tmp_path, no_figures):
     b = jax.device_get(checkpoints.load(saved["host"], None, programs["device"])[0])
     _leaves_equal(a, b)
     # (a host-state run stopped and resumed equals one that never stopped: over two processes
-    # in tests/test_multiprocess.py)
+    # in tests/system/test_multiprocess.py)
 
 
 SCRIPT = textwrap.dedent('''
     import sys
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, "tests/support")
     import fedjax_pfl
     assert fedjax_pfl.use_cpu_cores(2) == 2
     import jax, numpy as np

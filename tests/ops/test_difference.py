@@ -3,7 +3,7 @@ docs/algorithms/fedpc.md#compression, #f2, #f3 and #tests.
 
 Every fix (F2, F3) has a test the draft's formula fails: the r-step threshold 1/ρ_c (not ρ), the
 y-step constant c = ρ_c·η·γ (not 4/(ρηγ)), and the inverse (the draft's P(cΣ + 1)P⁻¹ is the
-matrix itself). References are dense float64 numpy solves and scipy's SLSQP (convex_reference.py).
+matrix itself). References are dense float64 numpy solves and scipy's SLSQP (tests/support/convex_reference.py).
 """
 
 import time

@@ -1,6 +1,6 @@
 """prox_norm, soft_threshold, project_l1_ball: docs/algorithms/fedpc.md#f1 and T1.
 
-Expected values come from scipy's generic SLSQP on the epigraph form (convex_reference.py) and
+Expected values come from scipy's generic SLSQP on the epigraph form (tests/support/convex_reference.py) and
 from a bisection on the ℓ1-ball threshold, both in float64.
 """
 

@@ -160,6 +160,7 @@ OVERRIDES = {"fedper": {"head": "^b$"},     # as in test_private_uplinks: a non-
 OWN_BOUND = ("feddyn",)                     # θ also moves by −h/α (test_private_server_steps)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow)
                                   for n in PRIVATE])
 def test_every_private_algorithm_under_poisson_sampling(name):

@@ -1,5 +1,5 @@
 """experiments/run.py with a pause after a given round, for tests that signal a real run at a
-known point: `python tests/pause_run.py R <run.py flags>` prints "paused after round R" once
+known point: `python tests/support/pause_run.py R <run.py flags>` prints "paused after round R" once
 round R and its checkpoint are written, then sleeps (up to a minute) so the test can send its
 signal. The pause is an ordinary round-end callback (fedjax_pfl.callbacks), run after the run's
 own writers."""
@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import run  # noqa: E402

@@ -1,10 +1,10 @@
 """experiments/run.py without drawing the run's two PNGs, for subprocess tests that compare a
-run's metrics, checkpoints and summary but not its figures: `python tests/run_no_figures.py
+run's metrics, checkpoints and summary but not its figures: `python tests/support/run_no_figures.py
 <run.py flags>` is `python experiments/run.py <run.py flags>` with
 `plots.plot_label_distribution` and `plots.plot_learning_curves` doing nothing. Importing
 matplotlib and drawing the two figures took ~1.5 s of CPU a run directory (tests/conftest.py's
 `no_figures` does the same in-process). Tests that check that a run writes its figures
-(tests/test_cli.py, tests/test_interrupts.py's stopped runs) use the real script.
+(tests/cli/test_cli.py, tests/system/test_interrupts.py's stopped runs) use the real script.
 
 With FEDJAX_PFL_TEST_HOST_READS=DIR set, each process writes DIR/reads-K.json (K its process
 index): the arrays of the checkpoints' per-process host parts it read
@@ -15,7 +15,7 @@ Exits as experiments/run.py's `__main__` does (130/143 without interpreter teard
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import run  # noqa: E402

@@ -22,7 +22,7 @@ _rows = helpers.metric_rows
 @pytest.mark.usefixtures("no_figures")
 def test_resume_at_round_k_equals_uninterrupted(tmp_path):
     """FedAvg's default configuration; every other algorithm's is checked the same way by
-    tests/test_defaults_train.py on the program it has just trained (compiled once)."""
+    tests/runner/test_defaults_train.py on the program it has just trained (compiled once)."""
     helpers.check_resume_equals_uninterrupted("fedavg", tmp_path)
 
 

@@ -133,7 +133,7 @@ def without_device_count(xla_flags: str) -> str:
 @functools.lru_cache(maxsize=None)
 def default_prepared(algo: str):
     """`runner.prepare` of `python experiments/run.py --algo ALGO` (digits, 20 clients), built and
-    compiled once per test process: tests/test_defaults_train.py trains it to its accuracy bar and
+    compiled once per test process: tests/runner/test_defaults_train.py trains it to its accuracy bar and
     stops and resumes it (`check_resume_equals_uninterrupted`); a Prepared does not depend on
     --rounds or --out."""
     import run as cli  # experiments/run.py (importing it starts nothing)

@@ -18,7 +18,7 @@ import helpers
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -37,9 +37,9 @@ def _env(devices="1"):
 
 def _cli(tmp, name, extra, devices="1", host_reads=None):
     env = _env(devices)
-    if host_reads is not None:                       # (tests/run_no_figures.py)
+    if host_reads is not None:                       # (tests/support/run_no_figures.py)
         env["FEDJAX_PFL_TEST_HOST_READS"] = str(host_reads)
-    argv = [sys.executable, str(ROOT / "tests" / "run_no_figures.py"), "--algo",
+    argv = [sys.executable, str(ROOT / "tests" / "support" / "run_no_figures.py"), "--algo",
             "fedavg", "--rounds", "2", "--clients", "6", "--participation", "0.5", "--quiet",
             "--out", str(tmp / name), *extra]         # later flags (--algo, --rounds) win
     return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -227,7 +227,7 @@ def test_an_interrupted_process_leaves_a_resumable_run(tmp_path):
     port = _free_port()
     with helpers.ctrl_c_for_children():
         procs = [subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "pause_run.py"), "2", "--rounds", "4",
+            [sys.executable, str(ROOT / "tests" / "support" / "pause_run.py"), "2", "--rounds", "4",
              "--clients", "6", "--participation", "0.5", "--quiet", "--out",
              str(tmp_path / "parts"), *algo, "--coordinator", f"127.0.0.1:{port}",
              "--num-processes", "2", "--process-id", str(i)],

@@ -102,7 +102,7 @@ def test_the_reported_training_loss_is_the_mean_over_each_clients_steps(tmp_path
     assert abs(np.mean(per_client) - np.average(per_client, weights=SIZES)) > 1e-3
 
 
-@pytest.mark.slow       # (a run resumed from its files; tests/test_resume.py's quick test resumes too)
+@pytest.mark.slow       # (a run resumed from its files; tests/runner/test_resume.py's quick test resumes too)
 def test_a_resumed_run_keeps_its_step_counters(tmp_path):
     """4 rounds of FedAvg sampling 2 of 4 clients, against the same run stopped after round 2
     (its checkpoint) and resumed: the same per-round client_steps, and summary.json's total step

@@ -6,9 +6,9 @@ The run is built by the command line's own parser and config builder, so what is
 a user gets; only --quiet is given, and the run writes no files. The same test then checks exact
 resume (issue 11 §1) on that configuration, with the program it has just compiled
 (`helpers.check_resume_equals_uninterrupted`: stopped at round 2 and resumed = 4 rounds never
-stopped); tests/test_resume.py checks files, interrupts and targets on FedAvg's. Chance is 0.1 on
+stopped); tests/runner/test_resume.py checks files, interrupts and targets on FedAvg's. Chance is 0.1 on
 10 classes; the bar is a mean client accuracy of 0.8 within the default 50 rounds, which the run
-stops at (--target-acc 0.8; tests/test_resume.py checks that the stop is the first round that
+stops at (--target-acc 0.8; tests/runner/test_resume.py checks that the stop is the first round that
 reaches it). Measured (`python experiments/run.py --algo NAME --target-acc 0.8` prints the
 round): the first round at or above 0.8 is 4 (fedpc, pfedme), 5 (tdpfed),
 7 (feddyn, perfedavg, pgfed, pgfed_ce, pgfedmo), 9 (fedavg_ft, fedprox_ft), 10 (local), 11
@@ -28,6 +28,7 @@ BAR = 0.8
 
 @pytest.mark.slow     # per algorithm: 3 short runs (resume) and one of up to 50 rounds, 5–20 s
 @pytest.mark.usefixtures("no_figures")
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", algorithms.names())
 def test_default_configuration_learns_digits_and_resumes_exactly(name, tmp_path):
     # First exact resume (so that a configuration below the bar still has it checked), then

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 import run as cli  # noqa: E402  (experiments/run.py)
 
 from fedjax_pfl import runner  # noqa: E402

@@ -13,7 +13,7 @@ import run as cli  # noqa: E402  (experiments/run.py)
 from fedjax_pfl import runner  # noqa: E402
 from fedjax_pfl.errors import OptionError  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _digits_with(**options):

@@ -17,12 +17,12 @@ import pytest
 
 from fedjax_pfl import checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "experiments" / "run.py")
-PAUSE_SCRIPT = str(ROOT / "tests" / "pause_run.py")    # run.py with a pause after round R
+PAUSE_SCRIPT = str(ROOT / "tests" / "support" / "pause_run.py")    # run.py with a pause after round R
 # run.py drawing no PNGs (~1.5 s of CPU a run), for the runs whose figures no test reads: the
 # uninterrupted reference and the resumed run (the stopped runs draw theirs, checked below).
-NO_FIGURES_SCRIPT = str(ROOT / "tests" / "run_no_figures.py")
+NO_FIGURES_SCRIPT = str(ROOT / "tests" / "support" / "run_no_figures.py")
 pytestmark = pytest.mark.slow           # each case starts JAX and compiles 2–3 times
 
 COMMON = ["--clients", "8", "--participation", "0.5", "--local-steps", "2", "--rounds", "12"]

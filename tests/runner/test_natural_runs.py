@@ -1,4 +1,4 @@
-"""End to end on natural-client files written in their real layouts (tests/natural_files.py):
+"""End to end on natural-client files written in their real layouts (tests/support/natural_files.py):
 each task trains with FedAvg and with a personalised algorithm (its loss falls), the clients keep
 their ids and their own held-out data, and every registered algorithm runs on a per-token and on
 a multi-label task."""
@@ -16,7 +16,7 @@ import pytest
 from fedjax_pfl import runner
 from fedjax_pfl.data.build import PartitionConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The command line's subprocesses import this checkout's fedjax_pfl whatever is installed.
 _ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 

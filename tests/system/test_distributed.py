@@ -2,7 +2,7 @@
 results of a one-process run: the CLI's --coordinator/--num-processes/--process-id path. The
 algorithm is FedPC, whose initial state (a kNN graph over every client's samples) is computed
 on the host, outside any program: each process computes it and places its own device's shards
-of it (`placement.put_agreed`). PGFed-Mo's two-process runs: tests/test_multiprocess.py."""
+of it (`placement.put_agreed`). PGFed-Mo's two-process runs: tests/system/test_multiprocess.py."""
 
 import json
 import os
@@ -26,9 +26,9 @@ def _free_port() -> int:
 def _cli(tmp, name, extra, algo="pgfedmo"):
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "1", "PYTHONPATH": str(ROOT)}
     env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
-    # run.py drawing no PNGs (tests/run_no_figures.py; ~1.5 s of CPU a run): only the metrics
+    # run.py drawing no PNGs (tests/support/run_no_figures.py; ~1.5 s of CPU a run): only the metrics
     # and the summary are compared.
-    argv = [sys.executable, str(ROOT / "tests" / "run_no_figures.py"), "--algo", algo,
+    argv = [sys.executable, str(ROOT / "tests" / "support" / "run_no_figures.py"), "--algo", algo,
             "--rounds", "3", "--clients", "7", "--participation", "0.45", "--quiet",
             "--out", str(tmp / name), *extra]
     return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

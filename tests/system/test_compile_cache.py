@@ -11,7 +11,7 @@ from pathlib import Path
 import helpers
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ["--algo", "fedavg", "--rounds", "2", "--clients", "4", "--quiet"]
 
 
