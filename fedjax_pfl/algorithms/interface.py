@@ -70,7 +70,12 @@ class Algorithm(NamedTuple):
     otherwise than its training (FedFomo evaluates client-model pairs): host data placement then
     stages each round's samples whole on every device instead of in per-device blocks
     (`core.rows.DeviceBlocks`). True (the default) is checked at run time: a row dealt to a device without
-    its client's samples stops the run with an error."""
+    its client's samples stops the run with an error.
+
+    `client_blocks` B > 1 declares that the clients are B equal blocks that share nothing: a
+    sweep's runs stacked as one algorithm (`fedjax_pfl.sweep`), whose participants come block by
+    block (M/B of each). Host state placement then gives each block its own initial rows and
+    each block its own part of a call's world; evaluation groups lie within one block."""
 
     name: str
     init: Callable[[jax.Array, FederatedData], Any]
@@ -81,6 +86,7 @@ class Algorithm(NamedTuple):
     host_state: bool = False
     data_blocks: bool = True
     participants: Callable[[FederatedData, jax.Array], jax.Array] | None = None
+    client_blocks: int = 1
 
 
 def split_evaluate(rows: Callable[..., dict[str, ClientEval]],

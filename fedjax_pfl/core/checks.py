@@ -84,7 +84,14 @@ def note_each(checks: dict[str, jax.Array]) -> None:
     if "misdealt" in checks:
         note("misdealt", jnp.sum(checks["misdealt"], axis=0))
     if "rows" in checks:
-        note("rows", jax.lax.reduce_or(checks["rows"], (0,)))
+        note("rows", _or_over_first(checks["rows"]))
+
+
+def _or_over_first(flags: jax.Array) -> jax.Array:
+    """The bits of `flags` or-ed over its leading axis, bit by bit as maxima (an axis split
+    over devices reduces with a max; XLA:CPU has no all-reduce of a bitwise or)."""
+    return functools.reduce(jnp.bitwise_or, [jnp.max(flags & bit, axis=0)
+                                             for bit in (MISSED, CROSSED)])
 
 
 def checked(fn: Callable) -> Callable:

@@ -241,6 +241,9 @@ def _as_float32(params: Params) -> Params:
 
 def default_eval_group(algo, data) -> int:
     """Clients evaluated together by one compiled program: the power of two at or above the M
-    clients a round samples."""
-    m = num_sampled_clients(data.num_real_clients, algo.hparams.get("participation", 1.0))
+    clients a round samples (of one client block: `Algorithm.client_blocks`, whose last block's
+    padding clients are the dataset's)."""
+    blocks = getattr(algo, "client_blocks", 1)
+    real = data.num_real_clients - (blocks - 1) * (data.num_clients // blocks)
+    m = num_sampled_clients(real, algo.hparams.get("participation", 1.0))
     return 1 << (m - 1).bit_length()

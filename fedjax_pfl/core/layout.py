@@ -11,6 +11,10 @@ its per-client fields in a class attribute,
 and every leaf under a declared field has leading axis N (all clients). Nothing is inferred
 from shapes: a global [10] output bias in a run of N = 10 clients stays a global leaf
 (replicated, never cast to the storage dtype). Undeclared states have no per-client leaves.
+
+A state class may also declare `SPLIT_FIELDS`: leaves that are not per-client rows but whose
+leading axis is split over the devices like the clients' (a sweep's runs, each device holding
+whole runs: `fedjax_pfl.sweep`); they stay on the devices under every state placement.
 """
 
 from __future__ import annotations
@@ -71,14 +75,33 @@ def client_mask(tree: Params, num_clients: int | None = None) -> Params:
     return mark(tree, "state", False)
 
 
+def split_mask(tree: Params) -> Params:
+    """A pytree of bools shaped like `tree`'s leaves: True under the fields a NamedTuple node
+    declares in its `SPLIT_FIELDS` (module docstring)."""
+    def mark(node, declared: bool):
+        if declared:
+            return jax.tree.map(lambda _: True, node)
+        if _is_state_class(node):
+            fields = getattr(type(node), "SPLIT_FIELDS", ())
+            return type(node)(*(mark(v, name in fields) for name, v in zip(node._fields, node)))
+        if isinstance(node, (list, tuple)):
+            return type(node)(mark(v, False) for v in node)
+        if isinstance(node, dict):
+            return type(node)((k, mark(v, False)) for k, v in node.items())
+        return jax.tree.map(lambda _: False, node)
+
+    return mark(tree, False)
+
+
 def client_shardings(tree: Params, mesh: Mesh, num_clients: int | None = None) -> Params:
-    """Shardings for a state pytree: declared per-client leaves (`client_mask`) split along the
-    client axis over the mesh, every other leaf replicated. N must be a multiple of the device
-    count (`FederatedData.pad_clients`). Works on abstract trees (eval_shape)."""
+    """Shardings for a state pytree: declared per-client leaves (`client_mask`) and split
+    leaves (`split_mask`) split along the client axis over the mesh, every other leaf
+    replicated. N must be a multiple of the device count (`FederatedData.pad_clients`). Works
+    on abstract trees (eval_shape)."""
     rows = NamedSharding(mesh, jax.sharding.PartitionSpec("clients"))
     whole = NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.tree.map(lambda _, is_client: rows if is_client else whole,
-                        tree, client_mask(tree, num_clients))
+    return jax.tree.map(lambda _, is_client, is_split: rows if is_client or is_split else whole,
+                        tree, client_mask(tree, num_clients), split_mask(tree))
 
 
 def cast_client_leaves(tree: Params, dtype, num_clients: int | None = None) -> Params:

@@ -83,7 +83,8 @@ class Program:
         # Poisson-sampled rounds fill their unused slots with an empty padding client.
         data = data.pad_clients(mesh.size if mesh is not None else 1, minimum=int(poisson))
         self.num_clients = data.num_clients
-        self.eval_group = min(default_eval_group(algo, data), self.num_clients)
+        self.eval_group = min(default_eval_group(algo, data),
+                              self.num_clients // algo.client_blocks)
         abstract = self._abstract_state(data)
         self.state_placement = placing.state_placement(state_placement, algo, abstract, jit)
         self.data_placement = placing.data_placement(data_placement, algo, data, abstract,
@@ -133,14 +134,15 @@ class Program:
         if self.state_placement == "device":
             return DeviceState(abstract, self.num_clients, self.mesh, storage)
         # M, the clients of a round's participants, from the probe's shape (nothing is run).
-        per_round = int(jax.eval_shape(lambda c, k, f: self._probe(c, k, f, 1),
-                                       self.data_clients_spec(),
-                                       jax.eval_shape(lambda: jax.random.key(0)),
-                                       jax.ShapeDtypeStruct((), jnp.int32)).shape[-1])
+        with self._in_mesh():
+            per_round = int(jax.eval_shape(lambda c, k, f: self._probe.unwrapped(c, k, f, 1),
+                                           self.data_clients_spec(),
+                                           jax.eval_shape(lambda: jax.random.key(0)),
+                                           jax.ShapeDtypeStruct((), jnp.int32)).shape[-1])
         return HostState(abstract, self.num_clients, self.mesh, storage, per_round=per_round,
                          rounds_per_call=self.rounds_per_call, eval_group=self.eval_group,
                          participants=self._participants, prefetch=prefetch,
-                         where=self.algo.name)
+                         where=self.algo.name, blocks=self.algo.client_blocks)
 
     def data_clients_spec(self):
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
@@ -161,7 +163,7 @@ class Program:
 
         def probe(clients, round_keys, first, count):
             d = dataclasses.replace(stub, clients=clients)
-            return jnp.stack([self.algo.participants(d, jax.random.fold_in(round_keys, first + i))
+            return jnp.stack([self.algo.participants(d, round_key(round_keys, first + i))
                               for i in range(count)])
 
         return self._in_mesh_fn(jax.jit(probe, static_argnums=3))
@@ -237,7 +239,7 @@ class Program:
         """One round of the loop or debug backend, from Python (its client calls jitted one by
         one, or not at all)."""
         try:
-            state, m = self.algo.round_fn(state, self.data, jax.random.fold_in(round_keys, first))
+            state, m = self.algo.round_fn(state, self.data, round_key(round_keys, first))
         except ClientError as e:                      # the debug backend: add the round
             raise ClientError(e.stage, client=e.client, row=e.row, cause=e.cause,
                               round=first + 1) from e.cause
@@ -250,7 +252,7 @@ class Program:
 
         def one(carry, fixed, data, round_keys, r):
             state = state_at.wrap(carry, fixed)
-            state, metrics = self.algo.round_fn(state, data, jax.random.fold_in(round_keys, r))
+            state, metrics = self.algo.round_fn(state, data, round_key(round_keys, r))
             return state_at.unwrap(state_at.store(state), fixed), metrics
 
         def rounds(carry, fixed, data, round_keys, first):
@@ -434,6 +436,11 @@ class _InMesh:
         with self._context():
             return self._fn(*args, **kwargs)
 
+    @property
+    def unwrapped(self):
+        """The function itself, for a caller already within the mesh (tracing under it)."""
+        return self._fn
+
     def lower(self, *args, **kwargs) -> "_InMesh":
         with self._context():
             return _InMesh(self._fn.lower(*args, **kwargs), self._context)
@@ -462,6 +469,14 @@ def _check_options(state_dtype: str, rounds_per_call: int, jit: bool, data_place
     if state_placement not in STATE_PLACEMENTS:
         raise ValueError(f"--state-placement must be one of {list(STATE_PLACEMENTS)}, "
                          f"got {state_placement!r}")
+
+
+def round_key(round_keys: jax.Array, r) -> jax.Array:
+    """Round r's key: `fold_in(round_keys, r)`, for each key of a batch of them (a sweep's runs,
+    one key each: `fedjax_pfl.sweep`)."""
+    if round_keys.ndim == 0:
+        return jax.random.fold_in(round_keys, r)
+    return jax.vmap(jax.random.fold_in, (0, None))(round_keys, r)
 
 
 def _on_host(a) -> np.ndarray:

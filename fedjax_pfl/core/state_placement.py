@@ -66,6 +66,8 @@ class _Placement:
         self.num_clients, self.mesh, self.storage = int(num_clients), mesh, storage
         self.abstract: Params | None = None
         self.shardings = None
+        # (an init that needs concrete data runs eagerly every time, its shapes learnt once)
+        self.traceable = abstract is not None
         if abstract is not None:
             self.set_abstract(abstract)
 
@@ -118,7 +120,7 @@ class DeviceState(_Placement):
     def init(self, init_fn: Callable, key: jax.Array, data, jit: bool = True):
         if not jit:
             return self.store(init_fn(key, data))
-        if self.abstract is None:
+        if not self.traceable:
             return self._eager_init(init_fn, key, data)
         return jax.jit(lambda k, d: self.store(init_fn(k, d)), out_shardings=self.shardings)(key, data)
 
@@ -126,7 +128,8 @@ class DeviceState(_Placement):
         """Runs an untraceable init once (on the host: FedPC builds its kNN graph there) and
         learns the state's shapes from it."""
         state = init_fn(key, data)
-        self.set_abstract(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state))
+        if self.abstract is None:
+            self.set_abstract(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state))
         state = self.store(state)
         if self.shardings is not None:
             # (every process ran the same init on the same data: each places its own shards)
@@ -205,7 +208,13 @@ class HostState(_Placement):
     """Host state placement (module docstring). `per_round`: M, the clients a round samples
     (the world's size follows from it); `prefetch`: gather the next call's rows from the store
     in the background while a call runs (on accelerators: on CPU the gather competes with the
-    round for the same cores)."""
+    round for the same cores).
+
+    `blocks` B > 1 (`Algorithm.client_blocks`: a sweep's runs, `fedjax_pfl.sweep`): the clients
+    are B equal blocks that share nothing. Each block starts from its own initial rows, and a
+    call's world is B blocks of rows (`core.world`, one per client block, each its block's
+    participants: M/B of each round, in the order of the call's participants), split over the
+    devices, each holding whole blocks (B a multiple of the devices)."""
 
     name = "host"
     needs_participants = True
@@ -213,8 +222,14 @@ class HostState(_Placement):
 
     def __init__(self, abstract: Params, num_clients: int, mesh, storage, *, per_round: int,
                  rounds_per_call: int, eval_group: int, participants: Callable,
-                 prefetch: bool, where: str = "the algorithm"):
+                 prefetch: bool, where: str = "the algorithm", blocks: int = 1):
         super().__init__(abstract, num_clients, mesh, storage)
+        self.blocks = int(blocks)
+        if self.blocks > 1 and (self.num_clients % self.blocks or per_round % self.blocks
+                                or self.blocks % self.devices):
+            raise ValueError(f"{where}: {self.blocks} client blocks need N ({self.num_clients}) "
+                             f"and M ({per_round}) multiples of them, and a multiple of the "
+                             f"{self.devices} devices")
         self.host = self.splitter()
         self.per_round, self.rounds_per_call = int(per_round), int(rounds_per_call)
         self.eval_group = int(eval_group)
@@ -244,7 +259,10 @@ class HostState(_Placement):
 
     def world_size(self, count: int) -> int:
         """Entries of a call's world: count rounds' blocks of ⌈M/D⌉ on each device (or count·M
-        on one), at most N."""
+        on one), at most N; with client blocks, count·M/B entries of each block, at most N/B."""
+        if self.blocks > 1:
+            b = self.blocks
+            return b * min(count * self.per_round // b, self.num_clients // b)
         d = self.devices
         if d > 1:
             return d * min(count * -(-self.per_round // d), self.num_clients)
@@ -256,9 +274,10 @@ class HostState(_Placement):
         return self.eval_group if d == 1 else d * -(-self.eval_group // d)
 
     def world(self, ids: np.ndarray, size: int, distinct: bool = True) -> np.ndarray:
-        """The client world of a call's participants ([rounds, M]) or of an evaluation group
-        ([G]; `distinct=False`: nothing is written, a client may sit on several devices)."""
-        d = self.devices
+        """The client world of a call's participants ([rounds, M]; one block per client block,
+        else per device) or of an evaluation group ([G]; `distinct=False`: nothing is written, a
+        client may sit on several devices)."""
+        d = self.blocks if distinct and self.blocks > 1 else self.devices
         return world_lib.world(ids, d, size // d, self.num_clients, distinct=distinct)
 
     def world_sharding(self):
@@ -300,8 +319,12 @@ class HostState(_Placement):
     def init(self, init_fn: Callable, key: jax.Array, data, jit: bool = True) -> StoredState:
         """The device leaves of the initial state, and a store whose initial rows are every
         client's (checked on the first, second and last real client: they must be equal)."""
-        real = data.num_real_clients
-        probe = jnp.asarray(sorted({0, min(1, real - 1), real - 1}), jnp.int32)
+        # Client blocks: each block's first, second and last real client (the dataset's
+        # padding clients follow the last block's real ones).
+        b, per_block = self.blocks, self.num_clients // self.blocks
+        real = data.num_real_clients - (b - 1) * per_block
+        probe = jnp.asarray([k * per_block + i for k in range(b)
+                             for i in sorted({0, min(1, real - 1), real - 1})], jnp.int32)
 
         def fn(k, d):
             dev, host = self.host.split(jax.tree.leaves(self.store(init_fn(k, d))))
@@ -313,14 +336,14 @@ class HostState(_Placement):
         dev, samples = jax.jit(fn, **kwargs)(key, data)
         initial = []
         for path, rows in zip(self.host.host_paths, transfer.to_host(samples)):
-            rows = np.asarray(rows)
-            if not all(_same_bits(rows[0], r) for r in rows[1:]):
+            rows = np.asarray(rows).reshape((b, -1) + np.shape(rows)[1:])
+            if not all(_same_bits(block[0], r) for block in rows for r in block[1:]):
                 raise ValueError(
                     f"{self.where}'s init gives clients different initial rows of {path}: "
                     "--state-placement host keeps one initial row shared by every client "
                     "(use --state-placement device)")
-            initial.append(rows[0])
-        return StoredState(list(dev), store_lib.ClientStore(initial, self.num_clients))
+            initial.append(rows[:, 0] if b > 1 else rows[0, 0])
+        return StoredState(list(dev), store_lib.ClientStore(initial, self.num_clients, blocks=b))
 
     def device_shardings(self):
         if self.shardings is None:
@@ -367,7 +390,7 @@ class HostState(_Placement):
         if self.storage is None:
             return state
         leaves, treedef = jax.tree.flatten(state, is_leaf=lambda x: isinstance(x, ClientRows))
-        client = jax.tree.leaves(layout.client_mask(self.abstract))
+        client = jax.tree.leaves(layout.client_mask(state))
         out = [x.astype(self.storage) if c and not isinstance(x, ClientRows)
                and jnp.issubdtype(x.dtype, jnp.floating) else x
                for x, c in zip(leaves, client, strict=True)]
@@ -445,9 +468,13 @@ class HostState(_Placement):
         keeps the rows its store holds (`store.row_owners`), copied from its own devices'
         shards where they are there (`transfer.owned_rows`)."""
         if store_lib.saved_prefixes(host_arrays):
-            like = store_lib.ClientStore(_zero_rows(self.host), self.num_clients)
+            like = store_lib.ClientStore(_zero_rows(self.host, self.blocks), self.num_clients,
+                                         blocks=self.blocks)
             return StoredState(list(tree), store_lib.ClientStore.from_arrays(
                 host_arrays, like, keep=self._rows_here))
+        if self.blocks > 1:
+            raise ValueError("a checkpoint of a whole state is restored into host state of one "
+                             "client block only")
         dev, host = self.host.split(jax.tree.leaves(tree))
         n = self.num_clients
         owners, me = store_lib.row_owners(n, jax.process_count()), jax.process_index()
@@ -529,8 +556,9 @@ class HostClients:
         return dev, rows
 
 
-def _zero_rows(splitter: "HostClients") -> list[np.ndarray]:
-    return [np.zeros(a.shape[1:], a.dtype) for a in splitter.split(splitter.abstract)[1]]
+def _zero_rows(splitter: "HostClients", blocks: int = 1) -> list[np.ndarray]:
+    lead = (blocks,) if blocks > 1 else ()
+    return [np.zeros(lead + a.shape[1:], a.dtype) for a in splitter.split(splitter.abstract)[1]]
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:

@@ -25,12 +25,22 @@ class ClientStore:
     (about `page_bytes` of rows, at most N) are added as clients are first written, so the store
     never copies what it holds to grow, and holds at most one partly filled page beyond the
     written rows.
+
+    With `blocks` B > 1 the clients are B equal blocks of N/B that start from different rows (a
+    sweep's runs, `fedjax_pfl.sweep`): `initial[j]` holds one row per block, [B, ...], and
+    client i reads row ⌊i·B/N⌋ of it (the padding id N the last block's).
     """
 
-    def __init__(self, initial: list[np.ndarray], num_clients: int, page_bytes: int = 64 << 20):
+    def __init__(self, initial: list[np.ndarray], num_clients: int, page_bytes: int = 64 << 20,
+                 blocks: int = 1):
         self.initial = [np.asarray(a) for a in initial]
-        self.num_clients = int(num_clients)
-        row = max(1, sum(a.nbytes for a in self.initial))
+        self.num_clients, self.blocks = int(num_clients), int(blocks)
+        if self.blocks > 1 and (self.num_clients % self.blocks
+                                or any(a.shape[:1] != (self.blocks,) for a in self.initial)):
+            raise ValueError(f"a store of {self.blocks} blocks needs N a multiple of them and "
+                             f"initial rows [{self.blocks}, ...] (N = {self.num_clients}, "
+                             f"{[a.shape for a in self.initial]})")
+        row = max(1, sum(a.nbytes for a in self.initial) // self.blocks)
         self.page_rows = int(max(1, min(self.num_clients, page_bytes // row)))
         self.slot = np.full(self.num_clients + 1, -1, np.int64)   # + 1: the padding id N
         self.ids = np.zeros(0, np.int64)                           # the client of each slot
@@ -42,13 +52,24 @@ class ClientStore:
         return int(self.ids.size)
 
     def row_bytes(self) -> int:
-        return int(sum(a.nbytes for a in self.initial))
+        """Bytes of one client's rows."""
+        return int(sum(a.nbytes for a in self.initial)) // self.blocks
+
+    def _row_shape(self, init: np.ndarray) -> tuple[int, ...]:
+        return init.shape[1:] if self.blocks > 1 else init.shape
+
+    def _initial_rows(self, init: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """[C, ...] the initial rows of clients `ids`."""
+        if self.blocks == 1:
+            return np.broadcast_to(init, (ids.size,) + init.shape)
+        block = np.minimum(ids * self.blocks // self.num_clients, self.blocks - 1)
+        return init[block]
 
     def nbytes(self) -> int:
         """Host bytes held: the pages (written rows, and the rest of the last page), the slot
         table and the initial rows."""
         return (int(sum(p.nbytes for pages in self.pages for p in pages)) + self.slot.nbytes
-                + self.row_bytes())
+                + int(sum(a.nbytes for a in self.initial)))
 
     def _by_page(self, slots: np.ndarray):
         """(page, rows of `slots` in it as a mask, offsets) for each page the slots touch."""
@@ -66,8 +87,8 @@ class ClientStore:
         out = []
         which = range(len(self.initial)) if leaves is None else leaves
         for init, pages in ((self.initial[j], self.pages[j]) for j in which):
-            rows = np.empty((ids.size,) + init.shape, init.dtype)
-            rows[...] = init
+            rows = np.empty((ids.size,) + self._row_shape(init), init.dtype)
+            rows[...] = self._initial_rows(init, ids)
             for p, where, offset in self._by_page(slots[own]):
                 rows[own[where]] = pages[p][offset]
             out.append(rows)
@@ -83,7 +104,7 @@ class ClientStore:
             start, need = self.ids.size, self.ids.size + new.size
             for init, pages in zip(self.initial, self.pages):
                 while len(pages) * self.page_rows < need:
-                    pages.append(np.empty((self.page_rows,) + init.shape, init.dtype))
+                    pages.append(np.empty((self.page_rows,) + self._row_shape(init), init.dtype))
             self.slot[new] = np.arange(start, need)
             self.ids = np.concatenate([self.ids, new])
         slots = self.slot[ids]
@@ -112,7 +133,7 @@ class ClientStore:
         only the clients that `keep` ([N] bool; None: all) marks. The initial rows are the first
         part's; of a part that holds none of the kept clients only the ids are read
         (`checkpoint.HostArrays` reads lazily)."""
-        store = cls(like.initial, like.num_clients)
+        store = cls(like.initial, like.num_clients, blocks=like.blocks)
         for k, prefix in enumerate(saved_prefixes(arrays)):
             if k == 0:         # the initial rows: the first part's, whoever reads the checkpoint
                 for j, init in enumerate(like.initial):
@@ -128,9 +149,10 @@ class ClientStore:
             values = [_restored(arrays[f"{prefix}/{j}/values"], init.dtype)
                       for j, init in enumerate(like.initial)]
             for j, (v, init) in enumerate(zip(values, like.initial)):
-                if v.shape != (ids.size,) + init.shape:
+                want = (ids.size,) + like._row_shape(init)
+                if v.shape != want:
                     raise ValueError(f"checkpoint: client-state leaf {j} holds rows {v.shape}, not "
-                                     f"{(ids.size,) + init.shape} for its {ids.size} clients")
+                                     f"{want} for its {ids.size} clients")
             store.put(ids[mine], [v[mine] for v in values])
         return store
 

@@ -93,10 +93,10 @@ def test_an_output_folder_error_names_out_and_resume(tmp_path, capsys):
 
 
 # The modules whose errors name the library's arguments (fedjax_pfl/core and fedjax_pfl/algorithms
-# are converted separately). VectorProgram's one message stays as it is for now.
+# are converted separately).
 CONVERTED = ["fedjax_pfl/runner", "fedjax_pfl/data", "fedjax_pfl/sinks", "fedjax_pfl/interrupts.py",
-             "fedjax_pfl/sweep.py", "fedjax_pfl/__init__.py", "fedjax_pfl/errors.py"]
-LEFT = {("fedjax_pfl/sweep.py", "a vectorised sweep needs --backend chunked or vmap")}
+             "fedjax_pfl/sweep", "fedjax_pfl/__init__.py", "fedjax_pfl/errors.py"]
+LEFT: set = set()
 
 
 def _raised_texts(path: pathlib.Path):

@@ -97,3 +97,30 @@ def test_bfloat16_state_runs_every_state_layout(ragged_data, name):
         if jnp.issubdtype(r.dtype, jnp.floating):
             np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
                                        rtol=5e-2, atol=5e-2)
+
+
+def test_round_keys_of_a_batch_are_each_keys_own_fold():
+    """A sweep's runs have one key each: round r's key of key k is fold_in(k, r), key by key."""
+    from fedjax_pfl.core.program import round_key
+
+    keys = jnp.stack([jax.random.key(s) for s in (0, 7, 3)])
+    got = jax.random.key_data(jax.jit(round_key)(keys, jnp.int32(5)))
+    want = np.stack([jax.random.key_data(jax.random.fold_in(jax.random.key(s), 5)) for s in (0, 7, 3)])
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(jax.random.key_data(round_key(jax.random.key(7), 5)), want[1])
+
+
+def test_the_checks_of_several_iterations_or_their_flags():
+    """Row flags (MISSED = 1, CROSSED = 2) of a scan's iterations, or of a sweep's runs split over
+    devices, combine bit by bit; misdealt counts add up."""
+    from fedjax_pfl.core import checks
+
+    with checks.collecting() as found:
+        checks.note_each({"rows": jnp.array([0, 1, 0, 2, 0], jnp.int32),
+                          "misdealt": jnp.array([[0, 1], [2, 0]], jnp.int32)})
+        checks.note_each({"rows": jnp.array([0, 0], jnp.int32)})
+    out = checks.combined(found)
+    assert int(out["rows"]) == 3 and out["misdealt"].tolist() == [2, 1]
+    with checks.collecting() as found:
+        checks.note_each({"rows": jnp.array([2, 0, 2], jnp.int32)})
+    assert int(checks.combined(found)["rows"]) == checks.CROSSED

@@ -99,6 +99,26 @@ def _run(algo, *, state_placement, data_placement="device", schedule=None, dtype
 # The store and the rows
 
 
+def test_a_store_of_client_blocks_starts_each_block_from_its_own_rows():
+    """B blocks of N/B clients (a sweep's runs): client i reads initial row ⌊i·B/N⌋ until it is
+    written; the padding id N reads the last block's; a checkpoint's arrays round-trip."""
+    initial = [np.arange(3 * 2, dtype=np.float32).reshape(3, 2)]       # 3 blocks, rows of [2]
+    store = store_lib.ClientStore(initial, num_clients=12, blocks=3)
+    ids = np.array([0, 3, 4, 7, 8, 11, 12])
+    dense = np.stack([initial[0][min(i // 4, 2)] for i in ids])        # the blocks, by hand
+    np.testing.assert_array_equal(store.gather(ids)[0], dense)
+    assert store.row_bytes() == 8 and store.page_rows == 12
+    store.put(np.array([5, 9]), [np.array([[10.0, 11.0], [20.0, 21.0]], np.float32)])
+    got = store.gather(np.array([4, 5, 6, 9, 10]))[0]
+    np.testing.assert_array_equal(got, [[2, 3], [10, 11], [2, 3], [20, 21], [4, 5]])
+    back = store_lib.ClientStore.from_arrays(store.to_arrays(), store)
+    np.testing.assert_array_equal(back.gather(np.arange(13))[0], store.gather(np.arange(13))[0])
+    with pytest.raises(ValueError, match="a store of 3 blocks needs N a multiple of them"):
+        store_lib.ClientStore(initial, num_clients=10, blocks=3)
+    with pytest.raises(ValueError, match="initial rows \\[3, \\.\\.\\.\\]"):
+        store_lib.ClientStore([np.zeros(2, np.float32)], num_clients=12, blocks=3)
+
+
 def test_the_store_is_copy_on_write_and_round_trips():
     init = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array(True)]
     store = store_lib.ClientStore(init, num_clients=1000)

@@ -50,7 +50,7 @@ def test_each_run_of_a_sweep_has_the_epsilon_of_its_own_noise_multiplier():
     --target-epsilon every run gets the z it calls for, which then cannot vary in the group.
     (Planned before anything compiles: no program is built here.)"""
     from fedjax_pfl.privacy import accounting
-    from fedjax_pfl.sweep import _privacy_plans
+    from fedjax_pfl.sweep.group import _privacy_plans
 
     n, rounds = 40, 6
     cfg = runner.RunConfig(algo="fedrep", rounds=rounds, progress=False, model="logreg",

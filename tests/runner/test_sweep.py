@@ -2,7 +2,11 @@
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 
+import helpers
 import numpy as np
 import pytest
 from helpers import make_data
@@ -105,3 +109,69 @@ def test_sweep_resume_reuses_only_finished_runs_of_the_same_configuration(tmp_pa
     assert tool.main(argv + ["--resume"]) == 0
     assert "reused" not in capsys.readouterr().out
     assert json.loads(summary_path.read_text())["last"]["acc_mean"] >= 0
+
+
+SWEEP_PLACEMENTS = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, "tests/support")
+    import fedjax_pfl
+    fedjax_pfl.use_cpu_cores()
+    import jax, numpy as np
+    from helpers import make_data
+    from fedjax_pfl import runner, sweep
+
+    algo, devices = sys.argv[1], len(jax.devices())
+    data = make_data([7, 23, 12, 9, 5, 14], feature_dim=6)
+    hp = {"batch_size": 4, "participation": 0.5, "local_steps": 2}
+    runs = [sweep.RunSpec(seed, (("lr", lr),)) for seed in (0, 3) for lr in (0.05, 0.02)]
+    out = {}
+    for data_at, state_at, per_call in (("device", "device", 1), ("host", "device", 1),
+                                        ("device", "host", 1), ("host", "host", 2)):
+        cfg = runner.RunConfig(algo=algo, rounds=4, hparams=hp, progress=False,
+                               memory_check=False, model="logreg", data_placement=data_at,
+                               state_placement=state_at, rounds_per_call=per_call,
+                               eval_every=2)
+        out[data_at, state_at] = sweep.run_group(cfg, runs, data=data, data_info={}, out=None,
+                                                 progress=False)
+    rows = lambda s: [{k: v for k, v in r.items() if "time" not in k} for r in s["rows"]]
+    ref = out["device", "device"]
+    for placements, summaries in out.items():           # placements: bit for bit
+        for a, b in zip(ref, summaries, strict=True):
+            assert rows(a) == rows(b), (placements, rows(a)[-1], rows(b)[-1])
+    for spec, got in zip(runs, ref):                     # each run: a separate run's
+        single = runner.RunConfig(algo=algo, rounds=4, seed=spec.seed, model="logreg",
+                                  hparams={**hp, **dict(spec.traced)}, progress=False,
+                                  memory_check=False, eval_every=2)
+        want = runner.run(single, data=data, data_info={}, log=lambda *_: None)
+        for key in ("acc_mean", "loss", "train_loss"):
+            np.testing.assert_allclose(got["last"][key], want["last"][key], rtol=2e-4)
+    # On several devices each holds whole runs: its block of every per-client leaf is the
+    # rows of V/D runs (clients v·N … v·N + N − 1 of runs v it holds).
+    program = sweep.VectorProgram(algo, __import__("fedjax_pfl").models.get(
+        "logreg", data.input_shape, data.num_classes), data, hp, runs)
+    state = program.init()
+    per_device = program.padded // devices * program.clients
+    starts = lambda leaf: sorted(index[0].start or 0 for index in
+                                 leaf.sharding.devices_indices_map(leaf.shape).values())
+    for leaf in state.rows + state.device_rows:
+        assert starts(leaf) == [d * per_device for d in range(devices)], (starts(leaf), per_device)
+    for leaf in state.shared + list(state.hp.values()):     # one run's global model each
+        assert starts(leaf) == [d * program.padded // devices for d in range(devices)]
+    print("OK", devices)
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_sweep_runs_with_every_placement_and_equals_separate_runs(devices):
+    """Host data, host client state (each run's rows apart, each from its own initial rows) and
+    two rounds per call give a sweep's runs bit for bit what device placement gives, and each
+    run what `runner.run` gives with its seed and values; on two devices each device holds
+    whole runs (ditto: personal models per client, a global model per run)."""
+    env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": str(devices)}
+    env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", SWEEP_PLACEMENTS, "ditto"], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=900)
+    assert proc.returncode == 0 and proc.stdout.split()[-2:] == ["OK", str(devices)], \
+        proc.stderr[-3000:]
