@@ -264,7 +264,9 @@ def fedpc(
         x = jax.tree.map(lambda xi, gi: (xi - eta_t * gi).astype(xi.dtype), state.x, mean_gx)  # step 3
         z, w, omega = state.z, state.w, state.omega
         if d2 > 0:                                                                   # step 4
-            z_t = replicated(split_lib.flatten_rows(state.z))  # z is sharded by client: gather it
+            # z is sharded by client: gather it; rows stored in bfloat16 (--state-dtype) are
+            # computed in float32, as core.gather hands them out.
+            z_t = replicated(split_lib.flatten_rows(state.z)).astype(jnp.result_type(float))
             g_rows = jnp.zeros_like(z_t).at[idx].set(split_lib.flatten_rows(g_z).astype(z_t.dtype))
             linear = g_rows / n                                                      # NᵀG_t / N
             if lam == 0:

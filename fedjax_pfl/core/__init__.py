@@ -54,8 +54,9 @@ from fedjax_pfl.core.local import (
 )
 from fedjax_pfl.core.memory import MemoryPlan, MemoryPlanError, check_memory
 from fedjax_pfl.core.metrics import History, summarize
+from fedjax_pfl.core.placing import STATE_DTYPES
 from fedjax_pfl.core.poisson import OVERFLOW_PROBABILITY, poisson_capacity, sample_poisson, truncation_delta
-from fedjax_pfl.core.program import STATE_DTYPES, Program
+from fedjax_pfl.core.program import Program
 from fedjax_pfl.core.rows import ClientRows
 from fedjax_pfl.core.state_placement import STATE_PLACEMENTS, StoredState
 from fedjax_pfl.core.store import ClientStore

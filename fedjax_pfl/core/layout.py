@@ -19,7 +19,7 @@ whole runs: `fedjax_pfl.sweep`); they stay on the devices under every state plac
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -163,3 +163,34 @@ def mesh_devices() -> int:
     without one."""
     mesh = context_mesh()
     return 1 if mesh is None else int(mesh.size)
+
+
+class InMesh:
+    """A jitted (or lowered, or compiled) function called, lowered and compiled within a mesh
+    context (`context()`: `jax.set_mesh` of the program's mesh, `core.Program`), where the
+    client mapper and sampling read it (`context_mesh`)."""
+
+    def __init__(self, fn, context: Callable):
+        self._fn, self._context = fn, context
+
+    def __call__(self, *args, **kwargs):
+        with self._context():
+            return self._fn(*args, **kwargs)
+
+    @property
+    def unwrapped(self):
+        """The function itself, for a caller already within the mesh (tracing under it)."""
+        return self._fn
+
+    def lower(self, *args, **kwargs) -> "InMesh":
+        with self._context():
+            return InMesh(self._fn.lower(*args, **kwargs), self._context)
+
+    def compile(self, *args, **kwargs) -> "InMesh":
+        with self._context():
+            return InMesh(self._fn.compile(*args, **kwargs), self._context)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._fn, name)     # (memory_analysis, as_text, … of the wrapped stage)

@@ -158,3 +158,35 @@ def check_memory(plan: MemoryPlan, *, allow: bool = False) -> None:
         f"state per client); {fit}. Lower --clients, store "
         "client state in half the memory with --state-dtype bfloat16, use more devices, or lower "
         "--chunk-size / --eval-batch-size for a smaller working set")
+
+
+def memory_plan(abstract_state, num_clients: int, mesh, *, compiled: tuple, state_sizes: dict,
+                data_bytes: int, data_whole: int, data_placement: str, state_placement: str,
+                is_compiled: bool) -> MemoryPlan:
+    """A program's bytes per device (`core.Program.memory_plan`): its client state (resident
+    rows sharded over the devices, or under host state placement the world's rows, `state_sizes`
+    of the state placement), the data on each device (`data_bytes`), and the XLA temporaries of
+    the `compiled` (round, evaluation), where compiled."""
+    from fedjax_pfl.core import layout
+
+    devices = 1 if mesh is None else mesh.size
+    per_client, replicated = layout.client_state_bytes(abstract_state, itemsize)
+    working, evaluating = (
+        int(analysis.temp_size_in_bytes) if analysis is not None else 0
+        for analysis in (c.memory_analysis() if c is not None else None for c in compiled))
+    platform = jax.local_devices()[0].platform
+    client_per_device = int(per_client) * num_clients // devices
+    host_row, world = state_sizes.get("host_row", 0), state_sizes.get("world", 0)
+    if state_sizes:                  # on the devices: resident rows (sharded) and the world
+        per_client = int(per_client) - host_row
+        client_per_device = int(per_client) * num_clients // devices + world * host_row
+    local = devices if mesh is None else sum(
+        d.process_index == jax.process_index() for d in mesh.devices.flat)
+    return MemoryPlan(
+        devices=devices, platform=platform, num_clients=num_clients,
+        state_per_client=int(per_client), client_state_per_device=client_per_device,
+        replicated_state=int(replicated), data=data_bytes, working_set=working,
+        eval_working_set=evaluating, available=available_memory(platform),
+        local_devices=int(local), data_placement=data_placement, data_whole=data_whole,
+        compiled=is_compiled, state_placement=state_placement, host_row_bytes=host_row,
+        world_rows=world, staging_rows=state_sizes.get("staging", 0))

@@ -7,7 +7,11 @@ from typing import Any
 
 import jax
 
+from fedjax_pfl.core.data_placement import DATA_PLACEMENTS
 from fedjax_pfl.core.memory import available_memory, nbytes
+from fedjax_pfl.core.state_placement import STATE_PLACEMENTS
+
+STATE_DTYPES = ("float32", "bfloat16")
 
 
 def device_data_fits(data, state_bytes: int, mesh, share: int = 1) -> bool:
@@ -77,3 +81,25 @@ def data_placement(placement: str, algo, data, abstract: Any, mesh, jit: bool,
     if several and blocks and device_data_fits(data, state_bytes, mesh, share=mesh.size):
         return "sharded"
     return "host"
+
+
+def check_options(state_dtype: str, rounds_per_call: int, jit: bool, data_placement: str,
+                  state_placement: str, poisson: bool) -> None:
+    """The program's options as given (ValueError naming the flag at fault)."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"--state-dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
+    if rounds_per_call < 1:
+        raise ValueError(f"--rounds-per-call must be >= 1, got {rounds_per_call}")
+    if not jit and rounds_per_call > 1:
+        raise ValueError("--rounds-per-call needs a vectorised --backend (not loop)")
+    if data_placement not in DATA_PLACEMENTS:
+        raise ValueError(f"--data-placement must be one of {list(DATA_PLACEMENTS)}, "
+                         f"got {data_placement!r}")
+    if state_placement not in STATE_PLACEMENTS:
+        raise ValueError(f"--state-placement must be one of {list(STATE_PLACEMENTS)}, "
+                         f"got {state_placement!r}")
+    if poisson and (data_placement in ("host", "sharded") or state_placement == "host"):
+        raise ValueError("--sampling poisson runs with device placement only (its rounds "
+                         "hold empty slots that host and sharded placement's per-round "
+                         "staging does not expect): use --data-placement device "
+                         "--state-placement device")

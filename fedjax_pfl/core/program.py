@@ -34,15 +34,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fedjax_pfl.core import checks, layout, placing, transfer
-from fedjax_pfl.core.data_placement import DATA_PLACEMENTS, DeviceData, HostData
+from fedjax_pfl.core.data_placement import DeviceData, HostData
 from fedjax_pfl.core.evaluate import default_eval_group
 from fedjax_pfl.core.execution import ClientError
-from fedjax_pfl.core.memory import MemoryPlan, available_memory, itemsize, nbytes
+from fedjax_pfl.core.memory import MemoryPlan, memory_plan, nbytes
 from fedjax_pfl.core.sharded import ShardedData
-from fedjax_pfl.core.state_placement import STATE_PLACEMENTS, DeviceState, HostState
+from fedjax_pfl.core.state_placement import DeviceState, HostState
 
 Params = Any
-STATE_DTYPES = ("float32", "bfloat16")
 
 
 class Placements(NamedTuple):
@@ -70,13 +69,9 @@ class Program:
     def __init__(self, algo, data, *, mesh: Mesh | None, jit: bool = True,
                  state_dtype: str = "float32", rounds_per_call: int = 1,
                  data_placement: str = "device", state_placement: str = "device"):
-        _check_options(state_dtype, rounds_per_call, jit, data_placement, state_placement)
         poisson = (algo.hparams or {}).get("sampling") == "poisson"
-        if poisson and (data_placement in ("host", "sharded") or state_placement == "host"):
-            raise ValueError("--sampling poisson runs with device placement only (its rounds "
-                             "hold empty slots that host and sharded placement's per-round "
-                             "staging does not expect): use --data-placement device "
-                             "--state-placement device")
+        placing.check_options(state_dtype, rounds_per_call, jit, data_placement,
+                              state_placement, poisson)
         self.algo, self.mesh, self.jit = algo, mesh, jit
         self.rounds_per_call = int(rounds_per_call)
         self.data_whole_bytes = nbytes((data.x, data.y))
@@ -180,7 +175,7 @@ class Program:
 
     def _in_mesh_fn(self, fn: Callable) -> Callable:
         """`fn` (a jitted function) traced, lowered and called within the program's mesh."""
-        return _InMesh(fn, self._in_mesh)
+        return layout.InMesh(fn, self._in_mesh)
 
     def _jitted(self, name: str, fn: Callable, **kwargs) -> Callable:
         """The jitted `fn`, returning (fn's result, the checks its trace noted); the loop and
@@ -395,80 +390,13 @@ class Program:
 
     def memory_plan(self) -> MemoryPlan:
         """Bytes per device (call `compile` first for the working sets)."""
-        devices = 1 if self.mesh is None else self.mesh.size
-        per_client, replicated = layout.client_state_bytes(self.abstract_state, itemsize)
-        working = evaluating = 0
-        for compiled, kind in ((self._round_compiled, "round"), (self._eval_compiled, "eval")):
-            analysis = compiled.memory_analysis() if compiled is not None else None
-            if analysis is not None:
-                if kind == "round":
-                    working = int(analysis.temp_size_in_bytes)
-                else:
-                    evaluating = int(analysis.temp_size_in_bytes)
-        platform = jax.local_devices()[0].platform
-        client_per_device = int(per_client) * self.num_clients // devices
-        sizes = self.placements.state.sizes()
-        host_row, world = sizes.get("host_row", 0), sizes.get("world", 0)
-        if sizes:                        # on the devices: resident rows (sharded) and the world
-            per_client = int(per_client) - host_row
-            client_per_device = int(per_client) * self.num_clients // devices + world * host_row
-        local = devices if self.mesh is None else sum(
-            d.process_index == jax.process_index() for d in self.mesh.devices.flat)
-        return MemoryPlan(
-            devices=devices, platform=platform, num_clients=self.num_clients,
-            state_per_client=int(per_client), client_state_per_device=client_per_device,
-            replicated_state=int(replicated), data=self.placements.data.bytes_on_device(),
-            working_set=working, eval_working_set=evaluating, available=available_memory(platform),
-            local_devices=int(local), data_placement=self.data_placement,
-            data_whole=self.data_whole_bytes, compiled=self.is_compiled or not self.jit,
-            state_placement=self.state_placement, host_row_bytes=host_row, world_rows=world,
-            staging_rows=sizes.get("staging", 0))
-
-
-class _InMesh:
-    """A jitted (or lowered, or compiled) function called, lowered and compiled within a mesh
-    context (`Program._in_mesh`)."""
-
-    def __init__(self, fn, context: Callable):
-        self._fn, self._context = fn, context
-
-    def __call__(self, *args, **kwargs):
-        with self._context():
-            return self._fn(*args, **kwargs)
-
-    @property
-    def unwrapped(self):
-        """The function itself, for a caller already within the mesh (tracing under it)."""
-        return self._fn
-
-    def lower(self, *args, **kwargs) -> "_InMesh":
-        with self._context():
-            return _InMesh(self._fn.lower(*args, **kwargs), self._context)
-
-    def compile(self, *args, **kwargs) -> "_InMesh":
-        with self._context():
-            return _InMesh(self._fn.compile(*args, **kwargs), self._context)
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._fn, name)     # (memory_analysis, as_text, … of the wrapped stage)
-
-
-def _check_options(state_dtype: str, rounds_per_call: int, jit: bool, data_placement: str,
-                   state_placement: str) -> None:
-    if state_dtype not in STATE_DTYPES:
-        raise ValueError(f"--state-dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
-    if rounds_per_call < 1:
-        raise ValueError(f"--rounds-per-call must be >= 1, got {rounds_per_call}")
-    if not jit and rounds_per_call > 1:
-        raise ValueError("--rounds-per-call needs a vectorised --backend (not loop)")
-    if data_placement not in DATA_PLACEMENTS:
-        raise ValueError(f"--data-placement must be one of {list(DATA_PLACEMENTS)}, "
-                         f"got {data_placement!r}")
-    if state_placement not in STATE_PLACEMENTS:
-        raise ValueError(f"--state-placement must be one of {list(STATE_PLACEMENTS)}, "
-                         f"got {state_placement!r}")
+        return memory_plan(self.abstract_state, self.num_clients, self.mesh,
+                           compiled=(self._round_compiled, self._eval_compiled),
+                           state_sizes=self.placements.state.sizes(),
+                           data_bytes=self.placements.data.bytes_on_device(),
+                           data_whole=self.data_whole_bytes, data_placement=self.data_placement,
+                           state_placement=self.state_placement,
+                           is_compiled=self.is_compiled or not self.jit)
 
 
 def round_key(round_keys: jax.Array, r) -> jax.Array:

@@ -84,11 +84,12 @@ def test_padding_clients_are_never_sampled_and_not_evaluated():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["pgfedmo", "tdpfed", "feddyn", "apfl", "fedrod"])
+@pytest.mark.parametrize("name", ["pgfedmo", "tdpfed", "feddyn", "apfl", "fedrod", "fedpc"])
 def test_bfloat16_state_runs_every_state_layout(ragged_data, name):
     # α matrices, factor trees, correction states, mixing weights, class priors: every kind of
     # per-client leaf stored in bfloat16 must come back as float32 for the round's loops
-    # (pgfedmo once failed: its α block entered a while_loop as bfloat16).
+    # (pgfedmo once failed: its α block entered a while_loop as bfloat16; fedpc its z rows an
+    # ADMM scan).
     half = program(name, ragged_data, state_dtype="bfloat16")
     full = program(name, ragged_data)
     got, _ = half.run_rounds(half.init(jax.random.key(0)), jax.random.key(1), 0, 2)
