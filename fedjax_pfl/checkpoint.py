@@ -52,6 +52,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from fedjax_pfl.core import transfer
+
 FORMAT = 1
 _META = "meta.json"
 _HOST = "host.npz"
@@ -469,7 +471,7 @@ def restore(path: str, like: Any) -> Any:
         if kind == "key":
             value = jax.random.wrap_key_data(value, impl=_key_impl(extra))
             if sharding is not None:
-                value = jax.device_put(value, sharding)
+                value = transfer.put_sharded(value, sharding)
         elif kind == "numpy":
             value = np.asarray(value)
             if extra is not np.ndarray and np.ndim(value) == 0:

@@ -88,7 +88,7 @@ class DeviceData:
     def __init__(self, data, mesh, eval_group: int):
         data = prepare_data(data, mesh)      # idempotent: callers may have placed it already
         if mesh is None and isinstance(data.x, np.ndarray):
-            data = jax.device_put(data)
+            data = transfer.put_whole(data, None)
         self.data, self.mesh = data, mesh
         self.num_clients = data.num_clients
         self.eval_group = max(1, min(int(eval_group), self.num_clients))

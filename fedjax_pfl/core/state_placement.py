@@ -175,7 +175,7 @@ class DeviceState(_Placement):
         abstract = splitter.split(jax.tree.leaves(self.abstract_sharded()))[1]
         if self.shardings is None:
             store = store_lib.ClientStore.from_arrays(host_arrays, like)
-            host = jax.device_put(store.gather(np.arange(self.num_clients)))
+            host = transfer.put_whole(store.gather(np.arange(self.num_clients)), None)
             return splitter.treedef.unflatten(splitter.join(dev, host))
         held = np.zeros(self.num_clients, bool)
         for a in abstract:
@@ -306,7 +306,7 @@ class HostState(_Placement):
         if self._rows_here is None:
             if self.dealt_mesh is None:
                 return transfer.put_whole(rows, self.mesh)
-            return jax.device_put(rows, self.world_sharding())
+            return transfer.put_sharded(rows, self.world_sharding())
         source = self._row_device[np.asarray(world)]
         sharding = NamedSharding(self.mesh, PartitionSpec(layout.AXIS))
         parts = [transfer.put_blocks((self.devices,) + r.shape, sharding,

@@ -123,6 +123,12 @@ def put_replicated(tree: Params, mesh: Mesh | None) -> Params:
     return _provide(tree, _host_values(tree), jax.tree.map(lambda _: sharding, tree))
 
 
+def put_sharded(tree: Params, sharding: jax.sharding.Sharding) -> Params:
+    """Host arrays placed with `sharding` by this process, which holds all of them (a call's
+    client world, already split into the devices' blocks; a restored key)."""
+    return jax.device_put(tree, sharding)
+
+
 def to_host(tree: Params) -> Params:
     """`tree` as host NumPy arrays in every process. `jax.device_get` reads only arrays whose
     shards this process holds; in a multi-process run an array sharded over the clients (or a
