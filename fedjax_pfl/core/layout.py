@@ -104,17 +104,20 @@ def client_shardings(tree: Params, mesh: Mesh, num_clients: int | None = None) -
                         tree, client_mask(tree, num_clients), split_mask(tree))
 
 
+def cast_leaf(x, dtype):
+    """One float leaf (array or abstract shape) in `dtype`; other leaves unchanged."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):                     # abstract shapes (memory plans)
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+    return x.astype(dtype)
+
+
 def cast_client_leaves(tree: Params, dtype, num_clients: int | None = None) -> Params:
     """Declared per-client float leaves stored as `dtype` (e.g. bfloat16 for --state-dtype);
     other leaves unchanged. `clients.gather` returns such rows as float32 again."""
-    def cast(x, is_client):
-        if not (is_client and jnp.issubdtype(x.dtype, jnp.floating)):
-            return x
-        if isinstance(x, jax.ShapeDtypeStruct):                 # abstract shapes (memory plans)
-            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
-        return x.astype(dtype)
-
-    return jax.tree.map(cast, tree, client_mask(tree, num_clients))
+    return jax.tree.map(lambda x, c: cast_leaf(x, dtype) if c else x,
+                        tree, client_mask(tree, num_clients))
 
 
 def client_state_bytes(tree: Params, itemsize) -> tuple[int, int]:

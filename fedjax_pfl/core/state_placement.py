@@ -391,8 +391,7 @@ class HostState(_Placement):
             return state
         leaves, treedef = jax.tree.flatten(state, is_leaf=lambda x: isinstance(x, ClientRows))
         client = jax.tree.leaves(layout.client_mask(state))
-        out = [x.astype(self.storage) if c and not isinstance(x, ClientRows)
-               and jnp.issubdtype(x.dtype, jnp.floating) else x
+        out = [layout.cast_leaf(x, self.storage) if c and not isinstance(x, ClientRows) else x
                for x, c in zip(leaves, client, strict=True)]
         return treedef.unflatten(out)
 

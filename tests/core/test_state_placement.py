@@ -6,7 +6,7 @@
 - `ClientRows`: `core.gather` / `core.scatter` by client id equal the same operations on a dense
   [N, ...] array written here; an id outside the rows present is reported; direct indexing of a
   client leaf fails at trace time;
-- a world dealt to two devices (`core.dealt`): its blocks worked by hand; reads and writes in
+- a world dealt to two devices (`core.world`): its blocks worked by hand; reads and writes in
   the mapper's order and in others (the ring), repeated ids (the last write wins) and absent ids
   against a dense array; each device holds exactly its dealt clients' rows; the calls whose rows
   cross devices counted;
@@ -417,6 +417,8 @@ SCRIPT = textwrap.dedent('''
     assert fedjax_pfl.use_cpu_cores(2) == 2
     import jax, numpy as np
     from fedjax_pfl import algorithms, core
+    from fedjax_pfl.core import transfer
+    from fedjax_pfl.core import world as world_lib
     import helpers
     from helpers import linear_model, make_data
 
@@ -471,11 +473,12 @@ SCRIPT = textwrap.dedent('''
                    prefetch=True if dtype == "bfloat16" else None)
         if dtype == "bfloat16":      # rows stored in bfloat16 on the host too; prefetched rows used
             assert any(x.dtype == jax.numpy.bfloat16 for x in host[0]), name
-            assert host[2].rows_hits > 0, host[2].rows_misses
+            rows = host[2].placements.state
+            assert rows.rows_hits > 0, rows.rows_misses
         same(run(algo, two, mesh, 2, "device", data_placement, dtype=dtype), host)
         # The calls in which a client is trained by one device in the first round and by the
         # other in the second (the mapper deals blocks of ceil(M/2)): its rows cross between the
-        # devices (core.dealt's ring), with the same bits as above.
+        # devices (core.world's ring), with the same bits as above.
         program, crossing = host[2], 0
         for first in (0, 2):
             ids = np.asarray(program._participants(jax.random.key(1), first, 2))
@@ -577,7 +580,7 @@ def test_host_state_on_two_devices_with_two_rounds_per_call():
     devices with two rounds per call (the device-balanced sample order, resident rows sharded,
     one world dealt to the devices for both rounds, rows crossing between them; pgfedmo with its
     data on the host too; ditto's rows in bfloat16, the next call's rows prefetched) and with
-    one (no row crosses; each device holds exactly its dealt clients' rows); `core.dealt`'s
+    one (no row crosses; each device holds exactly its dealt clients' rows); `core.world`'s
     reads and writes against a dense array; and the rows a process moves between host and
     devices, each device pretended to be its own process."""
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2"}
