@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "or Kubernetes, as for any JAX program (instead of --coordinator)")
     g.add_argument("--num-processes", type=int, default=1, help="multi-process run: process count")
     g.add_argument("--process-id", type=int, default=0, help="multi-process run: this process")
+    g.add_argument("--coordinator-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="multi-process run: how long the processes wait for each other at start "
+                        "(then one line and exit 2; SIGINT/SIGTERM end the wait at once)")
+    g.add_argument("--peer-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="multi-process run: a process silent this long is lost; the others stop "
+                        "as after SIGTERM (summary.json marked interrupted, the last checkpoint "
+                        "resumable) and exit 75")
     g.add_argument("--out", default=None,
                    help="output directory (default runs/ALGO_DATASET_TIME); one that holds files is "
                         "refused unless --overwrite or --resume")
@@ -284,7 +291,7 @@ def _add_hparam(group, hp, flag: str, seen: set[str], defaults_by_flag: dict[str
 # The dests of run.py's own flags, not options of RunConfig.from_options: a multi-process run's
 # layout, the seeds of a vmapped group, presets, what may happen to --out, the compile cache.
 CLI_ONLY = ("preset", "seeds", "coordinator", "distributed", "num_processes", "process_id",
-            "overwrite", "no_compile_cache")
+            "coordinator_timeout", "peer_timeout", "overwrite", "no_compile_cache")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -494,16 +501,41 @@ def check_processes(args: argparse.Namespace) -> None:
             raise ValueError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
 
 
-def _fail(message: str, code: int = 2) -> None:
+def start_processes(args: argparse.Namespace, tool: str = "run.py") -> None:
+    """A multi-process run's start (`fedjax_pfl.init_distributed`): every process's flags but
+    --process-id must agree; one line and exit 2 when they do not or the others do not come.
+    Afterwards only process 0 prints to stdout (errors, on stderr, still name their process)."""
+    import fedjax_pfl
+    from fedjax_pfl.distributed import StartupError
+    from fedjax_pfl.interrupts import signals_taken
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("process_id", "explicit",
+                                                                "preset_settings")}
+    layout = ((None, None, None) if args.distributed
+              else (args.coordinator, args.num_processes, args.process_id))
+    try:
+        with signals_taken():                # (inside the start-up's deferred signals)
+            fedjax_pfl.init_distributed(*layout, timeout=args.coordinator_timeout,
+                                        peer_timeout=args.peer_timeout, facts={"flags": flags})
+    except StartupError as e:
+        _fail(message(e), prefix=tool)
+    import jax
+
+    if jax.process_index() != 0:         # one voice: only process 0 prints (errors still do)
+        sys.stdout.flush()                   # fd 1 too: gloo's own lines come from C++
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _fail(message: str, code: int = 2, prefix: str = "run.py") -> None:
     if code == 2 and _RAISE_USAGE_ERRORS.get():
         raise UsageError(message)
-    print(f"run.py: error: {message}", file=sys.stderr)
+    print(f"{prefix}: error: {message}", file=sys.stderr)
     raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None, callbacks: Sequence[Any] = ()) -> int:
-    """The command line; returns the exit status (0, 1 on divergence, 2 on bad input, 130 on
-    Ctrl-C, 143 on SIGTERM). Errors before any computation raise SystemExit(2) with one line on
+    """The command line; returns the exit status (0, 1 on divergence, 2 on bad input, 75 when
+    a process of a multi-process run was lost, 130 on Ctrl-C, 143 on SIGTERM). Errors before any computation raise SystemExit(2) with one line on
     stderr. `callbacks` (fedjax_pfl.callbacks.Callback) are passed to the run."""
     from fedjax_pfl.interrupts import exit_status, stop_signals
 
@@ -519,7 +551,22 @@ def _report_interrupt(e: KeyboardInterrupt) -> None:
     from fedjax_pfl import runner
     from fedjax_pfl.interrupts import signal_name
 
-    how = "terminated (SIGTERM)" if signal_name(e) == "SIGTERM" else "interrupted"
+    name = signal_name(e)
+    how = ("terminated (SIGTERM)" if name == "SIGTERM" else "interrupted" if name == "SIGINT"
+           else f"stopped: {name}" + (f" ({e.reason})" if getattr(e, "reason", None) else ""))
+    if name.startswith("lost") and isinstance(e, runner.Interrupted):
+        from fedjax_pfl import distributed
+
+        loss = distributed.lost()
+        if loss is not None:
+            how = f"stopped: {loss}"
+    if isinstance(e, runner.Interrupted) and not e.out:        # a process that does not write
+        import jax
+
+        where = "during compilation" if e.phase == "compile" else f"after round {e.last_round}"
+        print(f"run.py: process {jax.process_index()}: {how} {where}; process 0 records the run",
+              file=sys.stderr, flush=True)
+        return
     if isinstance(e, runner.Interrupted) and e.out:
         where = ("during compilation" if e.phase == "compile" else f"after round {e.last_round}")
         # What is on disk decides (a resume stopped while compiling has loaded no checkpoint yet,
@@ -582,15 +629,7 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
         except ValueError as e:
             _fail(str(e))
         if args.coordinator or args.distributed:
-            if args.distributed:
-                fedjax_pfl.init_distributed()
-            else:
-                fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
-            import jax
-
-            if jax.process_index() != 0:     # one voice: only process 0 prints (errors still do)
-                sys.stdout.flush()               # fd 1 too: gloo's own lines come from C++
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            start_processes(args)
         else:
             fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (not on GPU)
         if args.no_compile_cache:
@@ -684,4 +723,5 @@ if __name__ == "__main__":
     sys.stderr.flush()
     # After Ctrl-C a worker thread may still be inside XLA: leave without interpreter teardown
     # (tearing down around it is what used to end in a segfault, exit -11).
-    os._exit(status) if status in (130, 143) else sys.exit(status)
+    # A lost process (75): JAX's exit would wait for it at the service's shutdown barrier.
+    os._exit(status) if status in (75, 130, 143) else sys.exit(status)

@@ -57,7 +57,9 @@ SWEEP_OWNED = {"algo": "--algos", "dataset": "--datasets", "seeds": "--seeds", "
                "coordinator": "sweep.py's own --coordinator",
                "num_processes": "sweep.py's own --num-processes",
                "process_id": "sweep.py's own --process-id",
-               "distributed": "sweep.py's own --distributed"}
+               "distributed": "sweep.py's own --distributed",
+               "coordinator_timeout": "sweep.py's own --coordinator-timeout",
+               "peer_timeout": "sweep.py's own --peer-timeout"}
 
 
 class SweepError(ValueError):
@@ -357,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--process-id", type=int, default=0)
     g.add_argument("--distributed", default=None, choices=("auto",),
                    help="'auto': the process layout from the launcher (SLURM, Open MPI, …)")
+    g.add_argument("--coordinator-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long the processes wait for each other at start (as run.py)")
+    g.add_argument("--peer-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a process silent this long is lost; the others stop and exit 75 (as run.py)")
     return p
 
 
@@ -372,15 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(e))
     multi = bool(args.coordinator or args.distributed)
     if multi:
-        if args.distributed:
-            fedjax_pfl.init_distributed()
-        else:
-            fedjax_pfl.init_distributed(args.coordinator, args.num_processes, args.process_id)
-        import jax
-
-        if jax.process_index() != 0:              # one voice: only process 0 prints
-            sys.stdout.flush()
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        cli.start_processes(args, "sweep.py")     # they agree, or one line and exit 2
     else:
         fedjax_pfl.use_cpu_cores()                # before JAX starts (validation computes nothing)
     if args.no_compile_cache:

@@ -70,25 +70,30 @@ def use_compile_cache(directory: str | None = None) -> str:
 
 
 def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None) -> None:
+                     process_id: int | None = None, *, timeout: float = 60.0,
+                     peer_timeout: float | None = 30.0, facts: dict | None = None) -> None:
     """Joins a multi-process run (one process per host, or several on one host): afterwards
     `jax.devices()` lists the devices of every process, and the engine's mesh, sharded client
     state and rounds span them all. Call it before any JAX computation, in every process, with the
     same coordinator address (host:port of process 0) and process count — or with no arguments
     under a launcher that JAX recognises (SLURM's srun, Open MPI's mpirun, TPU pods, Kubernetes),
-    which then supplies them. Run one process per GPU host (or per GPU). A launcher must end the
-    whole group when one worker dies: a worker whose peer died waits in its next collective.
+    which then supplies them. Run one process per GPU host (or per GPU); on CPU, each process
+    exposes $FEDJAX_PFL_CPU_DEVICES devices (default 1).
 
-    On CPU the processes exchange data through gloo (set here); on GPUs through NCCL. Only
-    process 0 writes the run's files.
+    The processes first check that they agree (process count, code, `facts`) and wait at most
+    `timeout` seconds for each other; a process silent for `peer_timeout` seconds later is lost,
+    and the others stop as after SIGTERM (`fedjax_pfl.distributed`). Raises
+    `distributed.StartupError` (one line). On CPU the processes exchange data through gloo; on
+    GPUs through NCCL. Only process 0 writes the run's files.
     """
-    import jax
+    from fedjax_pfl import distributed
 
     if _backend_started():
         raise RuntimeError("init_distributed must run before the first JAX computation")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
+    if os.environ.get("FEDJAX_PFL_CPU_DEVICES"):     # this process's own CPU devices
+        use_cpu_cores()
+    distributed.start(coordinator_address, num_processes, process_id, facts=facts,
+                      timeout=timeout, peer_timeout=peer_timeout)
 
 
 def _backend_started() -> bool:

@@ -14,6 +14,9 @@ Only the standard library is imported here, so the command line can guard its ow
   * `compute(fn, ...)`: under `interruptible()` the call runs in a worker thread while the main
     thread waits, so a signal is handled at once even during a long XLA compilation (the
     exception is raised in the main thread, never inside JAX or orbax).
+  * A lost process of a multi-process run (`fedjax_pfl.distributed`'s watchdog) is delivered as
+    a SIGTERM to the main thread after `note_lost_peer(loss)`: the handlers then raise the loss
+    (`distributed.PeerLost`, a KeyboardInterrupt) instead, and `exit_status` is 75.
   * `WarningSignal`: a scheduler's warning before the kill (SLURM's `--signal=USR1@60`) sets a
     flag the round loop reads at the next round boundary (`--checkpoint-on-signal`).
 """
@@ -27,6 +30,14 @@ from typing import Any, Callable
 
 _WORKER = "fedjax_pfl-compute"
 _state = threading.local()
+_lost: list[KeyboardInterrupt] = []        # a lost peer, noted by the watchdog (any thread)
+EXIT_LOST_PEER = 75                         # (fedjax_pfl.distributed.EXIT_LOST_PEER)
+
+
+def note_lost_peer(loss: KeyboardInterrupt | None) -> None:
+    """From now on the SIGTERM handlers raise `loss` (a lost process of the run; None: no
+    longer)."""
+    _lost[:] = [] if loss is None else [loss]
 
 
 class Terminated(KeyboardInterrupt):
@@ -35,14 +46,19 @@ class Terminated(KeyboardInterrupt):
 
 def signal_name(e: BaseException) -> str:
     """"SIGTERM" for a `Terminated` (or an exception recording it, `runner.Interrupted`),
-    else "SIGINT"."""
-    terminated = isinstance(e, Terminated) or getattr(e, "signal", None) == "SIGTERM"
+    "lost process K" for a lost peer, else "SIGINT"."""
+    recorded = getattr(e, "signal", None)
+    if isinstance(recorded, str) and recorded.startswith("lost process"):
+        return recorded
+    terminated = isinstance(e, Terminated) or recorded == "SIGTERM"
     return "SIGTERM" if terminated else "SIGINT"
 
 
 def exit_status(e: BaseException) -> int:
-    """130 for an interrupt (SIGINT), 143 for a termination (SIGTERM): 128 + the signal."""
-    return 143 if signal_name(e) == "SIGTERM" else 130
+    """130 for an interrupt (SIGINT), 143 for a termination (SIGTERM): 128 + the signal; 75
+    (EX_TEMPFAIL) for a lost process of the run."""
+    name = signal_name(e)
+    return EXIT_LOST_PEER if name.startswith("lost") else 143 if name == "SIGTERM" else 130
 
 
 def _main_thread() -> bool:
@@ -50,6 +66,8 @@ def _main_thread() -> bool:
 
 
 def _raise_terminated(signum, frame):
+    if _lost:
+        raise _lost[0]
     raise Terminated()
 
 
@@ -65,6 +83,23 @@ def stop_signals():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def signals_taken():
+    """Within the block (even inside `deferred_signals`), SIGINT raises KeyboardInterrupt and
+    SIGTERM `Terminated` at once: for waits that must end when asked (processes meeting at
+    start-up). Elsewhere than the main thread, a no-op."""
+    if not _main_thread():
+        yield
+        return
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @contextlib.contextmanager
@@ -93,6 +128,8 @@ def deferred_signals(*, raise_after: bool = True):
         for s, handler in previous.items():
             signal.signal(s, handler)
         if hit and raise_after and not failed:
+            if _lost and hit[0] == signal.SIGTERM:
+                raise _lost[0]
             raise Terminated() if hit[0] == signal.SIGTERM else KeyboardInterrupt()
 
 

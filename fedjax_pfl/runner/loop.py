@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from fedjax_pfl import algorithms, core, models, plots
+from fedjax_pfl import algorithms, core, distributed, models, plots
 from fedjax_pfl.callbacks import Callback, RoundEnd, RunStart
 from fedjax_pfl.data.build import build_federated
 from fedjax_pfl.data.federated import FederatedData, label_counts
@@ -182,8 +182,13 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
     started: list[Callback] = []          # callbacks whose on_run_start ran: they get on_run_end
     warning = WarningSignal(parse_signal(cfg.checkpoint_on_signal)
                             if cfg.checkpoint_on_signal else None)
+
+    def abandoned(loss):        # the watchdog's last act when the main thread is stuck
+        report(cfg, prep, prog, out, t_start, compile_time=None, plan=None, interrupted=phase,
+               signal=loss.signal)
+
     try:
-        with stop_signals(), warning:
+        with stop_signals(), warning, distributed.on_abandon(abandoned):
             state, compile_time, plan = _compile(cfg, prep, log)
             round_keys = prep.round_keys
             if resume is not None:
@@ -206,18 +211,21 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
                 _draw_label_distribution(out, prep)
             phase = "rounds"
             state = _rounds(cfg, prep, state, round_keys, prog, own, theirs)
-    except KeyboardInterrupt as e:
+    except BaseException as e:
         with deferred_signals(raise_after=False):
+            # A signal, a lost process of a multi-process run, or a collective that failed
+            # because its peer is gone: the same ending.
+            stop = e if isinstance(e, KeyboardInterrupt) else distributed.explain(e)
+            if stop is None:
+                _close(own)
+                raise
             fresh_start = phase == "compile" and resume is not None and prog.round == 0
             # A resume stopped while compiling: the directory keeps its previous record.
             summary = report(cfg, prep, prog, None if fresh_start else out, t_start,
                              compile_time=None, plan=None, interrupted=phase,
-                             signal=signal_name(e))
+                             signal=signal_name(stop))
             _end(started, summary)
-        raise Interrupted(prog.round, prog.checkpoint_round, out, phase, signal_name(e)) from None
-    except BaseException:
-        _close(own)
-        raise
+        raise Interrupted(prog.round, prog.checkpoint_round, out, phase, signal_name(stop)) from None
     summary = report(cfg, prep, prog, out, t_start, compile_time=compile_time, plan=plan)
     _end(started, summary)
     return summary

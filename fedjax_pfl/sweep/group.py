@@ -110,7 +110,7 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
     state = program.init()
     histories = [core.History(data.num_real_clients) for _ in runs]
     bar = None
-    if progress:
+    if progress and jax.process_index() == 0:        # one voice in a multi-process run
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.rounds, desc="rounds", unit="round", dynamic_ncols=True)

@@ -10,7 +10,7 @@ With FEDJAX_PFL_TEST_HOST_READS=DIR set, each process writes DIR/reads-K.json (K
 index): the arrays of the checkpoints' per-process host parts it read
 (`HostArrays.read_from_parts`) and the files it hashed to verify checkpoints.
 
-Exits as experiments/run.py's `__main__` does (130/143 without interpreter teardown)."""
+Exits as experiments/run.py's `__main__` does (75/130/143 without interpreter teardown)."""
 
 import os
 import sys
@@ -51,4 +51,4 @@ if __name__ == "__main__":
         _write_host_reads()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status) if status in (130, 143) else sys.exit(status)
+    os._exit(status) if status in (75, 130, 143) else sys.exit(status)

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import helpers
@@ -67,3 +68,139 @@ def test_processes_with_other_data_stop_before_running(tmp_path):
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode != 0 and "hold other values than process 0" in err, err[-3000:]
+
+
+# ---- fedjax_pfl.distributed's parts, in one process (quick) -----------------------------------
+
+def _handshake(facts_of, port=None, num_processes=2, ids=None):
+    """Process 0's `_lead` and the others' `_join` in threads: each process's StartupError
+    message (None: it passed)."""
+    import threading
+
+    from fedjax_pfl import distributed
+
+    port = port or _free_port()
+    ids = ids or list(range(1, num_processes))
+    said = {}
+
+    def side(who, slot):
+        hello = {"num_processes": num_processes, "code": "c0", **facts_of(who)}
+        try:
+            if who == 0:
+                distributed._lead(port, num_processes, hello, timeout=5)
+            else:
+                distributed._join("127.0.0.1", port, {**hello, "process_id": who}, timeout=5)
+            said[slot] = None
+        except distributed.StartupError as e:
+            said[slot] = str(e)
+
+    threads = [threading.Thread(target=side, args=(w, k)) for k, w in enumerate([0] + ids)]
+    threads[0].start()
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return [said.get(k, "no answer") for k in range(len(threads))]
+
+
+def test_the_handshake_passes_agreeing_processes_and_names_the_first_disagreement():
+    assert _handshake(lambda who: {"flags": {"rounds": 5}}) == [None, None]
+    expected = ("process 1 was started with rounds 4, process 0 with 5: start every process "
+                "with the same flags")
+    assert _handshake(lambda who: {"flags": {"rounds": 5 - who}}) == [expected, expected]
+    code = _handshake(lambda who: {"code": f"c{who}"})
+    assert code[0] == code[1] and code[0].startswith("process 1 runs other code than process 0")
+    # Three processes of which two say they are process 1: every one that met process 0 is told.
+    twice = _handshake(lambda who: {}, num_processes=3, ids=[1, 1])
+    assert twice[0] == "two processes were started with process_id 1"
+    assert twice.count(twice[0]) >= 2, twice
+    assert _handshake(lambda who: {}, ids=[4]) == [
+        "a process joined with process_id 4, outside 1 .. 1 of process 0's num_processes 2"] * 2
+
+
+def test_the_handshake_refuses_a_coordinator_port_already_taken():
+    from fedjax_pfl import distributed
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(distributed.StartupError, match=f"cannot listen on the coordinator port {port}"):
+            distributed._lead(port, 2, {}, timeout=1)
+
+
+class _Store:
+    """A key-value store as JAX's coordination client offers it (key_value_set/try_get)."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.values[key] = value
+
+    def key_value_try_get(self, key):
+        if key not in self.values:
+            raise KeyError(key)
+        return self.values[key]
+
+
+def test_the_watchdog_finds_the_process_whose_counter_stopped_and_stops_the_main_thread():
+    """Process 2 of 3 stops beating after 0.5 s, process 1 beats on: the watchdog (timeout
+    1 s) names process 2, and the main thread, inside `stop_signals`, gets `PeerLost` (as a
+    KeyboardInterrupt, where SIGTERM would give `Terminated`); `explain` maps a collective's
+    failure to it, and an unrelated error to None."""
+    import threading
+
+    from fedjax_pfl import distributed, interrupts
+
+    store, beating = _Store(), {1: True, 2: True}
+
+    def peer(p):
+        count = 0
+        while beating[p]:
+            count += 1
+            store.key_value_set(f"fedjax_pfl/alive/{p}", str(count))
+            time.sleep(0.05)
+
+    peers = [threading.Thread(target=peer, args=(p,), daemon=True) for p in (1, 2)]
+    for t in peers:
+        t.start()
+    timer = threading.Timer(0.5, lambda: beating.__setitem__(2, False))
+    timer.start()
+    dog = distributed.Watchdog(1.0, period=0.05, grace=3600, client=store, process=0, processes=3)
+    start = time.monotonic()
+    try:
+        caught = None
+        try:                 # (a KeyboardInterrupt that is no PeerLost must not end pytest)
+            with interrupts.stop_signals():
+                dog.start()
+                while time.monotonic() - start < 10:
+                    time.sleep(0.01)
+        except KeyboardInterrupt as e:
+            caught = e
+        took = time.monotonic() - start
+        assert isinstance(caught, distributed.PeerLost), caught
+        assert caught.process == 2 and 1.5 - 0.2 <= took <= 1.5 + 1.5, took
+        assert interrupts.exit_status(caught) == 75
+        assert interrupts.signal_name(caught) == "lost process 2"
+        assert distributed.explain(ValueError("Gloo AllGather failed: Connection closed by peer"),
+                                   wait=0) is caught
+    finally:
+        beating[1] = False
+        distributed.reset()
+    assert distributed.explain(ValueError("Gloo AllGather failed"), wait=0) is None   # no watchdog
+    assert interrupts._lost == []
+
+
+def test_the_facts_are_said_by_name(monkeypatch):
+    import fedjax_pfl
+    from fedjax_pfl import distributed
+    from fedjax_pfl.errors import render
+
+    assert distributed.conflict({"a": 1, "flags": {"x": None}}, {"a": 1, "flags": {"x": None}}, 1) is None
+    assert render(distributed.conflict({"num_processes": 2}, {"num_processes": 3}, 2)) == (
+        "process 2 has num_processes 3, process 0 has 2")
+    # The code's digest covers the release too (and every source file: see code_version).
+    digest = distributed.code_version()
+    monkeypatch.setattr(fedjax_pfl, "__version__", fedjax_pfl.__version__ + ".dev1")
+    assert distributed.code_version() != digest and len(digest) == 16

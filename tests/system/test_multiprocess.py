@@ -240,6 +240,10 @@ def test_an_interrupted_process_leaves_a_resumable_run(tmp_path):
         seen.append(line)
     procs[1].send_signal(signal.SIGINT)
     assert procs[1].wait(timeout=120) == 130
+    # Process 1 writes nothing, and says what is true of it (not "before the run started").
+    said = procs[1].stderr.read().strip().splitlines()[-1]
+    assert said.startswith("run.py: process 1: interrupted after round ") and said.endswith(
+        "; process 0 records the run"), said
     procs[0].kill()                                     # the launcher ends the group
     procs[0].wait(timeout=60)
     # Both processes wrote their shards of the client state into each checkpoint that process 0
