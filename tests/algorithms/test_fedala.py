@@ -29,7 +29,7 @@ def softmax_grad_w(x, y, w, b):
 def reference_ala(x, y, theta_g, theta_l, weights, eta, steps):
     """`steps` full-batch steps of W ← clip(W − η ∇_θ̂L ⊙ (θ_g − θ_i), 0, 1) on top = w, with
     θ̂ = (w: θ_i + (θ_g − θ_i) ⊙ W, b: θ_g), in float64; also the unclipped last step."""
-    W = weights.astype(np.float64)
+    W = raw = weights.astype(np.float64)
     for _ in range(steps):
         w_hat = theta_l["w"] + (theta_g["w"] - theta_l["w"]) * W
         raw = W - eta * softmax_grad_w(x, y, w_hat, theta_g["b"]) * (theta_g["w"] - theta_l["w"])
@@ -214,3 +214,34 @@ def test_loop_backend_equals_chunked(ragged_data):
 def test_bad_start_phase_budget_is_an_error():
     with pytest.raises(ValueError, match="--fedala-max-epochs"):
         algorithms.get("fedala", model=linear_model(), patience=10, max_epochs=10)
+
+
+def test_round_gives_each_client_its_pass_budget(x64):
+    # R4–R6 through round_fn: a first participation runs no ALA (W_i kept), a client's first ALA
+    # (started, not warm) the start phase's --fedala-max-epochs passes (3; threshold 0 never
+    # settles), a warm client one pass. With s = 100 % and B ≥ n_i a pass is one full-batch
+    # step, so W_i is reference_ala's 0, 3 or 1 float64 steps.
+    sizes = [7, 8, 5, 6, 8, 4]
+    n = len(sizes)
+    data = helpers.make_data(sizes, num_classes=C, feature_dim=F)
+    algo = algorithms.get("fedala", model=linear_model(F, C), participation=1.0, batch_size=8,
+                          local_steps=1, lr=0.1, eta=0.5, rand_percent=100.0, threshold=0.0,
+                          patience=2, max_epochs=3)
+    theta_g, locs = random_models(8, n)
+    W = np.random.default_rng(9).uniform(0.2, 0.8, (n, F, C))
+    started = np.array([False, True, True, True, True, False])
+    warm = np.array([False, False, True, False, True, False])
+    state = algo.init(jax.random.key(0), data)._replace(
+        params={k: jnp.asarray(np.stack([l[k] for l in locs])) for k in ("w", "b")},
+        weights={"b": None, "w": jnp.asarray(W)}, started=jnp.asarray(started),
+        warm=jnp.asarray(warm), global_params=jax.tree.map(jnp.asarray, theta_g))
+    new, metrics = jax.jit(algo.round_fn)(state, data, jax.random.key(1))
+    np.testing.assert_array_equal(np.sort(metrics["sampled"]), np.arange(n))
+    passes = np.where(~started, 0, np.where(warm, 1, 3))
+    for i in range(n):
+        x, y = client_rows(sizes, i)
+        want, _ = reference_ala(x, y, theta_g, locs[i], W[i], 0.5, int(passes[i]))
+        np.testing.assert_allclose(new.weights["w"][i], want, rtol=1e-6, atol=1e-8,
+                                   err_msg=f"client {i}, {passes[i]} passes")
+    np.testing.assert_allclose(metrics["ala_epochs"], passes.mean())
+    np.testing.assert_array_equal(new.warm, started)          # the start phase is done once

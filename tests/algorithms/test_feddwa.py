@@ -238,3 +238,53 @@ def test_flags_are_validated():
     hp = algorithms.get("feddwa", model=linear_model()).hparams
     assert (hp["participation"], hp["topk"], hp["guidance_epochs"], hp["guidance_steps"]) == (
         1.0, 5, None, None)
+
+
+def _epoch_order(start, end, samples, eta):
+    """The order in which one epoch of batch-size-1 SGD on ½‖w − x_k‖² visited `samples` to go
+    from `start` to `end` (w ← (1 − η)w + η x_k per step), by trying every order in float64;
+    None if no order gives `end`."""
+    import itertools
+
+    for order in itertools.permutations(range(len(samples))):
+        w = start.copy()
+        for k in order:
+            w = (1 - eta) * w + eta * samples[k]
+        if np.allclose(w, end, rtol=1e-9, atol=1e-11):
+            return order
+    return None
+
+
+def test_guidance_pass_draws_its_own_batch_order(x64, monkeypatch):
+    # R2: the guidance pass is an epoch of its own, in a fresh batch order (its own key): with
+    # batch size 1 on quadratics each pass is a product of per-sample steps whose order is
+    # recovered from the models, w_i from w̃_i = θ0 and ŵ_i from w_i. Both must be epochs (every
+    # sample once) and, with independent keys, their orders differ for most clients (reusing the
+    # training key would replay the same order for every client).
+    data, xs = quadratic_clients()
+    eta = 0.3
+    algo = algorithms.get("feddwa", model=QUADRATIC, participation=1.0, local_epochs=1,
+                          batch_size=1, lr=eta, topk=2)
+    seen = []
+    distances = feddwa.guidance_sq_distances
+
+    def spy(guides, rows):                      # ŵ and w as round_fn hands them to the server
+        seen.append((guides, rows))
+        return distances(guides, rows)
+
+    monkeypatch.setattr(feddwa, "guidance_sq_distances", spy)
+
+    def round_and_uploads(state, data, key):
+        _, metrics = algo.round_fn(state, data, key)
+        return metrics["sampled"], seen[-1]
+
+    sampled, (guides, trained) = jax.jit(round_and_uploads)(
+        algo.init(jax.random.key(0), data), data, jax.random.key(5))
+    differ = 0
+    for row, i in enumerate(np.asarray(sampled)):
+        w, g = np.asarray(trained["x"][row]), np.asarray(guides["x"][row])
+        train_order = _epoch_order(THETA0, w, xs[i], eta)
+        guide_order = _epoch_order(w, g, xs[i], eta)
+        assert train_order is not None and guide_order is not None, f"client {i}"
+        differ += train_order != guide_order
+    assert differ >= 3, f"only {differ} of 5 clients' guidance passes changed the batch order"

@@ -253,3 +253,74 @@ def test_flags_are_validated():
     assert (hp["candidates"], hp["val_fraction"], hp["epsilon"], hp["epsilon_decay"],
             hp["baseline"]) == (8, 0.2, 0.3, 0.05, "current")
     assert registry.spec("fedfomo").test_hparams is not None and fedfomo.State._fields[0] == "params"
+
+
+def test_affinity_accumulates_the_weights_over_rounds(x64):
+    # F3: P_ij ← P_ij + w_ij, so after two rounds P = W¹ + W² (each from the naive double loop:
+    # round 2 starts from round 1's trained models), not the last round's W² alone.
+    x, y, train, test = raw_clients()
+    data = to_data(x, y, train, test)
+    algo = one_step_algo()
+    step = jax.jit(algo.round_fn)
+    models = distinct_models()
+    state = with_models(algo.init(jax.random.key(0), data), models)
+    w1, _, trained, _ = naive_round(models, x.astype(np.float64), y, train)
+    state, _ = step(state, data, jax.random.key(3))
+    w2, _, _, _ = naive_round(trained, x.astype(np.float64), y, train)
+    state, _ = step(state, data, jax.random.key(4))
+    assert np.any((w1 > 0) & (w2 > 0)), "both rounds must weigh some pair"
+    np.testing.assert_allclose(state.affinity, w1 + w2, rtol=1e-10, atol=1e-12)
+
+
+def test_epsilon_metric_follows_the_decay_schedule():
+    # F3: ε_t = max(0, ε − δ(t − 2)) in round t ≥ 2; round 1 has no downloads (0).
+    data = to_data(*raw_clients())
+    algo = one_step_algo(epsilon=0.12, epsilon_decay=0.05)
+    step = jax.jit(algo.round_fn)
+    state, seen = algo.init(jax.random.key(0), data), []
+    for r in range(5):
+        state, m = step(state, data, jax.random.key(r))
+        seen.append(float(m["epsilon"]))
+    np.testing.assert_allclose(seen, [0.0, 0.12, 0.07, 0.02, 0.0], atol=1e-7)
+
+
+def test_round_two_explores_with_epsilon_and_round_three_with_epsilon_minus_decay():
+    # F3 in behaviour: ε = δ = 1 gives ε_2 = 1 (every slot a uniformly random other upload) and
+    # ε_3 = 0 (the top affinity). Six clients, one slot each, client i's top affinity on
+    # σ(i) = i + 1 mod 6. Client i's samples all have label i mod 3 and θ_i = (w 0,
+    # b −5·e_{i mod 3} + 0.3·i) is bad on its own label only (the shift 0.3·i changes no
+    # prediction, it tells the models apart), so a candidate of another label gets the whole
+    # weight: θ_i moves to exactly the model it downloaded (lr 1e-30: training leaves it there).
+    n, k = 6, 3
+    sizes = [5] * n
+    x, _, train, test, _, _ = helpers.make_raw(sizes, num_classes=k, feature_dim=F)
+    y = np.zeros(len(x), int)
+    for i in range(n):
+        y[train[i]], y[test[i]] = i % k, i % k
+    data = FederatedData.from_arrays(x, y, train, test, num_classes=k)
+    algo = algorithms.get("fedfomo", model=linear_model(F, k), participation=1.0, local_steps=1,
+                          batch_size=8, lr=1e-30, candidates=1, val_fraction=0.2, epsilon=1.0,
+                          epsilon_decay=1.0)
+    b = -5.0 * np.eye(k)[np.arange(n) % k] + 0.3 * np.arange(n)[:, None]
+    sigma = (np.arange(n) + 1) % n
+    affinity = np.zeros((n, n))
+    affinity[np.arange(n), sigma] = 5.0
+    state = algo.init(jax.random.key(0), data)
+    state = state._replace(params={"w": jnp.zeros((n, F, k)), "b": jnp.asarray(b, jnp.float32)},
+                           affinity=jnp.asarray(affinity, jnp.float32),
+                           uploaded=jnp.arange(n, dtype=jnp.int32), has_prev=jnp.ones((), bool))
+    step = jax.jit(algo.round_fn)
+
+    def moved_to(rounds_done, key):
+        new, m = step(state._replace(round=jnp.asarray(rounds_done, jnp.int32)), data, key)
+        got = np.asarray(new.params["b"])
+        # the model each client moved to (itself where it kept its own)
+        return [int(np.argmin(np.abs(got[i] - b).sum(1))) for i in range(n)], float(m["epsilon"])
+
+    picks, eps = moved_to(2, jax.random.key(7))                        # round 3: ε_3 = 0
+    assert eps == 0.0
+    np.testing.assert_array_equal(picks, sigma)                        # all greedy
+    randomised = [moved_to(1, jax.random.key(s)) for s in range(3)]    # round 2: ε_2 = 1
+    assert all(e == 1.0 for _, e in randomised)
+    hits = sum(int(np.sum(np.asarray(p) == sigma)) for p, _ in randomised)
+    assert hits < 3 * n / 2, "round 2 must explore, not follow the affinity"

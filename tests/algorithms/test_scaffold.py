@@ -204,3 +204,39 @@ def test_cli_help_explains_the_flags():
     assert "--scaffold-variant {ii,i}" in text and "--scaffold-weights {uniform,data_size}" in text
     with pytest.raises(ValueError, match="--scaffold-server-lr must be > 0"):
         algorithms.get("scaffold", model=linear_model(), server_lr=0.0)
+
+
+@pytest.mark.parametrize("variant", ["ii", "i"])
+def test_a_client_without_data_keeps_its_control_variate_and_contributes_nothing(x64, variant):
+    # A7: a client with n_i = 0 takes K_i = 0 steps, so option II's (x − y_i)/(K_i η_l) is 0/0
+    # and option I's gradient has no data: its c_i stays as it was (bit for bit), Δc_i = 0 and
+    # Δy_i = y_i − x = 0. With every client sampled (M = N = 4) and uniform weights, x⁺ and c⁺
+    # are the three data clients' updates summed over M = N = 4 (the empty one adds 0).
+    sizes = [3, 0, 2, 4]
+    rng = np.random.default_rng(11)
+    rows = rng.normal(size=(sum(sizes) + len(sizes), 3))
+    targets = np.concatenate([rng.integers(0, 5, sum(sizes)), np.zeros(len(sizes), int)])
+    bounds = np.cumsum([0] + sizes)
+    train = [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    test = [np.array([bounds[-1] + k]) for k in range(len(sizes))]
+    data = FederatedData.from_arrays(rows, targets, train, test, num_classes=5)
+    lr, server_lr = 0.2, 0.5
+    algo = algorithms.get("scaffold", model=REGRESSION, lr=lr, server_lr=server_lr, batch_size=8,
+                          local_steps=1, participation=1.0, variant=variant)
+    state = algo.init(jax.random.key(0), data)
+    c, ci = rng.normal(size=4), rng.normal(size=(N, 4))
+    state = state._replace(control=unflat(c), client_control=unflat(ci))
+    new, metrics = jax.jit(algo.round_fn)(state, data, jax.random.key(2))
+    np.testing.assert_array_equal(np.sort(metrics["sampled"]), np.arange(N))
+    xs = flat(state.params)
+    delta_y, delta_c, c_new = np.zeros((N, 4)), np.zeros((N, 4)), ci.copy()
+    for i in (0, 2, 3):           # one full-batch step on the corrected gradient (line 10)
+        g = numpy_grad(xs[:3], xs[3], rows[train[i]], targets[train[i]])
+        yi = xs - lr * (g - ci[i] + c)
+        c_new[i] = g if variant == "i" else ci[i] - c + (xs - yi) / lr        # line 11
+        delta_y[i], delta_c[i] = yi - xs, c_new[i] - ci[i]
+    got = flat(new.client_control)
+    np.testing.assert_array_equal(got[1], ci[1])                  # the empty client: kept exactly
+    np.testing.assert_allclose(got, c_new, **TIGHT)
+    np.testing.assert_allclose(flat(new.params), xs + server_lr * delta_y.sum(0) / N, **TIGHT)
+    np.testing.assert_allclose(flat(new.control), c + delta_c.sum(0) / N, **TIGHT)

@@ -429,6 +429,45 @@ def test_transformer_is_causal_and_last_only_reads_the_last_real_token():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+# Inner and leading PAD (0): with causal attention only these can reach a later real query.
+INNER_PAD = np.array([[3, 0, 5, 0, 0, 7, 2, 0], [0, 4, 4, 0, 9, 1, 0, 6]])
+
+
+def test_transformer_real_positions_never_read_pad_keys():
+    # Every value a PAD position carries comes from the PAD token's embedding row (and its
+    # learned position): redrawing that row arbitrarily must leave the outputs at the real
+    # positions bit for bit unchanged (their attention weight on PAD keys is exactly 0), while
+    # the PAD positions' own outputs change (the perturbation reaches the network).
+    m = sequence.CausalTransformer(11, 11, max_len=8, width=16, heads=2, layers=2)
+    x = jnp.asarray(INNER_PAD)
+    p = jax.jit(m.init)(jax.random.key(4), x)["params"]
+    apply = jax.jit(lambda q: m.apply({"params": q}, x))
+    rng = np.random.default_rng(6)
+    table = np.asarray(p["Embed_0"]["embedding"]).copy()
+    table[0] = rng.normal(size=table.shape[1]) * 3.0                  # PAD's embedding redrawn
+    q = dict(p, Embed_0={"embedding": jnp.asarray(table)})
+    out, out2 = np.asarray(apply(p)), np.asarray(apply(q))
+    real = INNER_PAD != 0
+    np.testing.assert_array_equal(out2[real], out[real])
+    assert np.abs(out2[~real] - out[~real]).min() > 1e-4
+
+
+def test_transformer_without_positions_reads_inner_padded_tokens_as_the_unpadded_sequence():
+    # With the positional embedding zeroed the model sees only tokens and the causal order, so a
+    # sequence with PADs inside equals, at its real positions, the same tokens without the PADs:
+    # an independent reference for "attends to the earlier real tokens and itself only".
+    m = sequence.CausalTransformer(11, 11, max_len=8, width=16, heads=2, layers=2)
+    x = jnp.asarray(INNER_PAD)
+    p = jax.jit(m.init)(jax.random.key(4), x)["params"]
+    p = dict(p, pos_embedding=jnp.zeros_like(p["pos_embedding"]))
+    apply = jax.jit(lambda q, z: m.apply({"params": q}, z))
+    out = np.asarray(apply(p, x))
+    for row in range(len(INNER_PAD)):
+        real = INNER_PAD[row] != 0
+        alone = apply(p, jnp.asarray(INNER_PAD[row][real])[None])[0]
+        np.testing.assert_allclose(out[row][real], alone, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("features", ["frequency", "count", "binary"])
 def test_tag_logreg_equals_numpy_bag_of_words(features):
     v, tags, first, num = 9, 4, 1, 7         # ids 1..7 words, 8 OOV (no feature), 0 PAD
