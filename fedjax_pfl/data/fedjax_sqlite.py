@@ -145,9 +145,15 @@ def _client_keys(conn: sqlite3.Connection, path: str) -> dict[str, Any]:
     except sqlite3.DatabaseError as e:
         raise DataFormatError(path, f"not a FedJAX SQLite file with a federated_data table "
                                     f"({e})") from None
-    keys = {_decode_id(r[0], path): r[0] for r in rows}
-    if len(keys) != len(rows):
-        raise DataFormatError(path, "client ids repeat after UTF-8 decoding")
+    keys: dict[str, Any] = {}
+    for (raw,) in rows:
+        client = _decode_id(raw, path)
+        if client in keys:
+            # SQLite's key tells a BLOB from a TEXT of the same characters; the decoded ids
+            # would silently merge two clients into one.
+            raise DataFormatError(path, f"client id repeats after UTF-8 decoding (stored as "
+                                        f"{keys[client]!r} and {raw!r})", client)
+        keys[client] = raw
     return keys
 
 

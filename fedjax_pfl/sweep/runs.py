@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from fedjax_pfl import algorithms, core
 from fedjax_pfl.core import layout
 from fedjax_pfl.core.rows import ClientRows
-from fedjax_pfl.errors import OptionError, arg
+from fedjax_pfl.errors import OptionError, arg, marked
 
 Params = Any
 
@@ -146,7 +146,12 @@ def stack(algo_name: str, model, data, static_hparams: dict, runs: Sequence[RunS
         raise ValueError(f"{algo_name} cannot vary {bad} inside one program (traceable: "
                          f"{list(spec.traceable)}); run those values one after another")
     for r in runs:          # every concrete combination is validated like a normal run
-        resolved = spec.resolve({**static_hparams, **dict(r.traced)})
+        try:
+            resolved = spec.resolve({**static_hparams, **dict(r.traced)})
+        except ValueError as e:
+            # Which run of the group: its seed and traced values (the check's own message
+            # names the value at fault).
+            raise OptionError(f"run {r.label} of {algo_name}: {marked(e)}") from None
     if resolved["backend"] in core.EAGER_BACKENDS:
         raise OptionError(f"a vectorised sweep needs {arg('backend')} chunked or vmap")
     static = {k: v for k, v in resolved.items() if k not in traced_names}

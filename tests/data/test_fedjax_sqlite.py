@@ -211,6 +211,27 @@ def test_bad_client_names_file_and_client(emnist_dir, row, num_examples, what):
     assert "\n" not in str(e.value) and e.value.client == cid
 
 
+def test_a_client_id_that_repeats_after_decoding_is_refused_naming_file_and_client(emnist_dir):
+    """FedJAX stores ids as BLOBs; a file that also holds the same id as TEXT has two distinct
+    keys (SQLite's PRIMARY KEY tells a BLOB from a TEXT) that decode to one client id. Merging
+    them would drop a client's data: refused, in one line naming the file and the client."""
+    d, train, _ = emnist_dir
+    cid = "00aa11bb22cc33dd:f0001_41"
+    path = d / "federated_emnist_train.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("INSERT INTO federated_data VALUES (?, ?, ?)",
+                 (cid, blob(emnist_client(np.random.default_rng(1), 2)), 2))
+    conn.commit()
+    stored = conn.execute("SELECT COUNT(*), COUNT(DISTINCT client_id) FROM federated_data").fetchone()
+    conn.close()
+    assert stored == (len(train) + 1, len(train) + 1)      # distinct as stored
+    with pytest.raises(DataFormatError, match=rf"federated_emnist_train\.sqlite, client '{cid}': "
+                                              r"client id repeats after UTF-8 decoding") as e:
+        list(fedjax_sqlite.open_fedjax("emnist62", str(d)).clients())
+    assert "\n" not in str(e.value) and e.value.client == cid
+    assert e.value.path == str(path)
+
+
 def test_clients_are_read_one_at_a_time(emnist_dir):
     d, train, _ = emnist_dir
     path = d / "federated_emnist_train.sqlite"

@@ -83,3 +83,25 @@ def test_the_stacked_clipped_sum_is_the_sum_of_each_clients_clipped_update():
     np.testing.assert_allclose(_flat(total), want, rtol=1e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(norms), [np.linalg.norm(_flat(d)) for d in deltas],
                                rtol=1e-5)
+
+
+def test_leaves_of_the_same_shape_get_independent_noise():
+    """A zero sum of two leaves of one shape, 4,000 keys: the noises of the two leaves differ in
+    every draw, each has standard deviation z·C/D (within 5 of its relative standard errors,
+    1/sqrt(2n), n = 4,000·16 draws), and their sample correlation over the n pairs is 0 within
+    5/sqrt(n) (its standard error for independent normals). One key for both leaves would make
+    them equal: correlation 1."""
+    z, clip, denominator, rounds = 0.8, 1.5, 4.0, 4000
+    zero = {"a": jnp.zeros((4, 4), jnp.float32), "b": jnp.zeros((4, 4), jnp.float32)}
+    keys = jax.random.split(jax.random.key(11), rounds)
+    noisy = jax.vmap(lambda k: dp.noisy_mean(zero, k, clip=clip, noise_multiplier=z,
+                                             denominator=denominator))(keys)
+    a = np.asarray(noisy["a"], np.float64).reshape(rounds, -1)
+    b = np.asarray(noisy["b"], np.float64).reshape(rounds, -1)
+    assert not np.any(np.all(a == b, axis=1))
+    n = a.size
+    sigma = z * clip / denominator
+    for leaf in (a, b):
+        assert abs(leaf.std() / sigma - 1) < 5 / np.sqrt(2 * n)
+    corr = np.corrcoef(a.ravel(), b.ravel())[0, 1]
+    assert abs(corr) < 5 / np.sqrt(n)

@@ -13,6 +13,7 @@ from helpers import linear_model, make_data
 
 from fedjax_pfl import algorithms
 from fedjax_pfl.algorithms import engine as engine_lib
+from fedjax_pfl.core import server
 from fedjax_pfl.ops import dp
 
 # The quick suite keeps the clip's update against the update norms (fixed sampling) and the
@@ -174,3 +175,40 @@ def test_client_state_on_the_host_gives_the_same_run(tmp_path):
             if k != "round_time":
                 assert host[k] == (pytest.approx(v, rel=1e-6) if isinstance(v, float) else v), k
     assert len({r["dp_clip"] for r in rows["device"]}) == 3
+
+
+def test_the_count_noise_is_drawn_apart_from_the_update_noise():
+    """The link chain of adaptive clipping on zero updates (all M = 4 within C_0, so b̃·D =
+    M + σ_b·η) and a fixed noise multiplier: the update noise ε (the new model times D/(zC))
+    is the Gaussian of the round key's DP_NOISE stream, as `noised_mean` documents, and the
+    count's η the normal of its own DP_COUNT_NOISE stream, not a draw of the update noise's
+    key; over 4,000 round keys η is uncorrelated with every coordinate of ε (|r| < 5/sqrt(n),
+    the standard error of a sample correlation of independent normals)."""
+    m, z, c0, sigma_b = 4, 0.7, 1.3, 0.9
+    start = {"a": jnp.zeros((3,), jnp.float32), "b": jnp.zeros((2, 2), jnp.float32)}
+    clients = jax.tree.map(lambda x: jnp.zeros((m, *x.shape), x.dtype), start)
+    links = server.chain(server.adaptive_clip(c0, quantile=0.5, lr=0.2, count_noise=sigma_b),
+                         server.noised_mean(z), server.apply_update())
+    state = links.init(start)
+
+    def one(key):
+        context = server.Context(key=key, slots=m, mask=None, expected=float(m))
+        model, _, metrics = links(start, clients, None, state, context)
+        eps = jnp.concatenate([x.ravel() for x in jax.tree.leaves(model)]) * m / (z * c0)
+        eta = (metrics["dp_unclipped_noisy"] * m - m) / sigma_b
+        return eps, eta
+
+    key = jax.random.key(5)
+    eps, eta = jax.jit(one)(key)
+    noise_key = jax.random.fold_in(key, server.DP_NOISE)
+    want = dp.gaussian_noise(noise_key, start, 1.0)
+    np.testing.assert_allclose(np.asarray(eps), np.concatenate(
+        [np.asarray(x).ravel() for x in jax.tree.leaves(want)]), rtol=1e-4, atol=1e-5)
+    own = float(jax.random.normal(jax.random.fold_in(key, server.DP_COUNT_NOISE), ()))
+    assert float(eta) == pytest.approx(own, rel=1e-4, abs=1e-4)
+    assert float(eta) != pytest.approx(float(jax.random.normal(noise_key, ())), abs=1e-3)
+    rounds = 4000
+    eps, eta = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(6), rounds))
+    eps, eta = np.asarray(eps, np.float64), np.asarray(eta, np.float64)
+    for j in range(eps.shape[1]):
+        assert abs(np.corrcoef(eps[:, j], eta)[0, 1]) < 5 / math.sqrt(rounds), j

@@ -96,6 +96,36 @@ def test_an_overflow_keeps_a_uniformly_chosen_capacity_of_the_included():
     assert np.all(np.abs(share - 1 / n) <= 5 * math.sqrt((1 / n) / counts.sum()))
 
 
+def test_which_clients_an_overflow_keeps_is_independent_of_their_inclusion_draws():
+    """Client i is included when its uniform u_i < q; the same key at a lower rate q' (no
+    capacity limit) includes exactly those with u_i < q'. Given who was included (m clients, e of
+    them also below q'), an overflow keeps a uniformly chosen K of the m whatever their u_i, so
+    the number kept from the e is hypergeometric: mean K·e/m, variance
+    K·(e/m)(1 − e/m)(m − K)/(m − 1). Summed over the rounds that overflow, the count is within
+    5 standard deviations of its mean. (Keeping the K smallest u_i, an overflow choice read from
+    the inclusion draw, keeps only clients below q' whenever e ≥ K: a z-score above 100 here.)"""
+    n, q, q_low, capacity, rounds = 20, 0.5, 0.25, 3, 3000
+    keys = jax.random.split(jax.random.key(4), rounds)
+    kept = np.asarray(jax.jit(jax.vmap(lambda k: core.sample_poisson(k, n, q, capacity, n)))(keys))
+    every = jax.jit(jax.vmap(lambda k, rate: core.sample_poisson(k, n, rate, n, n),
+                             in_axes=(0, None)))
+    included, low = np.asarray(every(keys, q)), np.asarray(every(keys, q_low))
+    observed = mean = var = 0.0
+    overflowed = 0
+    for row, inc, lo in zip(kept, included, low):
+        row, inc, lo = set(row[row < n]), set(inc[inc < n]), set(lo[lo < n])
+        assert lo <= inc and row <= inc and len(row) == min(len(inc), capacity)
+        m, e = len(inc), len(lo)
+        if m <= capacity:
+            continue
+        overflowed += 1
+        observed += len(row & lo)
+        mean += capacity * e / m
+        var += capacity * (e / m) * (1 - e / m) * (m - capacity) / (m - 1)
+    assert overflowed > 0.9 * rounds
+    assert abs(observed - mean) <= 5 * math.sqrt(var), (observed, mean, var)
+
+
 def test_empty_slots_add_nothing_to_the_clipped_sum():
     rng = np.random.default_rng(0)
     start = {"w": rng.normal(size=(4, 3)).astype(np.float32), "b": rng.normal(size=3).astype(np.float32)}

@@ -25,8 +25,9 @@ from fedjax_pfl.callbacks import RoundEnd, RunStart
 
 CONFIG = {
     "algo": "fedavg", "dataset": "digits", "rounds": 6, "seed": 3, "out": "ignored",
-    "hparams": {"eta_local": 0.05, "local_epochs": 2, "prox": None},
+    "hparams": {"eta_local": 0.05, "local_epochs": 2, "prox": None, "drop_last": True},
     "data": {"partition": "dirichlet", "alpha": 0.3},
+    "memory_check": False,        # booleans stay booleans: "True"/"False", never 1/0
     "devices": ["cpu:0", "cpu:1"],
     # Longer than MLflow's 6000-character limit on a param value.
     "note": "n" * 7000,
@@ -137,6 +138,22 @@ def test_a_sink_made_without_out_writes_to_the_runs_out(tmp_path):
         sink.on_run_start(RunStart(None, CONFIG, 0, 6))
 
 
+def test_flatten_keeps_booleans_as_booleans_and_numbers_as_numbers():
+    """What the params of MLflow and TensorBoard's HParams are made from: a bool is a bool
+    (True is also an int to Python, and must not become 1), an integer an int, a float a float,
+    nested keys joined by the separator, anything else the config's compact JSON."""
+    from fedjax_pfl.sinks import _common
+
+    flat = _common.flatten({"on": True, "hp": {"off": False, "k": np.int64(3), "eta": 0.5,
+                                               "name": "x", "none": None, "ids": [1, 2]}})
+    assert flat == {"on": True, "hp.off": False, "hp.k": 3, "hp.eta": 0.5, "hp.name": "x",
+                    "hp.none": "null", "hp.ids": "[1,2]"}
+    assert {k: type(v) for k, v in flat.items()} == {
+        "on": bool, "hp.off": bool, "hp.k": int, "hp.eta": float, "hp.name": str,
+        "hp.none": str, "hp.ids": str}
+    assert {str(flat[k]) for k in ("on", "hp.off")} == {"True", "False"}   # MLflow's params
+
+
 # --- TensorBoard ------------------------------------------------------------------------------
 
 def _tensorboard_accumulator(out):
@@ -177,6 +194,15 @@ def test_tensorboard_scalars_per_round_and_resume(tmp_path):
     summary = acc.Tensors("summary")
     assert json.loads(tensor_util.make_ndarray(summary[-1].tensor_proto).item().decode()) == \
         _summary(6, interrupted=False)
+    # The HParams dashboard's values keep their kinds: a boolean as a boolean, not 1/0.
+    from tensorboard.plugins.hparams import metadata as hparams_metadata
+    content = acc.SummaryMetadata(hparams_metadata.SESSION_START_INFO_TAG).plugin_data.content
+    hparams = hparams_metadata.parse_session_start_info_plugin_data(content).hparams
+    kinds = {k: (v.WhichOneof("kind"), getattr(v, v.WhichOneof("kind"))) for k, v in hparams.items()}
+    assert kinds["hparams/drop_last"] == ("bool_value", True)
+    assert kinds["memory_check"] == ("bool_value", False)
+    assert kinds["hparams/local_epochs"] == ("number_value", 2.0)
+    assert kinds["hparams/prox"] == ("string_value", "null")
 
 
 # --- MLflow -----------------------------------------------------------------------------------
@@ -230,8 +256,14 @@ def test_mlflow_run_params_metrics_status_and_resume(tmp_path, monkeypatch, empt
     assert run.data.params == {
         "algo": "fedavg", "dataset": "digits", "rounds": "6", "seed": "3", "out": "ignored",
         "hparams.eta_local": "0.05", "hparams.local_epochs": "2", "hparams.prox": "null",
+        "hparams.drop_last": "True", "memory_check": "False",
         "data.partition": "dirichlet", "data.alpha": "0.3", "devices": '["cpu:0","cpu:1"]',
         "note": "n" * MAX_PARAM_VAL_LENGTH}
+    # Metrics are the rows' numbers and the summary's, never a boolean as 0/1 (the rows'
+    # "stopped", the summary's "interrupted").
+    assert set(run.data.metrics) == set(NUMERIC) | {
+        "summary.last_completed_round", "summary.best.acc_mean", "summary.best_round.acc_mean",
+        "summary.wall_time_s"}
     assert run.data.tags["resumed.rounds"] == "8" and run.data.tags["resumed_at_round"] == "2"
     for key in NUMERIC:
         got = _metric_points(client, run.info.run_id, key)
@@ -244,6 +276,44 @@ def test_mlflow_run_params_metrics_status_and_resume(tmp_path, monkeypatch, empt
     assert _metric_points(client, run.info.run_id, "summary.best.acc_mean") == {4: [0.5], 6: [0.5]}
     assert _metric_points(client, run.info.run_id, "summary.wall_time_s") == {4: [12.5], 6: [12.5]}
     assert "summary.last.train_loss" not in run.data.metrics
+
+
+@pytest.mark.slow  # MLflow makes its SQLite tables once: 3-10 s
+def test_mlflow_a_fresh_run_in_an_old_directory_gets_a_new_run(tmp_path, monkeypatch,
+                                                               empty_mlflow_db):
+    """A run that starts afresh (first_round = 0) where an earlier run left OUT/mlflow_run_id
+    makes a new MLflow run (the earlier one keeps its own points and status) and keeps the new
+    id; only a resume (first_round > 0) continues the run whose id is kept."""
+    from mlflow.tracking import MlflowClient
+
+    from fedjax_pfl.sinks import mlflow as mlflow_sink
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    out = str(tmp_path)
+    shutil.copy(empty_mlflow_db, tmp_path / "mlflow.db")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    id_file = os.path.join(out, "mlflow_run_id")
+
+    def session(first_round, rows, interrupted):
+        sink = mlflow_sink.Sink(out)
+        sink.on_run_start(RunStart(out, CONFIG, first_round, 6))
+        for r, row in rows.items():
+            sink.on_round_end(RoundEnd(r, row, np.arange(3)))
+        sink.on_run_end(_summary(max(rows), interrupted=interrupted))
+        return open(id_file).read().strip()
+
+    old = session(0, ROWS_A, interrupted=True)
+    new = session(0, ROWS_B, interrupted=True)
+    assert new != old
+    experiment = client.get_experiment_by_name("fedjax_pfl")
+    assert {r.info.run_id for r in client.search_runs([experiment.experiment_id])} == {old, new}
+    for run_id, rows in ((old, ROWS_A), (new, ROWS_B)):
+        assert _metric_points(client, run_id, "train_loss") == {
+            r: [float(row["train_loss"])] for r, row in rows.items()}
+    assert session(4, {5: ROWS_B[5]}, interrupted=False) == new
+    assert client.get_run(new).info.status == "FINISHED"
+    assert client.get_run(old).info.status == "KILLED"
+    assert sorted(_metric_points(client, new, "train_loss")) == [3, 4, 5, 6]
 
 
 @pytest.mark.slow  # MLflow makes its SQLite tables once: 3-10 s

@@ -257,3 +257,24 @@ def test_checks_that_need_the_data_run_for_every_run_before_the_first(tmp_path, 
     err = _fails(["--out", str(new), "--common", "--clients 6 --eval-clients 7"], capsys)
     assert "fedavg on digits: --eval-clients 7 is more than the 6 clients" in err
     assert not new.exists()
+
+
+@pytest.mark.parametrize("bad_at", [1, 3])
+def test_a_vmapped_group_refuses_an_invalid_later_run_before_anything_runs(bad_at, tmp_path):
+    """`sweep.run_group`'s runs are checked one by one, not only the first: with run `bad_at`
+    (the second, or the last of four) at lr = −0.5, the group is refused naming that run's seed
+    and value, before a folder is made (no program is built: nothing is traced or compiled)."""
+    from helpers import make_data
+
+    data = make_data([7, 23, 12, 9])
+    cfg = runner.RunConfig(algo="fedavg", rounds=2, hparams={"batch_size": 4}, progress=False,
+                           memory_check=False, model="logreg")
+    runs = [sweep.RunSpec(seed, (("lr", 0.1),)) for seed in (0, 1, 2, 3)]
+    runs[bad_at] = sweep.RunSpec(7, (("lr", -0.5),))
+    out = tmp_path / "group"
+    with pytest.raises(ValueError) as e:
+        sweep.run_group(cfg, runs, data=data, data_info={}, out=str(out), progress=False)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("run lr=-0.5 seed=7 of fedavg: ") and "got -0.5" in message, message
+    assert not out.exists()

@@ -1,7 +1,9 @@
 """Real processes, real signals: a run killed (SIGKILL) or stopped with Ctrl-C (SIGINT) at round
 k and resumed from its directory ends exactly as a run that was never stopped; Ctrl-C at any
 moment (start-up, compilation, rounds) exits 130 without a traceback and leaves a consistent
-record. Two CPU devices, so the client state is sharded; bfloat16 state and fused rounds too."""
+record. Two CPU devices, so the client state is sharded; bfloat16 state and fused rounds too.
+And, in this process, `deferred_signals`: a held signal is raised when its block ends, unless
+the block raised (its own exception wins)."""
 
 import json
 import os
@@ -23,7 +25,9 @@ PAUSE_SCRIPT = str(ROOT / "tests" / "support" / "pause_run.py")    # run.py with
 # run.py drawing no PNGs (~1.5 s of CPU a run), for the runs whose figures no test reads: the
 # uninterrupted reference and the resumed run (the stopped runs draw theirs, checked below).
 NO_FIGURES_SCRIPT = str(ROOT / "tests" / "support" / "run_no_figures.py")
-pytestmark = pytest.mark.slow           # each case starts JAX and compiles 2–3 times
+# The real processes are slow (each case starts JAX and compiles 2–3 times); the checks of
+# `deferred_signals` in this process at the end are quick.
+SLOW = pytest.mark.slow
 
 COMMON = ["--clients", "8", "--participation", "0.5", "--local-steps", "2", "--rounds", "12"]
 
@@ -76,6 +80,7 @@ def _assert_same_run(a, b):
     assert sa["last"]["acc_mean"] == sb["last"]["acc_mean"] and not sb["interrupted"]
 
 
+@SLOW
 @pytest.mark.parametrize("algo,flags,stop,sig", [
     # pFedSOP's per-client Δ and x in bfloat16, sharded over 2 devices; killed with SIGKILL.
     ("pfedsop", ["--state-dtype", "bfloat16", "--checkpoint-every", "1"], 7, signal.SIGKILL),
@@ -122,6 +127,7 @@ def runner_latest(out):
     return runner.latest_checkpoint(str(out))
 
 
+@SLOW
 def test_ctrl_c_during_compilation_exits_130_and_records_it(tmp_path):
     out = tmp_path / "run"
     proc = _start(["--algo", "pgfedmo", *COMMON, "--out", str(out)])
@@ -141,6 +147,7 @@ def test_ctrl_c_during_compilation_exits_130_and_records_it(tmp_path):
     assert refused.returncode == 2 and "--overwrite" in refused.stderr
 
 
+@SLOW
 @pytest.mark.parametrize("delay", [0.3, 2.0])
 def test_ctrl_c_at_start_up_exits_130_without_traceback(tmp_path, delay):
     proc = _start(["--algo", "fedavg", *COMMON, "--out", str(tmp_path / "run")])
@@ -150,3 +157,48 @@ def test_ctrl_c_at_start_up_exits_130_without_traceback(tmp_path, delay):
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("run.py: interrupted")
+
+
+# --- deferred_signals, in this process ------------------------------------------------------
+
+def _outcome(block) -> BaseException | None:
+    """What leaves a `deferred_signals()` block running `block` (caught here, KeyboardInterrupt
+    too, so that a signal that escapes fails the test rather than stopping pytest)."""
+    from fedjax_pfl.interrupts import deferred_signals
+
+    try:
+        with deferred_signals():
+            block()
+    except BaseException as e:          # noqa: BLE001 (the outcome is what is tested)
+        return e
+    return None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_held_signal_is_raised_at_the_end_of_a_block_that_ended_normally(sig):
+    from fedjax_pfl.interrupts import Terminated
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    seen = []
+    e = _outcome(lambda: (signal.raise_signal(sig), seen.append("after the signal")))
+    assert seen == ["after the signal"]                 # the block was not cut
+    assert type(e) is (Terminated if sig == signal.SIGTERM else KeyboardInterrupt)
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_blocks_own_exception_wins_over_a_held_signal(sig):
+    """The module's contract ("raised at its end ... unless the block raised"): a checkpoint save
+    that fails while Ctrl-C is held reports its own error (the run's record of why it stopped
+    needs it); the held signal must not mask it."""
+    class SaveFailed(OSError):
+        pass
+
+    def block():
+        signal.raise_signal(sig)
+        raise SaveFailed("disk full")
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    e = _outcome(block)
+    assert type(e) is SaveFailed and str(e) == "disk full"
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
