@@ -535,8 +535,9 @@ def _fail(message: str, code: int = 2, prefix: str = "run.py") -> None:
 
 def main(argv: list[str] | None = None, callbacks: Sequence[Any] = ()) -> int:
     """The command line; returns the exit status (0, 1 on divergence, 2 on bad input, 75 when
-    a process of a multi-process run was lost, 130 on Ctrl-C, 143 on SIGTERM). Errors before any computation raise SystemExit(2) with one line on
-    stderr. `callbacks` (fedjax_pfl.callbacks.Callback) are passed to the run."""
+    a process of a multi-process run was lost, 130 on Ctrl-C, 143 on SIGTERM). Errors before
+    any computation raise SystemExit(2) with one line on stderr. `callbacks`
+    (fedjax_pfl.callbacks.Callback) are passed to the run."""
     from fedjax_pfl.interrupts import exit_status, stop_signals
 
     try:

@@ -292,7 +292,11 @@ def _connect(coordinator: str, num_processes: int, process_id: int, heartbeat: i
 
 def _initialize(connect: Callable[[], None], timeout: float) -> None:
     """`connect()` in a thread (its waits are in C++, deaf to signals), given far more time
-    than `timeout` by its caller so that our own deadline, not XLA's abort, ends a stuck start."""
+    than `timeout` by its caller so that our own deadline, not XLA's abort, ends a stuck start.
+    Collectives on CPU through gloo."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     box: dict = {}
 
     def target():
@@ -340,7 +344,6 @@ def start(coordinator: str | None = None, num_processes: int | None = None,
     if peer_timeout is not None and not peer_timeout > 0:
         raise StartupError(f"{arg('peer_timeout')} must be > 0 seconds, got {peer_timeout}")
     hello = {"num_processes": num_processes, "code": code_version(), **(facts or {})}
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     layout = (coordinator, num_processes, process_id)
     if None not in layout:
         assert coordinator is not None and num_processes is not None and process_id is not None
@@ -363,6 +366,15 @@ def start(coordinator: str | None = None, num_processes: int | None = None,
         if any(x is not None for x in layout):
             raise StartupError(f"give all of {arg('coordinator')}, {arg('num_processes')} and "
                                f"{arg('process_id')}, or none (a launcher's)")
+        from jax._src import clusters
+
+        if not any(env.is_env_present() for env in clusters.ClusterEnv._cluster_types) \
+                and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+            raise StartupError(
+                f"{arg('distributed')} auto: no launcher's process layout here (SLURM's srun, "
+                "Open MPI's mpirun, a TPU pod, Kubernetes, or $JAX_COORDINATOR_ADDRESS): start "
+                f"the processes under one, or give {arg('coordinator')}, {arg('num_processes')} "
+                f"and {arg('process_id')}")
         _initialize(lambda: jax.distributed.initialize(initialization_timeout=int(timeout) + 3600),
                     timeout)
         hello["num_processes"] = jax.process_count()

@@ -204,3 +204,18 @@ def test_the_facts_are_said_by_name(monkeypatch):
     digest = distributed.code_version()
     monkeypatch.setattr(fedjax_pfl, "__version__", fedjax_pfl.__version__ + ".dev1")
     assert distributed.code_version() != digest and len(digest) == 16
+
+
+def test_a_launchers_layout_that_is_not_there_is_one_line(monkeypatch):
+    from jax._src import clusters
+
+    from fedjax_pfl import distributed
+
+    for env in clusters.ClusterEnv._cluster_types:
+        monkeypatch.setattr(env, "is_env_present", classmethod(lambda cls: False))
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    with pytest.raises(distributed.StartupError) as e:
+        distributed.start()
+    assert str(e.value).startswith("distributed auto: no launcher's process layout here")
+    with pytest.raises(distributed.StartupError, match="give all of coordinator, num_processes"):
+        distributed.start("127.0.0.1:1", None, 0)
