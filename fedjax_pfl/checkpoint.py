@@ -32,7 +32,9 @@ the processes of a multi-process resume). It raises
 `CheckpointError` with one line naming the damaged or missing file; `is_intact(path)` is the
 same check as a bool. `restore`, `load_numpy`, `read_metadata` and `read_host` verify first, so a
 truncated array file or host.npz is reported as such instead of as an orbax/TensorStore or zip
-error after compiling. Files in the directory that the manifest does not list are ignored.
+error after compiling. Files in the directory that the manifest does not list are ignored; a
+manifest that names a file outside the checkpoint (an absolute path, `..`, or a symbolic link that
+leads out of it) is refused as damaged before any file is read.
 A checkpoint written before manifests existed (no manifest.json, and meta.json not saying it has
 one) is accepted as before: it is only checked for meta.json and arrays/ (`is_complete`).
 """
@@ -262,11 +264,7 @@ def _check(path: str, share: tuple[int, int] | None) -> tuple | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise _finding(f"checkpoint {path}: {_MANIFEST} is unreadable ({type(e).__name__}: "
                        f"{' '.join(str(e).split())}): the checkpoint is damaged") from None
-    for name, _, _ in listed:
-        parts = name.split("/")
-        if os.path.isabs(name) or ".." in parts or "" in parts:
-            raise _finding(f"checkpoint {path}: {_MANIFEST} lists {name!r}, which is not a "
-                           "file inside the checkpoint: the manifest is damaged")
+    _check_inside(path, [name for name, _, _ in listed])
     for i, (name, size, _) in enumerate(listed):  # sizes first: no file is read yet
         file = os.path.join(path, *name.split("/"))
         if not os.path.isfile(file):
@@ -297,6 +295,23 @@ def _check(path: str, share: tuple[int, int] | None) -> tuple | None:
             raise _finding(f"checkpoint {path}: file {name} does not match its SHA-256 in the "
                            "manifest (damaged)", i, _KINDS[4])
     return signature
+
+
+def _check_inside(path: str, names: list[str]) -> None:
+    """Every file the manifest names lies inside the checkpoint: a relative path without `..`
+    or empty parts, and no symbolic link on the way leads out of it (checked before any size
+    is compared or byte hashed, so a manifest cannot make `verify` read files elsewhere)."""
+    root = os.path.realpath(path)
+    for name in names:
+        parts = name.split("/")
+        if os.path.isabs(name) or ".." in parts or "" in parts:
+            raise _finding(f"checkpoint {path}: {_MANIFEST} lists {name!r}, which is not a "
+                           "file inside the checkpoint: the manifest is damaged")
+        # (realpath resolves every link on the way; one that stays inside is harmless)
+        real = os.path.realpath(os.path.join(path, *parts))
+        if os.path.commonpath([root, real]) != root:
+            raise _finding(f"checkpoint {path}: {_MANIFEST} lists {name!r}, which a symbolic "
+                           f"link leads to {real}, outside the checkpoint: the manifest is damaged")
 
 
 def verify_shares(sizes: list[int], processes: int) -> list[list[int]]:
