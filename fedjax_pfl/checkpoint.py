@@ -23,7 +23,11 @@ kill, full disk) leaves only the hidden temporary, which `restore` never reads a
 `restore(path, like=...)` takes the structure, shapes and dtypes from `like` (arrays or
 `jax.ShapeDtypeStruct`s) and puts every array directly in `like`'s sharding, so a client state
 sharded over devices is read shard by shard; PRNG key arrays are stored as their key data and
-rebuilt; bfloat16 leaves stay bfloat16.
+rebuilt; bfloat16 leaves stay bfloat16. The saved arrays hold no trace of the devices that wrote
+them that `restore` uses: a checkpoint written on D devices or P processes restores on any other
+count, into the shardings `like` names (a leaf without one: this run's first device, or a copy on
+every device over several processes). `check_like(path, like)` is restore's check of the leaves'
+shapes and dtypes alone, from meta.json.
 
 Verification: `verify(path)` checks the manifest before any array is read: every listed file must
 exist, have the listed size (sizes first: a truncated file is found without reading anything)
@@ -436,6 +440,31 @@ def load_numpy(path: str) -> dict[str, np.ndarray]:
             for i, leaf in enumerate(meta["leaves"])}
 
 
+def check_like(path: str, like: Any) -> None:
+    """Raises CheckpointError unless the checkpoint at `path` holds `like`'s leaves: as many,
+    each of the same shape and dtype (read from meta.json alone: no array is read, so a resume
+    can ask before it compiles). Where the leaves are placed does not matter: `restore` puts
+    them in `like`'s shardings, whatever devices or processes wrote them.
+
+    Raises:
+      CheckpointError: one line naming the first leaf that differs (or the leaf counts).
+    """
+    meta = _read_meta(path)
+    leaves_with_paths = jax.tree_util.tree_flatten_with_path(like)[0]
+    if meta["num_leaves"] != len(leaves_with_paths):
+        raise CheckpointError(f"checkpoint {path} holds {meta['num_leaves']} arrays but the state "
+                              f"has {len(leaves_with_paths)}: it was saved from another "
+                              "algorithm or configuration")
+    for i, ((key_path, leaf), saved) in enumerate(zip(leaves_with_paths, meta["leaves"])):
+        name = jax.tree_util.keystr(key_path)
+        shape = tuple(np.shape(leaf))
+        dtype = str(leaf.dtype) if hasattr(leaf, "dtype") else str(np.asarray(leaf).dtype)
+        if tuple(saved["shape"]) != shape or saved["dtype"] != dtype:
+            raise CheckpointError(
+                f"checkpoint {path}: state leaf {name or i} is {saved['dtype']}{saved['shape']} "
+                f"there but {dtype}{list(shape)} here")
+
+
 def restore(path: str, like: Any) -> Any:
     """The state saved at `path`, shaped like `like` and placed in `like`'s shardings.
 
@@ -450,26 +479,20 @@ def restore(path: str, like: Any) -> Any:
     """
     import orbax.checkpoint as ocp
 
-    meta = _read_meta(path)
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
-    if meta["num_leaves"] != len(leaves_with_paths):
-        raise CheckpointError(f"checkpoint {path} holds {meta['num_leaves']} arrays but the state "
-                              f"has {len(leaves_with_paths)}: it was saved from another "
-                              "algorithm or configuration")
+    check_like(path, like)
     targets, kinds = {}, []
-    for i, ((key_path, leaf), saved) in enumerate(zip(leaves_with_paths, meta["leaves"])):
-        name = jax.tree_util.keystr(key_path)
+    for i, (_, leaf) in enumerate(leaves_with_paths):
         is_key = _is_prng_key(leaf)
         shape = tuple(np.shape(leaf))
         dtype = str(leaf.dtype) if hasattr(leaf, "dtype") else str(np.asarray(leaf).dtype)
-        if tuple(saved["shape"]) != shape or saved["dtype"] != dtype:
-            raise CheckpointError(
-                f"checkpoint {path}: state leaf {name or i} is {saved['dtype']}{saved['shape']} "
-                f"there but {dtype}{list(shape)} here")
-        sharding = getattr(leaf, "sharding", None)
+        # Every array target names its sharding in this run's devices: orbax otherwise restores
+        # into the saved one, whose devices a run on another device or process count lacks.
+        sharding = _target_sharding(getattr(leaf, "sharding", None))
         if is_key:
             data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, leaf.dtype))
-            targets[f"{i:06d}"] = jax.ShapeDtypeStruct(data.shape, data.dtype)
+            # (a key's data has one trailing dimension more, which no sharding splits)
+            targets[f"{i:06d}"] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
             kinds.append(("key", leaf.dtype, sharding))
         elif isinstance(leaf, np.ndarray) or np.isscalar(leaf):
             targets[f"{i:06d}"] = np.zeros(shape, dtype)
@@ -485,7 +508,7 @@ def restore(path: str, like: Any) -> Any:
         value = restored[f"{i:06d}"]
         if kind == "key":
             value = jax.random.wrap_key_data(value, impl=_key_impl(extra))
-            if sharding is not None:
+            if value.sharding != sharding:
                 value = transfer.put_sharded(value, sharding)
         elif kind == "numpy":
             value = np.asarray(value)
@@ -496,6 +519,18 @@ def restore(path: str, like: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+def _target_sharding(sharding):
+    """The sharding an array leaf is restored into: `like`'s, or, where it names none, where
+    this run puts a new array: its first device, or, over several processes, a copy on every
+    device (a sharding must name devices of this run, `restore`)."""
+    if sharding is not None:
+        return sharding
+    if jax.process_count() == 1:
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 def _is_prng_key(leaf) -> bool:
