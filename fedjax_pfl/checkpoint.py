@@ -25,8 +25,8 @@ kill, full disk) leaves only the hidden temporary, which `restore` never reads a
 sharded over devices is read shard by shard; PRNG key arrays are stored as their key data and
 rebuilt; bfloat16 leaves stay bfloat16. The saved arrays hold no trace of the devices that wrote
 them that `restore` uses: a checkpoint written on D devices or P processes restores on any other
-count, into the shardings `like` names (a leaf without one: this run's first device, or a copy on
-every device over several processes). `check_like(path, like)` is restore's check of the leaves'
+count, into the shardings `like` names (a leaf without one, in a single process: its first
+device). `check_like(path, like)` is restore's check of the leaves'
 shapes and dtypes alone, from meta.json.
 
 Verification: `verify(path)` checks the manifest before any array is read: every listed file must
@@ -508,7 +508,7 @@ def restore(path: str, like: Any) -> Any:
         value = restored[f"{i:06d}"]
         if kind == "key":
             value = jax.random.wrap_key_data(value, impl=_key_impl(extra))
-            if value.sharding != sharding:
+            if sharding is not None:
                 value = transfer.put_sharded(value, sharding)
         elif kind == "numpy":
             value = np.asarray(value)
@@ -522,15 +522,14 @@ def restore(path: str, like: Any) -> Any:
 
 
 def _target_sharding(sharding):
-    """The sharding an array leaf is restored into: `like`'s, or, where it names none, where
-    this run puts a new array: its first device, or, over several processes, a copy on every
-    device (a sharding must name devices of this run, `restore`)."""
-    if sharding is not None:
+    """The sharding an array leaf is restored into: `like`'s, or, where it names none in a
+    single process, this process's first device (where a new array goes), so that a sharding
+    of this run's devices is always named (`restore`). Over several processes a leaf without
+    one keeps the saved placement, which needs the writer's devices (the runner's state always
+    names its shardings)."""
+    if sharding is not None or jax.process_count() > 1:
         return sharding
-    if jax.process_count() == 1:
-        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
 def _is_prng_key(leaf) -> bool:

@@ -99,6 +99,59 @@ def test_restore_into_abstract_target_uses_its_sharding(tmp_path):
     assert back.clients.x["w"].sharding == sharding
 
 
+_TWO_DEVICES = """
+import sys
+import fedjax_pfl
+fedjax_pfl.use_cpu_cores()
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from fedjax_pfl import checkpoint
+assert jax.device_count() == 2
+rows = NamedSharding(Mesh(np.asarray(jax.devices()), ("clients",)), P("clients"))
+# the one-device checkpoint, restored into shardings over both devices (the key's too)
+like = {"keys": jax.ShapeDtypeStruct((4,), jax.random.key(0).dtype, sharding=rows),
+        "w": jax.ShapeDtypeStruct((4, 3), jnp.float32, sharding=rows)}
+back = checkpoint.restore(sys.argv[1], like)
+assert back["keys"].sharding == rows and back["w"].sharding == rows
+np.save(sys.argv[2] + ".keys.npy", np.asarray(jax.random.key_data(back["keys"])))
+np.save(sys.argv[2] + ".w.npy", np.asarray(back["w"]))
+# a checkpoint of the same arrays written sharded over both devices
+checkpoint.save(sys.argv[2], jax.device_put(back, rows))
+"""
+
+
+def test_a_checkpoint_restores_on_another_device_count(tmp_path):
+    """A checkpoint written on one device is restored on two (a subprocess of 2 CPU devices)
+    into shardings over both, and that process's checkpoint, written sharded over its two
+    devices, is restored here on one device: into `like`'s sharding, or, where `like` names none
+    (abstract shapes of a one-device run), this process's device. PRNG keys included: their data
+    is restored in the key's sharding. The values are the saved ones, bit for bit."""
+    import subprocess
+    import sys
+
+    import helpers
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    w = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 7
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    checkpoint.save(one, {"keys": keys, "w": w})
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2", "PYTHONPATH": root,
+           "XLA_FLAGS": helpers.without_device_count(os.environ.get("XLA_FLAGS", ""))}
+    proc = subprocess.run([sys.executable, "-c", _TWO_DEVICES, one, two], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_array_equal(np.load(two + ".keys.npy"), np.asarray(jax.random.key_data(keys)))
+    np.testing.assert_array_equal(np.load(two + ".w.npy"), np.asarray(w))
+    assert jax.device_count() == 1
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for like in ({"keys": jax.ShapeDtypeStruct((4,), keys.dtype), "w": jax.ShapeDtypeStruct((4, 3), w.dtype)},
+                 {"keys": keys, "w": w}):
+        back = checkpoint.restore(two, like)
+        assert back["keys"].sharding == device and back["w"].sharding == device
+        _assert_same(back, {"keys": keys, "w": w})
+
+
 def test_mismatched_target_names_the_leaf(tmp_path):
     checkpoint.save(str(tmp_path / "c"), _state())
     wrong = _state()._replace(round=jnp.zeros(3, jnp.int32))
