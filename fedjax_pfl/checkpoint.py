@@ -23,7 +23,11 @@ kill, full disk) leaves only the hidden temporary, which `restore` never reads a
 `restore(path, like=...)` takes the structure, shapes and dtypes from `like` (arrays or
 `jax.ShapeDtypeStruct`s) and puts every array directly in `like`'s sharding, so a client state
 sharded over devices is read shard by shard; PRNG key arrays are stored as their key data and
-rebuilt; bfloat16 leaves stay bfloat16.
+rebuilt; bfloat16 leaves stay bfloat16. The saved arrays hold no trace of the devices that wrote
+them that `restore` uses: a checkpoint written on D devices or P processes restores on any other
+count, into the shardings `like` names (a leaf without one, in a single process: its first
+device). `check_like(path, like)` is restore's check of the leaves'
+shapes and dtypes alone, from meta.json.
 
 Verification: `verify(path)` checks the manifest before any array is read: every listed file must
 exist, have the listed size (sizes first: a truncated file is found without reading anything)
@@ -32,7 +36,9 @@ the processes of a multi-process resume). It raises
 `CheckpointError` with one line naming the damaged or missing file; `is_intact(path)` is the
 same check as a bool. `restore`, `load_numpy`, `read_metadata` and `read_host` verify first, so a
 truncated array file or host.npz is reported as such instead of as an orbax/TensorStore or zip
-error after compiling. Files in the directory that the manifest does not list are ignored.
+error after compiling. Files in the directory that the manifest does not list are ignored; a
+manifest that names a file outside the checkpoint (an absolute path, `..`, or a symbolic link that
+leads out of it) is refused as damaged before any file is read.
 A checkpoint written before manifests existed (no manifest.json, and meta.json not saying it has
 one) is accepted as before: it is only checked for meta.json and arrays/ (`is_complete`).
 """
@@ -262,11 +268,7 @@ def _check(path: str, share: tuple[int, int] | None) -> tuple | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise _finding(f"checkpoint {path}: {_MANIFEST} is unreadable ({type(e).__name__}: "
                        f"{' '.join(str(e).split())}): the checkpoint is damaged") from None
-    for name, _, _ in listed:
-        parts = name.split("/")
-        if os.path.isabs(name) or ".." in parts or "" in parts:
-            raise _finding(f"checkpoint {path}: {_MANIFEST} lists {name!r}, which is not a "
-                           "file inside the checkpoint: the manifest is damaged")
+    _check_inside(path, [name for name, _, _ in listed])
     for i, (name, size, _) in enumerate(listed):  # sizes first: no file is read yet
         file = os.path.join(path, *name.split("/"))
         if not os.path.isfile(file):
@@ -297,6 +299,23 @@ def _check(path: str, share: tuple[int, int] | None) -> tuple | None:
             raise _finding(f"checkpoint {path}: file {name} does not match its SHA-256 in the "
                            "manifest (damaged)", i, _KINDS[4])
     return signature
+
+
+def _check_inside(path: str, names: list[str]) -> None:
+    """Every file the manifest names lies inside the checkpoint: a relative path without `..`
+    or empty parts, and no symbolic link on the way leads out of it (checked before any size
+    is compared or byte hashed, so a manifest cannot make `verify` read files elsewhere)."""
+    root = os.path.realpath(path)
+    for name in names:
+        parts = name.split("/")
+        if os.path.isabs(name) or ".." in parts or "" in parts:
+            raise _finding(f"checkpoint {path}: {_MANIFEST} lists {name!r}, which is not a "
+                           "file inside the checkpoint: the manifest is damaged")
+        # (realpath resolves every link on the way; one that stays inside is harmless)
+        real = os.path.realpath(os.path.join(path, *parts))
+        if os.path.commonpath([root, real]) != root:
+            raise _finding(f"checkpoint {path}: {_MANIFEST} lists {name!r}, which a symbolic "
+                           f"link leads to {real}, outside the checkpoint: the manifest is damaged")
 
 
 def verify_shares(sizes: list[int], processes: int) -> list[list[int]]:
@@ -421,6 +440,31 @@ def load_numpy(path: str) -> dict[str, np.ndarray]:
             for i, leaf in enumerate(meta["leaves"])}
 
 
+def check_like(path: str, like: Any) -> None:
+    """Raises CheckpointError unless the checkpoint at `path` holds `like`'s leaves: as many,
+    each of the same shape and dtype (read from meta.json alone: no array is read, so a resume
+    can ask before it compiles). Where the leaves are placed does not matter: `restore` puts
+    them in `like`'s shardings, whatever devices or processes wrote them.
+
+    Raises:
+      CheckpointError: one line naming the first leaf that differs (or the leaf counts).
+    """
+    meta = _read_meta(path)
+    leaves_with_paths = jax.tree_util.tree_flatten_with_path(like)[0]
+    if meta["num_leaves"] != len(leaves_with_paths):
+        raise CheckpointError(f"checkpoint {path} holds {meta['num_leaves']} arrays but the state "
+                              f"has {len(leaves_with_paths)}: it was saved from another "
+                              "algorithm or configuration")
+    for i, ((key_path, leaf), saved) in enumerate(zip(leaves_with_paths, meta["leaves"])):
+        name = jax.tree_util.keystr(key_path)
+        shape = tuple(np.shape(leaf))
+        dtype = str(leaf.dtype) if hasattr(leaf, "dtype") else str(np.asarray(leaf).dtype)
+        if tuple(saved["shape"]) != shape or saved["dtype"] != dtype:
+            raise CheckpointError(
+                f"checkpoint {path}: state leaf {name or i} is {saved['dtype']}{saved['shape']} "
+                f"there but {dtype}{list(shape)} here")
+
+
 def restore(path: str, like: Any) -> Any:
     """The state saved at `path`, shaped like `like` and placed in `like`'s shardings.
 
@@ -435,26 +479,20 @@ def restore(path: str, like: Any) -> Any:
     """
     import orbax.checkpoint as ocp
 
-    meta = _read_meta(path)
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
-    if meta["num_leaves"] != len(leaves_with_paths):
-        raise CheckpointError(f"checkpoint {path} holds {meta['num_leaves']} arrays but the state "
-                              f"has {len(leaves_with_paths)}: it was saved from another "
-                              "algorithm or configuration")
+    check_like(path, like)
     targets, kinds = {}, []
-    for i, ((key_path, leaf), saved) in enumerate(zip(leaves_with_paths, meta["leaves"])):
-        name = jax.tree_util.keystr(key_path)
+    for i, (_, leaf) in enumerate(leaves_with_paths):
         is_key = _is_prng_key(leaf)
         shape = tuple(np.shape(leaf))
         dtype = str(leaf.dtype) if hasattr(leaf, "dtype") else str(np.asarray(leaf).dtype)
-        if tuple(saved["shape"]) != shape or saved["dtype"] != dtype:
-            raise CheckpointError(
-                f"checkpoint {path}: state leaf {name or i} is {saved['dtype']}{saved['shape']} "
-                f"there but {dtype}{list(shape)} here")
-        sharding = getattr(leaf, "sharding", None)
+        # Every array target names its sharding in this run's devices: orbax otherwise restores
+        # into the saved one, whose devices a run on another device or process count lacks.
+        sharding = _target_sharding(getattr(leaf, "sharding", None))
         if is_key:
             data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, leaf.dtype))
-            targets[f"{i:06d}"] = jax.ShapeDtypeStruct(data.shape, data.dtype)
+            # (a key's data has one trailing dimension more, which no sharding splits)
+            targets[f"{i:06d}"] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
             kinds.append(("key", leaf.dtype, sharding))
         elif isinstance(leaf, np.ndarray) or np.isscalar(leaf):
             targets[f"{i:06d}"] = np.zeros(shape, dtype)
@@ -481,6 +519,17 @@ def restore(path: str, like: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+def _target_sharding(sharding):
+    """The sharding an array leaf is restored into: `like`'s, or, where it names none in a
+    single process, this process's first device (where a new array goes), so that a sharding
+    of this run's devices is always named (`restore`). Over several processes a leaf without
+    one keeps the saved placement, which needs the writer's devices (the runner's state always
+    names its shardings)."""
+    if sharding is not None or jax.process_count() > 1:
+        return sharding
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
 def _is_prng_key(leaf) -> bool:

@@ -85,6 +85,42 @@ def resume_point(out: str, log: Callable[[str], None] = print) -> tuple[str, dic
     return None
 
 
+def check_fits(path: str, meta: dict, prep) -> None:
+    """ResumeError unless the checkpoint at `path` (`meta` its metadata) restores into this run's
+    state, checked from its metadata and host arrays before anything is compiled.
+
+    The devices and processes that wrote it do not matter (`checkpoint.restore` places the state
+    in this run's shardings). What can differ with them is the number of client slots: N is
+    padded with empty clients to a multiple of the device count (`FederatedData.pad_clients`),
+    so 5 clients are 6 slots on 2 devices and 5 on one; state leaves of another slot count are
+    refused, naming the leaf and both layouts. A host store's rows are those of real clients
+    only, which every layout has: a checkpoint written under host state placement whose device
+    leaves do not depend on N (FedAvg's) restores on any device count. An init that needs
+    concrete data (FedPC) has no shapes before it runs: `restore` checks them then.
+    """
+    program = prep.program
+    if not program.traceable_init:
+        return
+    host = checkpoint.read_host(path)
+    slots = program.num_clients
+    try:
+        checkpoint.check_like(path, program.checkpoint_like(host, None))
+    except checkpoint.CheckpointError as e:
+        raise ResumeError(f"{arg('resume')}: {e}{_layout_hint(meta, slots, prep)}") from None
+
+
+def _layout_hint(meta: dict, slots: int, prep) -> str:
+    """Why a checkpoint's client slots differ from this run's, when its layout says they do."""
+    saved = meta.get("layout") or {}
+    if "client_slots" not in saved or saved["client_slots"] == slots:
+        return ""
+    clients = prep.data.num_real_clients
+    devices = lambda d: f"{d} device{'s' if d != 1 else ''}"
+    return (f" (its {clients} clients were padded to {saved['client_slots']} slots for "
+            f"{devices(saved['devices'])}, this run's to {slots} for {devices(jax.device_count())}: "
+            "resume on a device count that pads them to as many)")
+
+
 def save(cfg, out: str, state, prog: Progress, prep, wall: float) -> str:
     """Writes checkpoints/round_R (atomically), then removes all but the last `KEEP`. Signals
     are held back until the save and the bookkeeping are done, so an interrupt during a save
@@ -100,6 +136,10 @@ def save(cfg, out: str, state, prog: Progress, prep, wall: float) -> str:
                      "total_steps": prog.total_steps, "num_sampled": prog.num_sampled,
                      "wall_time": prog.previous_wall + wall},
         "config": config_record(cfg, prep.hparams, prep.model_name, {}),
+        # (not needed to restore, which places the state for the resuming run's devices: it
+        # names the layout in the one refusal a layout can cause, `check_fits`)
+        "layout": {"devices": jax.device_count(), "processes": jax.process_count(),
+                   "client_slots": prep.program.num_clients},
     }
     # Under --state-placement host the client rows wait in a host store: they are saved as host
     # arrays beside the device leaves (`Program.checkpoint_parts`), each process its own rows.

@@ -233,8 +233,8 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
 
 def _resume_point(cfg: RunConfig, prep: Prepared, log) -> tuple[str, dict] | None:
     """The checkpoint a resume starts from, checked before anything is compiled or written:
-    the flags agree with the saved run's, the checkpoint verifies (or an older one does), and
-    it is not past --rounds."""
+    the flags agree with the saved run's, the checkpoint verifies (or an older one does), it
+    is not past --rounds, and its state's shapes are this run's (`checkpoints.check_fits`)."""
     if not (cfg.resume and cfg.out):
         return None
     if os.path.isfile(os.path.join(cfg.out, "config.json")):
@@ -247,6 +247,7 @@ def _resume_point(cfg: RunConfig, prep: Prepared, log) -> tuple[str, dict] | Non
     if int(point[1]["round"]) > cfg.rounds:
         raise ResumeError(f"{arg('rounds')} {cfg.rounds} is less than the {point[1]['round']} "
                           f"rounds the checkpoint {point[0]} has done")
+    checkpoints.check_fits(point[0], point[1], prep)      # (any device or process count fits)
     return point
 
 

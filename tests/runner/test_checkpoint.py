@@ -99,6 +99,59 @@ def test_restore_into_abstract_target_uses_its_sharding(tmp_path):
     assert back.clients.x["w"].sharding == sharding
 
 
+_TWO_DEVICES = """
+import sys
+import fedjax_pfl
+fedjax_pfl.use_cpu_cores()
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from fedjax_pfl import checkpoint
+assert jax.device_count() == 2
+rows = NamedSharding(Mesh(np.asarray(jax.devices()), ("clients",)), P("clients"))
+# the one-device checkpoint, restored into shardings over both devices (the key's too)
+like = {"keys": jax.ShapeDtypeStruct((4,), jax.random.key(0).dtype, sharding=rows),
+        "w": jax.ShapeDtypeStruct((4, 3), jnp.float32, sharding=rows)}
+back = checkpoint.restore(sys.argv[1], like)
+assert back["keys"].sharding == rows and back["w"].sharding == rows
+np.save(sys.argv[2] + ".keys.npy", np.asarray(jax.random.key_data(back["keys"])))
+np.save(sys.argv[2] + ".w.npy", np.asarray(back["w"]))
+# a checkpoint of the same arrays written sharded over both devices
+checkpoint.save(sys.argv[2], jax.device_put(back, rows))
+"""
+
+
+def test_a_checkpoint_restores_on_another_device_count(tmp_path):
+    """A checkpoint written on one device is restored on two (a subprocess of 2 CPU devices)
+    into shardings over both, and that process's checkpoint, written sharded over its two
+    devices, is restored here on one device: into `like`'s sharding, or, where `like` names none
+    (abstract shapes of a one-device run), this process's device. PRNG keys included: their data
+    is restored in the key's sharding. The values are the saved ones, bit for bit."""
+    import subprocess
+    import sys
+
+    import helpers
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    w = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 7
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    checkpoint.save(one, {"keys": keys, "w": w})
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2", "PYTHONPATH": root,
+           "XLA_FLAGS": helpers.without_device_count(os.environ.get("XLA_FLAGS", ""))}
+    proc = subprocess.run([sys.executable, "-c", _TWO_DEVICES, one, two], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_array_equal(np.load(two + ".keys.npy"), np.asarray(jax.random.key_data(keys)))
+    np.testing.assert_array_equal(np.load(two + ".w.npy"), np.asarray(w))
+    assert jax.device_count() == 1
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for like in ({"keys": jax.ShapeDtypeStruct((4,), keys.dtype), "w": jax.ShapeDtypeStruct((4, 3), w.dtype)},
+                 {"keys": keys, "w": w}):
+        back = checkpoint.restore(two, like)
+        assert back["keys"].sharding == device and back["w"].sharding == device
+        _assert_same(back, {"keys": keys, "w": w})
+
+
 def test_mismatched_target_names_the_leaf(tmp_path):
     checkpoint.save(str(tmp_path / "c"), _state())
     wrong = _state()._replace(round=jnp.zeros(3, jnp.int32))
@@ -330,3 +383,73 @@ def test_a_key_of_one_implementation_is_not_restored_into_another(tmp_path):
     checkpoint.save(path, {"key": jax.random.key(3, impl="rbg")})
     with pytest.raises(checkpoint.CheckpointError, match=r"\['key'\] is key<rbg>\[\] there but key<fry>\[\] here"):
         checkpoint.restore(path, like={"key": jax.random.key(0)})
+
+
+# -- a manifest cannot name a file outside its checkpoint ---------------------------------------
+
+
+def _point_outside(path, outside, how) -> str:
+    """Makes the checkpoint at `path` name a file of `outside` (a directory beside it) in its
+    manifest, by `how`, with the size and SHA-256 of that file, so that only the check that the
+    file lies inside the checkpoint can refuse it. Returns the manifest entry."""
+    import hashlib
+    import json
+    import shutil
+
+    manifest_file = os.path.join(path, "manifest.json")
+    manifest = json.load(open(manifest_file))
+    os.makedirs(outside)
+    if how in ("dotdot", "absolute"):
+        stray = os.path.join(outside, "stray.bin")
+        open(stray, "wb").write(b"not a checkpoint's")
+        entry = (os.path.relpath(stray, path).replace(os.sep, "/") if how == "dotdot"
+                 else os.path.abspath(stray))
+        assert (".." in entry.split("/")) == (how == "dotdot") and os.path.isabs(entry) == (how == "absolute")
+        data = open(stray, "rb").read()
+        manifest["files"][entry] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        json.dump(manifest, open(manifest_file, "w"))
+        return entry
+    if how == "file_symlink":        # host.npz moved out, a link to it left in its place
+        entry = "host.npz"
+        shutil.move(os.path.join(path, entry), os.path.join(outside, entry))
+        os.symlink(os.path.join(outside, entry), os.path.join(path, entry))
+    else:                             # the whole arrays/ directory moved out, a link left
+        shutil.move(os.path.join(path, "arrays"), os.path.join(outside, "arrays"))
+        os.symlink(os.path.join(outside, "arrays"), os.path.join(path, "arrays"))
+        entry = sorted(n for n in manifest["files"] if n.startswith("arrays/"))[0]
+    return entry                      # (sizes and SHA-256s as listed: the files are the same)
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "file_symlink", "directory_symlink"])
+def test_a_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, monkeypatch, how):
+    """A manifest entry with `..`, an absolute path, or reached through a symbolic link that
+    leads out of the checkpoint (a file, or a directory on the way): one line naming the
+    checkpoint and the entry, before any size is compared, byte hashed or array read."""
+    path = str(tmp_path / "c")
+    checkpoint.save(path, _state(), host={"a": np.arange(1000)})
+    entry = _point_outside(path, str(tmp_path / "elsewhere"), how)
+    hashed = []
+    monkeypatch.setattr(checkpoint, "_sha256", lambda f: hashed.append(f) or "")
+    _no_array_reads(monkeypatch)
+    with pytest.raises(checkpoint.CheckpointError) as exc:
+        checkpoint.verify(path)
+    message = str(exc.value)
+    assert "\n" not in message and path in message and repr(entry) in message
+    assert "outside the checkpoint" in message or "not a file inside" in message
+    assert hashed == [] and not checkpoint.is_intact(path)
+    with pytest.raises(checkpoint.CheckpointError, match="manifest is damaged"):
+        checkpoint.restore(path, like=_state(seed=1))
+
+
+def test_symbolic_links_that_stay_inside_the_checkpoint_are_accepted(tmp_path):
+    """A link whose target lies inside the checkpoint (e.g. a file system that deduplicates
+    with links) reads the checkpoint's own bytes: it verifies and restores."""
+    import shutil
+
+    path = str(tmp_path / "c")
+    checkpoint.save(path, _state(), host={"a": np.arange(3)})
+    shutil.move(os.path.join(path, "host.npz"), os.path.join(path, "host.copy"))
+    os.symlink("host.copy", os.path.join(path, "host.npz"))
+    checkpoint.verify(path)
+    np.testing.assert_array_equal(checkpoint.read_host(path)["a"], np.arange(3))
+    _assert_same(checkpoint.restore(path, like=_state(seed=1)), _state())

@@ -270,3 +270,25 @@ def test_an_interrupt_before_the_first_checkpoint_does_not_offer_a_resume(tmp_pa
     cli._report_interrupt(runner.Interrupted(2, 2, str(out), "rounds"))
     err = capsys.readouterr().err
     assert "last checkpoint: round 2" in err and f"--resume {out}" in err
+
+
+def test_a_checkpoint_whose_manifest_points_outside_falls_back_to_the_one_before(tmp_path):
+    """The newest checkpoint's host.npz replaced by a symbolic link to a file outside it (the
+    same bytes, so sizes and SHA-256s match): the resume reports it damaged, naming the
+    checkpoint and the entry, and continues from the checkpoint before it."""
+    import shutil
+
+    from fedjax_pfl.runner import checkpoints
+
+    out = tmp_path / "run"
+    for r in (1, 2):
+        checkpoint.save(str(out / "checkpoints" / f"round_{r:06d}"), {"w": np.full(3, r)},
+                        metadata={"round": r}, host={"a": np.arange(r)})
+    newest = out / "checkpoints" / "round_000002"
+    shutil.move(newest / "host.npz", tmp_path / "elsewhere.npz")
+    os.symlink(tmp_path / "elsewhere.npz", newest / "host.npz")
+    said = []
+    path, meta = checkpoints.resume_point(str(out), said.append)
+    assert path.endswith("round_000001") and meta == {"round": 1}
+    assert len(said) == 1 and str(newest) in said[0] and "'host.npz'" in said[0]
+    assert "outside the checkpoint" in said[0] and "using the one before it" in said[0]
