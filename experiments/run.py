@@ -287,26 +287,56 @@ CLI_ONLY = ("preset", "seeds", "coordinator", "distributed", "num_processes", "p
             "overwrite", "no_compile_cache")
 
 
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace, prog: str = "run.py", *,
+                     say_harmless: bool = True, **given: Any):
     """The RunConfig the flags describe (raises ValueError naming the flag on bad input):
-    `RunConfig.from_options` of `run_options(args)`."""
+    `RunConfig.from_options` of `run_options(args, **given)`, each option it leaves out (a
+    harmless flag the run does not use, or a preset's) said in one line on stderr,
+    "PROG: warning: …"; the harmless ones silently with `say_harmless` False (sweep.py's
+    --common over several datasets: --data-dir serves the ones that read files)."""
+    import warnings
+
+    from fedjax_pfl.errors import OptionWarning
     from fedjax_pfl.runner import RunConfig
 
-    return RunConfig.from_options(**run_options(args))
+    values = run_options(args, **given)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", OptionWarning)
+        cfg = RunConfig.from_options(**values)
+    for w in caught:
+        if isinstance(w.message, OptionWarning):
+            if w.message.harmless and not say_harmless:
+                continue
+            print(f"{prog}: warning: {message(w.message, cfg.algo)}", file=sys.stderr, flush=True)
+        else:                                   # (not ours: as Python would show it)
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return cfg
 
 
 def run_options(args: argparse.Namespace, **given: Any) -> dict[str, Any]:
-    """`RunConfig.from_options`'s keywords from the parsed flags (the options are the dests),
-    `given` on top (sweep.py: each run's algo and dataset): the hyperparameter flags by the
-    algorithm's names (a preset's where the algorithm has them, explicit flags over them), the
-    command line's own checks made (--preset without --algo, the process layout, --seeds, a
-    flag of another algorithm)."""
+    """`RunConfig.from_options`'s keywords from the parsed flags (the options are the dests):
+    the options given on the command line or by a --preset (the others are the library's
+    defaults, which are the flags'), `given` on top (sweep.py: each run's algo and dataset); the
+    hyperparameter flags by the algorithm's names (a preset's where the algorithm has them,
+    explicit flags over them); `preset`: what the preset set and nothing on the command line
+    overrode (left out with a warning where the run does not use it). The command line's own
+    checks made (--preset without --algo, the process layout, --seeds, a flag of another
+    algorithm)."""
+    from fedjax_pfl import algorithms
     from fedjax_pfl.runner import options
 
-    values = {dest: getattr(args, dest) for dest in options.DEFAULTS}
+    explicit = set(getattr(args, "explicit", set(options.DEFAULTS)))
+    from_preset = set(getattr(args, "preset_settings", set())) - explicit
+    values = {dest: getattr(args, dest) for dest in options.DEFAULTS
+              if dest in explicit | from_preset | {"algo", "out"}}
     values["resume"] = args.resume is not None
     values.update(given)
     values["hparams"] = _checked_hparams(args, values, preset=True)
+    flags = {flag: hp.name for hp, flag in algorithms.spec(values["algo"]).all_hparams()}
+    explicit_flags = {"--" + d[4:].replace("_", "-") for d in explicit if d.startswith("hp__")}
+    values["preset"] = ({(dest, "") for dest in from_preset - set(given)}
+                        | {(flags[f], "hparams") for f in getattr(args, "preset_hparams", {})
+                           if f in flags and f not in explicit_flags})
     return values
 
 
@@ -326,7 +356,7 @@ def _checked_hparams(args: argparse.Namespace, values: dict[str, Any], *, preset
     options.check_finite(values)
     check_processes(args)
     if args.seeds is not None:
-        sweep.check_seeds(args.seeds, target_acc=values["target_acc"])
+        sweep.check_seeds(args.seeds, target_acc=values.get("target_acc"))
     mine = {flag: hp for hp, flag in algorithms.spec(values["algo"]).all_hparams()}
     hparams = {}
     # A preset's algorithm settings apply where the algorithm has them (a preset shared by
@@ -370,8 +400,9 @@ def spelling(algo: str | None = None):
     from fedjax_pfl.runner import options
 
     flags = _flags()
-    hparams = ({hp.name: flag for hp, flag in algorithms.spec(algo).all_hparams()}
-               if algo in algorithms.names() else {})
+    # (before the algorithm is known, the common hyperparameters by their flags)
+    hparams = {hp.name: flag for hp, flag in algorithms.spec(
+        algo if algo in algorithms.names() else "fedavg").all_hparams()}
 
     def spell(name: str, space: str) -> str | None:
         if space == "hparams":

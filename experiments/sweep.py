@@ -260,8 +260,9 @@ def plan(args: argparse.Namespace):
         for algo in algos:
             what = f"{algo} on {dataset}"
             try:
-                base = runner.RunConfig.from_options(
-                    **cli.run_options(common_args, dataset=dataset, algo=algo))
+                base = cli.config_from_args(common_args, prog=f"sweep.py: {what}",
+                                            say_harmless=len(datasets) == 1,
+                                            dataset=dataset, algo=algo)
             except ValueError as e:
                 text = _message(e, algo)
                 hint = (" (a hyperparameter that only some algorithms have goes in --grid "

@@ -92,7 +92,8 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
            check=AT_LEAST_ONE),
     HParam("local_steps", int, None,
            "if set: exactly K local minibatch steps per client and round instead of "
-           "--local-epochs (batches walk through reshuffled epochs of the client's data)",
+           "--local-epochs (batches walk through reshuffled epochs of the client's data); "
+           "--local-epochs with it is refused, as it is with an algorithm whose default sets it",
            check=AT_LEAST_ONE),
     HParam("batch_size", int, 10, "local minibatch size B", check=AT_LEAST_ONE),
     HParam("lr", float, 0.05, "client learning rate of local SGD", check=POSITIVE),

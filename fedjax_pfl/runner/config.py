@@ -30,13 +30,7 @@ RESUMABLE_CHANGES = ("rounds", "out", "progress", "memory_check", "checkpoint_ev
 MIN_IMAGE_SIDE = {"resnet9": 16, "resnet18": 16}
 
 
-DEFAULT_MODEL = {"digits": "mlp", "synthetic": "logreg", "mnist": "mlp", "fashion_mnist": "mlp",
-                 "emnist": "mlp", "cifar10": "cnn", "cifar100": "cnn",
-                 # natural-client datasets: the published model of each (docs/results/natural.md)
-                 "femnist": "femnist_cnn", "emnist62": "femnist_cnn", "emnist10": "femnist_cnn",
-                 "shakespeare": "char_lstm", "stackoverflow_nwp": "word_lstm",
-                 "stackoverflow_tp": "tag_logreg", "sent140": "sent_lstm", "celeba": "cnn",
-                 "cifar100_fl": "resnet18"}
+DEFAULT_MODEL = options_lib.DEFAULT_MODEL     # (declared with the options that depend on it)
 
 
 @dataclasses.dataclass

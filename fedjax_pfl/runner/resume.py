@@ -102,7 +102,12 @@ def resume_config(out: str, /, *, hparams: Mapping[str, Any] | None = None, **ov
     mine = {**carried, **(hparams or {})}
     for name in keywords:                          # (a keyword overrides the saved value)
         mine.pop(name, None)
-    cfg = RunConfig.from_options(**options, **keywords, hparams=mine, out=out, resume=True)
+    # Only what the caller gives is checked for applying to the run: the saved settings are the
+    # run's own (a record keeps every partition field, whatever the scheme).
+    check_only = ({(k, "") for k in given if k in DEFAULTS} | {(k, "hparams") for k in keywords}
+                  | {(k, "hparams") for k in (hparams or {})})
+    cfg = RunConfig.from_options(**options, **keywords, hparams=mine, out=out, resume=True,
+                                 check_only=check_only)
     conflict = resume_conflicts(cfg, cfg.validate(), model_name_of(cfg), record)
     if conflict:
         raise ResumeError(conflict)

@@ -26,7 +26,8 @@ def no_compute(monkeypatch):
 @pytest.mark.parametrize("argv,message", [
     (["--algo", "nope"], "--algo must be one of ['apfl', 'ditto', "),
     (["--alpha", "0"], "--alpha must be > 0, got 0.0"),
-    (["--alpha", "0", "--partition", "iid"], "--alpha must be > 0, got 0.0"),
+    (["--alpha", "0", "--partition", "iid"],
+     "--alpha applies to --partition dirichlet / dirichlet_client only, not --partition iid"),
     (["--alpha", "-1"], "--alpha must be > 0"),
     (["--participation", "0"], "--participation must be in (0, 1], got 0.0"),
     (["--participation", "1.5"], "--participation must be in (0, 1]"),
@@ -61,6 +62,82 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys, no_compute):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("run.py: error: ")
     assert message in err
+
+
+# Flags the run would not use: each refused in one line naming the flag and why, exit 2,
+# before anything is written (the rule table: fedjax_pfl.runner.options.applies_table).
+UNUSED = [
+    (["--partition", "iid", "--shards-per-client", "3"],
+     "--shards-per-client applies to --partition shards only, not --partition iid"),
+    (["--partition", "iid", "--min-size", "5"],
+     "--min-size applies to --partition dirichlet only, not --partition iid"),
+    (["--clusters", "3"], "--clusters applies to --partition clustered only, not --partition "
+                          "dirichlet"),
+    (["--classes-per-client", "3"], "--classes-per-client applies to --partition pathological"),
+    (["--synthetic-alpha", "0.5"],
+     "--synthetic-alpha applies to --dataset synthetic only, not --dataset digits"),
+    (["--synthetic-alpha", "1.0"],          # (the default value, given: still not used)
+     "--synthetic-alpha applies to --dataset synthetic only, not --dataset digits"),
+    (["--emnist-split", "letters"], "--emnist-split applies to --dataset emnist only, not "
+                                    "--dataset digits"),
+    (["--model-cr", "3"], "--model-cr applies to --model cp_mlp / cp_vgg8 only, not --model mlp"),
+    (["--model-options", "hidden=8"], "--model-options applies to --model char_lstm / "),
+    (["--dp-noise-multiplier", "1"],
+     "--dp-noise-multiplier needs --dp-clip (client-level DP of the uplink): without it nothing "
+     "uses it"),
+    (["--dp-accountant", "pld"], "--dp-accountant needs --dp-clip"),
+    (["--dp-delta", "0.001"], "--dp-delta needs --dp-clip"),
+    (["--dp-clip", "1", "--dp-clip-lr", "0.3"],
+     "--dp-clip-lr needs --dp-clip-quantile (adaptive clipping)"),
+    (["--dp-clip-quantile", "0.5"], "--dp-clip-quantile needs --dp-clip (the initial clip norm"),
+    (["--local-epochs", "2", "--local-steps", "3"],
+     "--local-epochs and --local-steps 3 both set the local work: give one (--local-steps, when "
+     "set, replaces the epochs)"),
+    (["--algo", "tdpfed", "--local-epochs", "2"],
+     "--local-epochs does not apply: --algo tdpfed runs --local-steps 23 by default"),
+    (["--preset", "fedpc_clustered", "--algo", "fedavg", "--local-epochs", "2"],
+     "--local-epochs and --local-steps 10 both set the local work"),
+]
+
+
+@pytest.mark.parametrize("argv,message", UNUSED, ids=[" ".join(a) for a, _ in UNUSED])
+def test_a_flag_the_run_does_not_use_is_refused_in_one_line(argv, message, tmp_path, capsys,
+                                                            no_compute):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv + ["--out", str(out), "--quiet"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"run.py: error: {message}"), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,flag,field,left", [
+    (["--download"], "--download", "download", False),
+    (["--tfds-dir", "/nowhere"], "--tfds-dir", "tfds_dir", None),
+    (["--data-dir", "/nowhere"], "--data-dir", "data_dir", None),
+])
+def test_a_harmless_flag_the_run_does_not_use_is_said_once_and_left_out(argv, flag, field, left,
+                                                                        capsys):
+    cfg = cli.config_from_args(cli.parse(argv + ["--out", "o"]))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"run.py: warning: {flag} ")
+    assert "--dataset digits" in err and "left out" in err
+    assert cfg.data_options[field] is left            # what config.json records: not the flag
+
+
+def test_a_presets_setting_the_run_does_not_use_is_left_out_with_a_warning(capsys):
+    """pgfed_paper's Dir(0.3) settings and E = 5 under --partition iid --local-steps 2: the
+    explicit flags win, the preset's α, min size and epochs are said and left at the defaults."""
+    cfg = cli.config_from_args(cli.parse(["--preset", "pgfed_paper", "--algo", "pgfed",
+                                          "--partition", "iid", "--local-steps", "2"]))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[2] for line in lines] == ["--alpha", "--min-size", "--local-epochs"]
+    assert all(line.startswith("run.py: warning: ") and "the preset's value left out" in line
+               for line in lines)
+    assert (cfg.partition.alpha, cfg.partition.min_size) == (0.5, 10)   # PartitionConfig's
+    assert "local_epochs" not in cfg.hparams and cfg.hparams["local_steps"] == 2
+    assert cfg.hparams["lr"] == 0.005 and cfg.partition.num_clients == 25   # the rest applies
 
 
 def test_missing_dataset_names_the_files_and_fails_fast(tmp_path, capsys, monkeypatch, no_compute):
