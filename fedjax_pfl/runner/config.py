@@ -108,6 +108,13 @@ class RunConfig:
         if self.model is not None and self.model not in models.MODELS:
             raise OptionError(f"{arg('model')} must be one of {list(models.MODELS)}, got "
                               f"{self.model!r}")
+        if self.model is None or self.model in models.MODELS:
+            from fedjax_pfl.models import sequence
+
+            if not isinstance(self.model_options, dict):
+                raise OptionError(f"{arg('model_options')} must be a dict of KEY: VALUE, got "
+                                  f"{self.model_options!r}")
+            sequence.check_options(model_name_of(self), self.model_options)
         if not self.model_cr >= 1:
             raise OptionError(f"{arg('model_cr')} must be >= 1, got {self.model_cr}")
         if self.model_conv not in models.CONV_IMPLS:

@@ -140,6 +140,37 @@ def test_a_presets_setting_the_run_does_not_use_is_left_out_with_a_warning(capsy
     assert cfg.hparams["lr"] == 0.005 and cfg.partition.num_clients == 25   # the rest applies
 
 
+@pytest.mark.parametrize("options,message", [
+    ("--model char_lstm --model-options hidden=abc",
+     "--model-options hidden must be an integer >= 1, got 'abc'"),
+    ("--model char_lstm --model-options hidden=1.5",
+     "--model-options hidden must be an integer >= 1, got 1.5"),
+    ("--model char_lstm --model-options layers=0",
+     "--model-options layers must be an integer >= 1, got 0"),
+    ("--model char_lstm --model-options output_tanh=2",
+     "--model-options output_tanh must be true or false, got 2"),
+    ("--model femnist_cnn --model-options conv=fast",
+     "--model-options conv must be one of ['auto', 'im2col', 'winograd'], got 'fast'"),
+    ("--model transformer --model-options width=10",
+     "--model-options width 10 must be a multiple of heads 4"),
+    ("--model char_lstm --model-options hiden=3",
+     "--model-options hiden: --model char_lstm has no such option; it takes embed, hidden, "
+     "layers, output_tanh"),
+])
+def test_a_bad_model_option_is_one_line_naming_it_before_the_data(options, message, tmp_path,
+                                                                  capsys, no_compute, monkeypatch):
+    def no_data(*a, **k):
+        raise AssertionError("the data were loaded: the model options are checked first")
+    monkeypatch.setattr(runner, "load_data", no_data)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(options.split() + ["--out", str(out), "--quiet"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"run.py: error: {message}\n"
+    assert not out.exists()
+
+
 def test_missing_dataset_names_the_files_and_fails_fast(tmp_path, capsys, monkeypatch, no_compute):
     monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
     with pytest.raises(SystemExit) as exc:
