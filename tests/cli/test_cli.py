@@ -339,6 +339,24 @@ def test_out_that_is_not_writable_fails_first(tmp_path, capsys, no_compute):
         locked.chmod(0o700)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_out_where_no_file_can_be_made_fails_before_the_data_even_as_root(capsys, monkeypatch,
+                                                                          no_compute):
+    """/proc takes no new files whatever the permission bits say (root's os.access says yes):
+    refused before the data load, not by the first write after it."""
+    def no_data(*a, **k):
+        raise AssertionError("the data were loaded before --out was found unwritable")
+    monkeypatch.setattr(runner, "load_data", no_data)
+    for out in ("/proc/fedjax_pfl_no_such/run", "/proc/fedjax_pfl_run"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["--out", out, "--quiet"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(
+            f"run.py: error: --out {out} is not writable (no file can be made in /proc: ")
+        assert not os.path.exists(out)
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_figures")       # five runs; test_a_short_run_… checks the figures
 def test_resume_refuses_incompatible_flags_and_extends_rounds(tmp_path, capsys):
