@@ -292,6 +292,28 @@ def config_conflict(cfg: RunConfig, hparams: dict, model_name: str, saved: dict,
     return None
 
 
+def record_differences(a: dict, b: dict, *, may_change: tuple[str, ...] = RESUMABLE_CHANGES
+                       ) -> list[str]:
+    """The settings (marked, `errors.arg`, in order) in which two config.json records differ,
+    outside `may_change` and what is no setting (the data's description, the versions, where
+    the data live): e.g. a run's config.json against the configuration its checkpoint saved."""
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key in may_change or key in ("data", "versions", "devices"):
+            continue
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) or isinstance(y, dict):
+            x, y = x or {}, y or {}
+            for sub in sorted(set(x) | set(y)):
+                if key == "data_options" and sub in ("data_dir", "tfds_dir", "download"):
+                    continue
+                if x.get(sub) != y.get(sub) and not _same_number(x.get(sub), y.get(sub)):
+                    out.append(_setting(key, sub))
+        elif x != y and not _same_number(x, y):
+            out.append(arg(key))
+    return out
+
+
 def _same_number(a, b) -> bool:
     return (isinstance(a, (int, float)) and isinstance(b, (int, float))
             and not isinstance(a, bool) and not isinstance(b, bool) and float(a) == float(b))

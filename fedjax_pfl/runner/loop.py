@@ -236,6 +236,8 @@ def _resume_point(cfg: RunConfig, prep: Prepared, log) -> tuple[str, dict] | Non
     checkpoints.require_checkpoint(cfg.out)
     point = checkpoints.resume_point(cfg.out, log)
     assert point is not None                 # (an intact one, or ResumeError naming the damage)
+    if os.path.isfile(os.path.join(cfg.out, "config.json")):  # (the one it falls back to, too)
+        checkpoints.check_saved_config(cfg.out, read_config(cfg.out), *point)
     if int(point[1]["round"]) > cfg.rounds:
         raise ResumeError(f"{arg('rounds')} {cfg.rounds} is less than the {point[1]['round']} "
                           f"rounds the checkpoint {point[0]} has done")

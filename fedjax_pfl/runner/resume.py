@@ -57,7 +57,9 @@ def _saved_record(out: str) -> dict[str, Any]:
     continue from (OptionError / ResumeError otherwise, before anything is loaded)."""
     rundir.check_out(out, resume=True)
     checkpoints.require_checkpoint(out)
-    return read_config(out)
+    record = read_config(out)
+    checkpoints.check_saved_config(out, record)
+    return record
 
 
 def saved_options(out: str) -> dict[str, Any]:
