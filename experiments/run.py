@@ -15,6 +15,7 @@ summary, the last checkpoint) in --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import contextvars
 import functools
 import json
@@ -90,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target-epsilon", type=float, default=None, metavar="E",
                    help="the noise multiplier is computed before the run so that ε after "
                         "--rounds rounds is at most E at --dp-delta (instead of "
-                        "--dp-noise-multiplier)")
+                        "--dp-noise-multiplier); warned when that z exceeds the clients a round "
+                        "(noise on the mean update above the clip: no learning) or ε lands on "
+                        "the accountant's precision floor instead of the target")
     d.add_argument("--dp-accountant", default=D["dp_accountant"], choices=("rdp", "pld"),
                    help="dp-accounting's accountant: Rényi DP, or privacy loss distributions "
                         "(pld: with --sampling poisson only, for the summary's final ε; the "
@@ -294,23 +297,33 @@ def config_from_args(args: argparse.Namespace, prog: str = "run.py", *,
     harmless flag the run does not use, or a preset's) said in one line on stderr,
     "PROG: warning: …"; the harmless ones silently with `say_harmless` False (sweep.py's
     --common over several datasets: --data-dir serves the ones that read files)."""
-    import warnings
-
-    from fedjax_pfl.errors import OptionWarning
     from fedjax_pfl.runner import RunConfig
 
     values = run_options(args, **given)
+    with said_warnings(prog, values["algo"], say_harmless=say_harmless):
+        return RunConfig.from_options(**values)
+
+
+@contextlib.contextmanager
+def said_warnings(prog: str = "run.py", algo: str | None = None, *, say_harmless: bool = True):
+    """The library's OptionWarnings inside the block (an option left out, a --target-epsilon
+    that cannot serve a useful run) said one line each on stderr, "PROG: warning: …" with the
+    flags' spellings, once the block has succeeded (an error is then the one line said); the
+    harmless ones silently with `say_harmless` False."""
+    import warnings
+
+    from fedjax_pfl.errors import OptionWarning
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", OptionWarning)
-        cfg = RunConfig.from_options(**values)
+        yield
     for w in caught:
         if isinstance(w.message, OptionWarning):
             if w.message.harmless and not say_harmless:
                 continue
-            print(f"{prog}: warning: {message(w.message, cfg.algo)}", file=sys.stderr, flush=True)
+            print(f"{prog}: warning: {message(w.message, algo)}", file=sys.stderr, flush=True)
         else:                                   # (not ours: as Python would show it)
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    return cfg
 
 
 def run_options(args: argparse.Namespace, **given: Any) -> dict[str, Any]:
@@ -647,7 +660,8 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
                 cfg.validate()
                 runner.check_out(cfg.out, overwrite=args.overwrite)
             data, info = runner.compute(runner.load_data, cfg)
-            prepared = runner.compute(runner.prepare, cfg, data, info)   # the algorithm's checks
+            with said_warnings("run.py", cfg.algo):
+                prepared = runner.compute(runner.prepare, cfg, data, info)   # the algorithm's checks
         except DatasetNotFoundError as e:
             # One line, but keep everything the message says (where we looked, what to put where).
             text = spelled(e, spelling(cfg.algo))

@@ -126,6 +126,22 @@ def test_a_harmless_flag_the_run_does_not_use_is_said_once_and_left_out(argv, fl
     assert cfg.data_options[field] is left            # what config.json records: not the flag
 
 
+def test_the_librarys_warnings_are_one_line_each_in_flags_once_the_step_succeeds(capsys):
+    import warnings
+
+    from fedjax_pfl.errors import OptionWarning, arg
+
+    with cli.said_warnings("run.py", "fedavg"):
+        warnings.warn(OptionWarning(f"{arg('target_epsilon')} 1e-06 calls for "
+                                    f"{arg('dp_noise_multiplier', 'hparams')} 118: too noisy"))
+    assert capsys.readouterr().err == ("run.py: warning: --target-epsilon 1e-06 calls for "
+                                       "--dp-noise-multiplier 118: too noisy\n")
+    with pytest.raises(ValueError), cli.said_warnings():     # an error: it is the one line
+        warnings.warn(OptionWarning("x"))
+        raise ValueError("bad")
+    assert capsys.readouterr().err == ""
+
+
 def test_a_presets_setting_the_run_does_not_use_is_left_out_with_a_warning(capsys):
     """pgfed_paper's Dir(0.3) settings and E = 5 under --partition iid --local-steps 2: the
     explicit flags win, the preset's α, min size and epochs are said and left at the defaults."""
