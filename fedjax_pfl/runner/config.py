@@ -274,7 +274,7 @@ def config_conflict(cfg: RunConfig, hparams: dict, model_name: str, saved: dict,
     mine = config_record(cfg, hparams, model_name, {})
     derived = {("hparams", "dp_noise_multiplier")} if cfg.target_epsilon is not None else set()
     for key in sorted(set(mine) | set(saved)):
-        if key in may_change or key in ("data", "versions", "devices"):
+        if key in may_change or key in ("data", "versions", "devices", "compression"):
             continue
         a, b = mine.get(key), saved.get(key)
         if isinstance(a, dict) or isinstance(b, dict):
@@ -296,10 +296,11 @@ def record_differences(a: dict, b: dict, *, may_change: tuple[str, ...] = RESUMA
                        ) -> list[str]:
     """The settings (marked, `errors.arg`, in order) in which two config.json records differ,
     outside `may_change` and what is no setting (the data's description, the versions, where
-    the data live): e.g. a run's config.json against the configuration its checkpoint saved."""
+    the data live, the compression a rank rule derived from the rate given): e.g. a run's
+    config.json against the configuration its checkpoint saved."""
     out = []
     for key in sorted(set(a) | set(b)):
-        if key in may_change or key in ("data", "versions", "devices"):
+        if key in may_change or key in ("data", "versions", "devices", "compression"):
             continue
         x, y = a.get(key), b.get(key)
         if isinstance(x, dict) or isinstance(y, dict):

@@ -108,6 +108,7 @@ def test_a_config_json_that_disagrees_with_its_checkpoint_names_every_differing_
              "partition": {"scheme": "dirichlet", "alpha": 0.5},
              "data_options": {"data_dir": "/x", "download": False}, "model_cr": 2.0}
     same = {**saved, "rounds": 9, "out": "b", "data": {"num_clients": 4}, "versions": {},
+            "compression": {"given": 2.0, "used": 1.9},     # (derived: config.json's alone)
             "hparams": {"lr": 0.05, "batch_size": 10.0},         # 10 and 10.0: one number
             "data_options": {"data_dir": "/moved", "download": False}}
     checkpoints.check_saved_config("a", same, "a/checkpoints/round_000004", {"config": saved})
