@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     from fedjax_pfl.errors import spelled
 
     try:
-        planned = _plan(args)
-        _check_out(args, planned)
+        with cli.said_warnings("compare.py"):          # said once every run's checks passed
+            planned = _plan(args)
+            _check_out(args, planned)
     except CompareError as e:
         _fail(str(e))
     os.makedirs(args.out, exist_ok=True)

@@ -304,26 +304,42 @@ def config_from_args(args: argparse.Namespace, prog: str = "run.py", *,
         return RunConfig.from_options(**values)
 
 
+# The warning lines of the outermost `said_warnings` block, said once it has succeeded.
+_PENDING: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("pending_warnings",
+                                                                            default=None)
+
+
 @contextlib.contextmanager
-def said_warnings(prog: str = "run.py", algo: str | None = None, *, say_harmless: bool = True):
+def said_warnings(prog: str = "run.py", algo: Any = None, *, say_harmless: bool = True):
     """The library's OptionWarnings inside the block (an option left out, a --target-epsilon
-    that cannot serve a useful run) said one line each on stderr, "PROG: warning: …" with the
-    flags' spellings, once the block has succeeded (an error is then the one line said); the
-    harmless ones silently with `say_harmless` False."""
+    that cannot serve a useful run, a clamped compression rate) said one line each on stderr,
+    "PROG: warning: …" with the flags' spellings (of `algo`'s, or `algo()`'s when it is
+    callable), once the outermost such block has succeeded: a block that fails says only its
+    error, in its one line. The harmless ones silently with `say_harmless` False."""
     import warnings
 
     from fedjax_pfl.errors import OptionWarning
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", OptionWarning)
-        yield
+    outer = _PENDING.get()
+    pending: list[str] = outer if outer is not None else []
+    token = _PENDING.set(pending) if outer is None else None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", OptionWarning)
+            yield
+    finally:
+        if token is not None:
+            _PENDING.reset(token)
+    spell_algo = algo() if callable(algo) else algo
     for w in caught:
         if isinstance(w.message, OptionWarning):
-            if w.message.harmless and not say_harmless:
-                continue
-            print(f"{prog}: warning: {message(w.message, algo)}", file=sys.stderr, flush=True)
+            if not (w.message.harmless and not say_harmless):
+                pending.append(f"{prog}: warning: {message(w.message, spell_algo)}")
         else:                                   # (not ours: as Python would show it)
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if outer is None:
+        for line in pending:
+            print(line, file=sys.stderr, flush=True)
 
 
 def run_options(args: argparse.Namespace, **given: Any) -> dict[str, Any]:
@@ -652,15 +668,15 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
 
     with runner.interruptible():
         try:
-            if args.resume is not None:
-                cfg = _resume_config(args, runner)
-            else:
-                cfg = config_from_args(args)
-                args.algo = cfg.algo
-                cfg.validate()
-                runner.check_out(cfg.out, overwrite=args.overwrite)
-            data, info = runner.compute(runner.load_data, cfg)
-            with said_warnings("run.py", cfg.algo):
+            with said_warnings("run.py", lambda: args.algo):     # said once every check passed
+                if args.resume is not None:
+                    cfg = _resume_config(args, runner)
+                else:
+                    cfg = config_from_args(args)
+                    args.algo = cfg.algo
+                    cfg.validate()
+                    runner.check_out(cfg.out, overwrite=args.overwrite)
+                data, info = runner.compute(runner.load_data, cfg)
                 prepared = runner.compute(runner.prepare, cfg, data, info)   # the algorithm's checks
         except DatasetNotFoundError as e:
             # One line, but keep everything the message says (where we looked, what to put where).

@@ -394,11 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     from fedjax_pfl.interrupts import exit_status, stop_signals
 
     try:
-        the_plan = plan(args)
-        if args.resume:
-            check_resume(the_plan)
-        data = _load_all_data(the_plan)
-        check_algorithms(the_plan, data)
+        with cli.said_warnings("sweep.py"):            # said once every run's checks passed
+            the_plan = plan(args)
+            if args.resume:
+                check_resume(the_plan)
+            data = _load_all_data(the_plan)
+            check_algorithms(the_plan, data)
     except SweepError as e:
         _fail(str(e))
     import jax

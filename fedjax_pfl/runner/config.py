@@ -105,6 +105,18 @@ class RunConfig:
             raise OptionError(f"{arg('rounds')} must be >= 1, got {self.rounds}")
         if self.eval_every < 1:
             raise OptionError(f"{arg('eval_every')} must be >= 1, got {self.eval_every}")
+        from fedjax_pfl.data import sources
+        from fedjax_pfl.data.formats import NATURAL_DATASETS
+
+        if self.dataset not in sources.DATASETS and not self.natural:
+            raise OptionError(f"{arg('dataset')} must be one of {list(sources.DATASETS)} or a "
+                              f"natural-client dataset {list(NATURAL_DATASETS)}, got "
+                              f"{self.dataset!r}")
+        if (self.partition.scheme == "natural" and self.dataset != "synthetic"
+                and not self.natural):
+            raise OptionError(f"{arg('scheme', 'partition')} natural keeps a dataset's own "
+                              f"clients: synthetic's or a natural-client dataset's, not "
+                              f"{arg('dataset')} {self.dataset}'s")
         if self.model is not None and self.model not in models.MODELS:
             raise OptionError(f"{arg('model')} must be one of {list(models.MODELS)}, got "
                               f"{self.model!r}")

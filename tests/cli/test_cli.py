@@ -54,6 +54,9 @@ def no_compute(monkeypatch):
      "--checkpoint-every 3 must be a multiple of --rounds-per-call 2"),
     (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
     (["--resume"], "--resume needs the run's directory"),
+    (["--dataset", "nope"], "--dataset must be one of ['digits', 'synthetic', "),
+    (["--partition", "natural"], "--partition natural keeps a dataset's own clients: synthetic's "
+                                 "or a natural-client dataset's, not --dataset digits's"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, capsys, no_compute):
     with pytest.raises(SystemExit) as exc:
