@@ -8,7 +8,9 @@
 
 Every algorithm's hyperparameters are flags (`--help` lists them with their defaults per
 algorithm). Bad input exits with status 2 and a one-line message naming the flag, before any
-computation. Ctrl-C ends a run with status 130, leaving its record (metrics, an interrupted
+computation; so does a flag the run would not use (a partition's, dataset's, model's or
+algorithm's setting under another; where the data live is only warned about, in one line, and
+left out of config.json). Ctrl-C ends a run with status 130, leaving its record (metrics, an interrupted
 summary, the last checkpoint) in --out.
 """
 

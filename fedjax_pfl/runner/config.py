@@ -73,7 +73,9 @@ class RunConfig:
         """The configuration run.py builds from the same flags, by their names (`rounds=100`,
         `clients=50`, `min_size=40`, `data_dir=…`) with the algorithm's hyperparameters as
         keywords or in `hparams=`: the defaults per dataset, the natural-client datasets' rules,
-        the data options and the default `out` (`fedjax_pfl.runner.options`)."""
+        the data options and the default `out` (`fedjax_pfl.runner.options`); an option the run
+        does not use refused (`options.applies_table`; `preset=` and `check_only=` as
+        `options.run_fields` takes them)."""
         return cls(**options_lib.run_fields(hparams=hparams, **options))
 
     @property

@@ -25,6 +25,12 @@ notebook gets what the command line gets:
   `dirichlet` otherwise; the client count to `synthetic_clients` for `synthetic`, 20 otherwise;
   each dataset gets the data options its loader takes (`RunConfig.data_options`).
 * `out` defaults to runs/ALGO_DATASET_TIME.
+* An option or hyperparameter given that the run does not use is refused, by one declaration of
+  which apply when (`applies_table`): a partition's setting under another scheme, a dataset's
+  or a model's under another, a privacy setting without `dp_clip`, `local_epochs` where
+  `local_steps` sets the local work. Where the data live (`data_dir`, `tfds_dir`, `download`)
+  is harmless: left at its default with an `errors.OptionWarning`, as is a preset's setting
+  the run does not use (`preset=`), so config.json never records what no part of the run used.
 
 Errors are `fedjax_pfl.errors.OptionError`s naming these options, raised before anything is
 loaded: `str(e)` says "clients does not apply (use max_clients K)", run.py says the same with
