@@ -51,7 +51,6 @@ def _plan(args) -> list[tuple[str, list[str], object]]:
     folder is made: each a valid run.py configuration, each in a folder of its own. --common is
     parsed once; each run's flags on top of it (`run.parse_on_top`), its RunConfig built from
     those options (`RunConfig.from_options`)."""
-    from fedjax_pfl import runner
 
     common_argv = shlex.split(args.common)
     try:
@@ -80,7 +79,7 @@ def _plan(args) -> list[tuple[str, list[str], object]]:
                 raise common_error
             run_args = cli.parse_flags(own, on_top_of=common)
             algo = run_args.algo
-            cfg = runner.RunConfig.from_options(**cli.run_options(run_args))
+            cfg = cli.config_from_args(run_args, prog=f"compare.py: --run {label!r}")
             algo = cfg.algo
             cfg.validate()
         except ValueError as e:                    # (cli.UsageError too)
@@ -141,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     from fedjax_pfl.errors import spelled
 
     try:
-        planned = _plan(args)
-        _check_out(args, planned)
+        with cli.said_warnings("compare.py"):          # said once every run's checks passed
+            planned = _plan(args)
+            _check_out(args, planned)
     except CompareError as e:
         _fail(str(e))
     os.makedirs(args.out, exist_ok=True)

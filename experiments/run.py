@@ -8,13 +8,16 @@
 
 Every algorithm's hyperparameters are flags (`--help` lists them with their defaults per
 algorithm). Bad input exits with status 2 and a one-line message naming the flag, before any
-computation. Ctrl-C ends a run with status 130, leaving its record (metrics, an interrupted
+computation; so does a flag the run would not use (a partition's, dataset's, model's or
+algorithm's setting under another; where the data live is only warned about, in one line, and
+left out of config.json). Ctrl-C ends a run with status 130, leaving its record (metrics, an interrupted
 summary, the last checkpoint) in --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import contextvars
 import functools
 import json
@@ -90,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target-epsilon", type=float, default=None, metavar="E",
                    help="the noise multiplier is computed before the run so that ε after "
                         "--rounds rounds is at most E at --dp-delta (instead of "
-                        "--dp-noise-multiplier)")
+                        "--dp-noise-multiplier); warned when that z exceeds the clients a round "
+                        "(noise on the mean update above the clip: no learning) or ε lands on "
+                        "the accountant's precision floor instead of the target")
     d.add_argument("--dp-accountant", default=D["dp_accountant"], choices=("rdp", "pld"),
                    help="dp-accounting's accountant: Rényi DP, or privacy loss distributions "
                         "(pld: with --sampling poisson only, for the summary's final ε; the "
@@ -294,26 +299,82 @@ CLI_ONLY = ("preset", "seeds", "coordinator", "distributed", "num_processes", "p
             "coordinator_timeout", "peer_timeout", "overwrite", "no_compile_cache")
 
 
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace, prog: str = "run.py", *,
+                     say_harmless: bool = True, **given: Any):
     """The RunConfig the flags describe (raises ValueError naming the flag on bad input):
-    `RunConfig.from_options` of `run_options(args)`."""
+    `RunConfig.from_options` of `run_options(args, **given)`, each option it leaves out (a
+    harmless flag the run does not use, or a preset's) said in one line on stderr,
+    "PROG: warning: …"; the harmless ones silently with `say_harmless` False (sweep.py's
+    --common over several datasets: --data-dir serves the ones that read files)."""
     from fedjax_pfl.runner import RunConfig
 
-    return RunConfig.from_options(**run_options(args))
+    values = run_options(args, **given)
+    with said_warnings(prog, values["algo"], say_harmless=say_harmless):
+        return RunConfig.from_options(**values)
+
+
+# The warning lines of the outermost `said_warnings` block, said once it has succeeded.
+_PENDING: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("pending_warnings",
+                                                                            default=None)
+
+
+@contextlib.contextmanager
+def said_warnings(prog: str = "run.py", algo: Any = None, *, say_harmless: bool = True):
+    """The library's OptionWarnings inside the block (an option left out, a --target-epsilon
+    that cannot serve a useful run, a clamped compression rate) said one line each on stderr,
+    "PROG: warning: …" with the flags' spellings (of `algo`'s, or `algo()`'s when it is
+    callable), once the outermost such block has succeeded: a block that fails says only its
+    error, in its one line. The harmless ones silently with `say_harmless` False."""
+    import warnings
+
+    from fedjax_pfl.errors import OptionWarning
+
+    outer = _PENDING.get()
+    pending: list[str] = outer if outer is not None else []
+    token = _PENDING.set(pending) if outer is None else None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", OptionWarning)
+            yield
+    finally:
+        if token is not None:
+            _PENDING.reset(token)
+    spell_algo = algo() if callable(algo) else algo
+    for w in caught:
+        if isinstance(w.message, OptionWarning):
+            if not (w.message.harmless and not say_harmless):
+                pending.append(f"{prog}: warning: {message(w.message, spell_algo)}")
+        else:                                   # (not ours: as Python would show it)
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if outer is None:
+        for line in pending:
+            print(line, file=sys.stderr, flush=True)
 
 
 def run_options(args: argparse.Namespace, **given: Any) -> dict[str, Any]:
-    """`RunConfig.from_options`'s keywords from the parsed flags (the options are the dests),
-    `given` on top (sweep.py: each run's algo and dataset): the hyperparameter flags by the
-    algorithm's names (a preset's where the algorithm has them, explicit flags over them), the
-    command line's own checks made (--preset without --algo, the process layout, --seeds, a
-    flag of another algorithm)."""
+    """`RunConfig.from_options`'s keywords from the parsed flags (the options are the dests):
+    the options given on the command line or by a --preset (the others are the library's
+    defaults, which are the flags'), `given` on top (sweep.py: each run's algo and dataset); the
+    hyperparameter flags by the algorithm's names (a preset's where the algorithm has them,
+    explicit flags over them); `preset`: what the preset set and nothing on the command line
+    overrode (left out with a warning where the run does not use it). The command line's own
+    checks made (--preset without --algo, the process layout, --seeds, a flag of another
+    algorithm)."""
+    from fedjax_pfl import algorithms
     from fedjax_pfl.runner import options
 
-    values = {dest: getattr(args, dest) for dest in options.DEFAULTS}
+    explicit = set(getattr(args, "explicit", set(options.DEFAULTS)))
+    from_preset = set(getattr(args, "preset_settings", set())) - explicit
+    values = {dest: getattr(args, dest) for dest in options.DEFAULTS
+              if dest in explicit | from_preset | {"algo", "out"}}
     values["resume"] = args.resume is not None
     values.update(given)
     values["hparams"] = _checked_hparams(args, values, preset=True)
+    flags = {flag: hp.name for hp, flag in algorithms.spec(values["algo"]).all_hparams()}
+    explicit_flags = {"--" + d[4:].replace("_", "-") for d in explicit if d.startswith("hp__")}
+    values["preset"] = ({(dest, "") for dest in from_preset - set(given)}
+                        | {(flags[f], "hparams") for f in getattr(args, "preset_hparams", {})
+                           if f in flags and f not in explicit_flags})
     return values
 
 
@@ -333,7 +394,7 @@ def _checked_hparams(args: argparse.Namespace, values: dict[str, Any], *, preset
     options.check_finite(values)
     check_processes(args)
     if args.seeds is not None:
-        sweep.check_seeds(args.seeds, target_acc=values["target_acc"])
+        sweep.check_seeds(args.seeds, target_acc=values.get("target_acc"))
     mine = {flag: hp for hp, flag in algorithms.spec(values["algo"]).all_hparams()}
     hparams = {}
     # A preset's algorithm settings apply where the algorithm has them (a preset shared by
@@ -377,8 +438,9 @@ def spelling(algo: str | None = None):
     from fedjax_pfl.runner import options
 
     flags = _flags()
-    hparams = ({hp.name: flag for hp, flag in algorithms.spec(algo).all_hparams()}
-               if algo in algorithms.names() else {})
+    # (before the algorithm is known, the common hyperparameters by their flags)
+    hparams = {hp.name: flag for hp, flag in algorithms.spec(
+        algo if algo in algorithms.names() else "fedavg").all_hparams()}
 
     def spell(name: str, space: str) -> str | None:
         if space == "hparams":
@@ -648,15 +710,16 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
 
     with runner.interruptible():
         try:
-            if args.resume is not None:
-                cfg = _resume_config(args, runner)
-            else:
-                cfg = config_from_args(args)
-                args.algo = cfg.algo
-                cfg.validate()
-                runner.check_out(cfg.out, overwrite=args.overwrite)
-            data, info = runner.compute(runner.load_data, cfg)
-            prepared = runner.compute(runner.prepare, cfg, data, info)   # the algorithm's checks
+            with said_warnings("run.py", lambda: args.algo):     # said once every check passed
+                if args.resume is not None:
+                    cfg = _resume_config(args, runner)
+                else:
+                    cfg = config_from_args(args)
+                    args.algo = cfg.algo
+                    cfg.validate()
+                    runner.check_out(cfg.out, overwrite=args.overwrite)
+                data, info = runner.compute(runner.load_data, cfg)
+                prepared = runner.compute(runner.prepare, cfg, data, info)   # the algorithm's checks
         except DatasetNotFoundError as e:
             # One line, but keep everything the message says (where we looked, what to put where).
             text = spelled(e, spelling(cfg.algo))

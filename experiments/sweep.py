@@ -262,8 +262,9 @@ def plan(args: argparse.Namespace):
         for algo in algos:
             what = f"{algo} on {dataset}"
             try:
-                base = runner.RunConfig.from_options(
-                    **cli.run_options(common_args, dataset=dataset, algo=algo))
+                base = cli.config_from_args(common_args, prog=f"sweep.py: {what}",
+                                            say_harmless=len(datasets) == 1,
+                                            dataset=dataset, algo=algo)
             except ValueError as e:
                 text = _message(e, algo)
                 hint = (" (a hyperparameter that only some algorithms have goes in --grid "
@@ -391,11 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     from fedjax_pfl.interrupts import exit_status, stop_signals
 
     try:
-        the_plan = plan(args)
-        if args.resume:
-            check_resume(the_plan)
-        data = _load_all_data(the_plan)
-        check_algorithms(the_plan, data)
+        with cli.said_warnings("sweep.py"):            # said once every run's checks passed
+            the_plan = plan(args)
+            if args.resume:
+                check_resume(the_plan)
+            data = _load_all_data(the_plan)
+            check_algorithms(the_plan, data)
     except SweepError as e:
         _fail(str(e))
     import jax

@@ -340,9 +340,10 @@ def is_intact(path: str) -> bool:
     return True
 
 
-def read_metadata(path: str) -> dict:
-    """The `metadata` dict saved with the checkpoint (verified first: `verify`)."""
-    return _read_meta(path)["metadata"]
+def read_metadata(path: str, check: bool = True) -> dict:
+    """The `metadata` dict saved with the checkpoint (verified first: `verify`, unless `check`
+    is False: a look at what it says before the resume verifies it)."""
+    return _read_meta(path, check)["metadata"]
 
 
 def read_host(path: str) -> "HostArrays":

@@ -65,6 +65,24 @@ class OptionError(ValueError):
         return names(self.message)
 
 
+class OptionWarning(UserWarning):
+    """An input that was left out rather than refused (a setting the run does not use, which a
+    user may keep in every command line), named as `OptionError` names arguments: `str(w)`
+    plainly, `w.render(spell)` as a front end spells them."""
+
+    harmless: bool = False      # a setting users keep in every command line (where data live)
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return render(self.message)
+
+    def render(self, spell: Callable[[str, str], str | None] | None) -> str:
+        return render(self.message, spell)
+
+
 class MarkedError:
     """Mixin for exceptions that are no ValueError (a FileNotFoundError, a FloatingPointError)
     whose messages mark arguments all the same: `str(e)` says them plainly, `e.render(spell)`
@@ -100,6 +118,6 @@ def marked(e: BaseException) -> str:
 def spelled(e: BaseException, spell: Callable[[str, str], str | None] | None) -> str:
     """What a front end prints for `e`: its arguments as `spell` says them where its message
     marks them (`OptionError`, `MarkedError`), else `str(e)`."""
-    if isinstance(e, (OptionError, MarkedError)):
+    if isinstance(e, (OptionError, MarkedError, OptionWarning)):
         return e.render(spell)
     return str(e)

@@ -88,11 +88,13 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
            "fraction of clients sampled per round; M = ⌊N·rate⌋, the exact floor (one more than "
            "the reference codes' int(N·rate) in cases such as N = 100, rate 0.29: 29 vs 28)",
            check=UNIT_OPEN_CLOSED),
-    HParam("local_epochs", int, 1, "local epochs E: every client visits each of its samples E times",
+    HParam("local_epochs", int, 1, "local epochs E: every client visits each of its samples E times "
+           "(not with --local-steps, which replaces it)",
            check=AT_LEAST_ONE),
     HParam("local_steps", int, None,
            "if set: exactly K local minibatch steps per client and round instead of "
-           "--local-epochs (batches walk through reshuffled epochs of the client's data)",
+           "--local-epochs (batches walk through reshuffled epochs of the client's data); "
+           "--local-epochs with it is refused, as it is with an algorithm whose default sets it",
            check=AT_LEAST_ONE),
     HParam("batch_size", int, 10, "local minibatch size B", check=AT_LEAST_ONE),
     HParam("lr", float, 0.05, "client learning rate of local SGD", check=POSITIVE),

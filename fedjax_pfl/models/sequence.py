@@ -27,14 +27,14 @@ Sizes (tests/models/test_sequence.py checks each count):
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from fedjax_pfl.models import nets
-from fedjax_pfl.models.layers import Dense
+from fedjax_pfl.models.layers import CONV_IMPLS, Dense
 from fedjax_pfl.models.model import head_input
 from fedjax_pfl.models.tasks import PAD, Task
 
@@ -535,6 +535,44 @@ _OPTIONS = {
     "sent_lstm": ("embed", "hidden", "layers", "fc"),
     "femnist_cnn": ("conv",),
 }
+
+
+def _size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+# What each option takes, by name (the same in every model that has it): (test, words).
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{key: (_size, "an integer >= 1") for key in ("embed", "hidden", "layers", "width", "heads",
+                                                   "fc", "first_word", "num_words")},
+    "output_tanh": (lambda v: isinstance(v, bool), "true or false"),
+    "features": (lambda v: v in BAG_FEATURES, f"one of {list(BAG_FEATURES)}"),
+    "conv": (lambda v: v in CONV_IMPLS, f"one of {list(CONV_IMPLS)}"),
+}
+
+
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+    """The model options of `name` (`_OPTIONS`), each of its kind (`_KINDS`), checked before
+    any model is built: an OptionError naming `model_options` and the option otherwise."""
+    from fedjax_pfl.errors import OptionError, arg
+
+    if not options:
+        return
+    if name not in SEQUENCE_MODELS:
+        raise OptionError(f"{arg('model_options')} {sorted(options)}: {arg('model')} {name} takes "
+                          "no model options")
+    for key, value in options.items():
+        if key not in _OPTIONS[name]:
+            raise OptionError(f"{arg('model_options')} {key}: {arg('model')} {name} has no such "
+                              f"option; it takes {', '.join(_OPTIONS[name])}")
+        test, words = _KINDS[key]
+        if not test(value):
+            raise OptionError(f"{arg('model_options')} {key} must be {words}, got {value!r}")
+    if name == "transformer":
+        width, heads = options.get("width", 128), options.get("heads", 4)
+        if width % heads:
+            raise OptionError(f"{arg('model_options')} width {width} must be a multiple of heads "
+                              f"{heads}")
 
 
 def get(name: str, task: Task, input_shape: Sequence[int], **options) -> dict:

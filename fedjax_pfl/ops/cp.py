@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import string
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +157,26 @@ def cp_rank_for_compression(shape: Sequence[int], cr: float) -> int:
         raise ValueError(f"compression rate must be > 0, got {cr}")
     shape = tuple(int(s) for s in shape)
     return max(1, int(math.floor(math.prod(shape) / (cr * sum(shape)) + 0.5)))
+
+
+def compression(shapes: Mapping[str, Sequence[int]], cr: float) -> dict:
+    """What TDPFed's rank rule makes of compression rate `cr` for the tensors `shapes` (name →
+    shape): {"given": cr, "used": Σ_t Π I / Σ_t R_t·Σ I (the dense floats of all the tensors
+    over their CP floats: the rate the model has), "ranks": name → R_t, "clamped": the names
+    whose rule gave rank 0 (Π I / (CR·Σ I) < 1/2) and that keep rank 1, the floor
+    `cp_rank_for_compression` clamps to: their rate is Π I / Σ I, below `cr`}. "used" is below
+    "given" where any tensor is clamped (and differs from it by the rule's rounding otherwise)."""
+    ranks, clamped, dense, factored = {}, [], 0, 0
+    for name, shape in shapes.items():
+        shape = tuple(int(n) for n in shape)
+        rank = cp_rank_for_compression(shape, cr)
+        if math.floor(math.prod(shape) / (cr * sum(shape)) + 0.5) < 1:
+            clamped.append(name)
+        ranks[name] = rank
+        dense += math.prod(shape)
+        factored += cp_num_params(shape, rank)
+    return {"given": float(cr), "used": dense / factored if factored else float(cr),
+            "ranks": ranks, "clamped": clamped}
 
 
 def cp_num_params(shape: Sequence[int], rank: int) -> int:

@@ -22,7 +22,7 @@ from fedjax_pfl import checkpoint, core
 from fedjax_pfl.callbacks import Callback, RoundEnd
 from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.interrupts import compute, deferred_signals
-from fedjax_pfl.runner.config import config_record
+from fedjax_pfl.runner.config import config_record, record_differences
 from fedjax_pfl.runner.records import Progress
 
 KEEP = 2                      # checkpoints kept: the newest and a fallback
@@ -62,6 +62,32 @@ def require_checkpoint(out: str) -> None:
                           f"made with {arg('checkpoint_every')} 0, stopped before its first "
                           "checkpoint, or its checkpoints/ was removed); start it again with "
                           f"{arg('overwrite')}")
+
+
+def check_saved_config(out: str, record: dict, path: str | None = None,
+                       metadata: dict | None = None) -> None:
+    """ResumeError naming every setting in which the run's config.json (`record`) differs from
+    the configuration the checkpoint (`path`, default the newest; its `metadata` if read) saved
+    of itself: a hand-edited config.json would load the checkpoint into another configuration.
+    Checked before anything is loaded or written; a checkpoint that saved no configuration (made
+    before it did) is taken as it is."""
+    path = path or latest_checkpoint(out)
+    if path is None:
+        return
+    if metadata is None:
+        try:
+            metadata = checkpoint.read_metadata(path, check=False)
+        except (checkpoint.CheckpointError, OSError, ValueError):
+            return                             # (resume_point reports the damage, or falls back)
+    saved = metadata.get("config")
+    if not isinstance(saved, dict):
+        return
+    differ = record_differences(record, saved)
+    if differ:
+        raise ResumeError(f"{arg('resume')}: {os.path.join(out, 'config.json')} disagrees with "
+                          f"the configuration its checkpoint {os.path.basename(path)} saved, in "
+                          f"{', '.join(differ)} (was it edited?); restore it, or start the run "
+                          f"again with {arg('overwrite')}")
 
 
 def resume_point(out: str, log: Callable[[str], None] = print) -> tuple[str, dict] | None:

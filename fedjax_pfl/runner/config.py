@@ -30,13 +30,7 @@ RESUMABLE_CHANGES = ("rounds", "out", "progress", "memory_check", "checkpoint_ev
 MIN_IMAGE_SIDE = {"resnet9": 16, "resnet18": 16}
 
 
-DEFAULT_MODEL = {"digits": "mlp", "synthetic": "logreg", "mnist": "mlp", "fashion_mnist": "mlp",
-                 "emnist": "mlp", "cifar10": "cnn", "cifar100": "cnn",
-                 # natural-client datasets: the published model of each (docs/results/natural.md)
-                 "femnist": "femnist_cnn", "emnist62": "femnist_cnn", "emnist10": "femnist_cnn",
-                 "shakespeare": "char_lstm", "stackoverflow_nwp": "word_lstm",
-                 "stackoverflow_tp": "tag_logreg", "sent140": "sent_lstm", "celeba": "cnn",
-                 "cifar100_fl": "resnet18"}
+DEFAULT_MODEL = options_lib.DEFAULT_MODEL     # (declared with the options that depend on it)
 
 
 @dataclasses.dataclass
@@ -79,7 +73,9 @@ class RunConfig:
         """The configuration run.py builds from the same flags, by their names (`rounds=100`,
         `clients=50`, `min_size=40`, `data_dir=…`) with the algorithm's hyperparameters as
         keywords or in `hparams=`: the defaults per dataset, the natural-client datasets' rules,
-        the data options and the default `out` (`fedjax_pfl.runner.options`)."""
+        the data options and the default `out` (`fedjax_pfl.runner.options`); an option the run
+        does not use refused (`options.applies_table`; `preset=` and `check_only=` as
+        `options.run_fields` takes them)."""
         return cls(**options_lib.run_fields(hparams=hparams, **options))
 
     @property
@@ -111,9 +107,28 @@ class RunConfig:
             raise OptionError(f"{arg('rounds')} must be >= 1, got {self.rounds}")
         if self.eval_every < 1:
             raise OptionError(f"{arg('eval_every')} must be >= 1, got {self.eval_every}")
+        from fedjax_pfl.data import sources
+        from fedjax_pfl.data.formats import NATURAL_DATASETS
+
+        if self.dataset not in sources.DATASETS and not self.natural:
+            raise OptionError(f"{arg('dataset')} must be one of {list(sources.DATASETS)} or a "
+                              f"natural-client dataset {list(NATURAL_DATASETS)}, got "
+                              f"{self.dataset!r}")
+        if (self.partition.scheme == "natural" and self.dataset != "synthetic"
+                and not self.natural):
+            raise OptionError(f"{arg('scheme', 'partition')} natural keeps a dataset's own "
+                              f"clients: synthetic's or a natural-client dataset's, not "
+                              f"{arg('dataset')} {self.dataset}'s")
         if self.model is not None and self.model not in models.MODELS:
             raise OptionError(f"{arg('model')} must be one of {list(models.MODELS)}, got "
                               f"{self.model!r}")
+        if self.model is None or self.model in models.MODELS:
+            from fedjax_pfl.models import sequence
+
+            if not isinstance(self.model_options, dict):
+                raise OptionError(f"{arg('model_options')} must be a dict of KEY: VALUE, got "
+                                  f"{self.model_options!r}")
+            sequence.check_options(model_name_of(self), self.model_options)
         if not self.model_cr >= 1:
             raise OptionError(f"{arg('model_cr')} must be >= 1, got {self.model_cr}")
         if self.model_conv not in models.CONV_IMPLS:
@@ -273,7 +288,7 @@ def config_conflict(cfg: RunConfig, hparams: dict, model_name: str, saved: dict,
     mine = config_record(cfg, hparams, model_name, {})
     derived = {("hparams", "dp_noise_multiplier")} if cfg.target_epsilon is not None else set()
     for key in sorted(set(mine) | set(saved)):
-        if key in may_change or key in ("data", "versions", "devices"):
+        if key in may_change or key in ("data", "versions", "devices", "compression"):
             continue
         a, b = mine.get(key), saved.get(key)
         if isinstance(a, dict) or isinstance(b, dict):
@@ -289,6 +304,29 @@ def config_conflict(cfg: RunConfig, hparams: dict, model_name: str, saved: dict,
         elif a != b and not _same_number(a, b):
             return f"{arg(key)} {b!r}, not {a!r}"
     return None
+
+
+def record_differences(a: dict, b: dict, *, may_change: tuple[str, ...] = RESUMABLE_CHANGES
+                       ) -> list[str]:
+    """The settings (marked, `errors.arg`, in order) in which two config.json records differ,
+    outside `may_change` and what is no setting (the data's description, the versions, where
+    the data live, the compression a rank rule derived from the rate given): e.g. a run's
+    config.json against the configuration its checkpoint saved."""
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key in may_change or key in ("data", "versions", "devices", "compression"):
+            continue
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) or isinstance(y, dict):
+            x, y = x or {}, y or {}
+            for sub in sorted(set(x) | set(y)):
+                if key == "data_options" and sub in ("data_dir", "tfds_dir", "download"):
+                    continue
+                if x.get(sub) != y.get(sub) and not _same_number(x.get(sub), y.get(sub)):
+                    out.append(_setting(key, sub))
+        elif x != y and not _same_number(x, y):
+            out.append(arg(key))
+    return out
 
 
 def _same_number(a, b) -> bool:

@@ -89,6 +89,7 @@ class Prepared:
     round_keys: jax.Array
     eval_ids: np.ndarray | None        # a fixed evaluation subset (eval_clients K), or None
     privacy: PrivacyPlan | None = None  # dp_clip: the noise multiplier and ε after each round
+    compression: dict | None = None    # a CP model's or TDPFed's ranks and the rate used (`compression`)
 
     @property
     def poisson(self) -> bool:
@@ -125,6 +126,7 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
                        conv=cfg.model_conv, task=data.task,
                        options=cfg.model_options)
     algo = algorithms.get(cfg.algo, model=model, **hparams)
+    compression_used = compression(cfg, hparams, model, model_name)
     vectorised = hparams["backend"] not in core.EAGER_BACKENDS
     mesh = core.client_mesh() if vectorised else None
     placement = cfg.data_placement if vectorised else "device"   # the loop backend: on device
@@ -140,7 +142,42 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
         rng = np.random.default_rng(cfg.seed + 7)
         eval_ids = np.sort(rng.choice(data.num_real_clients, subset, replace=False)).astype(np.int32)
     return Prepared(cfg, hparams, data, data_info or {}, model_name, algo, program, root,
-                    jax.random.fold_in(root, 1), eval_ids, privacy_plan)
+                    jax.random.fold_in(root, 1), eval_ids, privacy_plan, compression_used)
+
+
+def compression(cfg: RunConfig, hparams: dict, model, model_name: str) -> dict | None:
+    """The compression TDPFed's rank rule gives (`ops.cp.compression`): of the algorithm's
+    `cr` (TDPFed: every weight tensor of the dense model, ndim >= 2, as `models.cp.cp_init_like`
+    factors it) or of `model_cr` (cp_mlp, cp_vgg8: their CP tensors); None for neither or a
+    rate of 1 (no decomposition). The record goes into config.json as "compression" (what the
+    run used, beside the rate given); where a tensor's rank was clamped to 1 an OptionWarning
+    says the rate used, in one line."""
+    import warnings
+
+    from fedjax_pfl.errors import OptionWarning
+    from fedjax_pfl.models import cp as cp_models
+    from fedjax_pfl.ops.cp import compression as rule
+
+    if "cr" in hparams and hparams["cr"] != 1:
+        name, space, cr, min_ndim = "cr", "hparams", float(hparams["cr"]), 2
+    elif model_name in ("cp_mlp", "cp_vgg8") and cfg.model_cr != 1:
+        name, space, cr, min_ndim = "model_cr", "", float(cfg.model_cr), 0
+    else:
+        return None
+    params = jax.eval_shape(model.init, jax.random.key(0))   # (shapes only: nothing computed)
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=cp_models.is_cp)[0]
+    shapes = {"/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
+              for path, leaf in leaves
+              if (cp_models.is_cp(leaf) if space == "" else len(leaf.shape) >= min_ndim)}
+    record = {"setting": name, **rule(shapes, cr)}
+    if record["clamped"]:
+        clamped = record["clamped"]
+        shown = ", ".join(clamped[:3]) + (", …" if len(clamped) > 3 else "")
+        warnings.warn(OptionWarning(
+            f"{arg(name, space)} {cr:g} would give {len(clamped)} of {len(shapes)} weight tensors "
+            f"rank 0 ({shown}): they keep rank 1, so the compression used is "
+            f"{record['used']:.4g}, recorded as compression.used in config.json"), stacklevel=2)
+    return record
 
 
 def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | None = None,
@@ -202,7 +239,7 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
                 state = compute(program.init, jax.random.fold_in(prep.root, 0))
             own, theirs = _callbacks(cfg, prep, prog, out, t_start, warning, log, callbacks,
                                      checkpoint_dir=cfg.out)
-            start = RunStart(out, config_record(cfg, prep.hparams, prep.model_name, prep.data_info),
+            start = RunStart(out, _record(cfg, prep),
                              prog.round, cfg.rounds)
             for cb in own + theirs:
                 cb.on_run_start(start)
@@ -244,6 +281,8 @@ def _resume_point(cfg: RunConfig, prep: Prepared, log) -> tuple[str, dict] | Non
     checkpoints.require_checkpoint(cfg.out)
     point = checkpoints.resume_point(cfg.out, log)
     assert point is not None                 # (an intact one, or ResumeError naming the damage)
+    if os.path.isfile(os.path.join(cfg.out, "config.json")):  # (the one it falls back to, too)
+        checkpoints.check_saved_config(cfg.out, read_config(cfg.out), *point)
     if int(point[1]["round"]) > cfg.rounds:
         raise ResumeError(f"{arg('rounds')} {cfg.rounds} is less than the {point[1]['round']} "
                           f"rounds the checkpoint {point[0]} has done")
@@ -251,9 +290,16 @@ def _resume_point(cfg: RunConfig, prep: Prepared, log) -> tuple[str, dict] | Non
     return point
 
 
+def _record(cfg: RunConfig, prep: Prepared) -> dict:
+    """config.json's record: `config_record`, with the compression used where a rank rule set it."""
+    record = config_record(cfg, prep.hparams, prep.model_name, prep.data_info)
+    if prep.compression is not None:
+        record["compression"] = prep.compression
+    return record
+
+
 def _write_config(cfg: RunConfig, prep: Prepared, out: str) -> None:
-    rundir.write_json(os.path.join(out, "config.json"),
-                      config_record(cfg, prep.hparams, prep.model_name, prep.data_info))
+    rundir.write_json(os.path.join(out, "config.json"), _record(cfg, prep))
 
 
 def _compile(cfg: RunConfig, prep: Prepared, log):

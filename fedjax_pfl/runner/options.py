@@ -25,6 +25,12 @@ notebook gets what the command line gets:
   `dirichlet` otherwise; the client count to `synthetic_clients` for `synthetic`, 20 otherwise;
   each dataset gets the data options its loader takes (`RunConfig.data_options`).
 * `out` defaults to runs/ALGO_DATASET_TIME.
+* An option or hyperparameter given that the run does not use is refused, by one declaration of
+  which apply when (`applies_table`): a partition's setting under another scheme, a dataset's
+  or a model's under another, a privacy setting without `dp_clip`, `local_epochs` where
+  `local_steps` sets the local work. Where the data live (`data_dir`, `tfds_dir`, `download`)
+  is harmless: left at its default with an `errors.OptionWarning`, as is a preset's setting
+  the run does not use (`preset=`), so config.json never records what no part of the run used.
 
 Errors are `fedjax_pfl.errors.OptionError`s naming these options, raised before anything is
 loaded: `str(e)` says "clients does not apply (use max_clients K)", run.py says the same with
@@ -34,14 +40,16 @@ its flags. What needs the configuration as a whole (`RunConfig.validate`) or the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
-from typing import Any, Mapping
+import warnings
+from typing import Any, Callable, Collection, Mapping
 
 from fedjax_pfl import algorithms
 from fedjax_pfl.data.build import PartitionConfig
-from fedjax_pfl.errors import OptionError, arg
+from fedjax_pfl.errors import OptionError, OptionWarning, arg
 
 # Every option and its default, in run.py's order of the flags.
 DEFAULTS: dict[str, Any] = {
@@ -60,6 +68,17 @@ DEFAULTS: dict[str, Any] = {
 }
 # The options that apply to natural-client datasets only.
 NATURAL_ONLY = ("format", "max_clients", "cache_dir", "token_accuracy", "min_samples")
+# The datasets read from prepared TFDS copies or their original files (`data.sources`): the ones
+# that take `data_dir`, `tfds_dir` and `download` (digits is embedded, synthetic generated).
+FILE_DATASETS = ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100")
+# The model a dataset gets without `model` (natural-client datasets: the published model of
+# each, docs/results/natural.md).
+DEFAULT_MODEL = {"digits": "mlp", "synthetic": "logreg", "mnist": "mlp", "fashion_mnist": "mlp",
+                 "emnist": "mlp", "cifar10": "cnn", "cifar100": "cnn",
+                 "femnist": "femnist_cnn", "emnist62": "femnist_cnn", "emnist10": "femnist_cnn",
+                 "shakespeare": "char_lstm", "stackoverflow_nwp": "word_lstm",
+                 "stackoverflow_tp": "tag_logreg", "sent140": "sent_lstm", "celeba": "cnn",
+                 "cifar100_fl": "resnet18"}
 
 # The option that sets an argument the library's errors name (`errors.arg(name, space)`) where
 # the two names differ: RunConfig's fields (""), PartitionConfig's ("partition") and the keys
@@ -78,6 +97,141 @@ def option_name(name: str, space: str = "") -> str | None:
         return None
     option = _OPTION_OF.get(space, {}).get(name, name)
     return option if option in DEFAULTS else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What decides whether an option or hyperparameter is used (`APPLIES`): the dataset, its
+    partition scheme, the model, the algorithm and its resolved hyperparameters (defaults with
+    the given ones on top), and which hyperparameters were given (not defaults)."""
+
+    dataset: str
+    natural: bool
+    scheme: str
+    model: str
+    algo: str
+    hparams: Mapping[str, Any]
+    given_hparams: Collection[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Applies:
+    """When an option (or hyperparameter) is used: `when(setting)`; else `why(setting)` says so
+    after its name, and the option is refused (OptionError), or, `harmless` (a setting a user
+    keeps in every command line: where the data live), left at its default with an
+    OptionWarning."""
+
+    when: Callable[[Setting], bool]
+    why: Callable[[Setting], str]
+    harmless: bool = False
+
+
+def _schemes(*schemes: str) -> Applies:
+    return Applies(lambda s: s.scheme in schemes,
+                   lambda s: f"applies to {arg('partition')} {' / '.join(schemes)} only, not "
+                             f"{arg('partition')} {s.scheme}")
+
+
+def _dataset(*datasets: str, harmless: bool = False) -> Applies:
+    return Applies(lambda s: s.dataset in datasets,
+                   lambda s: f"applies to {arg('dataset')} {' / '.join(datasets)} only, not "
+                             f"{arg('dataset')} {s.dataset}", harmless)
+
+
+def _natural_only() -> Applies:
+    from fedjax_pfl.data.formats import NATURAL_DATASETS
+
+    return Applies(lambda s: s.natural,
+                   lambda s: f"applies to natural-client datasets ({', '.join(NATURAL_DATASETS)}), "
+                             f"not {arg('dataset')} {s.dataset}")
+
+
+def _models(names: Collection[str], what: str) -> Applies:
+    return Applies(lambda s: s.model in names,
+                   lambda s: f"applies to {arg('model')} {what} only, not {arg('model')} "
+                             f"{s.model}")
+
+
+def _with_hparam(name: str, what: str) -> Applies:
+    return Applies(lambda s: s.hparams.get(name) is not None,
+                   lambda s: f"needs {arg(name, 'hparams')} ({what}): without it nothing uses it")
+
+
+def _local_epochs() -> Applies:
+    def why(s: Setting) -> str:
+        k = s.hparams.get("local_steps")
+        if "local_steps" in s.given_hparams:
+            return (f"and {arg('local_steps', 'hparams')} {k} both set the local work: give one "
+                    f"({arg('local_steps', 'hparams')}, when set, replaces the epochs)")
+        return (f"does not apply: {arg('algo')} {s.algo} runs {arg('local_steps', 'hparams')} {k} "
+                f"by default (steps replace the epochs: give {arg('local_steps', 'hparams')})")
+    return Applies(lambda s: s.hparams.get("local_steps") is None, why)
+
+
+def _applies_table() -> dict[tuple[str, str], Applies]:
+    from fedjax_pfl.models import sequence
+
+    natural = _natural_only()
+    dp = "client-level DP of the uplink"
+    return {
+        # the partition's own settings, by scheme (data/partition.py)
+        ("alpha", ""): _schemes("dirichlet", "dirichlet_client"),
+        ("min_size", ""): _schemes("dirichlet"),
+        ("classes_per_client", ""): _schemes("pathological"),
+        ("shards_per_client", ""): _schemes("shards"),
+        ("shard_size", ""): _schemes("shards"),
+        ("clusters", ""): _schemes("clustered"),
+        ("test_fraction", ""): Applies(lambda s: not s.natural,
+                                       lambda s: f"does not apply: {arg('dataset')} {s.dataset} "
+                                                 "keeps its own test split"),
+        # the datasets' own settings (data/sources.py, data/formats.py)
+        **{(key, ""): natural for key in NATURAL_ONLY},
+        ("emnist_split", ""): _dataset("emnist"),
+        ("synthetic_alpha", ""): _dataset("synthetic"),
+        ("synthetic_beta", ""): _dataset("synthetic"),
+        ("synthetic_clients", ""): _dataset("synthetic"),
+        ("data_dir", ""): Applies(lambda s: s.natural or s.dataset in FILE_DATASETS,
+                                  lambda s: f"does not apply to {arg('dataset')} {s.dataset} "
+                                            "(read from no files)", harmless=True),
+        ("tfds_dir", ""): _dataset(*FILE_DATASETS, harmless=True),
+        ("download", ""): _dataset(*FILE_DATASETS, harmless=True),
+        # the models' own settings (models/zoo.py, models/sequence.py)
+        ("model_cr", ""): _models(("cp_mlp", "cp_vgg8"), "cp_mlp / cp_vgg8"),
+        ("model_options", ""): _models(sequence.SEQUENCE_MODELS,
+                                       " / ".join(sequence.SEQUENCE_MODELS)),
+        # privacy (runner/privacy.py, algorithms/engine.py's server chain)
+        ("dp_delta", ""): _with_hparam("dp_clip", dp),
+        ("target_epsilon", ""): _with_hparam("dp_clip", dp),
+        ("dp_accountant", ""): _with_hparam("dp_clip", dp),
+        ("dp_noise_multiplier", "hparams"): _with_hparam("dp_clip", dp),
+        ("dp_clip_quantile", "hparams"): _with_hparam("dp_clip", "the initial clip norm C_0"),
+        ("dp_clip_lr", "hparams"): _with_hparam("dp_clip_quantile", "adaptive clipping"),
+        ("dp_count_noise", "hparams"): _with_hparam("dp_clip_quantile", "adaptive clipping"),
+        # the local work (algorithms/engine.py: local_steps replaces local_epochs)
+        ("local_epochs", "hparams"): _local_epochs(),
+    }
+
+
+def applies_table() -> dict[tuple[str, str], Applies]:
+    """The one declaration of which options and hyperparameters a run uses when, keyed by
+    (name, space) as `errors.arg` marks them ("" an option, "hparams" a hyperparameter); an
+    option or hyperparameter not in it applies to every run (or, a hyperparameter, to the
+    algorithms that have it: `_hyperparameters`)."""
+    global _APPLIES
+    if _APPLIES is None:
+        _APPLIES = _applies_table()
+    return _APPLIES
+
+
+_APPLIES: dict[tuple[str, str], Applies] | None = None
+
+
+def unused(setting: Setting, names: Collection[tuple[str, str]]) -> list[tuple[str, str, Applies]]:
+    """(name, space, rule) of each of `names` (given options and hyperparameters, as
+    `applies_table` keys them) that the run described by `setting` does not use, in order."""
+    table = applies_table()
+    return [(name, space, table[name, space]) for name, space in names
+            if (name, space) in table and not table[name, space].when(setting)]
 
 
 def check_algo(algo: str) -> str:
@@ -144,13 +298,51 @@ def _hyperparameters(algo: str, hparams: Mapping[str, Any] | None,
     return given
 
 
-def run_fields(*, hparams: Mapping[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+def _drop_unused(o: dict[str, Any], hparams: dict[str, Any], given: list[str], *,
+                 preset: Collection[tuple[str, str]], check_only: Collection[tuple[str, str]] | None,
+                 setting: Setting) -> dict[str, Any]:
+    """Refuses the given options (`given`, in `o`) and hyperparameters that `setting` does not
+    use (OptionError naming the first); resets the harmless ones and a preset's to their
+    defaults, one OptionWarning each. Returns the hyperparameters left."""
+    names = [(k, "") for k in given] + [(k, "hparams") for k, v in hparams.items() if v is not None]
+    if check_only is not None:
+        names = [n for n in names if n in check_only]
+    kept = dict(hparams)
+    for name, space, rule in unused(setting, names):
+        text = f"{arg(name, space)} {rule.why(setting)}"
+        if not (rule.harmless or (name, space) in preset):
+            raise OptionError(text)
+        whose = "the preset's value " if (name, space) in preset else ""
+        warning = OptionWarning(f"{text}; {whose}left out (not recorded in config.json)")
+        warning.harmless = rule.harmless
+        warnings.warn(warning, stacklevel=4)
+        if space:
+            kept.pop(name)
+        else:
+            o[name] = DEFAULTS[name]
+    return kept
+
+
+def run_fields(*, hparams: Mapping[str, Any] | None = None,
+               preset: Collection[tuple[str, str]] = (),
+               check_only: Collection[tuple[str, str]] | None = None,
+               **options: Any) -> dict[str, Any]:
     """The fields of the RunConfig of a run given by its options (the module docstring says which
     and their rules): what `python experiments/run.py` builds from the same flags
     (`RunConfig.from_options` is `RunConfig(**run_fields(...))`).
 
+    An option or hyperparameter given that the run does not use (`applies_table`: a partition's
+    setting under another scheme, a dataset's or a model's under another, a privacy setting
+    without `dp_clip`, `local_epochs` where `local_steps` sets the local work) is refused;
+    a harmless one (where the data live), or one a preset set, is left at its default with an
+    `OptionWarning` saying so (so config.json never records a setting that was not used).
+
     Args:
       hparams: the algorithm's hyperparameters by name (also accepted as keywords).
+      preset: (name, space) of the options ("") and hyperparameters ("hparams") a preset set:
+        where they do not apply they are left out with a warning, not refused.
+      check_only: (name, space) of those the user gave (the rest carried from a saved run, as
+        `resume_config` passes them): only these are checked for applying; None: all given.
       **options: any of `DEFAULTS` (the others keep their defaults) and hyperparameters.
 
     Raises OptionError naming the option (or hyperparameter) at fault.
@@ -170,14 +362,18 @@ def run_fields(*, hparams: Mapping[str, Any] | None = None, **options: Any) -> d
     if natural and o["clients"] is not None:
         raise OptionError(f"{arg('dataset')} {dataset} keeps its own clients: {arg('clients')} "
                           f"does not apply (use {arg('max_clients')} K)")
-    if not natural:
-        for key in NATURAL_ONLY:
-            value = o[key] if key != "min_samples" else (o[key] or None)
-            if value is not None:
-                raise OptionError(f"{arg(key)} applies to natural-client datasets "
-                                  f"({', '.join(NATURAL_DATASETS)}), not {arg('dataset')} "
-                                  f"{dataset}")
     scheme = o["partition"] or ("natural" if synthetic or natural else "dirichlet")
+    model_options = parse_model_options(o["model_options"])
+    # (None, and no model options at all, is what not giving an option gives)
+    given = [k for k in options if k in DEFAULTS and options[k] is not None
+             and not (k == "model_options" and not model_options)]
+    hparams = _drop_unused(o, hparams, given, preset=preset,
+                           check_only=check_only, setting=Setting(
+                               dataset, natural, scheme, o["model"] or DEFAULT_MODEL.get(dataset, "mlp"),
+                               algo, {**{hp.name: hp.default
+                                         for hp, _ in algorithms.spec(algo).all_hparams()},
+                                      **{k: v for k, v in hparams.items() if v is not None}},
+                               {k for k, v in hparams.items() if v is not None}))
     if o["clients"] is not None:
         clients = o["clients"]
     else:
@@ -206,7 +402,7 @@ def run_fields(*, hparams: Mapping[str, Any] | None = None, **options: Any) -> d
     if o["checkpoint_on_signal"] is not None:
         parse_signal(o["checkpoint_on_signal"])
     return dict(algo=algo, dataset=dataset, model=o["model"],
-                model_options=parse_model_options(o["model_options"]),
+                model_options=model_options if o["model_options"] else {},
                 model_cr=o["model_cr"], model_conv=o["conv"], partition=partition,
                 rounds=o["rounds"], seed=o["seed"], eval_every=o["eval_every"],
                 eval_clients=o["eval_clients"], rounds_per_call=o["rounds_per_call"],

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+import warnings
+from typing import Any, Callable
 
 from fedjax_pfl import core
 from fedjax_pfl.errors import OptionError, arg
@@ -70,6 +71,37 @@ def default_delta(num_clients: int) -> float:
     return float(num_clients) ** -1.1
 
 
+def warn_unhelpful_target(target: float, z: float, clients_per_round: float,
+                          epsilon: Callable[[float], float], tolerance: float = 1e-3) -> None:
+    """An OptionWarning (one line) when the noise multiplier z that `target` ε calls for (the
+    least that meets it, `accounting.noise_multiplier_for` to relative `tolerance`) cannot serve
+    a useful run:
+
+    * z > M, the clients a round (expected, under Poisson sampling): the Gaussian noise on the
+      mean of the M clipped updates has standard deviation z·C/M per coordinate, more than the
+      clip C, the norm no client's update exceeds; the noise then drowns the whole signal of
+      every round, in every coordinate (DP-FedAvg, McMahan et al. 2018, trains at z·C/M ≪ C).
+    * ε(z) < target/2: the search stops where ε(z) ≤ target < ε(z·(1 − tol)), so a continuous
+      ε(z) would be within a hair of the target; one far below it is a jump of the accountant's
+      arithmetic (RDP's conversion to (ε, δ) bottoms out at 0.0 for large z), not a bound it
+      resolved: a target below that floor is "met" by the floor.
+    """
+    from fedjax_pfl.errors import OptionWarning
+
+    words = []
+    if z > clients_per_round:
+        words.append(f"above the {clients_per_round:g} clients a round, the noise on the mean "
+                     "update (z·C/M) exceeds the clip C: the run can hardly learn")
+    reached = epsilon(z)
+    if reached < target / 2:
+        words.append(f"its ε = {reached:.3g} is the accountant's precision floor, not the target "
+                     f"met (ε = {epsilon(z * (1 - tolerance)):.3g} just below that z)")
+    if words:
+        warnings.warn(OptionWarning(f"{arg('target_epsilon')} {target:g} calls for "
+                                    f"{arg('dp_noise_multiplier', 'hparams')} {z:.4g}: "
+                                    + "; ".join(words)), stacklevel=3)
+
+
 def plan(cfg, hparams: dict[str, Any], num_clients: int) -> tuple[dict[str, Any], PrivacyPlan | None]:
     """(the hyperparameters, with the noise multiplier `target_epsilon` calls for; the run's
     privacy plan, None without `dp_clip`). OptionErrors name the setting."""
@@ -104,6 +136,9 @@ def plan(cfg, hparams: dict[str, Any], num_clients: int) -> tuple[dict[str, Any]
         z = accounting.noise_multiplier_for(cfg.target_epsilon, rounds=cfg.rounds,
                                             accountant=cfg.dp_accountant, **common)
         hparams = {**hparams, "dp_noise_multiplier": z}
+        warn_unhelpful_target(cfg.target_epsilon, z, q * num_clients if poisson else m,
+                              lambda z: accounting.epsilon(z, rounds=cfg.rounds,
+                                                           accountant=cfg.dp_accountant, **common))
     adaptive = None
     if hparams.get("dp_clip_quantile") is not None:
         from fedjax_pfl.algorithms import EngineConfig, engine

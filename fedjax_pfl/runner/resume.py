@@ -57,7 +57,9 @@ def _saved_record(out: str) -> dict[str, Any]:
     continue from (OptionError / ResumeError otherwise, before anything is loaded)."""
     rundir.check_out(out, resume=True)
     checkpoints.require_checkpoint(out)
-    return read_config(out)
+    record = read_config(out)
+    checkpoints.check_saved_config(out, record)
+    return record
 
 
 def saved_options(out: str) -> dict[str, Any]:
@@ -102,7 +104,12 @@ def resume_config(out: str, /, *, hparams: Mapping[str, Any] | None = None, **ov
     mine = {**carried, **(hparams or {})}
     for name in keywords:                          # (a keyword overrides the saved value)
         mine.pop(name, None)
-    cfg = RunConfig.from_options(**options, **keywords, hparams=mine, out=out, resume=True)
+    # Only what the caller gives is checked for applying to the run: the saved settings are the
+    # run's own (a record keeps every partition field, whatever the scheme).
+    check_only = ({(k, "") for k in given if k in DEFAULTS} | {(k, "hparams") for k in keywords}
+                  | {(k, "hparams") for k in (hparams or {})})
+    cfg = RunConfig.from_options(**options, **keywords, hparams=mine, out=out, resume=True,
+                                 check_only=check_only)
     conflict = resume_conflicts(cfg, cfg.validate(), model_name_of(cfg), record)
     if conflict:
         raise ResumeError(conflict)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from typing import Any, Callable
 
 import numpy as np
@@ -47,6 +48,15 @@ def check_out(out: str, *, overwrite: bool = False, resume: bool = False) -> Non
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise OptionError(f"{arg('out')} {out} is not writable ({ancestor} does not allow "
                           "writing)")
+    # The permission bits do not tell for root, a read-only mount or /proc: a file made and
+    # removed at once does (before the data load, not at the first write after it).
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".fedjax_pfl-write-probe-", dir=ancestor)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise OptionError(f"{arg('out')} {out} is not writable (no file can be made in "
+                          f"{ancestor}: {e.strerror or e})") from None
     if resume:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise OptionError(f"{arg('resume')}: {out} holds no run to resume (no config.json)")

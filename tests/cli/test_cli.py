@@ -26,7 +26,8 @@ def no_compute(monkeypatch):
 @pytest.mark.parametrize("argv,message", [
     (["--algo", "nope"], "--algo must be one of ['apfl', 'ditto', "),
     (["--alpha", "0"], "--alpha must be > 0, got 0.0"),
-    (["--alpha", "0", "--partition", "iid"], "--alpha must be > 0, got 0.0"),
+    (["--alpha", "0", "--partition", "iid"],
+     "--alpha applies to --partition dirichlet / dirichlet_client only, not --partition iid"),
     (["--alpha", "-1"], "--alpha must be > 0"),
     (["--participation", "0"], "--participation must be in (0, 1], got 0.0"),
     (["--participation", "1.5"], "--participation must be in (0, 1]"),
@@ -53,6 +54,9 @@ def no_compute(monkeypatch):
      "--checkpoint-every 3 must be a multiple of --rounds-per-call 2"),
     (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
     (["--resume"], "--resume needs the run's directory"),
+    (["--dataset", "nope"], "--dataset must be one of ['digits', 'synthetic', "),
+    (["--partition", "natural"], "--partition natural keeps a dataset's own clients: synthetic's "
+                                 "or a natural-client dataset's, not --dataset digits's"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, capsys, no_compute):
     with pytest.raises(SystemExit) as exc:
@@ -61,6 +65,129 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys, no_compute):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("run.py: error: ")
     assert message in err
+
+
+# Flags the run would not use: each refused in one line naming the flag and why, exit 2,
+# before anything is written (the rule table: fedjax_pfl.runner.options.applies_table).
+UNUSED = [
+    (["--partition", "iid", "--shards-per-client", "3"],
+     "--shards-per-client applies to --partition shards only, not --partition iid"),
+    (["--partition", "iid", "--min-size", "5"],
+     "--min-size applies to --partition dirichlet only, not --partition iid"),
+    (["--clusters", "3"], "--clusters applies to --partition clustered only, not --partition "
+                          "dirichlet"),
+    (["--classes-per-client", "3"], "--classes-per-client applies to --partition pathological"),
+    (["--synthetic-alpha", "0.5"],
+     "--synthetic-alpha applies to --dataset synthetic only, not --dataset digits"),
+    (["--synthetic-alpha", "1.0"],          # (the default value, given: still not used)
+     "--synthetic-alpha applies to --dataset synthetic only, not --dataset digits"),
+    (["--emnist-split", "letters"], "--emnist-split applies to --dataset emnist only, not "
+                                    "--dataset digits"),
+    (["--model-cr", "3"], "--model-cr applies to --model cp_mlp / cp_vgg8 only, not --model mlp"),
+    (["--model-options", "hidden=8"], "--model-options applies to --model char_lstm / "),
+    (["--dp-noise-multiplier", "1"],
+     "--dp-noise-multiplier needs --dp-clip (client-level DP of the uplink): without it nothing "
+     "uses it"),
+    (["--dp-accountant", "pld"], "--dp-accountant needs --dp-clip"),
+    (["--dp-delta", "0.001"], "--dp-delta needs --dp-clip"),
+    (["--dp-clip", "1", "--dp-clip-lr", "0.3"],
+     "--dp-clip-lr needs --dp-clip-quantile (adaptive clipping)"),
+    (["--dp-clip-quantile", "0.5"], "--dp-clip-quantile needs --dp-clip (the initial clip norm"),
+    (["--local-epochs", "2", "--local-steps", "3"],
+     "--local-epochs and --local-steps 3 both set the local work: give one (--local-steps, when "
+     "set, replaces the epochs)"),
+    (["--algo", "tdpfed", "--local-epochs", "2"],
+     "--local-epochs does not apply: --algo tdpfed runs --local-steps 23 by default"),
+    (["--preset", "fedpc_clustered", "--algo", "fedavg", "--local-epochs", "2"],
+     "--local-epochs and --local-steps 10 both set the local work"),
+]
+
+
+@pytest.mark.parametrize("argv,message", UNUSED, ids=[" ".join(a) for a, _ in UNUSED])
+def test_a_flag_the_run_does_not_use_is_refused_in_one_line(argv, message, tmp_path, capsys,
+                                                            no_compute):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv + ["--out", str(out), "--quiet"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"run.py: error: {message}"), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,flag,field,left", [
+    (["--download"], "--download", "download", False),
+    (["--tfds-dir", "/nowhere"], "--tfds-dir", "tfds_dir", None),
+    (["--data-dir", "/nowhere"], "--data-dir", "data_dir", None),
+])
+def test_a_harmless_flag_the_run_does_not_use_is_said_once_and_left_out(argv, flag, field, left,
+                                                                        capsys):
+    cfg = cli.config_from_args(cli.parse(argv + ["--out", "o"]))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"run.py: warning: {flag} ")
+    assert "--dataset digits" in err and "left out" in err
+    assert cfg.data_options[field] is left            # what config.json records: not the flag
+
+
+def test_the_librarys_warnings_are_one_line_each_in_flags_once_the_step_succeeds(capsys):
+    import warnings
+
+    from fedjax_pfl.errors import OptionWarning, arg
+
+    with cli.said_warnings("run.py", "fedavg"):
+        warnings.warn(OptionWarning(f"{arg('target_epsilon')} 1e-06 calls for "
+                                    f"{arg('dp_noise_multiplier', 'hparams')} 118: too noisy"))
+    assert capsys.readouterr().err == ("run.py: warning: --target-epsilon 1e-06 calls for "
+                                       "--dp-noise-multiplier 118: too noisy\n")
+    with pytest.raises(ValueError), cli.said_warnings():     # an error: it is the one line
+        warnings.warn(OptionWarning("x"))
+        raise ValueError("bad")
+    assert capsys.readouterr().err == ""
+
+
+def test_a_presets_setting_the_run_does_not_use_is_left_out_with_a_warning(capsys):
+    """pgfed_paper's Dir(0.3) settings and E = 5 under --partition iid --local-steps 2: the
+    explicit flags win, the preset's α, min size and epochs are said and left at the defaults."""
+    cfg = cli.config_from_args(cli.parse(["--preset", "pgfed_paper", "--algo", "pgfed",
+                                          "--partition", "iid", "--local-steps", "2"]))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[2] for line in lines] == ["--alpha", "--min-size", "--local-epochs"]
+    assert all(line.startswith("run.py: warning: ") and "the preset's value left out" in line
+               for line in lines)
+    assert (cfg.partition.alpha, cfg.partition.min_size) == (0.5, 10)   # PartitionConfig's
+    assert "local_epochs" not in cfg.hparams and cfg.hparams["local_steps"] == 2
+    assert cfg.hparams["lr"] == 0.005 and cfg.partition.num_clients == 25   # the rest applies
+
+
+@pytest.mark.parametrize("options,message", [
+    ("--model char_lstm --model-options hidden=abc",
+     "--model-options hidden must be an integer >= 1, got 'abc'"),
+    ("--model char_lstm --model-options hidden=1.5",
+     "--model-options hidden must be an integer >= 1, got 1.5"),
+    ("--model char_lstm --model-options layers=0",
+     "--model-options layers must be an integer >= 1, got 0"),
+    ("--model char_lstm --model-options output_tanh=2",
+     "--model-options output_tanh must be true or false, got 2"),
+    ("--model femnist_cnn --model-options conv=fast",
+     "--model-options conv must be one of ['auto', 'im2col', 'winograd'], got 'fast'"),
+    ("--model transformer --model-options width=10",
+     "--model-options width 10 must be a multiple of heads 4"),
+    ("--model char_lstm --model-options hiden=3",
+     "--model-options hiden: --model char_lstm has no such option; it takes embed, hidden, "
+     "layers, output_tanh"),
+])
+def test_a_bad_model_option_is_one_line_naming_it_before_the_data(options, message, tmp_path,
+                                                                  capsys, no_compute, monkeypatch):
+    def no_data(*a, **k):
+        raise AssertionError("the data were loaded: the model options are checked first")
+    monkeypatch.setattr(runner, "load_data", no_data)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(options.split() + ["--out", str(out), "--quiet"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"run.py: error: {message}\n"
+    assert not out.exists()
 
 
 def test_missing_dataset_names_the_files_and_fails_fast(tmp_path, capsys, monkeypatch, no_compute):
@@ -229,6 +356,24 @@ def test_out_that_is_not_writable_fails_first(tmp_path, capsys, no_compute):
         assert exc.value.code == 2 and "is not writable" in capsys.readouterr().err
     finally:
         locked.chmod(0o700)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_out_where_no_file_can_be_made_fails_before_the_data_even_as_root(capsys, monkeypatch,
+                                                                          no_compute):
+    """/proc takes no new files whatever the permission bits say (root's os.access says yes):
+    refused before the data load, not by the first write after it."""
+    def no_data(*a, **k):
+        raise AssertionError("the data were loaded before --out was found unwritable")
+    monkeypatch.setattr(runner, "load_data", no_data)
+    for out in ("/proc/fedjax_pfl_no_such/run", "/proc/fedjax_pfl_run"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["--out", out, "--quiet"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(
+            f"run.py: error: --out {out} is not writable (no file can be made in /proc: ")
+        assert not os.path.exists(out)
 
 
 @pytest.mark.slow

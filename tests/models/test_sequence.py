@@ -560,3 +560,25 @@ def test_femnist_cnn_is_stateless_and_uses_our_layers():
     assert set(variables) == {"params"}
     assert sorted(variables["params"]) == ["Conv2D_0", "Conv2D_1", "Dense_0", "Dense_1"]
     assert variables["params"]["Dense_0"]["kernel"].shape == (12 * 12 * 64, 128)
+
+
+def test_model_options_are_checked_by_name_and_kind_before_a_model_is_built():
+    from fedjax_pfl.errors import OptionError
+    from fedjax_pfl.models.sequence import check_options
+
+    check_options("char_lstm", {"embed": 4, "hidden": 8, "layers": 1, "output_tanh": True})
+    check_options("transformer", {"width": 12, "heads": 3})          # 12 = 3 heads of 4
+    check_options("mlp", {})                                           # none given: nothing to check
+    for name, options, words in [
+            ("char_lstm", {"hidden": "8"}, "model_options hidden must be an integer >= 1, got '8'"),
+            ("char_lstm", {"hidden": True}, "model_options hidden must be an integer >= 1"),
+            ("sent_lstm", {"fc": -1}, "model_options fc must be an integer >= 1, got -1"),
+            ("tag_logreg", {"features": "tfidf"}, "model_options features must be one of"),
+            ("transformer", {"width": 12, "heads": 5},
+             "model_options width 12 must be a multiple of heads 5"),
+            ("word_lstm", {"layers": 2}, "model_options layers: model word_lstm has no such option"),
+            ("mlp", {"hidden": 3}, "model_options ['hidden']: model mlp takes no model options")]:
+        with pytest.raises(OptionError) as exc:
+            check_options(name, options)
+        assert str(exc.value).startswith(words), (name, options, str(exc.value))
+        assert exc.value.arguments[0] == ("model_options", "")

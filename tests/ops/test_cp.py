@@ -260,3 +260,20 @@ def test_afm_equals_act_when_clients_differ_in_one_mode_only(x64):
     flipped = [-f[0], -f[1], f[2]]
     np.testing.assert_allclose(ops.cp_reconstruct([(a + b) / 2 for a, b in zip(f, flipped)]), 0.0,
                                atol=1e-12)
+
+
+def test_compression_records_the_rate_used_where_the_rank_rule_clamps_to_one():
+    """784-100-10 (TDPFed's MLP) at CR 20: 78400/(20·884) = 4.43 → R = 4; 1000/(20·110) = 0.45
+    rounds to 0, kept at 1 (clamped). Used: (78400 + 1000) / (4·884 + 1·110) = 79400/3646."""
+    from fedjax_pfl.ops.cp import compression
+
+    got = compression({"Dense_0/kernel": (784, 100), "Dense_1/kernel": (100, 10)}, 20.0)
+    assert got == {"given": 20.0, "used": pytest.approx(79400 / 3646),
+                   "ranks": {"Dense_0/kernel": 4, "Dense_1/kernel": 1},
+                   "clamped": ["Dense_1/kernel"]}
+    # CR 2 (Table I: ranks 44 and 5): nothing clamped, the rate used ~2 by the rounding alone
+    table = compression({"a": (784, 100), "b": (100, 10)}, 2.0)
+    assert table["ranks"] == {"a": 44, "b": 5} and table["clamped"] == []
+    assert table["used"] == pytest.approx(79400 / (44 * 884 + 5 * 110))
+    # exactly half rounds up to rank 1: not clamped (1000/(CR·110) = 0.5 at CR = 1000/55)
+    assert compression({"b": (100, 10)}, 1000 / 55)["clamped"] == []

@@ -87,6 +87,9 @@ def test_an_out_holding_files_needs_resume_and_is_left_as_it_is(tmp_path, capsys
 @pytest.mark.parametrize("flags,message", [
     ("--lr -1", "--run 'bad': --lr must be > 0"),
     ("--no-such-flag", "--run 'bad': unrecognized arguments: --no-such-flag"),
+    ("--partition iid --shards-per-client 2",
+     "--run 'bad': --shards-per-client applies to --partition shards only, not --partition iid"),
+    ("--dp-noise-multiplier 1", "--run 'bad': --dp-noise-multiplier needs --dp-clip"),
 ])
 def test_bad_run_flags_are_one_line_and_leave_no_folder(tmp_path, capsys, flags, message):
     out = tmp_path / "cmp"

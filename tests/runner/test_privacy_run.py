@@ -57,10 +57,10 @@ def test_a_run_at_a_target_epsilon_reports_epsilon_after_every_round(tmp_path):
 def test_privacy_flags_that_cannot_apply_are_refused(tmp_path, flags, words):
     import run as cli  # experiments/run.py: the command line's words, its flags
 
-    cfg = _config(tmp_path, *flags)
-    with pytest.raises(ValueError) as exc:
-        runner.prepare(cfg)
-    assert re.search(words, cli.message(exc.value, cfg.algo)), cli.message(exc.value, cfg.algo)
+    with pytest.raises(ValueError) as exc:     # (from the flags alone where they can tell)
+        runner.prepare(_config(tmp_path, *flags))
+    algo = "pgfedmo" if "pgfedmo" in flags else "fedavg"
+    assert re.search(words, cli.message(exc.value, algo)), cli.message(exc.value, algo)
 
 
 @pytest.mark.slow
@@ -146,3 +146,48 @@ def test_adaptive_clipping_with_poisson_sampling_resumes_exactly(tmp_path):
     assert adaptive["count_noise"] == pytest.approx(sigma)
     assert (adaptive["update_noise_multiplier"] ** -2 + (2 * sigma) ** -2) ** -0.5 == \
         pytest.approx(0.3, rel=1e-5)
+
+
+def _plan(target, clients=20, participation=0.25, rounds=50):
+    from fedjax_pfl import algorithms
+    from fedjax_pfl.runner import privacy
+
+    cfg = runner.RunConfig(rounds=rounds, target_epsilon=target)
+    hparams = algorithms.spec("fedavg").resolve({"dp_clip": 1.0, "participation": participation})
+    return privacy.plan(cfg, hparams, clients)
+
+
+@pytest.mark.slow
+def test_a_target_epsilon_that_calls_for_useless_noise_or_the_accountants_floor_is_warned():
+    """20 clients, M = 5 a round, 10 rounds, δ = 20^-1.1. ε = 1e-6 is below what RDP resolves:
+    the z it gets has ε(z) = 0.0 (the floor) where 0.1 % less noise has ε ~ 4e-5 ≫ 1e-6; and
+    that z is far above M = 5 (noise on the mean z·C/M > C). ε = 1 still needs z > 5 here."""
+    from fedjax_pfl.errors import OptionWarning
+
+    delta = 20 ** -1.1
+    common = dict(rounds=10, num_clients=20, clients_per_round=5, sampling="fixed", delta=delta)
+    with pytest.warns(OptionWarning) as caught:
+        _, plan = _plan(1e-6, rounds=10)
+    (w,) = caught
+    z = plan.noise_multiplier
+    assert accounting.epsilon(z, **common) == 0.0 < accounting.epsilon(0.999 * z, **common) > 1e-5
+    text = str(w.message)
+    assert text.startswith(f"target_epsilon 1e-06 calls for dp_noise_multiplier {z:.4g}: above "
+                           "the 5 clients a round, the noise on the mean update (z·C/M) exceeds")
+    assert "its ε = 0 is the accountant's precision floor, not the target met" in text
+    assert "\n" not in text
+    with pytest.warns(OptionWarning) as caught:
+        _, plan = _plan(1.0, rounds=10)
+    assert plan.noise_multiplier > 5 and "above the 5 clients" in str(caught[0].message)
+    assert "floor" not in str(caught[0].message)        # ε(z) is the target, within tolerance
+    assert accounting.epsilon(plan.noise_multiplier, **common) == pytest.approx(1.0, rel=1e-2)
+
+
+def test_a_target_epsilon_a_run_can_learn_under_is_not_warned():
+    """100 clients, M = 50 a round, 3 rounds, ε = 4: z ≈ 1 ≪ M, ε(z) at the target."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, plan = _plan(4.0, clients=100, participation=0.5, rounds=3)
+    assert 0 < plan.noise_multiplier < 50

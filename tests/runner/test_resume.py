@@ -97,3 +97,65 @@ def test_target_accuracy_is_checked_up_front(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--algo", "fedavg", "--target-acc", "0.5", "--seeds", "1", "2", "--quiet"])
     assert e.value.code == 2 and "--target-acc" in capsys.readouterr().err
+
+
+def test_a_config_json_that_disagrees_with_its_checkpoint_names_every_differing_setting():
+    """The comparison itself, on records written out here: the settings a resume may change
+    (rounds, out, …) and where the data live are no disagreement; every other one is named."""
+    from fedjax_pfl.runner import checkpoints
+
+    saved = {"algo": "fedavg", "rounds": 4, "out": "a", "hparams": {"lr": 0.05, "batch_size": 10},
+             "partition": {"scheme": "dirichlet", "alpha": 0.5},
+             "data_options": {"data_dir": "/x", "download": False}, "model_cr": 2.0}
+    same = {**saved, "rounds": 9, "out": "b", "data": {"num_clients": 4}, "versions": {},
+            "compression": {"given": 2.0, "used": 1.9},     # (derived: config.json's alone)
+            "hparams": {"lr": 0.05, "batch_size": 10.0},         # 10 and 10.0: one number
+            "data_options": {"data_dir": "/moved", "download": False}}
+    checkpoints.check_saved_config("a", same, "a/checkpoints/round_000004", {"config": saved})
+    checkpoints.check_saved_config("a", same, "p", {})          # (saved no configuration)
+    edited = {**same, "hparams": {"lr": 0.07, "batch_size": 10},
+              "partition": {"scheme": "dirichlet", "alpha": 0.3}, "model_cr": 3.0}
+    with pytest.raises(runner.ResumeError) as exc:
+        checkpoints.check_saved_config("a", edited, "a/checkpoints/round_000004",
+                                       {"config": saved})
+    assert str(exc.value) == (
+        "resume: a/config.json disagrees with the configuration its checkpoint round_000004 "
+        "saved, in lr, model_cr, alpha (was it edited?); restore it, or start the run again "
+        "with overwrite")
+    assert [a for a in exc.value.arguments] == [
+        ("resume", ""), ("lr", "hparams"), ("model_cr", ""), ("alpha", "partition"),
+        ("overwrite", "")]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_figures")
+def test_resume_with_an_edited_config_json_is_refused_before_anything_is_loaded(tmp_path, capsys,
+                                                                               monkeypatch):
+    import os
+
+    out = tmp_path / "run"
+    assert cli.main(["--rounds", "2", "--clients", "4", "--participation", "0.5",
+                     "--local-steps", "1", "--checkpoint-every", "1", "--out", str(out),
+                     "--quiet"]) == 0
+    capsys.readouterr()
+    record = json.loads((out / "config.json").read_text())
+    record["hparams"]["lr"] = 0.5
+    record["partition"]["alpha"] = 0.25
+    (out / "config.json").write_text(json.dumps(record))
+
+    def files():
+        return {os.path.join(d, f): os.path.getmtime(os.path.join(d, f))
+                for d, _, names in os.walk(out) for f in names}
+    before = files()
+
+    def no_data(*a, **k):
+        raise AssertionError("the data were loaded: the checkpoint's configuration is compared first")
+    monkeypatch.setattr(runner, "load_data", no_data)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--resume", str(out), "--rounds", "4", "--quiet"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"run.py: error: --resume: {out}/config.json disagrees with the configuration its "
+        "checkpoint round_000002 saved, in --lr, --alpha (was it edited?)"), err
+    assert files() == before                        # nothing written

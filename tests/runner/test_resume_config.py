@@ -88,3 +88,17 @@ def test_a_resumed_config_continues_the_run(tmp_path):
     runner.run(helpers.default_config("fedavg", part, 2), prepared=prep, log=quiet)
     runner.run(runner.resume_config(str(part), rounds=4, quiet=True), prepared=prep, log=quiet)
     assert helpers.metric_rows(part) == helpers.metric_rows(full)
+
+
+def test_the_compression_config_json_records_is_no_setting_a_resume_compares():
+    """config.json's "compression" (what the rank rule made of the rate given: derived) is in no
+    configuration a resume builds; the rate itself is compared."""
+    cfg = runner.RunConfig.from_options(out="o", algo="tdpfed", cr=20.0)
+    hparams = cfg.validate()
+    saved = {**runner.config_record(cfg, hparams, "mlp", {}),
+             "compression": {"setting": "cr", "given": 20.0, "used": 16.9}}
+    assert runner.resume_conflicts(cfg, hparams, "mlp", saved) is None
+    other = {**saved, "hparams": {**saved["hparams"], "cr": 10.0}}
+    from fedjax_pfl.errors import render
+
+    assert "cr 10.0, not 20.0" in render(runner.resume_conflicts(cfg, hparams, "mlp", other))

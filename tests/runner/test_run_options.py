@@ -178,7 +178,8 @@ def test_the_rules_per_dataset_without_the_command_line():
                                 "min_samples": 0, "cache_dir": None, "token_accuracy": "default"}
     assert runner.RunConfig.from_options(dataset="emnist", out="o").data_options[
         "emnist_split"] == "balanced"
-    assert runner.RunConfig.from_options(model_options="hidden=64,tanh=true,name=x,r=0.5",
+    assert runner.RunConfig.from_options(model="char_lstm",
+                                         model_options="hidden=64,tanh=true,name=x,r=0.5",
                                          out="o").model_options == {
         "hidden": 64, "tanh": True, "name": "x", "r": 0.5}
 
@@ -201,3 +202,34 @@ def test_a_runs_flags_on_top_of_common_flags_are_the_joined_command_line(common,
     on_top = cli.config_from_args(cli.parse_on_top(shlex.split(own) + ["--out", "o"],
                                                    cli.parse(shlex.split(common))))
     assert on_top == joined
+
+
+def test_an_option_the_run_does_not_use_is_refused_by_the_library_too():
+    with pytest.raises(OptionError) as exc:
+        runner.RunConfig.from_options(partition="iid", alpha=0.3)
+    assert str(exc.value) == "alpha applies to partition dirichlet / dirichlet_client only, not partition iid"
+    assert exc.value.arguments[0] == ("alpha", "")
+    with pytest.raises(OptionError, match="^dp_noise_multiplier needs dp_clip "):
+        runner.RunConfig.from_options(dp_noise_multiplier=1.0)
+    with pytest.raises(OptionError, match="^synthetic_clients applies to dataset synthetic only"):
+        runner.RunConfig.from_options(synthetic_clients=5)
+    # where they apply they are taken
+    assert runner.RunConfig.from_options(partition="shards", shards_per_client=2, out="o"
+                                         ).partition.shards_per_client == 2
+    assert runner.RunConfig.from_options(dp_clip=1.0, dp_noise_multiplier=1.0, out="o"
+                                         ).hparams["dp_noise_multiplier"] == 1.0
+
+
+def test_a_presets_or_a_harmless_option_is_left_out_with_a_warning_and_a_saved_one_kept():
+    from fedjax_pfl.errors import OptionWarning
+
+    with pytest.warns(OptionWarning, match="^download applies to dataset mnist / "):
+        cfg = runner.RunConfig.from_options(download=True, out="o")
+    assert cfg.data_options["download"] is False
+    with pytest.warns(OptionWarning, match="the preset's value left out"):
+        cfg = runner.RunConfig.from_options(partition="iid", alpha=0.3, preset={("alpha", "")},
+                                            out="o")
+    assert cfg.partition.alpha == 0.5
+    # check_only: a resume checks only what its caller gives; the saved run's fields stay
+    cfg = runner.RunConfig.from_options(partition="iid", alpha=0.3, check_only=set(), out="o")
+    assert cfg.partition.alpha == 0.3

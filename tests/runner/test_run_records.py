@@ -145,3 +145,50 @@ def test_a_resumed_run_keeps_its_step_counters(tmp_path):
     carried = saved["counters"]["wall_time"]
     later = sum(r["round_time"] for r in _rows(tmp_path / "res")[2:])    # rounds 3, 4
     assert 0 < carried <= first["wall_time_s"] and resumed["wall_time_s"] >= carried + later
+
+
+@pytest.mark.parametrize("flags,flag", [
+    (["--algo", "tdpfed", "--tdpfed-cr", "20"], "--tdpfed-cr"),
+    (["--model", "cp_mlp", "--model-cr", "20"], "--model-cr"),
+])
+def test_a_compression_rate_clamped_at_rank_one_is_recorded_as_used(flags, flag):
+    """digits' MLP 64-100-10 at CR 20: 6400/(20·164) = 1.95 → R = 2; 1000/(20·110) = 0.45 → 0,
+    kept at rank 1. The rate used, (6400 + 1000)/(2·164 + 1·110) = 7400/438, goes into
+    config.json beside the 20 given, and one warning line says so."""
+    import run as cli
+
+    from fedjax_pfl.errors import OptionWarning
+    from fedjax_pfl.runner import loop
+
+    cfg = cli.config_from_args(cli.parse(flags + ["--clients", "4", "--rounds", "1",
+                                                  "--local-steps", "1", "--quiet", "--out", "o"]))
+    with pytest.warns(OptionWarning) as caught:
+        prep = runner.prepare(cfg)
+    (w,) = [w for w in caught if isinstance(w.message, OptionWarning)]
+    assert cli.message(w.message, cfg.algo) == (
+        f"{flag} 20 would give 1 of 2 weight tensors rank 0 (Dense_1/kernel): they keep rank 1, "
+        "so the compression used is 16.89, recorded as compression.used in config.json")
+    record = loop._record(cfg, prep)["compression"]
+    assert record == {"setting": flag[2:].replace("-", "_").replace("tdpfed_", ""),
+                      "given": 20.0, "used": pytest.approx(7400 / 438),
+                      "ranks": {"Dense_0/kernel": 2, "Dense_1/kernel": 1},
+                      "clamped": ["Dense_1/kernel"]}
+
+
+def test_a_compression_rate_no_rank_clamps_is_recorded_without_a_warning():
+    """CR 2: 6400/328 = 19.5 → R = 20 and 1000/220 = 4.5 → 5: nothing clamped, nothing said."""
+    import warnings
+
+    import run as cli
+
+    from fedjax_pfl.runner import loop
+
+    cfg = cli.config_from_args(cli.parse(["--algo", "tdpfed", "--tdpfed-cr", "2", "--clients",
+                                          "4", "--rounds", "1", "--local-steps", "1", "--quiet",
+                                          "--out", "o"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prep = runner.prepare(cfg)
+    assert loop._record(cfg, prep)["compression"]["ranks"] == {"Dense_0/kernel": 20,
+                                                               "Dense_1/kernel": 5}
+    assert loop._record(cfg, prep)["compression"]["clamped"] == []

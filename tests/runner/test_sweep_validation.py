@@ -123,6 +123,11 @@ BAD = [
     (["--common=--no-such-flag"], "--common: unrecognized arguments: --no-such-flag"),
     (["--common", "--rounds \"3"], "--common: cannot split '--rounds \"3' into flags (No closing"),
     (["--common", "--rounds 0"], "fedavg on digits: --rounds must be >= 1, got 0"),
+    (["--common", "--partition iid --alpha 0.3"],
+     "fedavg on digits: --alpha applies to --partition dirichlet / dirichlet_client only, not "
+     "--partition iid"),
+    (["--common", "--local-epochs 2 --local-steps 2"],
+     "fedavg on digits: --local-epochs and --local-steps 2 both set the local work"),
     (["--algos", "fedavg", "pgfed", "--common", "--pgfed-mu 0.1"],
      "fedavg on digits: --pgfed-mu does not apply to --algo fedavg (a hyperparameter that only "
      "some algorithms have goes in --grid NAME=VALUE"),
