@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import functools
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -557,6 +558,17 @@ def check_processes(args: argparse.Namespace) -> None:
     if args.coordinator is None and n != 1:
         raise ValueError(f"--num-processes {n} needs --coordinator HOST:PORT (process 0's address); "
                          "without it the run is a single process")
+    multi = args.coordinator is not None or getattr(args, "distributed", None)
+    for dest in ("coordinator_timeout", "peer_timeout"):
+        flag = "--" + dest.replace("_", "-")
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if not multi and dest in getattr(args, "explicit", ()):
+            raise ValueError(f"{flag} applies to a multi-process run (--coordinator or "
+                             "--distributed): a single process waits for no one")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a number of seconds > 0, got {value}")
     if args.coordinator is not None:
         host, sep, port = args.coordinator.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

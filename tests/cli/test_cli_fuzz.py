@@ -30,7 +30,8 @@ SPECIAL = ["0", "1", "-1", "2", "inf", "-inf", "nan", "1e9", "0.5", "true", "", 
            "=", "a=b=c", "4294967296", "00", "0x10", "1_000"]
 # The multi-process start-up flags start jax.distributed: not drawn here (their checks are
 # tests/cli/test_cli_strict.py's).
-DISTRIBUTED = {"--coordinator", "--distributed", "--num-processes", "--process-id"}
+DISTRIBUTED = {"--coordinator", "--distributed", "--num-processes", "--process-id",
+               "--coordinator-timeout", "--peer-timeout"}
 # Every other flag of run.py, every algorithm's hyperparameters among them.
 EVERY_FLAG = sorted(a.option_strings[0] for a in PARSER._actions
                     if a.option_strings and a.option_strings[0] not in DISTRIBUTED | {"-h"})

@@ -70,6 +70,12 @@ def _fails(argv, capsys) -> str:
      "--coordinator must be HOST:PORT, got 'localhost'"),
     (["--num-processes", "2", "--process-id", "1", "--coordinator", "h:99999"],
      "--coordinator must be HOST:PORT, got 'h:99999'"),
+    (["--peer-timeout", "5"], "--peer-timeout applies to a multi-process run"),
+    (["--coordinator-timeout", "5"], "--coordinator-timeout applies to a multi-process run"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--coordinator-timeout", "0"],
+     "--coordinator-timeout must be a number of seconds > 0, got 0.0"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--peer-timeout", "nan"],
+     "--peer-timeout must be a number of seconds > 0, got nan"),
 ])
 def test_silent_cases_are_refused(argv, message, capsys, no_compute, earlier_run):
     before = snapshot(earlier_run)
