@@ -3,25 +3,12 @@ without --coordinator, a malformed preset file. Each is one line, exit status 2,
 computation, and leaves the files of an earlier run in --out exactly as they were."""
 
 import json
-import os
 
 import pytest
 import run as cli  # noqa: E402  (experiments/run.py)
+from helpers import snapshot
 
 from fedjax_pfl import runner  # noqa: E402
-
-
-def snapshot(root) -> dict:
-    """Every file and folder under `root`: relative path -> (bytes, mtime in ns) or 'dir'."""
-    out = {}
-    for base, dirs, files in os.walk(root):
-        for d in dirs:
-            out[os.path.relpath(os.path.join(base, d), root)] = "dir"
-        for f in files:
-            path = os.path.join(base, f)
-            with open(path, "rb") as fh:
-                out[os.path.relpath(path, root)] = (fh.read(), os.stat(path).st_mtime_ns)
-    return out
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import sweep as tool  # noqa: E402  (experiments/sweep.py)
-from test_cli_strict import snapshot  # noqa: E402
+from helpers import snapshot  # noqa: E402
 
 from fedjax_pfl import runner, sweep  # noqa: E402
 

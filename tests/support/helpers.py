@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import signal
 
 import jax
@@ -246,3 +247,16 @@ def ctrl_c_for_children():
     finally:
         signal.signal(signal.SIGINT, previous)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def snapshot(root) -> dict:
+    """Every file and folder under `root`: relative path -> (bytes, mtime in ns) or 'dir'."""
+    out = {}
+    for base, dirs, files in os.walk(root):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(base, d), root)] = "dir"
+        for f in files:
+            path = os.path.join(base, f)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, root)] = (fh.read(), os.stat(path).st_mtime_ns)
+    return out
