@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "$FEDJAX_PFL_COMPILE_CACHE, else $JAX_COMPILATION_CACHE_DIR, else "
                         "~/.cache/fedjax_pfl/jax, so a second run of the same configuration "
                         "skips XLA compilation)")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--quiet", action="store_true",
+                   help="no progress bar, and no lines of the metric sinks' own libraries (W&B)")
     g.add_argument("--model", default=None,
                    help=f"one of {list(models.MODELS)}; default per dataset (mlp for digits/mnist-"
                         "like, logreg for synthetic, cnn for cifar)")
@@ -761,6 +762,8 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
         if key in last:
             print(f"  {key:<22} last {last[key]:.4f}   best {best[key]:.4f} "
                   f"(round {summary['best_round'][key]})")
+    if "privacy" in summary:
+        print("  " + privacy_line(summary["privacy"]))
     if "target" in summary:
         target = summary["target"]
         print(f"  acc_mean >= {target['acc_mean']:g}: " + (f"reached at round {target['round']}"
@@ -769,6 +772,23 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
         if key.endswith("_total"):
             print(f"  {key:<32} {value:,.0f}")
     return 0
+
+
+def privacy_line(record: dict) -> str:
+    """The closing summary's privacy line: ε at δ after the rounds done, z, C and how it was
+    accounted ("privacy  ε = 2.87 at δ = 5e-02 (noise multiplier z = 1.12, clip C = 1,
+    RDP accountant, fixed sampling)")."""
+    eps = record.get("dp_epsilon")
+    said = "unbounded" if eps is None or not math.isfinite(eps) else f"{eps:.4g}"
+    clip = record.get("clip")
+    parts = [f"noise multiplier z = {record['noise_multiplier']:.4g}",
+             "adaptive clip" if record.get("adaptive_clip") else
+             f"clip C = {clip:g}" if clip is not None else "no clip",
+             f"{str(record.get('accountant', '')).upper()} accountant",
+             f"{record.get('sampling')} sampling"]
+    if record.get("target_epsilon") is not None:
+        parts.append(f"for --target-epsilon {record['target_epsilon']:g}")
+    return f"{'privacy':<22} ε = {said} at δ = {record['delta']:.3g} ({', '.join(parts)})"
 
 
 def _run_seeds(cfg, seeds, data, info) -> int:

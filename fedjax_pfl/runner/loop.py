@@ -341,7 +341,7 @@ def _callbacks(cfg, prep, prog, out, t_start, warning, log, extra, checkpoint_di
     if cfg.log and jax.process_index() == 0:
         from fedjax_pfl import sinks
 
-        theirs += sinks.make(sinks.parse_log_flag(",".join(cfg.log)), out)
+        theirs += sinks.make(sinks.parse_log_flag(",".join(cfg.log)), out, quiet=not cfg.progress)
     return own, theirs + list(extra)
 
 

@@ -67,9 +67,9 @@ def parse_log_flag(text: str | None) -> tuple[str, ...]:
     return tuple(names)
 
 
-def make(names: Iterable[str], out: str | None) -> list[Callback]:
+def make(names: Iterable[str], out: str | None, quiet: bool = False) -> list[Callback]:
     """One callback per sink name, writing under the run directory `out` (None: the run's
-    RunStart.out is used).
+    RunStart.out is used); `quiet` (--quiet): the sinks' libraries print nothing of their own.
 
     Each library is imported here, when its sink is asked for, so the package never needs one
     that is not used. A missing library raises MissingExtraError with the install command, e.g.
@@ -82,7 +82,7 @@ def make(names: Iterable[str], out: str | None) -> list[Callback]:
                               f"{', '.join(SINKS)}")
         try:
             module = importlib.import_module(f"fedjax_pfl.sinks.{name}")
-            sinks.append(module.Sink(out))
+            sinks.append(module.Sink(out, quiet=quiet))
         except ModuleNotFoundError as e:
             missing = (e.name or "").split(".")[0]
             if missing not in _LIBRARIES[name]:

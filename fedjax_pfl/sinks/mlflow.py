@@ -54,7 +54,7 @@ def tracking_uri(out: str) -> str:
 class Sink(Callback):
     """Logs params, per-round metrics and the summary into one MLflow run."""
 
-    def __init__(self, out: str | None) -> None:
+    def __init__(self, out: str | None, quiet: bool = False) -> None:   # (it prints nothing)
         self.out = out
         self.client: MlflowClient | None = None
         self.run_id: str | None = None

@@ -35,7 +35,7 @@ from fedjax_pfl.sinks import _common
 class Sink(Callback):
     """Writes TensorBoard event files into OUT/tensorboard/ (view: `tensorboard --logdir OUT`)."""
 
-    def __init__(self, out: str | None) -> None:
+    def __init__(self, out: str | None, quiet: bool = False) -> None:   # (it prints nothing)
         self.out = out
         self.writer: EventFileWriter | None = None
 

@@ -35,8 +35,8 @@ INTERRUPTED_EXIT_CODE = 130
 class Sink(Callback):
     """Logs the config, per-round metrics and the summary into one W&B run."""
 
-    def __init__(self, out: str | None) -> None:
-        self.out = out
+    def __init__(self, out: str | None, quiet: bool = False) -> None:
+        self.out, self.quiet = out, quiet
         self.run: Any = None
 
     def on_run_start(self, start: RunStart) -> None:
@@ -52,6 +52,8 @@ class Sink(Callback):
             config=dict(start.config),
             # Read here rather than left to W&B, which reads the environment once per process.
             mode=os.environ.get("WANDB_MODE") or "offline",
+            # --quiet: no banner, no sync hints (W&B's own lines on stderr)
+            settings=wandb.Settings(silent=True) if self.quiet else None,
         )
         _common.write_id(id_file, self.run.id)
 

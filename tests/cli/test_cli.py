@@ -428,3 +428,18 @@ def test_preset_naming_its_algorithm_or_with_algo_runs(no_compute, capsys):
     cfg = cli.config_from_args(args)
     assert cfg.algo == "pgfed" and cfg.hparams["mu"] == 0.1 and cfg.rounds == 300
     assert cli.config_from_args(cli.parse([])).algo == "fedavg"        # no preset: the default
+
+
+def test_the_closing_summary_says_epsilon_delta_and_the_noise():
+    """privacy_line of a record as runner.privacy writes it (a target ε, fixed sampling) and of
+    an unbounded one (z = 0: ε = inf)."""
+    record = {"dp_epsilon": 2.99871, "delta": 0.0370370, "noise_multiplier": 1.68712, "clip": 1.0,
+              "accountant": "rdp", "sampling": "fixed", "target_epsilon": 3.0}
+    assert cli.privacy_line(record) == (
+        "privacy                ε = 2.999 at δ = 0.037 (noise multiplier z = 1.687, clip C = 1, "
+        "RDP accountant, fixed sampling, for --target-epsilon 3)")
+    unbounded = {**record, "dp_epsilon": None, "noise_multiplier": 0.0, "target_epsilon": None,
+                 "sampling": "poisson", "clip": 0.5}
+    assert cli.privacy_line(unbounded) == (
+        "privacy                ε = unbounded at δ = 0.037 (noise multiplier z = 0, clip C = 0.5, "
+        "RDP accountant, poisson sampling)")

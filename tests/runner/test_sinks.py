@@ -396,3 +396,23 @@ def test_wandb_respects_the_users_mode(tmp_path, wandb_env, monkeypatch):
     sink.on_round_end(RoundEnd(1, ROWS_A[1], np.arange(3)))
     sink.on_run_end(_summary(1, interrupted=False))
     assert not os.path.exists(os.path.join(out, "wandb", "latest-run"))
+
+
+def test_wandb_is_silent_under_quiet(tmp_path, wandb_env, monkeypatch):
+    """--quiet (sinks.make(..., quiet=True)): W&B is started with its silent setting (no banner,
+    no sync hints); without it, W&B's own defaults."""
+    from fedjax_pfl import sinks as sinks_lib
+    from fedjax_pfl.sinks import wandb as wandb_sink
+
+    started = []
+
+    class _Run:
+        id = "r1"
+
+    monkeypatch.setattr(wandb_sink.wandb, "init", lambda **kw: started.append(kw) or _Run())
+    out = str(tmp_path)
+    for quiet in (True, False):
+        [sink] = sinks_lib.make(["wandb"], out, quiet=quiet)
+        sink.on_run_start(RunStart(out, CONFIG, 0, 6))
+    assert started[0]["settings"].silent is True
+    assert started[1]["settings"] is None
