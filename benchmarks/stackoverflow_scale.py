@@ -33,7 +33,7 @@ host arrays).
 `--state-placement device` with ditto runs only where its plan fits (it does not at full N);
 with host state an M whose compiled plan does not fit is skipped too (each device receives the
 rows of the clients it trains: M = 200 plans 19.0 GB on 2 devices, which a 24 GB host holds;
-benchmarks/RESULTS.md §19).
+benchmarks/RESULTS.md, "Stack Overflow at full scale").
 """
 
 from __future__ import annotations

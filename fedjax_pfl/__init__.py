@@ -21,7 +21,7 @@ def use_cpu_cores(count: int | None = None) -> int:
 
     XLA:CPU runs one vectorised client step on about one core; with one device per core the engine
     splits the sampled clients across devices (shard_map) and uses the whole machine (1.7× on 2
-    cores, benchmarks/RESULTS.md). It only takes effect before JAX creates its CPU backend, i.e.
+    cores, docs/decisions/cpu-devices.md). It only takes effect before JAX creates its CPU backend, i.e.
     before the first computation; later it changes nothing. It does nothing either when XLA_FLAGS
     already sets the device count. GPU runs are unaffected (the flag concerns the host platform).
 

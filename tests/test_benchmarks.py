@@ -53,3 +53,71 @@ def test_help_exits_zero_without_heavy_imports(script, sub):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage:" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "HEAVY []", out.stdout[-500:]
+
+
+# A commit as git abbreviates or spells it: 7–40 lowercase hex digits, at least one a–f letter and
+# one digit, standing alone (plain numbers such as 1000000 and words such as "defaced" are not).
+_COMMIT = re.compile(r"(?<![\w.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?![\w-])")
+# Pages owned by the documentation rewrite (issue 55, items 1–2), which drops their citations;
+# every other text file of the repository is checked.
+_CITATIONS_CHECKED_ELSEWHERE = {"README.md", "docs/privacy.md"}
+_SECTION = "\u00a7"  # the section sign, escaped so that this file does not cite one itself
+
+
+def test_results_hold_no_commit_hashes():
+    """RESULTS.md holds current figures with their machine and date, not the commits that made
+    them (history is git's), so a measurement's line cannot rot into a diary again."""
+    found = _COMMIT.findall((BENCH / "RESULTS.md").read_text())
+    assert not found, f"benchmarks/RESULTS.md names commits: {sorted(set(found))[:10]}"
+
+
+def _text_files() -> list[Path]:
+    dirs = ["fedjax_pfl", "benchmarks", "experiments", "tests", "docs", ".ci"]
+    files = [p for d in dirs for p in (ROOT / d).rglob("*")
+             if p.is_file() and p.suffix in {".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".ipynb", ""}
+             and "work" not in p.relative_to(ROOT).parts]
+    files += [ROOT / "pyproject.toml", ROOT / "README.md"]
+    return [p for p in files if p.is_file()
+            and p.relative_to(ROOT).as_posix() not in _CITATIONS_CHECKED_ELSEWHERE]
+
+
+def test_nothing_cites_a_results_section_number():
+    """RESULTS.md has no numbered sections (its tables are named by their headings), so a section
+    sign within a few words of the page's name anywhere in the code, tests or docs is a stale
+    citation: cite the table's heading or a docs/decisions note instead."""
+    results = (BENCH / "RESULTS.md").read_text()
+    assert _SECTION not in results, "benchmarks/RESULTS.md cites a section number"
+    stale = []
+    for path in _text_files():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for m in re.finditer(_SECTION, text):
+            if "RESULTS" in text[max(0, m.start() - 40):m.end() + 40]:
+                line = text.count("\n", 0, m.start()) + 1
+                stale.append(f"{path.relative_to(ROOT)}:{line}")
+    assert not stale, f"citations of a RESULTS.md section number: {stale}"
+
+
+def test_citations_name_results_headings_and_decision_notes_that_exist():
+    """A citation of a RESULTS.md table names one of its headings, and a citation of a settled
+    question names a note under docs/decisions/, so renaming either breaks here, not silently."""
+    headings = set(re.findall(r"^## (.+)$", (BENCH / "RESULTS.md").read_text(), re.M))
+    decisions = {p.name for p in (ROOT / "docs" / "decisions").glob("*.md")}
+    cited_tables: list[tuple[str, str]] = []
+    cited_notes: list[tuple[str, str]] = []
+    for path in _text_files():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        name = path.relative_to(ROOT).as_posix()
+        cited_tables += [(name, " ".join(t.split())) for t in
+                         re.findall(r"RESULTS\.md`?(?:'s table|, tables?|,)\s*\"([^\"]+)\"", text)]
+        cited_notes += [(name, n) for n in re.findall(r"docs/decisions/([\w-]+\.md)", text)]
+    assert cited_tables and cited_notes  # the patterns still find the code's citations
+    unknown = [c for c in cited_tables if c[1] not in headings]
+    assert not unknown, f"citations of RESULTS.md tables that it does not have: {unknown}"
+    missing = [c for c in cited_notes if c[1] not in decisions]
+    assert not missing, f"citations of notes not in docs/decisions/: {missing}"

@@ -21,18 +21,20 @@ Params = Any
 
 AUTO_CHUNK = 0
 # Budgets of one chunk on one CPU device, calibrated on this project's 2-core machines
-# (benchmarks/RESULTS.md). Speed: a chunk's temporaries (activations, im2col patches) should stay
-# near the cache; the MLP has almost none (whole vmap is fastest: per-op overhead dominates) and
-# the FedAvg CNN ~6.7 MB (B = 10) or ~22 MB (B = 32) per client, whose measured optimum is a
-# chunk of 1 (more clients spill their im2col patches out of the L2; benchmarks/RESULTS.md §5).
+# (benchmarks/RESULTS.md, "Automatic chunk size"). Speed: a chunk's temporaries (activations,
+# im2col patches) should stay near the cache; the MLP has almost none (whole vmap is fastest:
+# per-op overhead dominates) and the FedAvg CNN ~6.7 MB (B = 10) or ~22 MB (B = 32) per client,
+# whose measured optimum is a chunk of 1 (more clients spill their im2col patches out of the L2;
+# docs/decisions/cnn-step.md).
 # Memory: temporaries plus outputs (the clients' parameters and optimizer state) stay within a
 # bound, so peak memory does not grow with the number of clients.
 CHUNK_TEMP_BUDGET_BYTES = 16 * 2**20
 # Vectorising clients pays while one client's step is too small to keep the cores busy (small
 # GEMMs, per-op overhead); past about this much work per chunk step, wider chunks only spill the
-# caches. Calibrated on 2 AVX2 cores (benchmarks/RESULTS.md, "Automatic chunk size"): the
-# 784-100-10 MLP at B = 10 (3.3 MFLOP per client step by XLA's cost analysis) was fastest at
-# chunks of 8-16 and gets 14, the FedAvg CNN at B = 10 (253 MFLOP) gets 1.
+# caches. Calibrated on 2 AVX2 cores (benchmarks/RESULTS.md, "Automatic chunk size";
+# docs/decisions/mlp-round.md): the 784-100-10 MLP at B = 10 (3.3 MFLOP per client step by
+# XLA's cost analysis) was fastest at chunks of 8-16 and gets 14, the FedAvg CNN at B = 10
+# (253 MFLOP) gets 1.
 CHUNK_FLOP_TARGET = 48e6
 CHUNK_MEMORY_BUDGET_BYTES = 2**30
 # Accelerators want the widest batch, so a chunk there is limited by memory alone: one chunk's

@@ -66,7 +66,7 @@ def where_clients(mask: jax.Array, if_true: Params, if_false: Params) -> Params:
 
 def _sum_rows(x: jax.Array) -> jax.Array:
     # A dot with ones, not jnp.sum(x, axis=0): XLA:CPU's reduction across rows is 20–80x slower
-    # (100 x 78,400 floats: 70–114 ms against 1.4–3.2 ms, jax 0.10.2; benchmarks/RESULTS.md §20).
+    # (100 x 78,400 floats: 70–114 ms against 1.4–3.2 ms, jax 0.10.2; docs/decisions/client-sums.md).
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return jnp.sum(x, axis=0)
     return jnp.tensordot(jnp.ones(x.shape[0], x.dtype), x, axes=1)

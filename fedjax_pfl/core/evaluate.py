@@ -49,7 +49,7 @@ AUTO_EVAL_BATCH = 0
 # On a CPU device, an evaluation batch whose forward-pass temporaries (im2col patches,
 # activations) stay within about the L2 cache runs fastest: the FedAvg CNN on 28×28 images
 # (~0.4 MB of temporaries per sample) evaluates 25 clients' test splits in 2.0 s at batch 8 and
-# 3.5 s at batch 256 (benchmarks/RESULTS.md, "evaluation batch"); the MLP is far below the budget
+# 3.5 s at batch 256 (benchmarks/RESULTS.md, "Evaluation"); the MLP is far below the budget
 # at any batch, and keeps 256.
 EVAL_TEMP_BUDGET_BYTES = 2 << 20
 MAX_EVAL_BATCH = 256

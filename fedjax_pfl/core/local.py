@@ -149,7 +149,7 @@ def epoch_permutation(key: jax.Array, n: jax.Array, positions: jax.Array,
 
     `unroll` (default: on accelerators) unrolls the rounds, which then fuse into one elementwise
     kernel. As a loop, each round costs a GPU two kernel launches, 128 per local step: on an H100
-    that made a step of the protocol's CNN 3.5× slower at 6 clients (benchmarks/RESULTS.md). On
+    that made a step of the protocol's CNN 3.5× slower at 6 clients (docs/decisions/shuffle-unroll.md). On
     XLA:CPU the loop runs as fast and compiles about 4 s sooner per program. Same values either way.
     """
     return shuffled(shuffle_draws(key, n), n, positions, unroll)

@@ -3,7 +3,7 @@
 `jax.vmap` of `lax.conv_general_dilated` over per-client kernels lowers to a grouped convolution,
 which XLA:CPU runs 12× slower than the im2col below (the FedAvg CNN at 100 clients: 15 against
 182 client-steps/s, and slower than a Python loop over clients too; jax 0.10.2,
-benchmarks/RESULTS.md §3). `Conv2D` below computes the same convolution as im2col: the kh·kw
+docs/decisions/cnn-step.md). `Conv2D` below computes the same convolution as im2col: the kh·kw
 shifted (strided) slices of the padded input are concatenated on the channel axis and multiplied
 by the kernel reshaped to [kh·kw·C_in, C_out]. Under vmap this is a batched matmul, which runs at
 parity with the loop. On CPU, stride-1 convolutions with enough input depth run by Winograd's
@@ -106,7 +106,7 @@ def im2col_patches(x: jax.Array, kh: int, kw: int) -> jax.Array:
     padding zeros included (for a 5×5 kernel on a 12×12 input, 56 % of the 25 × 144 terms are
     zeros), each behind a bounds check. Here each patch gradient is added in place into its own
     window (dynamic_update_slice), touching only real terms: the FedAvg CNN's conv-2 col2im at
-    batch 10 goes from 0.78 to 0.31 ms on one core (benchmarks/RESULTS.md). Same values up to
+    batch 10 goes from 0.78 to 0.31 ms on one core (docs/decisions/cnn-step.md). Same values up to
     the order of float additions (tests/models/test_layers.py checks against lax.conv). Like
     `patches_matmul`, reverse mode and forward-over-reverse only (custom_vjp).
     """
@@ -186,7 +186,7 @@ def patches_matmul(patches: jax.Array, kernel: jax.Array) -> jax.Array:
     the narrower operand transposed and materialised (Pᵀ G for conv 1 of the FedAvg CNN,
     (Gᵀ P)ᵀ for conv 2) and the transposes kept out of the dot, it runs through the YNNPACK
     GEMM at ~80 GFLOP/s: the engine's FedAvg CNN step at batch 10 went from 6.06 to 5.46 ms on
-    one core (benchmarks/RESULTS.md, "Step kernels"). Values are those of autodiff up to float
+    one core (docs/decisions/cnn-step.md, "Step kernels"). Values are those of autodiff up to float
     rounding (tests/models/test_layers.py).
     """
     return _patches_matmul(patches, kernel)
@@ -286,7 +286,7 @@ def conv2d_winograd(
     GEMMs [B·H_out·T, kh·C_in] × [kh·C_in, C_out], m/n as many multiplications per output as
     im2col's one GEMM of depth kh·kw·C_in: for the FedAvg CNN's conv 2 (5×5, 32 → 64 channels,
     8×8 outputs) F(4, 5) does 2.5× fewer, and its forward and backward take half the time of
-    im2col's on one core (benchmarks/RESULTS.md). Float32 results differ from the direct sum
+    im2col's on one core (docs/decisions/cnn-step.md). Float32 results differ from the direct sum
     by rounding only, with 2–6× im2col's error depending on the tile (F(4, 5) about 2×, F(6, 3)
     and F(6, 2) 4–6× on random data; tests/models/test_layers.py compares both with lax.conv in
     float64). Gradients by autodiff, which is Winograd's form again, so forward
@@ -330,7 +330,7 @@ def conv2d_winograd(
 CONV_IMPLS = ("auto", "im2col", "winograd")
 # auto: Winograd needs this much depth per kernel column (kh·C_in) to pay; the FedAvg CNN's
 # conv 1 on one-channel images (5 × 1) ran 2–3 % slower with it, TDPFed's VGG8 conv 1 (3 × 3)
-# the same as im2col (benchmarks/RESULTS.md).
+# the same as im2col (docs/decisions/cnn-step.md).
 WINOGRAD_MIN_DEPTH = 8
 
 
@@ -343,7 +343,7 @@ def uses_winograd(kernel_shape: Sequence[int], strides: Sequence[int], w_out: in
     it applies; "im2col": never; "auto": where it applies, its GEMMs do fewer multiplications than
     im2col's (T·n < W_out·kw, false for one output column), kh·C_in ≥ WINOGRAD_MIN_DEPTH and the
     default backend is the CPU. On a GPU the im2col convolution is what was measured
-    (benchmarks/RESULTS.md), so auto keeps it there.
+    (benchmarks/RESULTS.md, "PGFed's protocol on an H100"), so auto keeps it there.
     """
     if impl not in CONV_IMPLS:
         raise ValueError(f"conv impl must be one of {list(CONV_IMPLS)}, got {impl!r}")
@@ -439,7 +439,7 @@ def matmul_small_batch_grad(x: jax.Array, kernel: jax.Array) -> jax.Array:
     a batched dot that runs at ~15 GFLOP/s. For B ≤ OUTER_PRODUCT_MAX_ROWS we write it as an
     unrolled sum of B outer products instead: one elementwise loop that XLA fuses with the
     optimizer's update, so the [D, H] gradient is never materialised (3.7× faster for the
-    784×100 layer at B = 10 over 100 clients; benchmarks/RESULTS.md). Larger batches use the dot.
+    784×100 layer at B = 10 over 100 clients; docs/decisions/mlp-round.md). Larger batches use the dot.
     Values are identical up to float rounding. Forward mode: as `_matmul_with_kernel_gradient`
     (reverse mode and forward-over-reverse only).
     """

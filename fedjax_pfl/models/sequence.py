@@ -172,7 +172,7 @@ def lstm_recurrence(x_proj: jax.Array, kernel_rec: jax.Array,
         of (c, h) only, and the transpose of a_t's matmul gives ∂L/∂U = Σ_t h_{t-1}ᵀ ∂L/∂z_t as
         ONE [H, T·B] × [T·B, 4H] matmul after the scan. Autodiff through the scan instead adds
         h_{t-1}ᵀ ∂L/∂z_t into a [H, 4H] carry at every step (reading and writing 1 MiB per step
-        for H = 256) - the slowest matmul of the client step (benchmarks/RESULTS.md §17);
+        for H = 256) - the slowest matmul of the client step (docs/decisions/lstm-recurrence.md);
       * forward mode (jax.jvp) and forward-over-reverse (jax.jvp of jax.grad: Per-FedAvg HF's
         Hessian-vector products) differentiate the rule itself, exactly;
     which a `jax.custom_vjp` (the earlier prototype, docs/decisions/lstm-recurrence.md) would not allow.

@@ -214,7 +214,7 @@ def test_chunks_of_one_client_run_unbatched(backend, width, m, batched):
     """A chunk of one client (or the one row of a vmap) is traced without vmap: a one-lane vmap
     would still batch the client's while-loop predicate (per-step selects of the whole carry)
     and give every matmul a batch dimension, which XLA:CPU serves with transposed weight copies
-    (benchmarks/RESULTS.md). The results are the same either way (test above)."""
+    (docs/decisions/cnn-step.md, "Step kernels"). The results are the same either way (test above)."""
     from jax._src.interpreters.batching import BatchTracer  # jax is pinned below 0.11
     seen = []
 

@@ -1,6 +1,6 @@
 """JAX's persistent compilation cache, on by default for the command line: a second run of the
 same configuration loads the compiled round instead of compiling it, and computes the same bits.
-(How much time it saves is measured in benchmarks/RESULTS.md, "Compile time and start-up".)"""
+(How much time it saves is measured in benchmarks/RESULTS.md, "Start-up".)"""
 
 import json
 import os
