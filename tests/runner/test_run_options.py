@@ -16,9 +16,9 @@ CASES = [
     # (run.py flags, the same run from a notebook)
     ([], {}),
     (["--dataset", "femnist", "--data-dir", "/data/leaf/femnist", "--max-clients", "50",
-      "--min-samples", "10", "--format", "leaf", "--token-accuracy", "all"],
+      "--min-samples", "10", "--format", "leaf", "--token-accuracy", "all", "--quantise", "refuse"],
      dict(dataset="femnist", data_dir="/data/leaf/femnist", max_clients=50, min_samples=10,
-          format="leaf", token_accuracy="all")),
+          format="leaf", token_accuracy="all", quantise="refuse")),
     (["--dataset", "shakespeare", "--data-dir", "/d", "--model-options", "hidden=64,layers=1",
       "--cache-dir", "/c"],
      dict(dataset="shakespeare", data_dir="/d", model_options={"hidden": 64, "layers": 1},
@@ -175,7 +175,8 @@ def test_the_rules_per_dataset_without_the_command_line():
     nat = runner.RunConfig.from_options(dataset="shakespeare", data_dir="/d", out="o")
     assert nat.partition.scheme == "natural" and nat.natural
     assert nat.data_options == {"data_dir": "/d", "fmt": None, "max_clients": None,
-                                "min_samples": 0, "cache_dir": None, "token_accuracy": "default"}
+                                "min_samples": 0, "cache_dir": None, "token_accuracy": "default",
+                                "quantise": "round"}
     assert runner.RunConfig.from_options(dataset="emnist", out="o").data_options[
         "emnist_split"] == "balanced"
     assert runner.RunConfig.from_options(model_options="hidden=64,tanh=true,name=x,r=0.5",
@@ -201,3 +202,15 @@ def test_a_runs_flags_on_top_of_common_flags_are_the_joined_command_line(common,
     on_top = cli.config_from_args(cli.parse_on_top(shlex.split(own) + ["--out", "o"],
                                                    cli.parse(shlex.split(common))))
     assert on_top == joined
+
+
+def test_quantise_is_a_natural_data_option_checked_before_loading():
+    cfg = runner.RunConfig.from_options(dataset="femnist", data_dir="/nonexistent", out="o",
+                                        quantise="refuse")
+    assert cfg.data_options["quantise"] == "refuse"
+    bad = runner.RunConfig.from_options(dataset="femnist", data_dir="/nonexistent", out="o",
+                                        quantise="floor")
+    with pytest.raises(OptionError, match=r"^quantise must be one of \['round', 'refuse'\], got 'floor'$"):
+        bad.validate()                                    # no file is read: /nonexistent
+    with pytest.raises(OptionError, match=r"^quantise applies to natural-client datasets"):
+        runner.RunConfig.from_options(dataset="digits", quantise="round", out="o")
