@@ -181,6 +181,10 @@ def test_round_fn_refuses_the_state_of_another_algorithm_naming_it():
         fresh.round_fn({"w": jnp.zeros((5, 3))}, data, jax.random.key(1))
     assert _one_line(e).startswith("state: a dict of another structure than the state ditto's "
                                    "init makes (a State of ")
+    with pytest.raises(OptionError) as e:
+        ditto.round_fn(state, {"x": data.x}, jax.random.key(1))
+    assert _one_line(e) == ("round_fn(state, data, ...): data must be a "
+                            "fedjax_pfl.data.FederatedData, got dict")
 
 
 def test_round_fn_and_evaluate_refuse_a_state_made_for_another_client_count():
