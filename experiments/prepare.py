@@ -9,7 +9,9 @@ The format is detected from the files in DIR (LEAF: `train/*.json` and `test/*.j
 Federated: `*_train.h5` / `*_test.h5`; FedJAX: `*.sqlite`; a reader module's own `detect` decides
 where it has one) or forced with --format. The first
 run converts the files into `DIR/.fedjax_pfl_cache/` (or --cache-dir); later runs open that
-cache in seconds, and a stale one is rebuilt with a message. --max-clients / --min-samples take
+cache in seconds, and a stale one is rebuilt with a message. Values the cache cannot store exactly
+(grey levels off the k/255 grid) are rounded to the nearest level and counted in the summary, or
+refused with --quantise refuse. --max-clients / --min-samples take
 LEAF's kind of subset (`data.cache.select`) before the statistics. --plots OUTDIR writes
 OUTDIR/stats.json, client_sizes.png and labels.png (classification), lengths.png (token inputs)
 or tags.png (multi-label).
@@ -29,6 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fedjax_pfl.data.formats import FORMATS, READERS, UsageError, detect_format, open_reader  # noqa: E402,F401
+from fedjax_pfl.data.natural import QUANTISE  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-samples", type=int, default=0, help="keep clients with >= S training samples")
     p.add_argument("--seed", type=int, default=0, help="seed of the --max-clients draw")
     p.add_argument("--plots", default=None, metavar="OUTDIR", help="write stats.json and figures here")
+    p.add_argument("--quantise", choices=QUANTISE, default="round",
+                   help="values the cache cannot store exactly (grey levels off the k/255 grid): round "
+                        "stores the nearest level and reports the count in the summary, refuse stops "
+                        "with an error (default round)")
     return p
 
 
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--max-clients must be >= 1, got {args.max_clients}")
         if args.min_samples < 0:
             raise UsageError(f"--min-samples must be >= 0, got {args.min_samples}")
-        reader = open_reader(args.dataset, args.data_dir, args.format)
+        reader = open_reader(args.dataset, args.data_dir, args.format, quantise=args.quantise)
         root = args.cache_dir or cache.default_cache_root(args.data_dir)
         nc = cache.load(reader, root)
         idx = cache.select(nc, max_clients=args.max_clients, min_samples=args.min_samples, seed=args.seed)

@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "reader's: all but end of sentence, as FedJAX), all, or no_oov (neither "
                         "end of sentence nor out-of-vocabulary, as TFF's accuracy_without_out_"
                         "of_vocab_or_end_of_sentence); padding never counts")
+    g.add_argument("--quantise", default=None, choices=("round", "refuse"),
+                   help="natural-client datasets: values the converted copy cannot store exactly "
+                        "(grey levels off the k/255 grid): round (the default) stores the nearest "
+                        "level and reports the count, refuse stops with an error")
     g.add_argument("--cache-dir", default=None,
                    help="natural-client datasets: where the converted, client-sorted copy is kept "
                         "(default DATA_DIR/.fedjax_pfl_cache)")

@@ -11,10 +11,10 @@ import pkgutil as _pkgutil
 
 from fedjax_pfl.algorithms.engine import EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
-from fedjax_pfl.algorithms.registry import COMMON_HPARAMS, AlgorithmSpec, HParam, get, names, spec
+from fedjax_pfl.algorithms.registry import COMMON_HPARAMS, AlgorithmSpec, HParam, check_labels, get, names, spec
 
 for _module in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
     _importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["COMMON_HPARAMS", "Algorithm", "AlgorithmSpec", "EngineConfig", "HParam", "get", "names",
+__all__ = ["COMMON_HPARAMS", "Algorithm", "AlgorithmSpec", "EngineConfig", "HParam", "check_labels", "get", "names",
            "spec"]

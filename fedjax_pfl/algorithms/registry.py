@@ -19,7 +19,9 @@ import jax.numpy as jnp
 from fedjax_pfl import core
 from fedjax_pfl.algorithms.engine import EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
+from fedjax_pfl.core.rows import PlacedRows
 from fedjax_pfl.data.federated import FederatedData
+from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.models.model import Model
 
 
@@ -248,17 +250,192 @@ def spec(name: str) -> AlgorithmSpec:
 
 def get(name: str, *, model: Model, **hparams: Any) -> Algorithm:
     """Builds algorithm `name` for `model` with validated hyperparameters (others at defaults).
-    Its `init(key, data)` first checks that the model fits the data (`check_model_fits`)."""
+
+    Its functions check their inputs first, in one line each (`OptionError` naming the
+    argument): `init(key, data)` that the model fits the data (`check_model_fits`) and that the
+    data has labels the task reads (`check_labels`); `round_fn(state, data, key)` and
+    `evaluate(state, data, ...)` those labels and that `state` is one this algorithm's `init`
+    makes for this data (`InputChecks.state`: not another algorithm's, not made for another
+    client count). The checks read shapes and tree structures only, so under `jax.jit` they run
+    when the function is traced and cost nothing per round; called eagerly, a call whose
+    structure was accepted before is not checked again."""
     s = spec(name)
     resolved = s.resolve(hparams)
     algo = s.build(model, resolved)
-    inner_init = algo.init
+    checks = InputChecks(name, algo.init)
+    inner_init, inner_round, inner_evaluate = algo.init, algo.round_fn, algo.evaluate
 
     def init(key: jax.Array, data: FederatedData):
         check_model_fits(model, data)
-        return inner_init(key, data)
+        check_labels(data, "init")
+        state = inner_init(key, data)
+        checks.made(state, data)
+        return state
 
-    return algo._replace(name=name, hparams=resolved, init=init)
+    def round_fn(state, data: FederatedData, key: jax.Array):
+        checks.inputs(state, data, "round_fn")
+        return inner_round(state, data, key)
+
+    def evaluate(state, data: FederatedData, *args, **kwargs):
+        checks.inputs(state, data, "evaluate")
+        return inner_evaluate(state, data, *args, **kwargs)
+
+    return algo._replace(name=name, hparams=resolved, init=init, round_fn=round_fn,
+                         evaluate=evaluate)
+
+
+# Every state tree structure an `algorithms.get` init has made -> the algorithms that made it, so
+# that a state passed to another algorithm's round is named by the algorithm it came from.
+_MADE_BY: dict[Any, set[str]] = {}
+
+
+def _flatten(state: Any) -> tuple[list, Any]:
+    """`state`'s leaves and structure, the rows a placement keeps off the devices
+    (`core.rows.PlacedRows`, where an [N, ...] leaf stands) taken as leaves."""
+    return jax.tree.flatten(state, is_leaf=lambda x: isinstance(x, PlacedRows))
+
+
+def _shapes(leaves: list) -> tuple:
+    """Each leaf's shape; None for placed rows (their shape is the round's, not the state's)."""
+    return tuple(None if isinstance(x, PlacedRows) else tuple(getattr(x, "shape", ())) for x in leaves)
+
+
+def _same_shapes(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
+
+
+class InputChecks:
+    """The input checks of one algorithm's functions (`get`): the states its `init` made, by
+    tree structure, leaf shapes and client count, and the call signatures already accepted."""
+
+    _KEEP = 16                 # states' signatures remembered (a notebook makes a few)
+
+    def __init__(self, name: str, init: Callable[[jax.Array, FederatedData], Any]):
+        self.name = name
+        self._init = init
+        self._made: list[tuple[Any, tuple, int]] = []   # (structure, leaf shapes, clients)
+        self._accepted: set = set()
+
+    def made(self, state: Any, data: FederatedData) -> None:
+        """Records a state this algorithm's init made for `data`."""
+        leaves, treedef = _flatten(state)
+        _MADE_BY.setdefault(treedef, set()).add(self.name)
+        entry = (treedef, _shapes(leaves), data.num_clients)
+        if entry not in self._made:
+            self._made = [entry] + self._made[:self._KEEP - 1]
+
+    def _expected(self, data: FederatedData) -> tuple[Any, tuple, int] | None:
+        """What init makes for `data`, abstractly (a state from elsewhere, e.g. a checkpoint,
+        before any init of this algorithm ran); None where init cannot run on abstract data."""
+        try:
+            state = jax.eval_shape(self._init, jax.random.key(0), data)
+        except Exception:      # noqa: BLE001 (a staged or placed dataset: no reference, no check)
+            return None
+        leaves, treedef = _flatten(state)
+        return treedef, _shapes(leaves), data.num_clients
+
+    def inputs(self, state: Any, data: FederatedData, where: str) -> None:
+        """OptionError in one line unless `data` has labels its task reads and `state` is one
+        this algorithm's init makes for `data`."""
+        if not isinstance(data, FederatedData):
+            raise OptionError(f"{where}(state, {arg('data')}, ...): {arg('data')} must be a "
+                              f"fedjax_pfl.data.FederatedData, got {type(data).__name__}")
+        leaves, treedef = _flatten(state)
+        shapes = _shapes(leaves)
+        y = data.y
+        signature = (treedef, shapes, data.num_clients, data.task,
+                     getattr(y, "shape", None), str(getattr(y, "dtype", None)),
+                     getattr(data.x, "shape", (None,))[0])
+        try:
+            if signature in self._accepted:
+                return
+        except TypeError:      # (an unhashable part: check every time)
+            signature = None
+        check_labels(data, where)
+        self.state(treedef, shapes, type(state), data, where)
+        if signature is not None and len(self._accepted) < 256:
+            self._accepted.add(signature)
+
+    def state(self, treedef: Any, shapes: tuple, kind: type, data: FederatedData,
+              where: str) -> None:
+        """OptionError naming the mismatch unless a state of this structure and these leaf
+        shapes is what this algorithm's init makes for `data`'s clients. What init made before
+        decides where it can; otherwise init is run abstractly on `data` (`jax.eval_shape`),
+        and a state it cannot tell wrong is accepted."""
+        n = data.num_clients
+        same = [(sh, k) for t, sh, k in self._made if t == treedef]
+        if any(k == n and _same_shapes(sh, shapes) for sh, k in same):
+            return
+        reference = self._expected(data)
+        if reference is None:
+            if not self._made or same:
+                return
+            reference = self._made[0]
+        if reference[0] == treedef and _same_shapes(reference[1], shapes):
+            if reference[2] == n:
+                self._made = [reference] + self._made[:self._KEEP - 1]
+            return
+        if reference[0] != treedef:
+            others = sorted(_MADE_BY.get(treedef, set()) - {self.name})
+            if others:
+                raise OptionError(f"{arg('state')}: made by {' or '.join(others)}'s init, not "
+                                  f"{self.name}'s: {self.name}.{where} takes the state "
+                                  f"{self.name}'s init makes")
+            raise OptionError(f"{arg('state')}: a {kind.__name__} of another structure than "
+                              f"the state {self.name}'s init makes ({_describe(reference[0])}): "
+                              f"{self.name}.{where} takes the state {self.name}'s init makes")
+        for sh, k in same:
+            if _same_shapes(sh, shapes):
+                raise OptionError(f"{arg('state')}: made for {k} clients, this {arg('data')} "
+                                  f"has {n}")
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+            treedef.unflatten([0] * treedef.num_leaves))[0]]
+        for path, want, got in zip(paths, reference[1], shapes):
+            if want is None or got is None or want == got:
+                continue
+            if want[:1] == (n,) and len(got) == len(want) and got[1:] == want[1:]:
+                raise OptionError(f"{arg('state')}: made for {got[0]} clients, this "
+                                  f"{arg('data')} has {n}")
+            raise OptionError(f"{arg('state')}{path} has shape {list(got)}, {self.name}'s init "
+                              f"makes {list(want)} for this {arg('data')} (a state of another "
+                              "model or other hyperparameters?)")
+
+
+def _describe(treedef: Any) -> str:
+    """A state's structure in a few words: its class and top-level fields."""
+    try:
+        node = treedef.unflatten([0] * treedef.num_leaves)
+    except Exception:          # noqa: BLE001 (a node type that checks its leaves: say less)
+        return "another structure"
+    fields = getattr(node, "_fields", None)
+    if fields is not None:
+        return f"a {type(node).__name__} of {', '.join(fields)}"
+    return f"a {type(node).__name__}"
+
+
+def check_labels(data: FederatedData, where: str = "init") -> None:
+    """OptionError naming `data.y` unless the dataset has labels of the shape and dtype its
+    task reads: [n] integer class ids for classification (`task` None or "classify"), [n, T]
+    or [n, K] integer ids for per-token ("sequence") and multi-label targets (`data.natural`'s
+    conventions), n the rows of `data.x`. Shapes and dtypes only: works on abstract arrays.
+    Labels that are no array (a placement's blocks of rows) are the placement's to check."""
+    y = data.y
+    if y is None:
+        raise OptionError(f"{where}: {arg('data')}.y is None: the dataset has no labels (the "
+                          "algorithms train on one integer class id per sample)")
+    shape, dtype = getattr(y, "shape", None), getattr(y, "dtype", None)
+    if shape is None or dtype is None:
+        return
+    kind = data.task.kind if data.task is not None else "classify"
+    ndim = 1 if kind == "classify" else 2
+    n = getattr(data.x, "shape", (None,))[0]
+    want = "[n]" if ndim == 1 else "[n, T]" if kind == "sequence" else "[n, K]"
+    if len(shape) != ndim or (n is not None and shape[0] != n):
+        raise OptionError(f"{where}: {arg('data')}.y has shape {list(shape)}; {kind} labels are "
+                          f"{want} with n = {n}, the rows of {arg('data')}.x")
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise OptionError(f"{where}: {arg('data')}.y has dtype {dtype}; labels are integer class "
+                          "ids (int32)")
 
 
 def check_model_fits(model: Model, data: Any) -> None:

@@ -116,14 +116,14 @@ def _source_to_dict(source: SourceInfo) -> dict:
     return {"name": source.name, "format": source.format, "files": _file_stats(source.files),
             "input_scale": source.input_scale, "input_shift": source.input_shift,
             "vocab": list(source.vocab), "labels": list(source.labels),
-            "options": [[str(k), str(v)] for k, v in source.options]}
+            "options": [[str(k), str(v)] for k, v in source.options], "rounded": int(source.rounded)}
 
 
 def _source_from_dict(d: dict) -> SourceInfo:
     return SourceInfo(name=d["name"], format=d["format"], files=tuple(f["path"] for f in d["files"]),
                       input_scale=float(d["input_scale"]), input_shift=float(d["input_shift"]),
                       vocab=tuple(d["vocab"]), labels=tuple(d["labels"]),
-                      options=tuple((k, v) for k, v in d["options"]))
+                      options=tuple((k, v) for k, v in d["options"]), rounded=int(d.get("rounded", 0)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,8 +468,10 @@ def load(reader: NaturalReader, cache_root: str | None = None,
             log(f"{source.name}: rebuilding the cache {cache_dir}: {reason}")
         t0 = time.perf_counter()
         nc = build(reader, cache_dir)
+        rounded = (f"; {nc.source.rounded:,} values rounded to the nearest level the cache stores"
+                   if nc.source.rounded else "")
         log(f"{source.name}: converted {nc.num_clients} clients ({int(nc.train_offsets[-1])} train, "
-            f"{int(nc.test_offsets[-1])} test samples) in {time.perf_counter() - t0:.1f} s")
+            f"{int(nc.test_offsets[-1])} test samples) in {time.perf_counter() - t0:.1f} s{rounded}")
         return nc
 
 

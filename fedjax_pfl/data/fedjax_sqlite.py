@@ -181,10 +181,11 @@ class FedjaxSqliteReader:
         return SourceInfo(name=s.name, format="fedjax",
                           files=(self._train, self._test, *s.extra_files),
                           input_scale=s.input_scale, input_shift=s.input_shift, vocab=s.vocab,
-                          labels=s.labels, options=s.options)
+                          labels=s.labels, options=s.options, rounded=s.quantiser.rounded)
 
     def clients(self) -> Iterator[ClientBlock]:
         """Every client once, sorted by id; one row per file is read per step."""
+        self._spec.quantiser.reset()
         ctrain, ctest = _connect(self._train), _connect(self._test)
         try:
             ktrain, ktest = _client_keys(ctrain, self._train), _client_keys(ctest, self._test)

@@ -214,6 +214,7 @@ def load_natural(name: str, *, data_dir: str | None, fmt: str | None = None,
         "test_size": {"min": int(test.min()), "mean": float(test.mean()),
                       "max": int(test.max()), "total": int(test.sum())},
         "clients_without_test": int((test == 0).sum()),
+        "rounded_values": int(nc.source.rounded),
         "client_ids": np.asarray(nc.client_ids)[selected],
     }
     return data, info

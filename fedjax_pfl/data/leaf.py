@@ -27,9 +27,11 @@ How each dataset becomes arrays (the conventions of `fedjax_pfl.data.natural`):
   ``x = rint(255·v)`` as uint8 [n, 28, 28, 1] (row-major, as LEAF's model reshapes the 784
   vector): exact and invertible for LEAF's files. We do not invert the grey levels, and give
   ``input_scale = 1/255, input_shift = 0``, so the model sees what LEAF's CNN sees
-  (``models/femnist/cnn.py`` feeds the stored values unchanged): background 1.0, ink 0.0. (A
-  value that is not a multiple of 1/255 would be rounded, error ≤ 1/510; a value outside
-  [0, 1] is refused.) Labels 0..61 as LEAF's ``relabel_class`` numbers them: digits 0–9,
+  (``models/femnist/cnn.py`` feeds the stored values unchanged): background 1.0, ink 0.0. A
+  value that is not a multiple of 1/255 goes by the readers' one policy (`natural.Quantiser`):
+  ``quantise="round"`` (default) stores its nearest level, error ≤ 1/510, and counts it in
+  `SourceInfo.rounded`; ``quantise="refuse"`` raises `DataFormatError`; a value outside
+  [0, 1] is refused either way. Labels 0..61 as LEAF's ``relabel_class`` numbers them: digits 0–9,
   upper-case A–Z 10–35, lower-case a–z 36–61. ``default_model = "femnist_cnn"``.
 * ``shakespeare``: x is an 80-character window of one speaking role's lines, y the character
   that follows (``data/shakespeare/preprocess/shake_utils.py``); LEAF's ``split_data.py`` keeps
@@ -93,7 +95,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedjax_pfl.data.natural import ClientBlock, DataFormatError, SourceInfo, Task
+from fedjax_pfl.data.natural import ClientBlock, DataFormatError, Quantiser, SourceInfo, Task
 from fedjax_pfl.data.sources import DatasetNotFoundError
 from fedjax_pfl.errors import arg
 
@@ -127,13 +129,15 @@ _PREPROCESS = {
     "celeba": "./preprocess.sh -s niid --sf 1.0 -k 5 -t sample",
 }
 
-_OPTIONS = {   # reader options per dataset, with defaults
+_OPTIONS = {   # reader options per dataset, with defaults (each dataset also takes `quantise`)
     "femnist": {},
     "shakespeare": {},
     "sent140": {"max_vocab": DEFAULT_MAX_VOCAB, "min_count": DEFAULT_MIN_COUNT,
                 "seq_len": DEFAULT_SEQ_LEN},
     "celeba": {},
 }
+# The datasets whose values go through a `Quantiser` (their cache key carries the policy).
+_QUANTISED = ("femnist",)
 
 # LEAF's split_line (language_utils.py): words of word characters and apostrophes, and five
 # punctuation marks as words of their own.
@@ -278,15 +282,17 @@ class LeafReader:
     other options or an older mapping is stale.
     """
 
-    def __init__(self, name: str, data_dir: str | os.PathLike, **options):
+    def __init__(self, name: str, data_dir: str | os.PathLike, quantise: str = "round",
+                 **options):
         if name not in LEAF_DATASETS:
             raise ValueError(f"LEAF dataset must be one of {LEAF_DATASETS}, got {name!r}")
         allowed = _OPTIONS[name]
         unknown = sorted(set(options) - set(allowed))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for LEAF {name}; valid: "
-                             f"{sorted(allowed) or 'none'}")
+                             f"{sorted([*allowed, 'quantise'])}")
         self.name = name
+        self.quantiser = Quantiser(quantise)
         self.options = {**allowed, **options}
         for key, value in self.options.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -330,8 +336,11 @@ class LeafReader:
     def source(self) -> SourceInfo:
         opts = (("leaf_mapping", _MAPPING_VERSION),) + tuple(
             (k, str(v)) for k, v in sorted(self.options.items()))
+        if self.name in _QUANTISED:
+            opts += (("quantise", self.quantiser.quantise),)
         files = self.train_files + self.test_files
-        common = dict(name=self.name, format="leaf", files=files, options=opts)
+        common = dict(name=self.name, format="leaf", files=files, options=opts,
+                      rounded=self.quantiser.rounded)
         if self.name == "femnist":
             return SourceInfo(**common, input_scale=1.0 / 255.0, input_shift=0.0,
                               labels=_FEMNIST_LABELS)
@@ -351,6 +360,7 @@ class LeafReader:
         # only training occurrences are counted.
         self._words: dict[str, int] = {}
         self._word_counts: list[int] = [0]
+        self.quantiser.reset()
         splits = {}
         for split, files in (("train", self.train_files), ("test", self.test_files)):
             stored: dict[str, _Stored] = {}
@@ -393,12 +403,9 @@ class LeafReader:
             v = np.asarray(x, dtype=np.float64).reshape(len(x), side2)
         except (TypeError, ValueError):
             raise DataFormatError(path, "pixel values are not all numbers", user) from None
-        bad = ~np.isfinite(v) | (v < 0.0) | (v > 1.0)
-        if bad.any():
-            i, j = np.argwhere(bad)[0]
-            raise DataFormatError(path, f"sample {i} pixel {j} is {float(v[i, j])!r}, outside "
-                                        "LEAF's [0, 1] (grey level / 255)", user)
-        pixels = np.rint(v * 255.0).astype(np.uint8).reshape(len(x), FEMNIST_SIDE, FEMNIST_SIDE, 1)
+        # [sample, pixel] positions in the messages; LEAF's grey level / 255.
+        pixels = self.quantiser.levels_of(v, "x", path, user).reshape(
+            len(x), FEMNIST_SIDE, FEMNIST_SIDE, 1)
         return pixels, _int_labels(y, 62, path, user)
 
     def _shakespeare(self, x: list, y: list, path: str, user: str, split: str):
@@ -499,13 +506,16 @@ def _char_ids(text: str) -> np.ndarray:
     return np.where(codes < 128, _CHAR_IDS[np.minimum(codes, 127)], 0).astype(np.uint8)
 
 
-def open_leaf(name: str, data_dir: str | os.PathLike, **options) -> LeafReader:
+def open_leaf(name: str, data_dir: str | os.PathLike, quantise: str = "round",
+              **options) -> LeafReader:
     """Opens LEAF's preprocessed ``name`` under ``data_dir`` (module docstring for the layout).
 
     Args:
       name: one of `LEAF_DATASETS`: "femnist", "shakespeare", "sent140", "celeba".
       data_dir: ``leaf/data/<name>``, its ``data/`` folder, or (with the name nesting)
         ``leaf/data`` or the LEAF checkout.
+      quantise: "round" (default) or "refuse": pixels off LEAF's k/255 grid (femnist) are
+        stored at their nearest level and counted, or refused (`natural.Quantiser`).
       **options: sent140 only: ``max_vocab`` (default 10,000), ``min_count`` (default 1),
         ``seq_len`` (default 25). Any other option is refused.
     Returns:
@@ -514,4 +524,4 @@ def open_leaf(name: str, data_dir: str | os.PathLike, **options) -> LeafReader:
       DatasetNotFoundError: no train/test shards (or, for celeba, no image folder).
       ValueError: an unknown dataset or option.
     """
-    return LeafReader(name, data_dir, **options)
+    return LeafReader(name, data_dir, quantise=quantise, **options)

@@ -141,7 +141,9 @@ def describe(nc: NaturalClients) -> dict:
         token inputs: length (quantiles of real tokens per sample), length_histogram [L + 1],
           tokens (real), distinct_ids (ids ≠ PAD used), distinct_fraction (of the vocab_size − 1
           non-PAD ids), oov_tokens / oov_fraction (None without an "<oov>" entry in the
-          vocabulary), ids_outside_vocab (ids ≥ vocab_size or < 0: a reader bug if not 0).
+          vocabulary), ids_outside_vocab (ids ≥ vocab_size or < 0: a reader bug if not 0);
+      rounded_values: source values the reader stored at their nearest level because the stored
+        dtype cannot hold them exactly (`natural.Quantiser`, ``quantise="round"``).
     """
     vocab = list(nc.source.vocab)
     oov_id = vocab.index(OOV_TOKEN) if OOV_TOKEN in vocab else None
@@ -160,6 +162,7 @@ def describe(nc: NaturalClients) -> dict:
         "clients_without_test": int((test_counts == 0).sum()),
         "input_shape": list(nc.train_x.shape[1:]),
         "input_dtype": str(nc.train_x.dtype),
+        "rounded_values": int(nc.source.rounded),
         "train": _split_stats(nc, "train", oov_id),
         "test": _split_stats(nc, "test", oov_id),
     }
@@ -192,6 +195,9 @@ def format_table(stats: dict) -> str:
     lines.append(" " * width + "".join(f"{c:>12}" for c in cols))
     for name, q in rows:
         lines.append(f"{name:<{width}}" + "".join(f"{_fmt(q[c]):>12}" for c in cols))
+    if stats.get("rounded_values"):
+        lines.append(f"values rounded to the nearest level the cache stores ({stats['input_dtype']}): "
+                     f"{stats['rounded_values']:,}")
     lines.append(f"clients without test data: {stats['clients_without_test']:,}; "
                  f"without training data: {stats['clients_without_train']:,}")
     for split in ("train", "test"):

@@ -36,8 +36,10 @@ Images (uint8 NHWC; the model sees x · input_scale + input_shift):
 * EMNIST: TFF stores float32 pixels p ∈ [0, 1] with **1.0 = background** and 0.0 = ink (LEAF's
   grey levels / 255). We store u = 255 − round(255 p), so background is 0 and ink is high as in
   MNIST, and the model sees u / 255 = 1 − p, FedJAX's ``x = 1 - pixels``. The mapping is exact and
-  invertible: every p must lie on the grid k/255 (|255 p − k| ≤ 1e-3, float32 rounding), and
-  p = (255 − u)/255; a pixel off the grid raises `DataFormatError` (no silent quantisation).
+  invertible on the grid k/255 (|255 p − k| ≤ 1e-3, float32 rounding): p = (255 − u)/255. A pixel
+  off the grid goes by the readers' one policy (`natural.Quantiser`): ``quantise="round"``
+  (default) stores its nearest level and counts it (`SourceInfo.rounded`), ``quantise="refuse"``
+  raises `DataFormatError`; a pixel outside [0, 1] is refused either way.
   input_scale = 1/255, input_shift = 0.
 * CIFAR-100: uint8 as stored; the model sees x · 2/255 − 1 ∈ [−1, 1] (this package's image
   convention, `sources.py`). ``coarse=True`` predicts the 20 coarse labels.
@@ -60,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from fedjax_pfl.data import text
-from fedjax_pfl.data.natural import ClientBlock, DataFormatError, SourceInfo, Task
+from fedjax_pfl.data.natural import ClientBlock, DataFormatError, Quantiser, SourceInfo, Task, check_quantise
 from fedjax_pfl.data.sources import DatasetNotFoundError
 
 __all__ = ["DATASETS", "TffReader", "DatasetSpec", "dataset_spec", "resolve_options",
@@ -85,6 +87,9 @@ _OPTIONS: dict[str, dict[str, Any]] = {
                          "eval_split": "test"},
     "cifar100_fl": {"coarse": False, "test_clients": "separate"},
 }
+# Every dataset takes `quantise` (natural.QUANTISE); these store values through a Quantiser, so
+# only their cache key carries it.
+_QUANTISED = ("emnist62", "emnist10")
 
 EMNIST_LABELS = tuple("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 
@@ -102,10 +107,11 @@ def resolve_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """The dataset's options with defaults filled in; unknown names or bad values raise."""
     _check_name(name)
     allowed = _OPTIONS[name]
-    unknown = sorted(set(options) - set(allowed))
+    unknown = sorted(set(options) - set(allowed) - {"quantise"})
     if unknown:
-        raise ValueError(f"{name}: unknown option(s) {unknown}; valid: {sorted(allowed) or 'none'}")
-    opts = {**allowed, **options}
+        raise ValueError(f"{name}: unknown option(s) {unknown}; valid: {sorted([*allowed, 'quantise'])}")
+    opts = {**allowed, "quantise": "round", **options}
+    check_quantise(opts["quantise"])
     for key in ("sequence_length", "vocab_size", "num_tags", "max_tokens", "max_tags"):
         if key in opts and (not isinstance(opts[key], int) or opts[key] < 1):
             raise ValueError(f"{name}: option {key} must be a positive int, got {opts[key]!r}")
@@ -140,6 +146,9 @@ class DatasetSpec:
     labels: tuple[str, ...] = ()
     extra_files: tuple[str, ...] = ()     # count files read (absolute paths)
     options: tuple[tuple[str, str], ...] = ()
+    # How `convert` stores values it cannot store exactly, and its count of the values it moved:
+    # a reader resets it when its clients() starts and reports `quantiser.rounded`.
+    quantiser: Quantiser = dataclasses.field(default_factory=Quantiser)
 
 
 def _labels(raw: np.ndarray, num_classes: int, feature: str, path: str, client: str) -> np.ndarray:
@@ -156,25 +165,17 @@ def _labels(raw: np.ndarray, num_classes: int, feature: str, path: str, client: 
     return lab.astype(np.int32)
 
 
-def _emnist_pixels(raw: np.ndarray, path: str, client: str) -> np.ndarray:
-    """float [n, 28, 28] on the k/255 grid (1 = background) → uint8 [n, 28, 28, 1], 255 − k."""
+def _emnist_pixels(raw: np.ndarray, quantiser: Quantiser, path: str, client: str) -> np.ndarray:
+    """float [n, 28, 28] grey levels p ∈ [0, 1] (1 = background) → uint8 [n, 28, 28, 1] 255 − k,
+    k = round(255 p) by `quantiser`'s policy."""
     px = np.asarray(raw)
     if px.ndim != 3 or px.shape[1:] != (28, 28) or px.dtype.kind != "f":
         raise DataFormatError(path, f"'pixels' must be float [n, 28, 28], got {px.dtype} "
                                     f"{list(px.shape)}", client)
-    # In float32 and in place, so converting a client costs about three copies of its pixels:
-    # for p = float32(k/255), |255 p − k| ≤ 255·2⁻²⁵ + 2⁻¹⁷ < 2e-5, far inside the 1e-3 test.
-    scaled = px.astype(np.float32) * np.float32(255)
-    k = np.rint(scaled)
-    bad = ~np.isfinite(scaled) | (k < 0) | (k > 255)
-    np.abs(np.subtract(scaled, k, out=scaled), out=scaled)
-    bad |= scaled > 1e-3
-    if bad.any():
-        v = px[bad][0]
-        raise DataFormatError(path, f"'pixels' has {int(bad.sum())} value(s) off the k/255 grid "
-                                    f"in [0, 1] (e.g. {float(v)!r}); cannot store them exactly "
-                                    "as uint8", client)
-    return np.subtract(np.float32(255), k, out=k).astype(np.uint8)[..., None]
+    # float32 is what TFF stores; wider floats are read in float32 too (their grid test has the
+    # same 1e-3 margin).
+    k = quantiser.levels_of(px.astype(np.float32, copy=False), "'pixels'", path, client)
+    return np.subtract(np.uint8(255), k, out=k)[..., None]
 
 
 def _strings(raw: np.ndarray, feature: str, path: str, client: str) -> Sequence[bytes | str]:
@@ -194,13 +195,16 @@ def dataset_spec(name: str, data_dir: str, options: Mapping[str, Any]) -> Datase
     """The `DatasetSpec` of `name`; Stack Overflow reads its count files from `data_dir` (absent:
     `DatasetNotFoundError`, naming them and where they come from)."""
     opts = resolve_options(name, options)
+    quantiser = Quantiser(opts.pop("quantise"))
     opt_items = tuple(sorted((k, str(v)) for k, v in opts.items()))
+    if name in _QUANTISED:
+        opt_items = tuple(sorted(opt_items + (("quantise", quantiser.quantise),)))
 
     if name in ("emnist62", "emnist10"):
         num_classes = 62 if name == "emnist62" else 10
 
         def convert(f: Features, path: str, client: str):
-            return _emnist_pixels(f["pixels"], path, client), _labels(
+            return _emnist_pixels(f["pixels"], quantiser, path, client), _labels(
                 f["label"], num_classes, "label", path, client)
 
         task = Task(kind="classify", num_classes=num_classes, inputs="image",
@@ -208,7 +212,8 @@ def dataset_spec(name: str, data_dir: str, options: Mapping[str, Any]) -> Datase
         return DatasetSpec(name, task, ("pixels", "label"), convert,
                            (np.zeros((0, 28, 28, 1), np.uint8), np.zeros(0, np.int32)),
                            input_scale=1 / 255, input_shift=0.0,
-                           labels=EMNIST_LABELS[:num_classes], options=opt_items)
+                           labels=EMNIST_LABELS[:num_classes], options=opt_items,
+                           quantiser=quantiser)
 
     if name == "cifar100_fl":
         feature, num_classes = ("coarse_label", 20) if opts["coarse"] else ("label", 100)
@@ -332,10 +337,11 @@ class TffReader:
         s = self._spec
         return SourceInfo(name=s.name, format="tff", files=(self._train, self._test, *s.extra_files),
                           input_scale=s.input_scale, input_shift=s.input_shift, vocab=s.vocab,
-                          labels=s.labels, options=s.options)
+                          labels=s.labels, options=s.options, rounded=s.quantiser.rounded)
 
     def clients(self) -> Iterator[ClientBlock]:
         """Every client once, sorted by id; one client's groups are read per step."""
+        self._spec.quantiser.reset()
         with _open_h5(self._train) as ftrain, _open_h5(self._test) as ftest:
             gtrain, gtest = _examples(ftrain, self._train), _examples(ftest, self._test)
             for client, ktrain, ktest in pair_clients(list(gtrain.keys()), list(gtest.keys()),
@@ -397,7 +403,9 @@ def open_tff(name: str, data_dir: str, **options: Any) -> TffReader:
     Options (defaults): shakespeare: sequence_length=80; stackoverflow_nwp: vocab_size=10000,
     sequence_length=20, eval_split="test" | "held_out"; stackoverflow_tp: vocab_size=10000,
     num_tags=500, max_tokens=64, max_tags=5, eval_split; cifar100_fl: coarse=False,
-    test_clients="separate" | "paired".
+    test_clients="separate" | "paired"; every dataset: quantise="round" | "refuse" (EMNIST
+    pixels off the k/255 grid stored at their nearest level and counted, or refused:
+    `natural.Quantiser`).
 
     Raises:
       DatasetNotFoundError: a file is absent (one line: the files and where they come from).

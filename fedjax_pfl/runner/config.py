@@ -199,6 +199,7 @@ def check_natural_options(dataset: str, options: dict, partition: PartitionConfi
     """The settings of a natural-client dataset that need no files (OptionError naming the
     data option or the partition's field)."""
     from fedjax_pfl.data.formats import NATURAL_DATASETS
+    from fedjax_pfl.data.natural import check_quantise
 
     if partition.scheme != "natural":
         raise OptionError(f"{arg('dataset')} {dataset} keeps its own clients: "
@@ -208,6 +209,7 @@ def check_natural_options(dataset: str, options: dict, partition: PartitionConfi
     if fmt is not None and fmt not in NATURAL_DATASETS[dataset]:
         raise OptionError(f"{arg('fmt', 'data')} must be one of {list(NATURAL_DATASETS[dataset])} "
                           f"for {arg('dataset')} {dataset}, got {fmt!r}")
+    check_quantise(options.get("quantise", "round"))
     k, s = options.get("max_clients"), options.get("min_samples", 0)
     if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1):
         raise OptionError(f"{arg('max_clients', 'data')} must be an integer >= 1, got {k!r}")

@@ -119,6 +119,12 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
     hparams = cfg.validate()
     if data is None:
         data, data_info = load_data(cfg)
+    elif not isinstance(data, FederatedData):
+        hint = " (build_federated returns (data, info): pass the first)" if isinstance(data, tuple) else ""
+        raise OptionError(f"{arg('data')} must be a fedjax_pfl.data.FederatedData, got "
+                          f"{type(data).__name__}{hint}")
+    else:
+        algorithms.check_labels(data, "run")      # before the program places the data
     check_with_data(cfg, data)
     hparams, privacy_plan = privacy.plan(cfg, hparams, data.num_real_clients)
     model_name = model_name_of(cfg)

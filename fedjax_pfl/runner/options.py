@@ -20,8 +20,8 @@ notebook gets what the command line gets:
   keyword; the hyperparameter goes in `hparams={"alpha": …}`.
 * The dataset's rules: a natural-client dataset (`formats.NATURAL_DATASETS`: LEAF, TFF or
   FedJAX files) keeps its own clients (`clients` is refused; `max_clients`, `min_samples` take a
-  subset) and is the only kind that takes `format`, `max_clients`, `min_samples`, `cache_dir`
-  and `token_accuracy`; the partition defaults to `natural` for those and for `synthetic`,
+  subset) and is the only kind that takes `format`, `max_clients`, `min_samples`, `cache_dir`,
+  `token_accuracy` and `quantise`; the partition defaults to `natural` for those and for `synthetic`,
   `dirichlet` otherwise; the client count to `synthetic_clients` for `synthetic`, 20 otherwise;
   each dataset gets the data options its loader takes (`RunConfig.data_options`).
 * `out` defaults to runs/ALGO_DATASET_TIME.
@@ -60,14 +60,15 @@ DEFAULTS: dict[str, Any] = {
     "resume": False, "checkpoint_on_signal": None, "log": "", "quiet": False, "model": None,
     "model_options": None, "model_cr": 2.0, "conv": "auto",
     "dataset": "digits", "data_dir": None, "format": None, "max_clients": None, "min_samples": 0,
-    "token_accuracy": None, "cache_dir": None, "tfds_dir": None, "download": False,
+    "token_accuracy": None, "quantise": None, "cache_dir": None, "tfds_dir": None,
+    "download": False,
     "emnist_split": "balanced", "synthetic_alpha": 1.0, "synthetic_beta": 1.0,
     "synthetic_clients": 30,
     "partition": None, "clients": None, "alpha": 0.5, "min_size": 10, "classes_per_client": 2,
     "shards_per_client": None, "shard_size": None, "clusters": 4, "test_fraction": 0.25,
 }
 # The options that apply to natural-client datasets only.
-NATURAL_ONLY = ("format", "max_clients", "cache_dir", "token_accuracy", "min_samples")
+NATURAL_ONLY = ("format", "max_clients", "cache_dir", "token_accuracy", "min_samples", "quantise")
 # The datasets read from prepared TFDS copies or their original files (`data.sources`): the ones
 # that take `data_dir`, `tfds_dir` and `download` (digits is embedded, synthetic generated).
 FILE_DATASETS = ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100")
@@ -389,7 +390,8 @@ def run_fields(*, hparams: Mapping[str, Any] | None = None,
         data_options = {"data_dir": o["data_dir"], "fmt": o["format"],
                         "max_clients": o["max_clients"], "min_samples": o["min_samples"],
                         "cache_dir": o["cache_dir"],
-                        "token_accuracy": o["token_accuracy"] or "default"}
+                        "token_accuracy": o["token_accuracy"] or "default",
+                        "quantise": o["quantise"] or "round"}
     if dataset == "emnist":
         data_options["emnist_split"] = o["emnist_split"]
     if synthetic:

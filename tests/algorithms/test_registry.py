@@ -17,6 +17,7 @@ from helpers import linear_model, make_data
 
 from fedjax_pfl import algorithms
 from fedjax_pfl.algorithms import _global_model, _split_fedavg, engine, interface, registry
+from fedjax_pfl.errors import OptionError
 
 ALGORITHMS_DIR = pathlib.Path(registry.__file__).parent
 # The package's modules that are not algorithms: what algorithms are assembled from.
@@ -149,3 +150,119 @@ def test_init_refuses_a_model_whose_outputs_are_not_the_data_classes():
     right = algorithms.get("fedavg", model=models.get("mlp", data.input_shape, 3))
     state = right.init(jax.random.key(0), data)
     assert int(state.round) == 0               # (the right width is not refused)
+
+
+# -- the notebook API's wrong inputs: one line naming the mismatch, checked once per structure --
+
+
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg and isinstance(excinfo.value, OptionError)
+    return msg
+
+
+def test_round_fn_refuses_the_state_of_another_algorithm_naming_it():
+    data = make_data([6] * 4)
+    fedavg = algorithms.get("fedavg", model=linear_model(), lr=0.1)
+    ditto = algorithms.get("ditto", model=linear_model(), lr=0.1)
+    state = fedavg.init(jax.random.key(0), data)
+    ditto.init(jax.random.key(0), data)
+    for round_fn in (ditto.round_fn, jax.jit(ditto.round_fn)):
+        with pytest.raises(OptionError) as e:
+            round_fn(state, data, jax.random.key(1))
+        assert _one_line(e) == ("state: made by fedavg's init, not ditto's: ditto.round_fn takes "
+                                "the state ditto's init makes")
+    with pytest.raises(OptionError, match=r"^state: made by fedavg's init, not ditto's: "
+                                          r"ditto.evaluate takes"):
+        ditto.evaluate(state, data)
+    # A structure no init made: its class and the structure expected.
+    fresh = algorithms.get("ditto", model=linear_model(), lr=0.1)
+    with pytest.raises(OptionError) as e:
+        fresh.round_fn({"w": jnp.zeros((5, 3))}, data, jax.random.key(1))
+    assert _one_line(e).startswith("state: a dict of another structure than the state ditto's "
+                                   "init makes (a State of ")
+    with pytest.raises(OptionError) as e:
+        ditto.round_fn(state, {"x": data.x}, jax.random.key(1))
+    assert _one_line(e) == ("round_fn(state, data, ...): data must be a "
+                            "fedjax_pfl.data.FederatedData, got dict")
+
+
+def test_round_fn_and_evaluate_refuse_a_state_made_for_another_client_count():
+    ten, twelve = make_data([6] * 10), make_data([6] * 12)
+    ditto = algorithms.get("ditto", model=linear_model(), lr=0.1)
+    state = ditto.init(jax.random.key(0), ten)
+    calls = {"round_fn": lambda s, d: ditto.round_fn(s, d, jax.random.key(1)),
+             "jitted round_fn": lambda s, d: jax.jit(ditto.round_fn)(s, d, jax.random.key(1)),
+             "evaluate": ditto.evaluate}
+    for name, call in calls.items():
+        with pytest.raises(OptionError) as e:
+            call(state, twelve)
+        assert _one_line(e) == "state: made for 10 clients, this data has 12", name
+    # A state this algorithm object never made (a checkpoint's): init run abstractly decides.
+    other = algorithms.get("ditto", model=linear_model(), lr=0.1)
+    with pytest.raises(OptionError, match=r"^state: made for 10 clients, this data has 12$"):
+        other.round_fn(state, twelve, jax.random.key(1))
+    state, _ = other.round_fn(state, ten, jax.random.key(1))           # the right data is taken
+    assert int(state.round) == 1
+    # FedAvg's state holds no per-client rows: made for 10 clients, it is right for 12 too.
+    fedavg = algorithms.get("fedavg", model=linear_model(), lr=0.1)
+    g, _ = fedavg.round_fn(fedavg.init(jax.random.key(0), ten), twelve, jax.random.key(1))
+    assert int(g.round) == 1
+
+
+@pytest.mark.parametrize("labels, message", [
+    (lambda y: None, "data.y is None: the dataset has no labels"),
+    (lambda y: y[:, None], r"data.y has shape \[48, 1\]; classify labels are \[n\] with n = 48, "
+                           r"the rows of data.x"),
+    (lambda y: y[:40], r"data.y has shape \[40\]; classify labels are \[n\] with n = 48"),
+    (lambda y: y.astype(jnp.float32), r"data.y has dtype float32; labels are integer class ids"),
+])
+def test_init_and_round_refuse_data_without_labels_or_labels_of_another_shape(labels, message):
+    data = make_data([9, 9, 9, 9], test_sizes=[3, 3, 3, 3])          # n = 48 rows
+    algo = algorithms.get("fedavg", model=linear_model(), lr=0.1)
+    state = algo.init(jax.random.key(0), data)
+    wrong = dataclasses.replace(data, y=labels(data.y))
+    with pytest.raises(OptionError, match="^init: " + message) as e:
+        algo.init(jax.random.key(0), wrong)
+    _one_line(e)
+    with pytest.raises(OptionError, match="^round_fn: " + message) as e:
+        jax.jit(algo.round_fn)(state, wrong, jax.random.key(1))
+    _one_line(e)
+
+
+def test_sequence_labels_are_n_by_t():
+    """A per-token task's labels are [n, T]: one label per sample is refused, [n, T] taken."""
+    from fedjax_pfl.algorithms.registry import check_labels
+    from fedjax_pfl.models.tasks import Task
+
+    x = jnp.zeros((6, 4), jnp.int32)
+    task = Task("sequence", num_classes=7, inputs="tokens", vocab_size=7)
+    data = make_data([2, 2], test_sizes=[1, 1])
+    ok = dataclasses.replace(data, x=x, y=jnp.zeros((6, 4), jnp.int32), task=task)
+    check_labels(ok, "init")
+    with pytest.raises(OptionError, match=r"^init: data.y has shape \[6\]; sequence labels are "
+                                          r"\[n, T\] with n = 6"):
+        check_labels(dataclasses.replace(ok, y=jnp.zeros((6,), jnp.int32)), "init")
+
+
+def test_input_checks_run_once_per_structure(monkeypatch):
+    """The checks read structure and shapes: under jit they run when the round is traced, and
+    eagerly a signature accepted once is not checked again."""
+    seen = []
+    real = registry.InputChecks.state
+    monkeypatch.setattr(registry.InputChecks, "state",
+                        lambda self, *a: (seen.append(a[-1]), real(self, *a))[1])
+    data = make_data([6] * 4)
+    algo = algorithms.get("ditto", model=linear_model(), lr=0.1, backend="loop")
+    state = algo.init(jax.random.key(0), data)
+    round_fn = jax.jit(algorithms.get("ditto", model=linear_model(), lr=0.1).round_fn)
+    jitted = state
+    for r in range(3):
+        jitted, _ = round_fn(jitted, data, jax.random.key(r))
+    assert seen == ["round_fn"]                                        # traced once
+    for r in range(3):
+        state, _ = algo.round_fn(state, data, jax.random.key(r))       # loop backend: eager
+    assert seen == ["round_fn", "round_fn"]
+    with pytest.raises(OptionError, match="made for 4 clients"):
+        algo.round_fn(state, make_data([6] * 5), jax.random.key(0))     # a new structure: checked
+    assert seen == ["round_fn"] * 3

@@ -153,3 +153,39 @@ def test_command_line_exit_status(tmp_path):
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("prepare.py: error: LEAF femnist:") and str(tmp_path) in line
     assert "preprocess.sh" in line
+
+
+def _leaf_femnist_off_grid(root) -> int:
+    """A LEAF FEMNIST in its real layout (data/{train,test}/*.json) whose pixels are k/255 but
+    for three of them off the grid; returns that count."""
+    grid = [[1.0] * 784, [k / 255 for k in range(256)] * 3 + [0.0] * 16]
+    train = [list(grid[0]), list(grid[1])]
+    train[0][0] = 0.998 * 200 / 255                   # 199.6 levels: rounded to 200
+    train[1][1] = 1.4 / 255                           # rounded to 1
+    test = [list(grid[0])]
+    test[0][7] = 0.3                                  # 76.5 levels (off the grid)
+    for split, x in (("train", train), ("test", test)):
+        (root / "data" / split).mkdir(parents=True)
+        (root / "data" / split / f"all_data_0_{split}.json").write_text(json.dumps(
+            {"users": ["f0000_00"], "num_samples": [len(x)],
+             "user_data": {"f0000_00": {"x": x, "y": [3] * len(x)}}}))
+    return 3
+
+
+def test_prepare_reports_rounded_pixels_in_the_summary_and_refuse_stops(tmp_path, capsys):
+    root = tmp_path / "femnist"
+    moved = _leaf_femnist_off_grid(root)
+    out = tmp_path / "plots"
+    assert prepare.main(["--dataset", "femnist", "--data-dir", str(root), "--plots", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"values rounded to the nearest level the cache stores (uint8): {moved}" in printed
+    assert json.loads((out / "stats.json").read_text())["rounded_values"] == moved
+    # The count is the cache's: a second run opens it and reports the same.
+    assert prepare.main(["--dataset", "femnist", "--data-dir", str(root)]) == 0
+    printed = capsys.readouterr().out
+    assert "converting" not in printed and f"cache stores (uint8): {moved}" in printed
+    err = _fails(["--dataset", "femnist", "--data-dir", str(root), "--quantise", "refuse"], capsys,
+                 "client 'f0000_00': x has 2 value(s) off the k/255 grid", "(--quantise refuse;")
+    assert "all_data_0_train.json" in err
+    _fails(["--dataset", "femnist", "--data-dir", str(root), "--quantise", "floor"], capsys,
+           "--quantise")

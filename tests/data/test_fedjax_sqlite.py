@@ -245,3 +245,18 @@ def test_clients_are_read_one_at_a_time(emnist_dir):
     assert first.client_id == "00aa11bb22cc33dd:f0001_41" and len(first.train_y) == 2
     with pytest.raises(DataFormatError, match="client '0123456789abcdef:f0000_14'"):
         next(it)
+
+
+def test_emnist_off_grid_pixels_round_to_nearest_counted_or_refused(tmp_path):
+    """FedJAX's EMNIST pixels take the TFF reader's policy: nearest level, counted, or refused."""
+    pixels = np.ones((2, 28, 28), np.float32)
+    pixels[1, 3, 4] = 0.998 * 200 / 255                    # 199.6 levels: nearest 200, stored 55
+    ex = {"pixels": pixels, "label": np.zeros(2, np.int32)}
+    write_sqlite(tmp_path / "federated_emnist_train.sqlite", {"a": ex})
+    write_sqlite(tmp_path / "federated_emnist_test.sqlite", {"a": ex})
+    reader = fedjax_sqlite.open_fedjax("emnist62", str(tmp_path))
+    [block] = list(reader.clients())
+    assert block.train_x[1, 3, 4, 0] == 55 and block.test_x[1, 3, 4, 0] == 55
+    assert reader.source().rounded == 2
+    with pytest.raises(DataFormatError, match=r"client 'a': 'pixels' has 1 value\(s\) off the k/255 grid"):
+        list(fedjax_sqlite.open_fedjax("emnist62", str(tmp_path), quantise="refuse").clients())

@@ -177,7 +177,7 @@ BAD_FILES = {
         "not a number"),
     "pixels 0..255": (("train", 1), lambda p: _rewrite(
         p, lambda d: d["user_data"]["f0002_11"]["x"][0].__setitem__(3, 255)), "f0002_11",
-        r"pixel 3 is 255.*\[0, 1\]"),
+        r"x has 1 value\(s\) outside \[0, 1\] \(e\.g\. 255\.0 at \[0, 3\]\)"),
     "x y lengths": (("train", 1), lambda p: _rewrite(
         p, lambda d: d["user_data"]["f0002_11"]["y"].append(1)), "f0002_11",
         "x has 2 samples but y has 3"),
@@ -431,3 +431,62 @@ def test_celeba_images_resized_and_missing_folder(tmp_path):
     (img_dir / "000000.jpg").unlink()
     with pytest.raises(DataFormatError, match=r"client '7': image '000000\.jpg' is not in"):
         read_all(leaf.open_leaf("celeba", root))
+
+
+# ---------------------------------------------------------------------------------------------
+# Values off LEAF's k/255 grid: the readers' one quantisation policy (natural.Quantiser)
+
+
+def write_off_grid_femnist(root: Path) -> tuple[np.ndarray, int]:
+    """One user whose pixels are k/255 but for a few written off the grid; returns the grey
+    levels the nearest-level rule gives (worked out by hand below) and how many moved."""
+    k = np.full((2, 784), 255, np.int64)
+    values = (k / 255).tolist()
+    expected = k.copy()
+    # (sample, pixel, value written, nearest level): 0.998·200/255 is 199.6 levels, nearest
+    # 200 (truncation would give 199); 0.998·10/255 is 9.98 → 10; (37 + 0.4)/255 → 37;
+    # (37 + 0.6)/255 → 38; the ties 3.5 and 4.5 levels (exact in float64) → 4 and 4, to even.
+    moved = [(0, 0, 0.998 * 200 / 255, 200), (0, 1, 0.998 * 10 / 255, 10),
+             (1, 5, 37.4 / 255, 37), (1, 6, 37.6 / 255, 38), (1, 7, 3.5 / 255, 4),
+             (1, 8, 4.5 / 255, 4)]
+    for i, j, v, level in moved:
+        values[i][j] = v
+        expected[i, j] = level
+    values[1][9], expected[1, 9] = 0.0, 0                  # on the grid: not counted
+    write_shard(shard_path(root, "train", 0), {"f0000_00": (values, [3, 4])})
+    write_shard(shard_path(root, "test", 0), {"f0000_00": ((k[:1] / 255).tolist(), [5])})
+    return expected.astype(np.uint8).reshape(2, 28, 28, 1), len(moved)
+
+
+def test_femnist_off_grid_pixels_round_to_nearest_and_are_counted(tmp_path):
+    root = tmp_path / "femnist"
+    expected, moved = write_off_grid_femnist(root)
+    reader = leaf.open_leaf("femnist", root)
+    assert reader.source().rounded == 0                       # nothing read yet
+    [block] = read_all(reader)
+    np.testing.assert_array_equal(block.train_x, expected)
+    assert block.train_x[0, 0, 0, 0] == 200                    # round to nearest, not truncation
+    assert reader.source().rounded == moved
+    assert ("quantise", "round") in reader.source().options   # the cache key knows the policy
+    read_all(reader)                                           # a second pass counts afresh
+    assert reader.source().rounded == moved
+
+
+def test_femnist_off_grid_pixels_refused_naming_count_file_client_and_option(tmp_path):
+    root = tmp_path / "femnist"
+    _, moved = write_off_grid_femnist(root)
+    with pytest.raises(DataFormatError) as e:
+        read_all(leaf.open_leaf("femnist", root, quantise="refuse"))
+    msg = str(e.value)
+    assert msg.startswith(str(shard_path(root, "train", 0).resolve()) + ", client 'f0000_00': ")
+    assert f"x has {moved} value(s) off the k/255 grid" in msg
+    assert "quantise refuse" in msg and "\n" not in msg
+    assert e.value.arguments == [("quantise", "data")]
+
+
+def test_quantise_policy_must_be_round_or_refuse(tmp_path):
+    root = tmp_path / "femnist"
+    write_off_grid_femnist(root)
+    with pytest.raises(ValueError, match=r"^quantise must be one of \['round', 'refuse'\], "
+                                         r"got 'truncate'$"):
+        leaf.open_leaf("femnist", root, quantise="truncate")

@@ -226,8 +226,8 @@ def test_truncated_file(emnist_dir):
      r"'pixels' must be float \[n, 28, 28\]"),
     ({"pixels": np.ones((2, 28, 28), np.float32), "label": np.array([0, 62], np.int32)},
      r"'label' outside \[0, 62\)"),
-    ({"pixels": np.full((2, 28, 28), 0.5, np.float32), "label": np.zeros(2, np.int32)},
-     r"'pixels' has 1568 value\(s\) off the k/255 grid"),
+    ({"pixels": np.full((2, 28, 28), 2.0, np.float32), "label": np.zeros(2, np.int32)},
+     r"'pixels' has 1568 value\(s\) outside \[0, 1\]"),
     ({"pixels": np.ones((3, 28, 28), np.float32), "label": np.zeros(2, np.int32)},
      r"features differ in length"),
     ({"pixels": np.ones((2, 28, 28), np.float32), "label": np.zeros(2, np.float32)},
@@ -294,3 +294,30 @@ def test_reader_satisfies_protocol(emnist_dir):
     assert isinstance(reader.task(), natural.Task)
     assert isinstance(reader.source(), natural.SourceInfo)
     assert all(isinstance(b, natural.ClientBlock) for b in reader.clients())
+
+
+def test_emnist_off_grid_pixels_round_to_nearest_counted_or_refused(tmp_path):
+    """TFF's float32 pixels off the k/255 grid follow the readers' one policy: stored at the
+    nearest level (255 − k after the background inversion) and counted, or refused."""
+    k = np.full((1, 28, 28), 255, np.int64)
+    pixels = (k / 255.0).astype(np.float32)
+    # 0.998·200/255 is 199.6 levels: nearest 200 (stored 55); truncation would give 199 (56).
+    pixels[0, 0, 0], k[0, 0, 0] = 0.998 * 200 / 255, 200
+    pixels[0, 0, 1], k[0, 0, 1] = 37.6 / 255, 38
+    pixels[0, 0, 2], k[0, 0, 2] = 0.0, 0                     # on the grid
+    label = np.zeros(1, np.int32)
+    write_h5(tmp_path / "fed_emnist_train.h5", {"f0000_00": {"pixels": pixels, "label": label}})
+    write_h5(tmp_path / "fed_emnist_test.h5", {"f0000_00": {"pixels": pixels, "label": label}})
+    reader = tff.open_tff("emnist62", str(tmp_path))
+    [block] = list(reader.clients())
+    np.testing.assert_array_equal(block.train_x[..., 0], 255 - k)
+    assert block.train_x[0, 0, 0, 0] == 55
+    assert reader.source().rounded == 4                      # 2 per split
+    assert ("quantise", "round") in reader.source().options
+    with pytest.raises(DataFormatError) as e:
+        list(tff.open_tff("emnist62", str(tmp_path), quantise="refuse").clients())
+    msg = str(e.value)
+    assert msg.startswith(str(tmp_path / "fed_emnist_train.h5") + ", client 'f0000_00': ")
+    assert "'pixels' has 2 value(s) off the k/255 grid" in msg and "quantise refuse" in msg
+    with pytest.raises(ValueError, match=r"quantise must be one of \['round', 'refuse'\]"):
+        tff.open_tff("emnist62", str(tmp_path), quantise="floor")

@@ -16,9 +16,9 @@ CASES = [
     # (run.py flags, the same run from a notebook)
     ([], {}),
     (["--dataset", "femnist", "--data-dir", "/data/leaf/femnist", "--max-clients", "50",
-      "--min-samples", "10", "--format", "leaf", "--token-accuracy", "all"],
+      "--min-samples", "10", "--format", "leaf", "--token-accuracy", "all", "--quantise", "refuse"],
      dict(dataset="femnist", data_dir="/data/leaf/femnist", max_clients=50, min_samples=10,
-          format="leaf", token_accuracy="all")),
+          format="leaf", token_accuracy="all", quantise="refuse")),
     (["--dataset", "shakespeare", "--data-dir", "/d", "--model-options", "hidden=64,layers=1",
       "--cache-dir", "/c"],
      dict(dataset="shakespeare", data_dir="/d", model_options={"hidden": 64, "layers": 1},
@@ -175,7 +175,8 @@ def test_the_rules_per_dataset_without_the_command_line():
     nat = runner.RunConfig.from_options(dataset="shakespeare", data_dir="/d", out="o")
     assert nat.partition.scheme == "natural" and nat.natural
     assert nat.data_options == {"data_dir": "/d", "fmt": None, "max_clients": None,
-                                "min_samples": 0, "cache_dir": None, "token_accuracy": "default"}
+                                "min_samples": 0, "cache_dir": None, "token_accuracy": "default",
+                                "quantise": "round"}
     assert runner.RunConfig.from_options(dataset="emnist", out="o").data_options[
         "emnist_split"] == "balanced"
     assert runner.RunConfig.from_options(model="char_lstm",
@@ -233,3 +234,15 @@ def test_a_presets_or_a_harmless_option_is_left_out_with_a_warning_and_a_saved_o
     # check_only: a resume checks only what its caller gives; the saved run's fields stay
     cfg = runner.RunConfig.from_options(partition="iid", alpha=0.3, check_only=set(), out="o")
     assert cfg.partition.alpha == 0.3
+
+
+def test_quantise_is_a_natural_data_option_checked_before_loading():
+    cfg = runner.RunConfig.from_options(dataset="femnist", data_dir="/nonexistent", out="o",
+                                        quantise="refuse")
+    assert cfg.data_options["quantise"] == "refuse"
+    bad = runner.RunConfig.from_options(dataset="femnist", data_dir="/nonexistent", out="o",
+                                        quantise="floor")
+    with pytest.raises(OptionError, match=r"^quantise must be one of \['round', 'refuse'\], got 'floor'$"):
+        bad.validate()                                    # no file is read: /nonexistent
+    with pytest.raises(OptionError, match=r"^quantise applies to natural-client datasets"):
+        runner.RunConfig.from_options(dataset="digits", quantise="round", out="o")

@@ -292,3 +292,25 @@ def test_a_checkpoint_whose_manifest_points_outside_falls_back_to_the_one_before
     assert path.endswith("round_000001") and meta == {"round": 1}
     assert len(said) == 1 and str(newest) in said[0] and "'host.npz'" in said[0]
     assert "outside the checkpoint" in said[0] and "using the one before it" in said[0]
+
+
+def test_run_refuses_data_that_is_not_a_dataset_or_has_no_labels_before_compiling(tmp_path,
+                                                                                  monkeypatch):
+    """runner.run(cfg, data=...) from a notebook: build_federated's (data, info) pair, or a
+    dataset without labels, is one line naming `data` before anything is placed or compiled."""
+    import dataclasses
+
+    from fedjax_pfl.errors import OptionError
+
+    _forbid_compile(monkeypatch)
+    data = helpers.make_data([6] * 4)
+    cfg = runner.RunConfig.from_options(algo="fedavg", rounds=1, model="mlp", quiet=True,
+                                        out=str(tmp_path / "run"))
+    with pytest.raises(OptionError) as e:
+        runner.run(cfg, data=(data, {}), log=quiet)
+    assert str(e.value) == ("data must be a fedjax_pfl.data.FederatedData, got tuple "
+                            "(build_federated returns (data, info): pass the first)")
+    with pytest.raises(OptionError, match=r"^run: data.y is None: the dataset has no labels"):
+        runner.run(cfg, data=dataclasses.replace(data, y=None), log=quiet)
+    with pytest.raises(OptionError, match=r"^run: data.y has dtype float32; labels are integer"):
+        runner.run(cfg, data=dataclasses.replace(data, y=data.y.astype(np.float32)), log=quiet)
