@@ -1,5 +1,5 @@
 """Sphinx configuration of the documentation site (`pip install -e ".[docs]"`, then
-`python -m sphinx -W --keep-going -b html docs build/docs`; .ci/run builds it so).
+`python -m sphinx -W --keep-going -b html docs build/docs`; tests/test_docs.py builds it so).
 
 Offline by construction: no intersphinx, no notebook execution, no remote theme assets. The API
 reference imports the package (autodoc) and nothing else heavy: the optional metric-sink
