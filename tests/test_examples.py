@@ -48,6 +48,7 @@ def test_notebook_runs_top_to_bottom(name, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.delenv("MPLBACKEND", raising=False)   # (the kernel's inline backend draws the figures)
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(work)}}).execute()   # raises if a cell does
     assert not [o for o in _outputs(nb) if o.output_type == "error"]
