@@ -42,10 +42,6 @@ def label_distribution_figure(counts: np.ndarray, *, title: str = "", share: boo
 
     Returns the matplotlib Figure; its axes are [sizes, heatmap, colourbar].
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     counts = np.asarray(counts)
     if counts.ndim != 2 or counts.size == 0:
@@ -59,8 +55,8 @@ def label_distribution_figure(counts: np.ndarray, *, title: str = "", share: boo
 
     width = min(4.0 + 0.22 * n_clients, 18.0)
     height = min(2.6 + 0.32 * n_classes, 14.0)
-    fig, (ax_size, ax) = plt.subplots(2, 1, sharex=True, figsize=(width, height),
-                                      gridspec_kw={"height_ratios": [1, 4]})
+    fig = _figure(figsize=(width, height))
+    ax_size, ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 4]})
     image = ax.imshow(values.T, aspect="auto", origin="lower", cmap="viridis", interpolation="nearest",
                       extent=(-0.5, n_clients - 0.5, -0.5, n_classes - 0.5),
                       vmin=0, vmax=1 if share else max(int(counts.max()), 1))
@@ -96,11 +92,8 @@ def label_distribution_figure(counts: np.ndarray, *, title: str = "", share: boo
 def plot_label_distribution(counts: np.ndarray, path: str, title: str = "", *, share: bool = False,
                             class_names: Sequence[str] | None = None) -> None:
     """Writes `label_distribution_figure(counts, …)` to `path` as a PNG."""
-    import matplotlib.pyplot as plt
-
     fig = label_distribution_figure(counts, title=title, share=share, class_names=class_names)
     fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
 
 
 def learning_curve_figure(runs: dict[str, list[dict]], title: str = "",
@@ -109,12 +102,10 @@ def learning_curve_figure(runs: dict[str, list[dict]], title: str = "",
     several runs (label -> per-round metric rows): a matplotlib Figure [accuracy, loss]."""
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig = _figure(figsize=(12, 4.2))
+    ax_acc, ax_loss = fig.subplots(1, 2)
     styles = ("-", ":", "--", "-.")
-    palette = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
+    palette = matplotlib.colormaps["tab10" if len(runs) <= 10 else "tab20"].colors
     for (label, rows), color in zip(runs.items(), palette * (1 + len(runs) // len(palette))):
         for key, style in zip(acc_keys, styles):
             pts = [(r["round"], r[key]) for r in rows if key in r]
@@ -144,11 +135,8 @@ def learning_curve_figure(runs: dict[str, list[dict]], title: str = "",
 def plot_learning_curves(runs: dict[str, list[dict]], path: str, title: str = "",
                          acc_keys: tuple[str, ...] = ("acc_mean",)) -> None:
     """Writes `learning_curve_figure(runs, …)` to `path` as a PNG."""
-    import matplotlib.pyplot as plt
-
     fig = learning_curve_figure(runs, title, acc_keys)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def client_sizes_figure(train_counts: np.ndarray, test_counts: np.ndarray | None = None, *,
@@ -157,9 +145,6 @@ def client_sizes_figure(train_counts: np.ndarray, test_counts: np.ndarray | None
     dataset. Bins are logarithmic when the sizes span more than two decades (Stack Overflow's
     heavy tail), linear otherwise. Returns the matplotlib Figure."""
     import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     train_counts = np.asarray(train_counts)
     series = [("train", train_counts)] + ([("test", np.asarray(test_counts))] if test_counts is not None else [])
@@ -170,7 +155,8 @@ def client_sizes_figure(train_counts: np.ndarray, test_counts: np.ndarray | None
     # Log bins at integer edges: a bin narrower than 1 would hold no integer and draw a gap.
     bins = (np.unique(np.round(np.geomspace(lo, hi + 1, 40))) if log
             else np.linspace(0, hi + 1, min(hi + 2, 41)))
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = _figure(figsize=(7, 4))
+    ax = fig.subplots()
     for name, counts in series:
         ax.hist(counts[counts > 0] if log else counts, bins=bins, alpha=0.6,
                 label=f"{name} (median {np.median(counts):g}, {int((counts == 0).sum())} clients with none)")
@@ -190,10 +176,6 @@ def counts_figure(counts: np.ndarray, *, xlabel: str, title: str = "",
     """A bar chart of counts[v] against v: a label distribution (v = class, `names` its labels;
     more than `top` classes show only the `top` most frequent, sorted) or a length histogram
     (v = tokens per sample). Returns the matplotlib Figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     counts = np.asarray(counts)
     keys = np.arange(counts.size)
@@ -201,7 +183,8 @@ def counts_figure(counts: np.ndarray, *, xlabel: str, title: str = "",
     if names is not None and counts.size > top:
         keys = np.argsort(-counts, kind="stable")[:top]
         shown = f"the {top} most frequent of {counts.size}"
-    fig, ax = plt.subplots(figsize=(min(4 + 0.15 * keys.size, 18), 4))
+    fig = _figure(figsize=(min(4 + 0.15 * keys.size, 18), 4))
+    ax = fig.subplots()
     ax.bar(np.arange(keys.size), counts[keys], width=0.9)
     if names is not None:
         labels = [str(names[k]) if k < len(names) else str(k) for k in keys]
@@ -217,8 +200,13 @@ def counts_figure(counts: np.ndarray, *, xlabel: str, title: str = "",
 
 
 def save_figure(fig, path: str) -> None:
-    """Writes a Figure to `path` as a PNG and closes it."""
-    import matplotlib.pyplot as plt
-
+    """Writes a Figure to `path` as a PNG."""
     fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
+
+
+def _figure(**kwargs):
+    """A Figure of its own, outside pyplot: drawing a run's figures neither switches the
+    caller's backend (a notebook's inline one) nor leaves figures open in pyplot's registry."""
+    from matplotlib.figure import Figure
+
+    return Figure(**kwargs)

@@ -80,12 +80,10 @@ def write_results(out: str, rows: Sequence[dict], curves: dict[str, list]) -> No
         f.write(results_table(rows))
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(list(rows), f, indent=2)
-    import matplotlib
+    from matplotlib.figure import Figure  # outside pyplot: the caller's backend stays
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig = Figure(figsize=(9, 5))
+    ax = fig.subplots()
     for name_, runs in curves.items():
         series = [[(r["round"], r["acc_mean"]) for r in rows_ if "acc_mean" in r] for rows_ in runs]
         if not series or not series[0]:
@@ -101,4 +99,3 @@ def write_results(out: str, rows: Sequence[dict], curves: dict[str, list]) -> No
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "curves.png"), dpi=100)
-    plt.close(fig)

@@ -88,3 +88,24 @@ def test_many_clients_sizes_are_one_step_outline():
         np.testing.assert_array_equal(edges, np.arange(len(counts) + 1) - 0.5)
     finally:
         plt.close(fig)
+
+
+def test_drawing_a_runs_figures_leaves_the_callers_backend_and_pyplot_alone(tmp_path):
+    """A notebook's inline backend (here: whatever pyplot uses) is not switched to Agg by a run's
+    figures, and no figure is left open in pyplot (the notebooks' later plt.show() works)."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from fedjax_pfl import plots
+
+    before, opened = matplotlib.get_backend(), plt.get_fignums()
+    matplotlib.use("svg")                            # a backend that is not Agg, as inline is not
+    try:
+        rows = [{"round": r, "acc_mean": 0.1 * r, "train_loss": 1.0 / r} for r in (1, 2, 3)]
+        plots.plot_learning_curves({"fedavg": rows}, str(tmp_path / "curve.png"))
+        plots.plot_label_distribution(np.array([[3, 1], [0, 4]]), str(tmp_path / "labels.png"))
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == opened
+        assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (tmp_path / "labels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        matplotlib.use(before)
