@@ -24,8 +24,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cli(tmp, name, extra, algo="pgfedmo"):
-    env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "1", "PYTHONPATH": str(ROOT)}
+def _cli(tmp, name, extra, algo="pgfedmo", env=None):
+    env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))
     # run.py drawing no PNGs (tests/support/run_no_figures.py; ~1.5 s of CPU a run): only the metrics
     # and the summary are compared.
@@ -56,15 +56,45 @@ def test_two_processes_equal_one(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-4 * max(1.0, abs(b[key])), (key, a[key], b[key])
 
 
-@pytest.mark.slow       # (two processes; the quick suite has no multi-process test)
+def _write_mnist(folder: Path, seed: int, n: int = 40) -> None:
+    """MNIST's four IDX files (gzip), `n` train and `n` test images of random pixels."""
+    import gzip
+    import struct
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    for split in ("train", "t10k"):
+        for kind, arr in (("images-idx3", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)),
+                          ("labels-idx1", rng.integers(0, 10, n, dtype=np.uint8))):
+            head = bytes([0, 0, 8, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape)
+            (folder / f"{split}-{kind}-ubyte.gz").write_bytes(gzip.compress(head + arr.tobytes()))
+
+
+@pytest.mark.slow       # (two processes, twice; the quick suite has no multi-process test)
 def test_processes_with_other_data_stop_before_running(tmp_path):
     """Each process of a run provides its own devices' copy of the dataset, so all must hold the
-    same one: two processes given other partitions (here other --seed values) both stop at once,
-    naming the mismatch, instead of training on different data."""
+    same one. Other flags (here --seed, another partition) are refused at the start, before any
+    data is read; the same flags reading other files (each process's own $FEDJAX_PFL_DATA_DIR)
+    make both stop at the data's fingerprint, naming the mismatch, instead of training on
+    different data."""
     port = _free_port()
     flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
     procs = [_cli(tmp_path, "two", flags + ["--process-id", str(i), "--seed", str(i)])
              for i in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 2 and err.strip().splitlines()[-1] == (
+            "run.py: error: process 1 was started with --seed 1, process 0 with 0: start every "
+            "process with the same flags"), err[-3000:]
+    for i in (0, 1):
+        _write_mnist(tmp_path / f"data{i}" / "mnist", seed=i)
+    port = _free_port()
+    flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--dataset", "mnist",
+             "--clients", "4"]
+    procs = [_cli(tmp_path, "files", flags + ["--process-id", str(i)],
+                  env={"FEDJAX_PFL_DATA_DIR": str(tmp_path / f"data{i}")}) for i in (0, 1)]
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode != 0 and "hold other values than process 0" in err, err[-3000:]
