@@ -4,6 +4,7 @@ cells assert what they teach: the custom algorithm equals FedAvg, a vmapped run 
 without writing the executed copy back. The stored copies carry the outputs a reader sees."""
 
 import os
+import signal
 from pathlib import Path
 
 import nbformat
@@ -49,8 +50,14 @@ def test_notebook_runs_top_to_bottom(name, tmp_path, monkeypatch):
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     monkeypatch.delenv("MPLBACKEND", raising=False)   # (the kernel's inline backend draws the figures)
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(work)}}).execute()   # raises if a cell does
+    # nbclient's kernel manager installs Python's default SIGINT handler; put back the one this
+    # process had (a background job's, or pytest's), as tests/conftest.py requires.
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        NotebookClient(nb, timeout=300, kernel_name="python3",
+                       resources={"metadata": {"path": str(work)}}).execute()   # raises if a cell does
+    finally:
+        signal.signal(signal.SIGINT, handler)
     assert not [o for o in _outputs(nb) if o.output_type == "error"]
     assert _figures(nb) >= 1                 # its plot was drawn
     assert list(work.iterdir()) == []        # and nothing written where it ran
