@@ -89,6 +89,17 @@ def owner_layout(train_count: np.ndarray, test_count: np.ndarray, devices: int) 
     return Layout(owner.astype(np.int32), train_start, test_start, rows)
 
 
+def clients_held_here(train_count: np.ndarray, test_count: np.ndarray) -> np.ndarray:
+    """Bool per client: whether one of this process's devices owns it under `owner_layout` over
+    every device (`layout.client_mesh`'s order), i.e. which clients' samples a process of a
+    multi-process run with sharded data placement reads (`_place_ranges`). Padding clients
+    (no samples, appended by `pad_clients`) do not move the real clients' owners."""
+    devices = jax.devices()
+    owner = owner_layout(train_count, test_count, len(devices)).owner
+    here = np.array([d.process_index == jax.process_index() for d in devices])
+    return here[owner]
+
+
 class Routes(NamedTuple):
     """For each trainer t, call round k and row p of t's block: `source` [D, K, R] the device
     that owns the sample (−1: a padding row), `row` [D, K, R] its row in that device's range."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -83,18 +83,25 @@ def partition_indices(raw: Any, cfg: PartitionConfig) -> list[np.ndarray]:
                                 shards_per_client=cfg.shards_per_client, shard_size=cfg.shard_size)
 
 
-def build_federated(raw: Any, cfg: PartitionConfig, *, device: bool = True
+def build_federated(raw: Any, cfg: PartitionConfig, *, device: bool = True,
+                    keep: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
                     ) -> tuple[FederatedData, dict[str, Any]]:
     """Partitions `raw`, splits each client into train/test and moves everything to device.
+
+    `keep(train_counts, test_counts)` (host data only): the clients whose samples this process
+    copies (`FederatedData.from_arrays`'s `keep`); the others' rows stay unwritten zeros.
 
     Returns the data and a JSON-ready description (sizes, unassigned samples, label counts).
     """
     parts = partition_indices(raw, cfg)
     train, test = partition_lib.split_train_test(parts, test_fraction=cfg.test_fraction,
                                                  seed=cfg.seed + 1)
+    kept = None if keep is None else keep(np.array([t.size for t in train]),
+                                          np.array([t.size for t in test]))
     data = FederatedData.from_arrays(
         raw.x, raw.y, train, test, num_classes=raw.num_classes,
         input_scale=raw.input_scale, input_shift=raw.input_shift, name=raw.name, device=device,
+        keep=kept,
     )
     train_sizes = np.array([t.size for t in train])
     test_sizes = np.array([t.size for t in test])

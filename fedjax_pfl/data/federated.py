@@ -127,10 +127,16 @@ class FederatedData:
         name: str = "",
         task: Any = None,
         device: bool = True,
+        keep: np.ndarray | None = None,
     ) -> "FederatedData":
         """Lays the samples out client by client (train blocks, then test blocks) and moves them
         to device. `train_indices[i]` / `test_indices[i]` are client i's rows of `x`, in order.
-        `device=False` keeps x and y as host NumPy arrays (for `--data-placement host`)."""
+        `device=False` keeps x and y as host NumPy arrays (for `--data-placement host`).
+
+        `keep` (bool per client, host arrays only): only those clients' samples are copied; the
+        others' rows of x stay zero pages that were never written, so they cost no memory (a
+        process of a multi-process run with `--data-placement sharded` holds its own devices'
+        clients, `core.sharded.clients_held_here`). y is whole (labels are small)."""
         if len(train_indices) != len(test_indices):
             raise ValueError(
                 f"{len(train_indices)} train index lists but {len(test_indices)} test index lists"
@@ -150,7 +156,17 @@ class FederatedData:
         counts = np.array([b.size for b in blocks], dtype=np.int64)
         order = np.concatenate(blocks) if counts.sum() else np.zeros(0, np.int64)
         n = len(train_indices)
-        return cls.from_blocks(x[order], y[order], counts[:n], counts[n:], num_classes=num_classes,
+        if keep is None:
+            laid = x[order]
+        else:
+            keep = np.asarray(keep, bool)
+            if device or keep.shape != (n,):
+                raise ValueError(f"keep must be a bool per client ({n}) of a host dataset, got "
+                                 f"shape {keep.shape}" + (" with device=True" if device else ""))
+            laid = np.zeros((order.size,) + x.shape[1:], x.dtype)   # (untouched pages: free)
+            kept = np.repeat(np.concatenate([keep, keep]), counts)
+            laid[kept] = x[order[kept]]
+        return cls.from_blocks(laid, y[order], counts[:n], counts[n:], num_classes=num_classes,
                                input_scale=input_scale, input_shift=input_shift, name=name,
                                task=task, device=device)
 

@@ -71,7 +71,11 @@ def load_data(cfg: RunConfig) -> tuple[FederatedData, dict[str, Any]]:
     if part.scheme != "natural" and part.num_clients > n:
         raise OptionError(f"{arg('num_clients', 'partition')} {part.num_clients} is more than the "
                           f"{n} samples of {cfg.dataset}")
-    return build_federated(raw, part, device=device)
+    # Sharded data over several processes: each process copies only its own devices' clients
+    # (the others' rows stay unwritten zero pages; `ShardedData` reads only its own ranges).
+    keep = (core.sharded.clients_held_here
+            if cfg.data_placement == "sharded" and jax.process_count() > 1 else None)
+    return build_federated(raw, part, device=device, keep=keep)
 
 
 @dataclasses.dataclass
