@@ -78,26 +78,36 @@ def _kill(procs):
             p.wait()
 
 
+def _lose(out, after_rounds, victim, how, bound):
+    """Two processes past `after_rounds` rounds; `how` (SIGKILL, SIGSTOP) sent to process
+    `victim`; the other must exit 75 within `bound` seconds. Its one line."""
+    procs = _pair(out)
+    survivor = procs[1 - victim]
+    try:
+        _wait_rounds(out, after_rounds, procs)
+        procs[victim].send_signal(how)
+        start = time.monotonic()
+        assert _ended_within(survivor, start, bound) == 75
+    finally:
+        _kill(procs)
+    return _last_line(survivor)
+
+
+def _rounds(out):
+    return [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_a_killed_process_stops_the_other_as_sigterm_would_and_the_run_resumes(tmp_path):
     out = tmp_path / "run"
-    procs = _pair(out)
-    try:
-        _wait_rounds(out, 5, procs)
-        procs[1].kill()                                       # SIGKILL: no goodbye
-        start = time.monotonic()
-        assert _ended_within(procs[0], start, PEER_TIMEOUT + 15) == 75
-    finally:
-        _kill(procs)
-    said = _last_line(procs[0])
+    said = _lose(out, 5, 1, signal.SIGKILL, PEER_TIMEOUT + 15)       # SIGKILL: no goodbye
     assert said.startswith("run.py: stopped: lost process 1") and "continue with: python " \
         f"experiments/run.py --resume {out}" in said, said
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] and summary["interrupted_by"] == "lost process 1"
     done, ckpt = summary["last_completed_round"], summary["last_checkpoint_round"]
     assert done >= 5 and ckpt is not None and done - 2 <= ckpt <= done and ckpt % 2 == 0, summary
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == list(range(1, done + 1))
+    assert _rounds(out) == list(range(1, done + 1))
     # The last complete checkpoint resumes (both processes again) to the end.
     procs = _pair(out, ["--resume", "--rounds", str(done + 2)], rounds=str(done + 2))
     try:
@@ -107,8 +117,7 @@ def test_a_killed_process_stops_the_other_as_sigterm_would_and_the_run_resumes(t
         _kill(procs)
     summary = json.loads((out / "summary.json").read_text())
     assert not summary["interrupted"] and summary["last_completed_round"] == done + 2
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == list(range(1, done + 3))
+    assert _rounds(out) == list(range(1, done + 3))
 
 
 @pytest.mark.slow
@@ -116,15 +125,7 @@ def test_a_hung_process_is_lost_after_the_peer_timeout(tmp_path):
     """SIGSTOP: process 0 waits inside a collective that never ends; its watchdog records the
     run as interrupted and ends it (the main thread cannot take an exception there)."""
     out = tmp_path / "run"
-    procs = _pair(out)
-    try:
-        _wait_rounds(out, 3, procs)
-        procs[1].send_signal(signal.SIGSTOP)
-        start = time.monotonic()
-        assert _ended_within(procs[0], start, PEER_TIMEOUT + 10 + 15) == 75
-    finally:
-        _kill(procs)
-    said = _last_line(procs[0])
+    said = _lose(out, 3, 1, signal.SIGSTOP, PEER_TIMEOUT + 10 + 15)
     assert said.startswith("process 0: lost process 1: no sign of life for"), said
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] and summary["interrupted_by"] == "lost process 1", summary
@@ -132,16 +133,7 @@ def test_a_hung_process_is_lost_after_the_peer_timeout(tmp_path):
 
 @pytest.mark.slow
 def test_the_coordinators_death_stops_the_others_in_one_line(tmp_path):
-    out = tmp_path / "run"
-    procs = _pair(out)
-    try:
-        _wait_rounds(out, 3, procs)
-        procs[0].kill()
-        start = time.monotonic()
-        assert _ended_within(procs[1], start, PEER_TIMEOUT + 10 + 15) == 75
-    finally:
-        _kill(procs)
-    said = _last_line(procs[1])
+    said = _lose(tmp_path / "run", 3, 0, signal.SIGKILL, PEER_TIMEOUT + 10 + 15)
     assert "lost process 0" in said and said.count("\n") == 0, said
 
 
