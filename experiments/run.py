@@ -795,6 +795,18 @@ def privacy_line(record: dict) -> str:
     return f"{'privacy':<22} ε = {said} at δ = {record['delta']:.3g} ({', '.join(parts)})"
 
 
+def leave(status: int) -> None:
+    """Ends a command-line process with `status`, its output flushed. After Ctrl-C or SIGTERM
+    (130, 143) a worker thread may still be inside XLA: leave without interpreter teardown
+    (tearing down around it is what used to end in a segfault, exit -11). After a lost process
+    (75), JAX's exit would wait for it at the coordination service's shutdown barrier."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if status in (75, 130, 143):
+        os._exit(status)
+    sys.exit(status)
+
+
 def _run_seeds(cfg, seeds, data, info) -> int:
     """--seeds: `sweep.run_seeds` (one vmapped program over the seeds; OUT/seed_S/ per run, the
     mean ± std in OUT/summary.json), printed."""
@@ -819,9 +831,4 @@ if __name__ == "__main__":
     except KeyboardInterrupt:            # Ctrl-C while Python starts up (imports)
         print("run.py: interrupted before the run started; nothing was written", file=sys.stderr)
         status = 130
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # After Ctrl-C a worker thread may still be inside XLA: leave without interpreter teardown
-    # (tearing down around it is what used to end in a segfault, exit -11).
-    # A lost process (75): JAX's exit would wait for it at the service's shutdown barrier.
-    os._exit(status) if status in (75, 130, 143) else sys.exit(status)
+    leave(status)

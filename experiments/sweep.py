@@ -541,4 +541,4 @@ def _run_or_resume(group, data, info, args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.leave(main())          # (as run.py: no teardown after a signal or a lost process)

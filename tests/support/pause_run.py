@@ -27,7 +27,4 @@ class PauseAfter(Callback):
 
 
 if __name__ == "__main__":
-    status = run.main(sys.argv[2:], callbacks=[PauseAfter(int(sys.argv[1]))])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status) if status in (75, 130, 143) else sys.exit(status)
+    run.leave(run.main(sys.argv[2:], callbacks=[PauseAfter(int(sys.argv[1]))]))

@@ -49,6 +49,4 @@ if __name__ == "__main__":
     status = run.main(sys.argv[1:])
     if os.environ.get("FEDJAX_PFL_TEST_HOST_READS"):
         _write_host_reads()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status) if status in (75, 130, 143) else sys.exit(status)
+    run.leave(status)
