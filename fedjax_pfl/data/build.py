@@ -98,6 +98,13 @@ def build_federated(raw: Any, cfg: PartitionConfig, *, device: bool = True,
                                                  seed=cfg.seed + 1)
     kept = None if keep is None else keep(np.array([t.size for t in train]),
                                           np.array([t.size for t in test]))
+    written = getattr(raw, "written", None)
+    if written is not None and not np.all(written):
+        # Only some clients' features were generated: every client this process copies must be
+        # one of them, or it would train on zero rows.
+        if cfg.scheme != "natural" or kept is None or np.any(np.asarray(kept) & ~written):
+            raise ValueError(f"{raw.name}: only {int(np.sum(written))} of {written.size} clients' "
+                             "samples were generated, and this partition needs others")
     data = FederatedData.from_arrays(
         raw.x, raw.y, train, test, num_classes=raw.num_classes,
         input_scale=raw.input_scale, input_shift=raw.input_shift, name=raw.name, device=device,

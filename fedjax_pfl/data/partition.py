@@ -291,7 +291,7 @@ def split_train_test(
     train, test = [], []
     for k, part in enumerate(parts):
         part = rng.permutation(np.asarray(part))
-        n_test = int(math.ceil(test_fraction * part.size - 1e-9))
+        n_test = test_size(part.size, test_fraction)
         if part.size - n_test < 1:
             raise PartitionError(
                 f"client {k} has {part.size} samples: none left for training after the "
@@ -301,6 +301,20 @@ def split_train_test(
         test.append(np.sort(part[:n_test]))
         train.append(np.sort(part[n_test:]))
     return train, test
+
+
+def test_size(n: int, test_fraction: float) -> int:
+    """⌈f·n⌉: how many of a client's n samples `split_train_test` gives to test (a tolerance of
+    1e-9 keeps f·n that is an integer in exact arithmetic from rounding up)."""
+    return int(math.ceil(test_fraction * n - 1e-9))
+
+
+def split_sizes(counts: np.ndarray, *, test_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) sample counts per client that `split_train_test` gives clients of `counts`
+    samples, known before any sample exists (e.g. to pick the clients a process generates)."""
+    counts = np.asarray(counts, np.int64)
+    test = np.array([test_size(int(n), test_fraction) for n in counts], np.int64)
+    return counts - test, test
 
 
 def unassigned_count(parts: Sequence[np.ndarray], num_samples: int) -> int:

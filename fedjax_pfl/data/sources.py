@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -101,6 +101,9 @@ class RawDataset(NamedTuple):
     input_shift: float
     client_ids: np.ndarray | None  # [n] int32 natural client of each sample (synthetic), else None
     source: str  # human-readable: where the data was read from (path / "embedded" / "generated")
+    # [natural clients] bool: whose features x holds (the others' rows are zeros, see
+    # `synthetic._generate_synthetic`'s `materialise`); None: every sample's
+    written: np.ndarray | None = None
 
 
 class DatasetNotFoundError(MarkedError, FileNotFoundError):
@@ -156,6 +159,7 @@ def load_raw(
     synthetic_clients: int = 30,
     synthetic_dim: int = 60,
     emnist_split: str = "balanced",
+    materialise: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> RawDataset:
     """Loads one whole dataset as host-side NumPy arrays.
 
@@ -176,6 +180,9 @@ def load_raw(
       synthetic_clients: number of synthetic clients (≥ 1).
       synthetic_dim: synthetic feature dimension d (≥ 1; 60 in the paper).
       emnist_split: one of `EMNIST_SPLITS` (``--emnist-split``).
+      materialise: ``synthetic`` only: given the natural clients' sample counts, a bool per client
+        whose features are generated (``RawDataset.written``); the others' rows stay zeros that
+        take no memory. Default: every client.
 
     Returns:
       A `RawDataset`. Image datasets: ``x`` uint8 [n, H, W, C], ``input_scale = 2 / max_pixel``
@@ -196,6 +203,7 @@ def load_raw(
                 num_clients=synthetic_clients,
                 dim=synthetic_dim,
                 seed=seed,
+                materialise=materialise,
             )
         )
     if name not in _IMAGE_DATASETS:

@@ -65,16 +65,23 @@ def load_data(cfg: RunConfig) -> tuple[FederatedData, dict[str, Any]]:
     device = cfg.data_placement == "device"       # otherwise the program places it
     if cfg.natural:
         return formats.load_natural(cfg.dataset, seed=cfg.seed, device=device, **cfg.data_options)
-    raw = sources.load_raw(cfg.dataset, seed=cfg.seed, **cfg.data_options)
-    n = int(np.asarray(raw.y).size)
     part = cfg.partition
+    # Sharded data over several processes: each process copies only its own devices' clients
+    # (the others' rows stay unwritten zero pages; `ShardedData` reads only its own ranges), and
+    # generates only theirs where the dataset's clients are known before its samples.
+    keep = (core.sharded.clients_held_here
+            if cfg.data_placement == "sharded" and jax.process_count() > 1 else None)
+    options = dict(cfg.data_options)
+    if keep is not None and cfg.dataset == "synthetic" and part.scheme == "natural":
+        from fedjax_pfl.data import partition as partition_lib
+
+        options["materialise"] = lambda counts: keep(
+            *partition_lib.split_sizes(counts, test_fraction=part.test_fraction))
+    raw = sources.load_raw(cfg.dataset, seed=cfg.seed, **options)
+    n = int(np.asarray(raw.y).size)
     if part.scheme != "natural" and part.num_clients > n:
         raise OptionError(f"{arg('num_clients', 'partition')} {part.num_clients} is more than the "
                           f"{n} samples of {cfg.dataset}")
-    # Sharded data over several processes: each process copies only its own devices' clients
-    # (the others' rows stay unwritten zero pages; `ShardedData` reads only its own ranges).
-    keep = (core.sharded.clients_held_here
-            if cfg.data_placement == "sharded" and jax.process_count() > 1 else None)
     return build_federated(raw, part, device=device, keep=keep)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import pickle
 import shutil
 import struct
@@ -817,6 +818,69 @@ def test_synthetic_equals_the_generative_process_drawn_in_float64():
     np.testing.assert_array_equal(ds.x, np.concatenate(xs).astype(np.float32))
     np.testing.assert_array_equal(ds.y, np.concatenate(ys))
     np.testing.assert_array_equal(np.bincount(ds.client_ids), counts)
+
+
+def test_synthetic_generates_only_the_clients_asked_for():
+    """`materialise` (a process of a multi-process run generating its own clients): given the
+    counts drawn first, it picks clients 1 and 3 of the float64 reference above; their features
+    are the reference's, the others' rows zeros, every label the reference's."""
+    rng = np.random.default_rng(11)
+    counts = np.minimum(rng.lognormal(4.0, 2.0, size=4).astype(np.int64) + 50, 1000)
+    full = _synthetic(seed=11, synthetic_alpha=0.5, synthetic_beta=2.0, synthetic_clients=4,
+                      synthetic_dim=5)
+    seen = []
+
+    def pick(c):
+        seen.append(np.array(c))
+        return np.array([False, True, False, True])
+
+    part = _synthetic(seed=11, synthetic_alpha=0.5, synthetic_beta=2.0, synthetic_clients=4,
+                      synthetic_dim=5, materialise=pick)
+    np.testing.assert_array_equal(seen[0], counts)
+    np.testing.assert_array_equal(part.written, [False, True, False, True])
+    mine = np.isin(part.client_ids, [1, 3])
+    np.testing.assert_array_equal(part.x[mine], full.x[mine])
+    assert not part.x[~mine].any()
+    np.testing.assert_array_equal(part.y, full.y)
+    assert full.written.all()
+
+
+def test_synthetic_rows_not_generated_take_no_memory():
+    """3,000 clients (~170 MB of features), the first tenth of them generated (a process's
+    clients are one contiguous range, `core.sharded.owner_layout`): the process grows by about a
+    tenth of what the whole dataset adds (resident pages, /proc/self/statm)."""
+    import gc
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    kw = dict(seed=2, synthetic_clients=3000, synthetic_dim=60)
+    gc.collect()
+    before = resident()
+    part = _synthetic(materialise=lambda c: np.arange(c.size) < c.size // 10, **kw)
+    grew_part = resident() - before
+    nbytes = part.x.nbytes
+    del part
+    gc.collect()
+    before = resident()
+    whole = _synthetic(**kw)
+    grew_whole = resident() - before
+    assert grew_whole > 0.8 * whole.x.nbytes == 0.8 * nbytes
+    assert grew_part < 0.3 * nbytes, (grew_part, nbytes)
+
+
+def test_split_sizes_are_those_of_the_split():
+    """⌈f·n⌉ to test, the rest to train (f·n = 3 exactly for n = 12, f = 0.25: 3, not 4)."""
+    from fedjax_pfl.data import partition as P
+
+    counts = np.array([12, 13, 2, 100])
+    train, test = P.split_sizes(counts, test_fraction=0.25)
+    np.testing.assert_array_equal(test, [3, 4, 1, 25])
+    np.testing.assert_array_equal(train, [9, 9, 1, 75])
+    parts = [np.arange(n) for n in counts]
+    tr, te = P.split_train_test(parts, test_fraction=0.25, seed=3)
+    assert [t.size for t in te] == [3, 4, 1, 25] and [t.size for t in tr] == [9, 9, 1, 75]
 
 
 def test_synthetic_sample_counts_follow_lognormal():

@@ -280,3 +280,22 @@ def test_an_interrupted_process_leaves_a_resumable_run(tmp_path):
     for a, b in zip(parts, whole, strict=True):
         for key in ("train_loss", "acc_mean", "global_acc_mean", "alpha_mean"):
             assert a[key] == b[key], (a["round"], key, a[key], b[key])
+
+
+@pytest.mark.slow
+def test_two_processes_generate_only_their_own_synthetic_clients(tmp_path):
+    """Synthetic data sharded over two processes: each generates only the clients its device
+    holds (`synthetic._generate_synthetic`'s `materialise`), and the run reports the metrics of
+    one process that generated every client and holds the data on both of its devices."""
+    data = ["--dataset", "synthetic", "--synthetic-clients", "40", "--clients", "40",
+            "--participation", "0.25", "--rounds", "3"]
+    _two(tmp_path, "parts", data + ["--data-placement", "sharded"])
+    one = _cli(tmp_path, "one", data + ["--data-placement", "device"], devices="2")
+    assert one.wait(timeout=600) == 0, one.stderr.read()[-3000:]
+    parts, whole = _rows(tmp_path / "parts" / "metrics.jsonl"), _rows(tmp_path / "one" / "metrics.jsonl")
+    assert [r["round"] for r in parts] == [1, 2, 3]
+    for a, b in zip(parts, whole, strict=True):
+        for key in ("train_loss", "acc_mean"):
+            assert a[key] == b[key], (a["round"], key, a[key], b[key])
+        # (the evaluation loss sums over devices in another order: equal to float32's rounding)
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a["round"], a["loss"], b["loss"])
