@@ -89,11 +89,25 @@ def label_distribution_figure(counts: np.ndarray, *, title: str = "", share: boo
     return fig
 
 
+def _save(fig, path: str, **kwargs) -> None:
+    """A figure written whole or not at all (a temporary file renamed over `path`): a figure drawn in
+    the background of an interrupted run never leaves half a file that a resume would keep."""
+    import os
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        fig.savefig(tmp, dpi=100, format=os.path.splitext(path)[1][1:] or "png", **kwargs)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def plot_label_distribution(counts: np.ndarray, path: str, title: str = "", *, share: bool = False,
                             class_names: Sequence[str] | None = None) -> None:
     """Writes `label_distribution_figure(counts, …)` to `path` as a PNG."""
     fig = label_distribution_figure(counts, title=title, share=share, class_names=class_names)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    _save(fig, path, bbox_inches="tight")
 
 
 def learning_curve_figure(runs: dict[str, list[dict]], title: str = "",
@@ -136,7 +150,7 @@ def plot_learning_curves(runs: dict[str, list[dict]], path: str, title: str = ""
                          acc_keys: tuple[str, ...] = ("acc_mean",)) -> None:
     """Writes `learning_curve_figure(runs, …)` to `path` as a PNG."""
     fig = learning_curve_figure(runs, title, acc_keys)
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
 
 
 def client_sizes_figure(train_counts: np.ndarray, test_counts: np.ndarray | None = None, *,
@@ -201,7 +215,7 @@ def counts_figure(counts: np.ndarray, *, xlabel: str, title: str = "",
 
 def save_figure(fig, path: str) -> None:
     """Writes a Figure to `path` as a PNG."""
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    _save(fig, path, bbox_inches="tight")
 
 
 def _figure(**kwargs):

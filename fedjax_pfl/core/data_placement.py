@@ -47,7 +47,6 @@ import dataclasses
 from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -106,8 +105,8 @@ class DeviceData:
         """`run(data, ids)`: once for `ids` (None: every client), or, `grouped` (client state
         off the devices), over groups of `eval_group` clients (`in_groups`)."""
         if not grouped:
-            return run(self.data, None if ids is None else jnp.asarray(ids, jnp.int32))
-        return in_groups(lambda padded: run(self.data, jnp.asarray(padded, jnp.int32)), ids,
+            return run(self.data, None if ids is None else np.asarray(ids, np.int32))
+        return in_groups(lambda padded: run(self.data, np.asarray(padded, np.int32)), ids,
                          self.num_clients, self.eval_group)
 
     def abstract_evaluation(self, grouped: bool):
@@ -118,6 +117,11 @@ class DeviceData:
 
     def close(self) -> None:
         pass
+
+
+# One program per group size, instead of the ~50 small programs of its operations run eagerly
+# (1 s of a host-placement run's first evaluation).
+_balanced_order = jax.jit(balance.balanced_order, static_argnums=1)
 
 
 def prepare_data(data, mesh):
@@ -205,7 +209,7 @@ class HostData:
 
     def participants(self, round_keys: jax.Array, first: int, count: int) -> np.ndarray:
         ids = np.asarray(jax.device_get(self._participants(
-            self.data.clients, round_keys, jnp.asarray(first, jnp.int32), count)), np.int64)
+            self.data.clients, round_keys, np.int32(first), count)), np.int64)
         if self.per_round is None:
             self.per_round = ids.shape[-1]
             self.round_rows = max(1, top_sum(self.train_count, self.per_round))
@@ -437,7 +441,7 @@ class HostData:
         if not self.blocks:
             return np.arange(len(ids))
         cost = (self.train_count + self.test_count)[np.asarray(ids, np.int64)]
-        return np.asarray(jax.device_get(balance.balanced_order(jnp.asarray(cost, jnp.int32),
+        return np.asarray(jax.device_get(_balanced_order(np.asarray(cost, np.int32),
                                                         self.devices)), np.int64)
 
     def _fill_blocks(self, part: np.ndarray, group: int) -> np.ndarray:
@@ -462,7 +466,7 @@ class HostData:
         def group(padded: np.ndarray):
             order = self.eval_order(padded)
             dealt = padded[order]
-            out = transfer.to_host(run(self.evaluation_data(dealt), jnp.asarray(dealt, jnp.int32)))
+            out = transfer.to_host(run(self.evaluation_data(dealt), np.asarray(dealt, np.int32)))
             back = np.argsort(order)
             return jax.tree.map(lambda a: np.asarray(a)[back], out)
 

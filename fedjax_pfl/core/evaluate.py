@@ -217,7 +217,8 @@ class Evaluator:
         def probe(data, common, row):
             return step((data, common), init((data, common), row), jnp.zeros((), jnp.int32))
 
-        return ClientLoop(init, step, finish, length, large_carry=personal), probe
+        return ClientLoop(init, step, finish, length, large_carry=personal,
+                          host_length=lambda train, test: (test + batch - 1) // batch), probe
 
 
 class EvalCarry(NamedTuple):

@@ -11,8 +11,10 @@ calls). Chunk sizes come from `core.chunking`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +105,10 @@ class ClientLoop(NamedTuple):
     `large_carry` says that a client's carry is much larger than its result (an evaluation
     carries the client's model and returns a few sums): the staged execution then never holds
     every client's carry at once (`_run_capped`).
+    `host_length(train_count, test_count)` (optional): `length` of every client on the host,
+    from the clients' NumPy sample counts: with the counts of the trace's dataset known
+    (`client_sizes`, entered by `core.Program`), the staged execution compiles its narrow
+    stages only where they save enough steps (`worth_staging`).
     `shared` is a tuple of arguments common to all clients (the dataset, a global model). Written
     this way, the mapper knows each client's cost before running it and can group clients of
     similar length, so a long client does not hold up a wide vectorised batch (`ClientMapper`).
@@ -114,6 +120,49 @@ class ClientLoop(NamedTuple):
     length: Callable
     uniform: bool = False
     large_carry: bool = False
+    host_length: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+
+
+# The sample counts (train, test) of the clients of the dataset being traced, or None.
+_SIZES: contextvars.ContextVar = contextvars.ContextVar("fedjax_pfl_client_sizes", default=None)
+
+# The staged execution's narrow stages are compiled only where they save at least this share of
+# the lane-steps of one stage (`worth_staging`). Each stage is another copy of the client's loop
+# in the program: on the main job (3 of 20 IID digits clients a round) the stages saved a few
+# percent of the steps of rounds that take 2.5 ms, and cost 1.9-3.2 CPU s of compile
+# (docs/decisions/startup.md); on skewed clients (a Dirichlet partition, natural datasets) they
+# save 30-90 % and are kept.
+STAGING_MIN_SAVING = 0.2
+
+
+@contextlib.contextmanager
+def client_sizes(train_count: np.ndarray, test_count: np.ndarray) -> Iterator[None]:
+    """Within: the traced dataset's clients have these sample counts (host arrays), which
+    `worth_staging` reads. `core.Program` enters it around its traces."""
+    token = _SIZES.set((np.asarray(train_count, np.int64), np.asarray(test_count, np.int64)))
+    try:
+        yield
+    finally:
+        _SIZES.reset(token)
+
+
+def worth_staging(loop: ClientLoop, m: int, width: int) -> bool:
+    """Whether `_run_capped`'s narrow stages save at least `STAGING_MIN_SAVING` of the
+    lane-steps of one stage, in expectation over 32 draws of m of the dataset's clients (every
+    client where m covers them): `capped_work` against chunks of ≤ `width` clients sorted by
+    length, each run to its longest. True (stage) where the counts or `host_length` are unknown."""
+    sizes = _SIZES.get()
+    if sizes is None or loop.host_length is None:
+        return True
+    lengths = np.asarray(loop.host_length(*sizes), np.int64)
+    if lengths.size == 0:
+        return True
+    rng = np.random.default_rng(0)
+    draws = ([lengths] if m >= lengths.size
+             else [rng.choice(lengths, size=m, replace=False) for _ in range(32)])
+    one = sum(chunked_work(d, width) for d in draws)
+    staged = sum(capped_work(d, width) for d in draws)
+    return one > 0 and staged <= (1.0 - STAGING_MIN_SAVING) * one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,6 +475,19 @@ def tail_widths(m: int) -> list[int]:
     return sorted(set(widths), reverse=True)
 
 
+def chunked_work(lengths, width: int) -> int:
+    """Lane-steps of one stage: chunks of ≤ `width` clients sorted by length (as `_chunked_map`
+    groups them), each chunk running every lane to its longest client's steps."""
+    lengths = np.sort(np.asarray(lengths))
+    m = len(lengths)
+    if m == 0:
+        return 0
+    chunks = -(-m // max(1, width))
+    per = -(-m // chunks)
+    return sum(per * int(lengths[i * per:(i + 1) * per].max()) for i in range(chunks)
+               if lengths[i * per:(i + 1) * per].size)
+
+
 def capped_work(lengths, width: int) -> int:
     """Lane-steps (masked lanes included) of `_run_capped` for clients with these step counts."""
     lengths = np.sort(np.asarray(lengths))[::-1]
@@ -465,7 +527,7 @@ def _run_capped(loop: ClientLoop, shared: tuple, rows: Params, valid: jax.Array,
         one = _whole_loop(loop, masked=True)
         return jax.lax.map(lambda i: one(*shared, *gather((rows, valid), i)),
                            jnp.arange(m, dtype=jnp.int32))
-    if width <= 1 or m <= 2 or loop.uniform:
+    if width <= 1 or m <= 2 or loop.uniform or not worth_staging(loop, m, width):
         return _chunked_map(_whole_loop(loop, masked=True), shared, (rows, valid), width, lengths)
     ranked = jnp.sort(lengths)[::-1]                                   # longest first
     widths = tail_widths(m)

@@ -38,6 +38,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedjax_pfl.core.evaluate import auto_eval_batch, input_dtype
@@ -96,12 +97,14 @@ class LocalResult(NamedTuple):
 
 def steps_per_epoch(count: jax.Array, batch_size: int, drop_last: bool = False) -> jax.Array:
     """S_i = ⌈n_i/B⌉, or max(1, ⌊n_i/B⌋) with drop_last; 0 for a client without data."""
-    count = jnp.asarray(count, jnp.int32)
+    # (NumPy counts give NumPy steps: the host's view of a loop's lengths, `ClientLoop.host_length`)
+    xp = np if isinstance(count, np.ndarray) else jnp
+    count = xp.asarray(count, xp.int32)
     if drop_last:
-        steps = jnp.maximum(count // batch_size, 1)
+        steps = xp.maximum(count // batch_size, 1)
     else:
         steps = (count + batch_size - 1) // batch_size
-    return jnp.where(count > 0, steps, 0)
+    return xp.where(count > 0, steps, 0)
 
 
 SHUFFLE_ROUNDS = 64
@@ -233,8 +236,9 @@ class LocalTrainer:
 
     def num_steps(self, count: jax.Array) -> jax.Array:
         """Steps each client takes: E·S_i, or K (0 for a client without data)."""
+        xp = np if isinstance(count, np.ndarray) else jnp
         if self.steps is not None:
-            return jnp.where(jnp.asarray(count) > 0, self.steps, 0).astype(jnp.int32)
+            return xp.where(xp.asarray(count) > 0, self.steps, 0).astype(xp.int32)
         return self.epochs * steps_per_epoch(count, self.batch_size, self.drop_last)
 
     def init_opt_state(self, params: Params) -> Any:
@@ -349,7 +353,8 @@ class LocalTrainer:
         def probe(data, start, row):
             return step((data, start), init((data, start), row), jnp.zeros((), jnp.int32))
 
-        return ClientLoop(init, step, finish, length, uniform=self.steps is not None), probe
+        return ClientLoop(init, step, finish, length, uniform=self.steps is not None,
+                          host_length=lambda train, test: self.num_steps(train)), probe
 
 
 def add_aux_gradient(name: str = "aux_grad") -> optax.GradientTransformationExtraArgs:
@@ -447,4 +452,5 @@ class FullPass:
         def probe(data, row):  # one batch, for the memory analysis of auto chunking
             return step((data,), init((data,), row), jnp.zeros((), jnp.int32))
 
-        return ClientLoop(init, step, finish, length), probe
+        return ClientLoop(init, step, finish, length,
+                          host_length=lambda train, test: (train + batch - 1) // batch), probe

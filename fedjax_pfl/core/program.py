@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from fedjax_pfl.core import checks, layout, placing, transfer
+from fedjax_pfl.core import checks, execution, layout, placing, transfer
 from fedjax_pfl.core.data_placement import DeviceData, HostData
 from fedjax_pfl.core.evaluate import default_eval_group
 from fedjax_pfl.core.execution import ClientError
@@ -78,6 +78,10 @@ class Program:
         # Poisson-sampled rounds fill their unused slots with an empty padding client.
         data = data.pad_clients(mesh.size if mesh is not None else 1, minimum=int(poisson))
         self.num_clients = data.num_clients
+        # The clients' sample counts, on the host, for the traces' staging decisions
+        # (`execution.client_sizes`).
+        self._sizes = tuple(np.asarray(jax.device_get(c), np.int64)
+                            for c in (data.clients.train_count, data.clients.test_count))
         self.eval_group = min(default_eval_group(algo, data),
                               self.num_clients // algo.client_blocks)
         abstract = self._abstract_state(data)
@@ -98,8 +102,9 @@ class Program:
             self._state_placement(abstract, storage, prefetch))
         self.data = self.placements.data.data
         self._compiled: dict = {}
-        self._round_compiled = self._eval_compiled = None
-        self._eval_whole = False
+        self._round_compiled = self._init_compiled = None
+        # The evaluation programs compiled ahead, by (name, whole, ids length or None).
+        self._eval_compiled: dict[tuple, Any] = {}
         self.world_crossings = 0
 
     # -- construction -----------------------------------------------------------------------------
@@ -166,12 +171,16 @@ class Program:
     def _participants(self, round_keys: jax.Array, first: int, count: int) -> np.ndarray:
         """[count, M] participants of rounds first … first + count − 1 (the probe)."""
         return np.asarray(jax.device_get(self._probe(
-            self.data.clients, round_keys, jnp.asarray(first, jnp.int32), count)), np.int64)
+            self.data.clients, round_keys, np.int32(first), count)), np.int64)
 
+    @contextlib.contextmanager
     def _in_mesh(self):
-        """The program's mesh as the trace's context (`jax.set_mesh`), where the client mapper
-        and sampling read it; nothing with one device."""
-        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        """The program's mesh as the trace's context (`jax.set_mesh`; nothing with one device),
+        where the client mapper and sampling read it, and its clients' sample counts
+        (`execution.client_sizes`), where the staged execution reads them."""
+        with (jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()), \
+                execution.client_sizes(*self._sizes):
+            yield
 
     def _in_mesh_fn(self, fn: Callable) -> Callable:
         """`fn` (a jitted function) traced, lowered and called within the program's mesh."""
@@ -201,10 +210,14 @@ class Program:
     # -- the rounds: stage → enter → call → leave -----------------------------------------------
 
     def init(self, key: jax.Array) -> Params:
-        """The algorithm's initial state, created directly in its placement."""
+        """The algorithm's initial state, created directly in its placement (by the program
+        `compile` made of it, where it ran first)."""
         data = self.data
         with self._in_mesh():
-            return self.placements.state.init(self.algo.init, key, data, jit=self.jit)
+            # (a sweep's batch of keys is another program than the one key compiled ahead)
+            ahead = self._init_compiled if jnp.shape(key) == () else None
+            return self.placements.state.init(self.algo.init, key, data, jit=self.jit,
+                                              compiled=ahead)
 
     def run_rounds(self, state: Params, round_keys: jax.Array, first: int, count: int):
         """Rounds first … first + count − 1 (0-based). Returns (state, list of per-round metrics
@@ -219,7 +232,7 @@ class Program:
             ids = self._participants(round_keys, first, count)
         carry, fixed = state_at.enter(state, ids, count, round_keys, first)
         (carry, metrics), found = self._round_function(count, staged.per_round)(
-            carry, fixed, staged.data, round_keys, jnp.asarray(first, jnp.int32))
+            carry, fixed, staged.data, round_keys, np.int32(first))
         # While these rounds run: the next call's data, and its rows from the store.
         data_at.prefetch(round_keys, first + count, count)
         if state_at.needs_participants:
@@ -308,25 +321,60 @@ class Program:
                 out, found = self._eval_function(name, fn, whole=True)(carry, fixed, data)
             else:
                 carry, fixed = state_at.enter_evaluation(state, padded)
-                out, found = self._eval_function(name, fn)(carry, fixed, data, padded)
+                out, found = self._eval_function(name, fn, ids=len(padded))(carry, fixed, data,
+                                                                           padded)
             self._read(found, "evaluation")
             return transfer.to_host(out)
 
         return data_at.evaluate(run, ids, grouped)
 
-    def _eval_function(self, name: str, fn: Callable, whole: bool = False) -> Callable:
-        if name == "evaluate" and self._eval_compiled is not None and whole == self._eval_whole:
-            return self._eval_compiled
+    def _eval_function(self, name: str, fn: Callable, whole: bool = False,
+                       ids: int | None = None) -> Callable:
+        """The evaluation `name` of every client (`whole`) or of `ids` clients: the program
+        `compile` made for these shapes, else the jitted function (compiled at its first call:
+        e.g. a final evaluation of another client count)."""
+        ahead = self._eval_compiled.get((name, whole, None if whole else ids))
+        if ahead is not None:
+            return ahead
         state_at = self.placements.state
         if whole:
-            return self._jitted(name, lambda c, f, d: fn(state_at.wrap(c, f), d))
-        return self._jitted(f"{name}_ids", lambda c, f, d, i: fn(state_at.wrap(c, f), d, i))
+            def every_client(c, f, d):
+                return fn(state_at.wrap(c, f), d)
+
+            return self._jitted(name, _named(every_client, name))
+
+        def some_clients(c, f, d, i):
+            return fn(state_at.wrap(c, f), d, i)
+
+        return self._jitted(f"{name}_ids", _named(some_clients, f"{name}_ids"))
+
+    def evaluations(self) -> list[tuple[str, Callable, bool, int | None]]:
+        """(name, function, whole, ids length) of the evaluations the runner calls every
+        --eval-every rounds: the algorithm's `evaluate`, or the two parts of its
+        `evaluate_parts` as `core.CachedEvaluation` calls them (the rows of a group of changed
+        clients, the rest of every client); never the full evaluation beside its parts."""
+        grouped = self.placements.state.grouped or self.placements.data.needs_participants
+        group = None if not grouped else self.eval_group
+        parts = self.algo.evaluate_parts
+        if parts is None:
+            return [("evaluate", self.algo.evaluate, not grouped, group)]
+        rows_group = group if grouped else min(default_eval_group(self.algo, self.data),
+                                               self.num_clients)
+        return [("evaluate_rows", parts.rows, False, rows_group),
+                ("evaluate_rest", parts.rest, not grouped, group)]
 
     # -- compiled ahead -------------------------------------------------------------------------
 
-    def compile(self, round_keys: jax.Array) -> float:
-        """Compiles the round and the evaluation ahead of time from abstract shapes; returns the
-        seconds it took. Nothing of the state is allocated."""
+    def compile(self, round_keys: jax.Array, *, init: bool = True) -> float:
+        """Compiles, from abstract shapes, the round, the evaluations the runner calls
+        (`evaluations`) and (`init`) the initial state's program; returns the seconds it took.
+        Nothing of the state is allocated.
+
+        Every program is traced and lowered first (Python), then all are compiled at once in
+        threads (XLA's compiler releases the GIL: on 2 cores the evaluation's compile hides
+        behind the round's). The initial state's program runs once, so it is compiled at a low
+        backend optimisation level (`INIT_COMPILER_OPTIONS`): the same values, in a third of
+        the time (`tests/core/test_compiled_programs.py`)."""
         if not self.jit:
             return 0.0
         if not self.traceable_init:
@@ -337,19 +385,28 @@ class Program:
         k = self.rounds_per_call
         if data_at.needs_participants:
             data_at.participants(round_keys, 0, 1)             # learns M, hence the buffer size
+        lowered: dict[Any, tuple[Any, dict | None]] = {}
         carry, fixed = state_at.abstract_inputs(k)
         per_round = data_at.needs_participants and k > 1
-        fn = self._round_function(k, per_round)
-        self._round_compiled = fn.lower(carry, fixed, data_at.abstract(k), round_keys,
-                                        jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        lowered["round"] = (self._round_function(k, per_round).lower(
+            carry, fixed, data_at.abstract(k), round_keys, jax.ShapeDtypeStruct((), jnp.int32)),
+            None)
         grouped = state_at.grouped or data_at.needs_participants
-        self._eval_whole = not grouped
-        carry, fixed = state_at.abstract_eval_inputs(self.eval_group)
-        ev = self._eval_function("evaluate", self.algo.evaluate, whole=not grouped)
-        args = (carry, fixed, data_at.abstract_evaluation(grouped))
-        if grouped:
-            args += (jax.ShapeDtypeStruct((self.eval_group,), jnp.int32),)
-        self._eval_compiled = ev.lower(*args).compile()
+        for name, fn, whole, ids in self.evaluations():
+            carry, fixed = state_at.abstract_eval_inputs(self.eval_group if grouped else ids)
+            args = (carry, fixed, data_at.abstract_evaluation(grouped))
+            if not whole:
+                args += (jax.ShapeDtypeStruct((ids,), jnp.int32),)
+            lowered[(name, whole, None if whole else ids)] = (
+                self._eval_function(name, fn, whole, ids).lower(*args), None)
+        if init and self._init_compiled is None:
+            init_fn = self._in_mesh_fn(state_at.init_function(self.algo.init, self.data))
+            key = jax.eval_shape(lambda: jax.random.key(0))
+            lowered["init"] = (init_fn.lower(key, self.data), init_compiler_options())
+        compiled = compile_all(lowered)
+        self._round_compiled = compiled.pop("round")
+        self._init_compiled = compiled.pop("init", self._init_compiled)
+        self._eval_compiled.update(compiled)
         return time.perf_counter() - t0
 
     @property
@@ -391,12 +448,65 @@ class Program:
     def memory_plan(self) -> MemoryPlan:
         """Bytes per device (call `compile` first for the working sets)."""
         return memory_plan(self.abstract_state, self.num_clients, self.mesh,
-                           compiled=(self._round_compiled, self._eval_compiled),
+                           compiled=(self._round_compiled, _largest(self._eval_compiled.values())),
                            state_sizes=self.placements.state.sizes(),
                            data_bytes=self.placements.data.bytes_on_device(),
                            data_whole=self.data_whole_bytes, data_placement=self.data_placement,
                            state_placement=self.state_placement,
                            is_compiled=self.is_compiled or not self.jit)
+
+
+# XLA's backend optimisation level 1 for programs that run once (the initial state): the main
+# job's compiles in 0.98 s against 2.64 s at the default level, with the same bits. Level 0
+# (0.61 s) rounds the MLP's initial bias differently (7e-9: docs/decisions/startup.md).
+INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+_XLA_DEFAULT_LEVEL = 2
+
+
+def init_compiler_options() -> dict | None:
+    """`INIT_COMPILER_OPTIONS` where they lower XLA's level (its default, or $XLA_FLAGS'
+    --xla_backend_optimization_level), else None: a level already lower (the test suite's 0)
+    is kept, so that the initial state is the one `jax.jit` gives under the same flags."""
+    import os
+    import re
+
+    found = re.findall(r"--xla_backend_optimization_level=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    level = int(found[-1]) if found else _XLA_DEFAULT_LEVEL
+    wanted = INIT_COMPILER_OPTIONS["xla_backend_optimization_level"]
+    return dict(INIT_COMPILER_OPTIONS) if level > wanted else None
+
+
+def compile_all(lowered: dict) -> dict:
+    """{name: (lowered, compiler options or None)} -> {name: compiled}, compiled concurrently
+    (one thread each: XLA's compile releases the GIL), in the order given when one is left."""
+    import concurrent.futures
+
+    def one(item):
+        low, options = item
+        return low.compile() if options is None else low.compile(compiler_options=options)
+
+    if len(lowered) <= 1:
+        return {name: one(item) for name, item in lowered.items()}
+    with concurrent.futures.ThreadPoolExecutor(len(lowered), thread_name_prefix="compile") as pool:
+        futures = {name: pool.submit(one, item) for name, item in lowered.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def _named(fn: Callable, name: str) -> Callable:
+    """`fn` under `name`: the name JAX gives its program ("jit(evaluate_rows_ids)"), which the
+    compile log (`fedjax_pfl.compiles`) and the program-count tests read."""
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+def _largest(compiled) -> Any:
+    """The compiled program of the largest working set (XLA's memory analysis), or None."""
+    best, size = None, -1
+    for c in compiled:
+        temp = int(c.memory_analysis().temp_size_in_bytes)
+        if temp > size:
+            best, size = c, temp
+    return best
 
 
 def round_key(round_keys: jax.Array, r) -> jax.Array:

@@ -49,7 +49,9 @@ class StatePlacement(Protocol):
     needs_participants: bool   # a call's inputs hold only its participants' rows
     grouped: bool              # evaluation runs in groups of clients (their rows moved each)
 
-    def init(self, init_fn: Callable, key: jax.Array, data) -> Any: ...
+    def init(self, init_fn: Callable, key: jax.Array, data, jit: bool = True,
+             compiled: Callable | None = None) -> Any: ...
+    def init_function(self, init_fn: Callable, data) -> Callable: ...
     def enter(self, state: Any, ids: np.ndarray | None, count: int, round_keys: jax.Array,
               first: int) -> tuple[Any, Any]: ...
     def wrap(self, carry: Any, fixed: Any) -> Any: ...
@@ -117,12 +119,21 @@ class DeviceState(_Placement):
     needs_participants = False
     grouped = False
 
-    def init(self, init_fn: Callable, key: jax.Array, data, jit: bool = True):
+    def init(self, init_fn: Callable, key: jax.Array, data, jit: bool = True,
+             compiled: Callable | None = None):
+        """The initial state; `compiled`: `init_function`'s program compiled ahead (`Program`)."""
         if not jit:
             return self.store(init_fn(key, data))
         if not self.traceable:
             return self._eager_init(init_fn, key, data)
-        return jax.jit(lambda k, d: self.store(init_fn(k, d)), out_shardings=self.shardings)(key, data)
+        return (compiled or self.init_function(init_fn, data))(key, data)
+
+    def init_function(self, init_fn: Callable, data) -> Callable:
+        """The jitted (key, data) -> initial state, placed in its shardings."""
+        def init_state(k, d):
+            return self.store(init_fn(k, d))
+
+        return jax.jit(init_state, out_shardings=self.shardings)
 
     def _eager_init(self, init_fn: Callable, key: jax.Array, data):
         """Runs an untraceable init once (on the host: FedPC builds its kNN graph there) and
@@ -316,24 +327,34 @@ class HostState(_Placement):
 
     # -- the program's calls --------------------------------------------------------------------
 
-    def init(self, init_fn: Callable, key: jax.Array, data, jit: bool = True) -> StoredState:
-        """The device leaves of the initial state, and a store whose initial rows are every
-        client's (checked on the first, second and last real client: they must be equal)."""
-        # Client blocks: each block's first, second and last real client (the dataset's
-        # padding clients follow the last block's real ones).
+    def _probed_clients(self, data) -> tuple[int, np.ndarray]:
+        """(blocks, the clients whose initial rows `init` compares): each block's first, second
+        and last real client (the dataset's padding clients follow the last block's real ones)."""
         b, per_block = self.blocks, self.num_clients // self.blocks
         real = data.num_real_clients - (b - 1) * per_block
-        probe = jnp.asarray([k * per_block + i for k in range(b)
-                             for i in sorted({0, min(1, real - 1), real - 1})], jnp.int32)
+        return b, np.asarray([k * per_block + i for k in range(b)
+                              for i in sorted({0, min(1, real - 1), real - 1})], np.int32)
 
-        def fn(k, d):
+    def init_function(self, init_fn: Callable, data) -> Callable:
+        """The jitted (key, data) -> (device leaves, the probed clients' host rows)."""
+        probe = jnp.asarray(self._probed_clients(data)[1])
+
+        def init_state(k, d):
             dev, host = self.host.split(jax.tree.leaves(self.store(init_fn(k, d))))
             return dev, [h[probe] for h in host]
 
         kwargs = {}
         if self.mesh is not None:
             kwargs["out_shardings"] = (self.device_shardings(), self.replicated())
-        dev, samples = jax.jit(fn, **kwargs)(key, data)
+        return jax.jit(init_state, **kwargs)
+
+    def init(self, init_fn: Callable, key: jax.Array, data, jit: bool = True,
+             compiled: Callable | None = None) -> StoredState:
+        """The device leaves of the initial state, and a store whose initial rows are every
+        client's (checked on the first, second and last real client: they must be equal).
+        `compiled`: `init_function`'s program compiled ahead (`Program`)."""
+        b = self._probed_clients(data)[0]
+        dev, samples = (compiled or self.init_function(init_fn, data))(key, data)
         initial = []
         for path, rows in zip(self.host.host_paths, transfer.to_host(samples)):
             rows = np.asarray(rows).reshape((b, -1) + np.shape(rows)[1:])

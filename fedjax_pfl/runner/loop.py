@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -241,6 +242,9 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
         report(cfg, prep, prog, out, t_start, compile_time=None, plan=None, interrupted=phase,
                signal=loss.signal)
 
+    # The label distribution is drawn while the programs compile (XLA's compile releases the
+    # GIL; the figure is 1 s of the main job's start otherwise).
+    figure = _Background(_draw_label_distribution, out, prep) if out else None
     try:
         with stop_signals(), warning, distributed.on_abandon(abandoned):
             state, compile_time, plan = _compile(cfg, prep, log)
@@ -261,10 +265,10 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
             for cb in own + theirs:
                 cb.on_run_start(start)
                 started.append(cb)
-            if out:
-                _draw_label_distribution(out, prep)
             phase = "rounds"
             state = _rounds(cfg, prep, state, round_keys, prog, own, theirs)
+            if figure is not None:
+                figure.join()
     except BaseException as e:
         with deferred_signals(raise_after=False):
             # A signal, a lost process of a multi-process run, or a collective that failed
@@ -372,6 +376,28 @@ def _close(callbacks: Sequence[Callback]) -> None:
         close = getattr(cb, "close", None)
         if close is not None:
             close()
+
+
+class _Background:
+    """`fn(*args)` in a daemon thread from now; `join()` waits for it and raises what it
+    raised. An interrupted run never joins it (a figure is no reason to wait)."""
+
+    def __init__(self, fn: Callable, *args):
+        self._error: BaseException | None = None
+
+        def run():
+            try:
+                fn(*args)
+            except BaseException as e:     # (re-raised in the caller's thread by join)
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=fn.__name__, daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 _MAX_LABEL_CELLS = 4_000_000
