@@ -182,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not use JAX's persistent compilation cache (default: on, in "
                         "$FEDJAX_PFL_COMPILE_CACHE, else $JAX_COMPILATION_CACHE_DIR, else "
                         "~/.cache/fedjax_pfl/jax, so a second run of the same configuration "
-                        "skips XLA compilation)")
+                        "skips XLA compilation; $FEDJAX_PFL_COMPILE_CACHE=off turns it off too; "
+                        "a directory that cannot be written: one warning, no cache). The "
+                        "summary says how many programs came from the cache")
     g.add_argument("--quiet", action="store_true",
                    help="no progress bar, and no lines of the metric sinks' own libraries (W&B)")
     g.add_argument("--model", default=None,
@@ -317,7 +319,9 @@ def config_from_args(args: argparse.Namespace, prog: str = "run.py", *,
 
     values = run_options(args, **given)
     with said_warnings(prog, values["algo"], say_harmless=say_harmless):
-        return RunConfig.from_options(**values)
+        cfg = RunConfig.from_options(**values)
+    cfg.compile_cache = not getattr(args, "no_compile_cache", False)   # (a flag of run.py's own)
+    return cfg
 
 
 # The warning lines of the outermost `said_warnings` block, said once it has succeeded.
@@ -713,12 +717,6 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
             start_processes(args)
         else:
             fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (not on GPU)
-        if args.no_compile_cache:
-            import jax
-
-            jax.config.update("jax_enable_compilation_cache", False)   # $JAX_COMPILATION_CACHE_DIR too
-        else:
-            fedjax_pfl.use_compile_cache()
         import orbax.checkpoint  # noqa: F401  (imported here, not in the middle of a run)
 
         from fedjax_pfl import core, runner, sinks
@@ -731,11 +729,14 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
             with said_warnings("run.py", lambda: args.algo):     # said once every check passed
                 if args.resume is not None:
                     cfg = _resume_config(args, runner)
+                    cfg.compile_cache = not args.no_compile_cache    # (this invocation's)
                 else:
                     cfg = config_from_args(args)
                     args.algo = cfg.algo
                     cfg.validate()
                     runner.check_out(cfg.out, overwrite=args.overwrite)
+                # The cache as `prepare` sets it, already for the data's own programs.
+                fedjax_pfl.use_compile_cache(cfg.compile_cache)
                 data, info = runner.compute(runner.load_data, cfg)
                 prepared = runner.compute(runner.prepare, cfg, data, info)   # the algorithm's checks
         except DatasetNotFoundError as e:
@@ -759,8 +760,11 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
         except (core.MemoryPlanError, runner.ResumeError, CheckpointError,
                 sinks.MissingExtraError) as e:
             _fail(message(e, cfg.algo))
+    from fedjax_pfl.runner.records import compile_text
+
     best, last = summary["best"], summary["last"]
     print(f"done in {summary['wall_time_s']:.1f}s (compile {summary['compile_time_s']:.1f}s, "
+          f"{compile_text(summary['compile'])}, "
           f"{summary['time_per_round_s'] * 1e3:.1f} ms/round, "
           f"{summary['client_steps_per_s']:.0f} client-steps/s)")
     for key in ("acc_mean", "acc_weighted", "acc_worst10", "global_acc_mean", "participant_best_mean"):

@@ -59,7 +59,8 @@ SWEEP_OWNED = {"algo": "--algos", "dataset": "--datasets", "seeds": "--seeds", "
                "process_id": "sweep.py's own --process-id",
                "distributed": "sweep.py's own --distributed",
                "coordinator_timeout": "sweep.py's own --coordinator-timeout",
-               "peer_timeout": "sweep.py's own --peer-timeout"}
+               "peer_timeout": "sweep.py's own --peer-timeout",
+               "no_compile_cache": "sweep.py's own --no-compile-cache"}
 
 
 class SweepError(ValueError):
@@ -272,6 +273,7 @@ def plan(args: argparse.Namespace):
                         if "does not apply to --algo" in text else "")
                 raise SweepError(f"{what}: {text}{hint}") from None
             base.progress = False
+            base.compile_cache = not getattr(args, "no_compile_cache", False)
             try:
                 base.validate()
             except ValueError as e:
@@ -382,18 +384,15 @@ def main(argv: list[str] | None = None) -> int:
         cli.start_processes(args, "sweep.py")     # they agree, or one line and exit 2
     else:
         fedjax_pfl.use_cpu_cores()                # before JAX starts (validation computes nothing)
-    if args.no_compile_cache:
-        import jax
-
-        jax.config.update("jax_enable_compilation_cache", False)
-    else:
-        fedjax_pfl.use_compile_cache()
     from fedjax_pfl import runner, sweep
     from fedjax_pfl.interrupts import exit_status, stop_signals
 
     try:
         with cli.said_warnings("sweep.py"):            # said once every run's checks passed
             the_plan = plan(args)
+            # Each run's compile_cache (set in `plan`), as runner.prepare and sweep.run_group
+            # set it, already for the data's own programs.
+            fedjax_pfl.use_compile_cache(not args.no_compile_cache)
             if args.resume:
                 check_resume(the_plan)
             data = _load_all_data(the_plan)

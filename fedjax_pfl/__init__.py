@@ -39,34 +39,27 @@ def use_cpu_cores(count: int | None = None) -> int:
     return count
 
 
-def use_compile_cache(directory: str | None = None) -> str:
-    """Turns on JAX's persistent compilation cache in `directory` (default
-    $FEDJAX_PFL_COMPILE_CACHE, else $JAX_COMPILATION_CACHE_DIR, else
-    $XDG_CACHE_HOME/fedjax_pfl/jax or ~/.cache/fedjax_pfl/jax).
+def use_compile_cache(setting: bool | str | os.PathLike | None = None) -> str | None:
+    """Turns on JAX's persistent compilation cache (or off, with False); returns the directory in
+    use, or None for no cache.
+
+    `setting` as `RunConfig.compile_cache` takes it (`fedjax_pfl.compile_cache`): None or True,
+    the default directory ($FEDJAX_PFL_COMPILE_CACHE; else the user's own
+    `jax_compilation_cache_dir`, e.g. $JAX_COMPILATION_CACHE_DIR; else
+    $XDG_CACHE_HOME/fedjax_pfl/jax or ~/.cache/fedjax_pfl/jax; none where
+    $FEDJAX_PFL_COMPILE_CACHE=off); a directory; False, off. A directory that cannot be written,
+    or that every user may write, gives one warning and no cache, never an error.
 
     A compiled XLA executable is stored under a key of the program and compiler settings, so a
     second run of the same configuration (same algorithm, model, shapes, backend and devices)
     loads its round and evaluation instead of compiling them: the same executable, the same bits.
-    The command line and the sweep tool call this unless --no-compile-cache. Returns the
-    directory.
+    `runner.prepare` / `runner.run`, the command line and the sweeps call this with the run's
+    `compile_cache` (default True; --no-compile-cache: False), so a notebook needs it only to
+    change the setting for code that compiles outside a run.
     """
-    import jax
+    from fedjax_pfl import compile_cache
 
-    if directory is None:
-        directory = (os.environ.get("FEDJAX_PFL_COMPILE_CACHE")
-                     or os.environ.get("JAX_COMPILATION_CACHE_DIR")      # the user's own JAX cache
-                     or os.path.join(os.environ.get("XDG_CACHE_HOME")
-                                     or os.path.join(os.path.expanduser("~"), ".cache"),
-                                     "fedjax_pfl", "jax"))
-    os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    # Every program is worth keeping: our rounds compile in 0.3 s to minutes, and even the small
-    # ones add up over a sweep (JAX's default thresholds keep only those over 1 s).
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return directory
+    return compile_cache.apply(True if setting is None else setting)
 
 
 def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,

@@ -23,9 +23,10 @@ DEFAULT_CHECKPOINT_EVERY = 10
 # model_conv changes float rounding only (the same convolution, computed another way).
 # (--data-placement and --state-placement move the same samples and rows: the rounds are the
 # same bit for bit either way.)
+# compile_cache: a cached executable is the one the compile would give (the same bits).
 RESUMABLE_CHANGES = ("rounds", "out", "progress", "memory_check", "checkpoint_every", "resume",
                      "overwrite", "target_acc", "model_conv", "log", "checkpoint_on_signal",
-                     "data_placement", "state_placement")
+                     "data_placement", "state_placement", "compile_cache")
 # Models whose strided stages collapse small images (8×8 digits) to 1×1: they train at chance.
 MIN_IMAGE_SIDE = {"resnet9": 16, "resnet18": 16}
 
@@ -67,6 +68,11 @@ class RunConfig:
     dp_delta: float | None = None
     target_epsilon: float | None = None
     dp_accountant: str = "rdp"
+    # JAX's persistent compilation cache (`fedjax_pfl.compile_cache`): True, the default
+    # directory ($FEDJAX_PFL_COMPILE_CACHE, the user's own JAX cache, ~/.cache/fedjax_pfl/jax;
+    # none with $FEDJAX_PFL_COMPILE_CACHE=off); a directory; False, none (--no-compile-cache).
+    # Set by `prepare` before anything compiles; a directory it cannot use safely: one warning.
+    compile_cache: bool | str = True
 
     @classmethod
     def from_options(cls, *, hparams: dict[str, Any] | None = None, **options: Any) -> "RunConfig":
@@ -171,6 +177,9 @@ class RunConfig:
             raise OptionError(f"{arg('target_acc')} must be in (0, 1] (a mean client accuracy), "
                               f"got {self.target_acc}")
         parse_eval_clients(self.eval_clients)
+        from fedjax_pfl.compile_cache import check_setting
+
+        check_setting(self.compile_cache)
         if self.checkpoint_on_signal is not None:
             from fedjax_pfl.interrupts import parse_signal
 
@@ -242,6 +251,8 @@ def parse_eval_clients(value: str) -> str | int:
 
 def config_record(cfg: RunConfig, hparams: dict, model_name: str, data_info: dict) -> dict:
     record = dataclasses.asdict(cfg)
+    if isinstance(cfg.compile_cache, os.PathLike):       # (a pathlib.Path from a notebook)
+        record["compile_cache"] = os.fspath(cfg.compile_cache)
     record["hparams"] = hparams
     record["model"] = model_name
     # Natural clients' ids (an array, up to 342,477 of them) go to client_metrics.npz instead.
@@ -255,7 +266,8 @@ def config_record(cfg: RunConfig, hparams: dict, model_name: str, data_info: dic
 # may reuse its results (compare.py and sweep.py --resume). --rounds, --target-acc and --conv
 # change what the run reports, so they must match.
 REUSABLE_CHANGES = ("out", "progress", "memory_check", "checkpoint_every", "resume", "overwrite",
-                    "log", "checkpoint_on_signal", "data_placement", "state_placement")
+                    "log", "checkpoint_on_signal", "data_placement", "state_placement",
+                    "compile_cache")
 
 _RESUME_TAIL = (f"only {arg('rounds')}, {arg('checkpoint_every')}, {arg('target_acc')}, "
                 f"{arg('model_conv')}, {arg('log')}, {arg('checkpoint_on_signal')}, "

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from fedjax_pfl import algorithms, core, distributed, models, plots
+from fedjax_pfl import algorithms, compile_cache, compiles, core, distributed, models, plots
 from fedjax_pfl.callbacks import Callback, RoundEnd, RunStart
 from fedjax_pfl.data.build import build_federated
 from fedjax_pfl.data.federated import FederatedData, label_counts
@@ -127,8 +127,10 @@ def check_with_data(cfg: RunConfig, data: FederatedData) -> None:
 
 
 def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict | None = None) -> Prepared:
-    """Phase 1: validate, load the data, build the model, the algorithm and its program."""
+    """Phase 1: validate, turn the persistent compilation cache on (`cfg.compile_cache`), load
+    the data, build the model, the algorithm and its program."""
     hparams = cfg.validate()
+    compile_cache.apply(cfg.compile_cache)        # before anything compiles
     if data is None:
         data, data_info = load_data(cfg)
     elif not isinstance(data, FederatedData):
@@ -216,7 +218,16 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
     continues from the newest intact checkpoint in `cfg.out`, found and checked before anything
     is compiled or written. SIGINT or SIGTERM raises `Interrupted` after summary.json (marked
     interrupted), metrics.jsonl, client_metrics.npz and the learning curve record what finished.
+    The programs the run compiles, and how many the persistent cache gave, are summary.json's
+    "compile" (`compiles.record`).
     """
+    with compiles.record() as compiled:
+        return _run(cfg, data, data_info, log, prepared, callbacks, compiled)
+
+
+def _run(cfg: RunConfig, data, data_info, log, prepared, callbacks,
+         compiled: compiles.Log) -> dict[str, Any]:
+    """`run`, the programs it compiles recorded in `compiled`."""
     t_start = time.perf_counter()
     prep = prepared or prepare(cfg, data, data_info)
     program = prep.program
@@ -240,7 +251,7 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
 
     def abandoned(loss):        # the watchdog's last act when the main thread is stuck
         report(cfg, prep, prog, out, t_start, compile_time=None, plan=None, interrupted=phase,
-               signal=loss.signal)
+               signal=loss.signal, compiled=compiled)
 
     # The label distribution is drawn while the programs compile (XLA's compile releases the
     # GIL; the figure is 1 s of the main job's start otherwise).
@@ -281,10 +292,11 @@ def run(cfg: RunConfig, *, data: FederatedData | None = None, data_info: dict | 
             # A resume stopped while compiling: the directory keeps its previous record.
             summary = report(cfg, prep, prog, None if fresh_start else out, t_start,
                              compile_time=None, plan=None, interrupted=phase,
-                             signal=signal_name(stop))
+                             signal=signal_name(stop), compiled=compiled)
             _end(started, summary)
         raise Interrupted(prog.round, prog.checkpoint_round, out, phase, signal_name(stop)) from None
-    summary = report(cfg, prep, prog, out, t_start, compile_time=compile_time, plan=plan)
+    summary = report(cfg, prep, prog, out, t_start, compile_time=compile_time, plan=plan,
+                     compiled=compiled)
     _end(started, summary)
     return summary
 

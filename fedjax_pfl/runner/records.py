@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fedjax_pfl import core, plots
+from fedjax_pfl import compile_cache, compiles, core, plots
 from fedjax_pfl.errors import MarkedError, arg
 from fedjax_pfl.runner import rundir
 
@@ -75,8 +75,11 @@ def record_call(prog: Progress, rows, evals, ids, eval_time, r, n_real) -> list:
 
 
 def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
-           interrupted: str | None = None, signal: str | None = None) -> dict[str, Any]:
-    """Phase 4: summary.json, client_metrics.npz and the learning curve of the rounds done."""
+           interrupted: str | None = None, signal: str | None = None,
+           compiled: compiles.Log | None = None) -> dict[str, Any]:
+    """Phase 4: summary.json, client_metrics.npz and the learning curve of the rounds done.
+    With `compiled` (the programs `runner.run` compiled), summary.json's "compile"
+    (`compile_record`)."""
     n_real = prep.data.num_real_clients
     wall = prog.previous_wall + time.perf_counter() - t_start
     rows = prog.history.rounds
@@ -95,6 +98,8 @@ def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
         "client_steps_per_s": prog.total_steps / max(prog.train_time, 1e-9),
         "devices": [str(d) for d in jax.devices()],
     }
+    if compiled is not None:
+        summary["compile"] = compile_record(compiled, compile_time, compile_cache.active())
     if interrupted is not None:
         summary["interrupted_during"] = interrupted
         summary["interrupted_by"] = signal or "SIGINT"
@@ -123,6 +128,31 @@ def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
                                        acc_keys=("acc_mean", "acc_worst10", "global_acc_mean"))
         rundir.write_json(os.path.join(out, "summary.json"), summary)
     return summary
+
+
+def compile_record(compiled: compiles.Log, seconds: float | None,
+                   cache_dir: str | None) -> dict[str, Any]:
+    """summary.json's "compile": `seconds` (the round's and evaluation's compile, as
+    "compile_time_s"; None when the run stopped before it ended), every program the run
+    compiled or loaded ("programs"), how many of them the persistent compilation cache gave
+    ("from_cache"), the backend's seconds over all of them ("backend_seconds": XLA's compile,
+    or the cache's read), and the cache's directory ("cache_dir": None without one). A warm
+    cache shows as from_cache == programs."""
+    return {"seconds": seconds, **compiled.summary(), "cache_dir": cache_dir}
+
+
+def compile_text(record: dict[str, Any]) -> str:
+    """A summary's "compile" in words: "3 of 3 programs from the cache", "5 programs, none
+    from the cache", "5 programs, no cache" (the cache off), "no program compiled"."""
+    n, hits = int(record["programs"]), int(record["from_cache"])
+    programs = f"{n} program{'s' * (n != 1)}"
+    if n == 0:
+        return "no program compiled"
+    if record.get("cache_dir") is None and hits == 0:
+        return f"{programs}, no cache"
+    if hits == 0:
+        return f"{programs}, none from the cache"
+    return f"{hits} of {programs} from the cache"
 
 
 def best_and_last(rows: list[dict]) -> dict[str, dict]:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfl import core
+from fedjax_pfl import compile_cache, compiles, core
 from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.sweep.runs import RunSpec, stack
 
@@ -92,8 +92,10 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
     import time
 
     from fedjax_pfl import models, runner
+    from fedjax_pfl.runner.records import compile_record
 
     hparams = cfg.validate()
+    compile_cache.apply(cfg.compile_cache)        # before anything compiles, as runner.prepare
     if cfg.target_acc is not None:
         raise OptionError(f"{arg('target_acc')} stops one run; the runs of a sweep share one "
                           "program")
@@ -102,50 +104,51 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
     model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
                        conv=cfg.model_conv, task=data.task,
                        options=cfg.model_options)
-    t0 = time.perf_counter()
-    program = VectorProgram(cfg.algo, model, data, program_hparams, runs,
-                            data_placement=cfg.data_placement,
-                            state_placement=cfg.state_placement, state_dtype=cfg.state_dtype,
-                            rounds_per_call=cfg.rounds_per_call)
-    state = program.init()
-    histories = [core.History(data.num_real_clients) for _ in runs]
-    bar = None
-    if progress and jax.process_index() == 0:        # one voice in a multi-process run
-        from tqdm.auto import tqdm
+    with compiles.record() as compiled:        # summary.json's "compile", as runner.run's
+        t0 = time.perf_counter()
+        program = VectorProgram(cfg.algo, model, data, program_hparams, runs,
+                                data_placement=cfg.data_placement,
+                                state_placement=cfg.state_placement, state_dtype=cfg.state_dtype,
+                                rounds_per_call=cfg.rounds_per_call)
+        state = program.init()
+        histories = [core.History(data.num_real_clients) for _ in runs]
+        bar = None
+        if progress and jax.process_index() == 0:        # one voice in a multi-process run
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.rounds, desc="rounds", unit="round", dynamic_ncols=True)
-    compile_time = None
-    n_real, poisson = data.num_real_clients, hparams["sampling"] == "poisson"
-    r = 0
-    try:
-        while r < cfg.rounds:
-            count = min(cfg.rounds_per_call, cfg.rounds - r)
-            t1 = time.perf_counter()
-            state, per_round = program.run_rounds(state, r, count)
-            round_time = (time.perf_counter() - t1) / count
-            if compile_time is None:
-                compile_time = round_time * count
-            evals = None
-            if (r + count) % cfg.eval_every == 0 or r + count == cfg.rounds:
-                evals = program.evaluate(state)
-            for i, metrics in enumerate(per_round):
-                last = i == count - 1
-                for v, m in enumerate(metrics):
-                    row = runner.round_row(r + i + 1, m, round_time / len(runs),
-                                           n_real if poisson else None)
-                    if plans[v] is not None:
-                        row["dp_epsilon"] = plans[v].epsilons[r + i]
-                    if evals is not None and last:
-                        runner.record_evaluation(row, evals[v], None, n_real, histories[v],
-                                                 runner.round_slots(m, n_real, poisson))
-                    histories[v].append(row)
-            r += count
+            bar = tqdm(total=cfg.rounds, desc="rounds", unit="round", dynamic_ncols=True)
+        compile_time = None
+        n_real, poisson = data.num_real_clients, hparams["sampling"] == "poisson"
+        r = 0
+        try:
+            while r < cfg.rounds:
+                count = min(cfg.rounds_per_call, cfg.rounds - r)
+                t1 = time.perf_counter()
+                state, per_round = program.run_rounds(state, r, count)
+                round_time = (time.perf_counter() - t1) / count
+                if compile_time is None:
+                    compile_time = round_time * count
+                evals = None
+                if (r + count) % cfg.eval_every == 0 or r + count == cfg.rounds:
+                    evals = program.evaluate(state)
+                for i, metrics in enumerate(per_round):
+                    last = i == count - 1
+                    for v, m in enumerate(metrics):
+                        row = runner.round_row(r + i + 1, m, round_time / len(runs),
+                                               n_real if poisson else None)
+                        if plans[v] is not None:
+                            row["dp_epsilon"] = plans[v].epsilons[r + i]
+                        if evals is not None and last:
+                            runner.record_evaluation(row, evals[v], None, n_real, histories[v],
+                                                     runner.round_slots(m, n_real, poisson))
+                        histories[v].append(row)
+                r += count
+                if bar is not None:
+                    bar.update(count)
+        finally:
+            program.close()
             if bar is not None:
-                bar.update(count)
-    finally:
-        program.close()
-        if bar is not None:
-            bar.close()
+                bar.close()
     wall = time.perf_counter() - t0
     summaries = []
     for spec, history, plan in zip(runs, histories, plans):
@@ -153,7 +156,8 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
                    "rounds": cfg.rounds, "seed": spec.seed, "traced": dict(spec.traced),
                    "clients": data.num_real_clients, **history.best_and_last(),
                    "vectorised_runs": len(runs), "group_wall_time_s": wall,
-                   "group_first_round_s": compile_time}
+                   "group_first_round_s": compile_time,
+                   "compile": compile_record(compiled, None, compile_cache.active())}
         comm = runner.communication_totals(history.rounds)
         if comm:
             summary["communication"] = comm
