@@ -112,6 +112,9 @@ WAITS = (("jax", "block_until_ready"),)
 JOBS = ("fedavg", "pgfedmo", "ditto", "cifar10")
 PEERS = {"pfl-research": ("pfl", "run_pfl.py"), "flower": ("flower", "run_flower.py")}
 DASH = "–"
+# Figures the runs report themselves, shown below the total where a run has them.
+EXTRA_ROWS = ("start-up to round 1 (RESULT)", "round 1 (RESULT)", "all rounds (RESULT)",
+              "compile_time_s (summary.json)")
 
 
 # ---------------------------------------------------------------- the child: the phase ledger
@@ -643,8 +646,8 @@ def table(job: str, runs: list[dict], title: str) -> list[str]:
     n = max(len(c[1]) for c in cols)
     lines.append(f"  medians of {n}, wall / CPU s")
     rows = list(PHASES) + ["total"]
-    extra = {k for _, sel in cols for r in sel for k in phase_cells(r) if k not in rows}
-    rows += sorted(extra)
+    present = {k for _, sel in cols for r in sel for k in phase_cells(r)}
+    rows += [k for k in EXTRA_ROWS if k in present]
     width = max(len(r) for r in rows + ["programs (fedjax_pfl.compiles)"]) + 2
     cw = 22
     lines.append("  " + "phase".ljust(width) + "".join(name.rjust(cw) for name, _ in cols))
