@@ -540,7 +540,7 @@ def peer_pythons(args) -> dict[str, str]:
     if not args.peers:
         return {}
     sys.path.insert(0, PEERS_DIR)
-    import harness                       # (imports only the standard library and common.py)
+    import harness  # (imports only the standard library and common.py)
 
     pythons = {}
     for peer in args.peers:
@@ -610,7 +610,11 @@ def by_phase_cell(runs: list[dict]) -> str:
     if not ledgers:
         return DASH
     where = ledgers[0].get("programs_by_phase") or {}
-    return ", ".join(f"{k} {v}" for k, v in sorted(where.items(), key=lambda kv: -kv[1])) or DASH
+    # A compile whose innermost phase was "trace + lower" ran inside Program.compile (or while a
+    # trace computed something eagerly).
+    named = {"trace + lower": "Program.compile"}
+    return ", ".join(f"{named.get(k, k)} {v}"
+                     for k, v in sorted(where.items(), key=lambda kv: -kv[1])) or DASH
 
 
 def background_cell(runs: list[dict]) -> str:
