@@ -1,6 +1,7 @@
 """benchmarks/: the README's table lists every script and only scripts that exist, and each listed
 script's --help exits 0 before importing JAX or PyTorch (the heavy imports follow the parsing)."""
 
+import json
 import os
 import re
 import subprocess
@@ -121,3 +122,82 @@ def test_citations_name_results_headings_and_decision_notes_that_exist():
     assert not unknown, f"citations of RESULTS.md tables that it does not have: {unknown}"
     missing = [c for c in cited_notes if c[1] not in decisions]
     assert not missing, f"citations of notes not in docs/decisions/: {missing}"
+
+
+# startup.py's phase accounting. A toy script whose phases take known times: an import that sleeps
+# 0.25 s, a "plot" that sleeps 0.3 s (wall, no CPU), a "checkpoint" that spins 0.3 s of its
+# thread's CPU, 0.2 s of sleep in no phase ("other"); nothing calls core.Program.init, and the
+# fake fedjax_pfl.checkpoint has no `restore`, so the table prints "–" for "initial state" and
+# says that hook was not found.
+_TOY = {
+    "slow_import.py": "import time\ntime.sleep(0.25)\n",
+    "fedjax_pfl/__init__.py": "",
+    "fedjax_pfl/plots.py": "import time\n\ndef plot_learning_curves():\n    time.sleep(0.3)\n",
+    "fedjax_pfl/checkpoint.py": ("import time\n\ndef save():\n    t = time.thread_time()\n"
+                                 "    while time.thread_time() - t < 0.3:\n        pass\n"),
+    "toy.py": ("import time\nimport slow_import\nfrom fedjax_pfl import checkpoint, plots\n"
+               "plots.plot_learning_curves()\ncheckpoint.save()\ntime.sleep(0.2)\n"),
+}
+
+
+def _startup(args: list[str], env: dict, tmp_path: Path) -> tuple[str, list[dict]]:
+    out = tmp_path / "startup.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "startup.py"), *args, "--repeats", "1",
+                           "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc.stdout, json.loads(out.read_text())["runs"]
+
+
+def _phase_sums(run: dict) -> tuple[float, float]:
+    ledger = run["ledger"]
+    return sum(ledger["wall"].values()), sum(ledger["cpu"].values())
+
+
+def test_startup_phases_of_a_toy_script_take_their_known_times_and_add_up(tmp_path):
+    for name, text in _TOY.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    stdout, runs = _startup(["--script", str(tmp_path / "toy.py"), "--modes", "cold"], env, tmp_path)
+    (run,) = runs
+    wall, cpu = run["ledger"]["wall"], run["ledger"]["cpu"]
+    slack = 1.0                                    # (a shared 2-core machine)
+    assert 0.3 <= wall["plots"] < 0.3 + slack and cpu["plots"] < 0.1
+    assert cpu["checkpoints"] >= 0.3 and wall["checkpoints"] >= 0.3
+    assert 0.25 <= wall["imports"] < 0.25 + slack
+    assert wall["other"] >= 0.2
+    assert "initial state" not in wall and "XLA compile" not in wall
+    # Every moment is in exactly one phase: the phases add up to the parent's own totals.
+    total_wall, total_cpu = _phase_sums(run)
+    assert abs(total_wall - run["total_wall"]) < 0.02, (total_wall, run["total_wall"])
+    assert abs(total_cpu - run["total_cpu"]) < 0.02, (total_cpu, run["total_cpu"])
+    rows = {line.split("  ")[1].strip(): line for line in stdout.splitlines()
+            if line.startswith("  ") and len(line.split("  ")) > 2}
+    assert rows["initial state"].rstrip().endswith("–"), rows["initial state"]
+    assert rows["plots"].split()[-3:] == [f"{wall['plots']:.2f}", "/", f"{cpu['plots']:.2f}"]
+    assert "hooks not found: fedjax_pfl.checkpoint:restore" in stdout
+
+
+@pytest.mark.slow
+def test_startup_phases_of_two_rounds_on_the_digits_add_up(tmp_path):
+    """The main job for 2 rounds, cold then warm: the phases add up to the process's wall and
+    CPU, and the runner's own compile clock (summary.json) is within the phases its
+    Program.compile is split into."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    _, runs = _startup(["--jobs", "fedavg", "--rounds", "2"], env, tmp_path)
+    by_mode = {r["mode"]: r for r in runs}
+    assert set(by_mode) == {"cold", "warm"}
+    for run in runs:
+        wall, cpu = run["ledger"]["wall"], run["ledger"]["cpu"]
+        total_wall, total_cpu = _phase_sums(run)
+        assert abs(total_wall - run["total_wall"]) < 0.05, (run["mode"], total_wall, run["total_wall"])
+        assert abs(total_cpu - run["total_cpu"]) < 0.05, (run["mode"], total_cpu, run["total_cpu"])
+        assert min(wall.values()) >= 0 and min(cpu.values()) >= -0.01
+        for phase in ("imports", "trace + lower", "XLA compile", "initial state",
+                      "rounds and evaluations", "teardown"):
+            assert phase in wall, (run["mode"], phase)
+        assert run["ledger"]["programs"] > 0
+        split = wall["trace + lower"] + wall["XLA compile"] + wall["imports"]
+        assert run["summary_compile_s"] <= split + 0.1, (run["summary_compile_s"], split)
+    assert by_mode["warm"]["ledger"]["wall"]["XLA compile"] < by_mode["cold"]["ledger"]["wall"]["XLA compile"]
