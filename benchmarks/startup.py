@@ -405,6 +405,13 @@ def child(ledger_path: str, script: str, args: list[str]) -> None:
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     status = 0
+    real_exit, left = os._exit, []
+
+    def leaving(code: int = 0) -> None:   # the script's own exit without teardown (run.py's)
+        left.append(code)
+        raise SystemExit(code)
+
+    os._exit = leaving
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
@@ -412,6 +419,8 @@ def child(ledger_path: str, script: str, args: list[str]) -> None:
     except BaseException:
         traceback.print_exc()
         status = 1
+    finally:
+        os._exit = real_exit
     ledger.close()
     log = hooks.compile_log
     record = dict(
@@ -424,6 +433,9 @@ def child(ledger_path: str, script: str, args: list[str]) -> None:
     with open(ledger_path, "w") as f:
         json.dump(record, f)
     sys.stdout.flush()
+    if left:                               # (as the script would have left: no teardown)
+        sys.stderr.flush()
+        real_exit(status)
     sys.exit(status)
 
 
