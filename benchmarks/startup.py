@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Start-up by phase (issue 56): where a run's seconds go before and around its rounds, cold (an
+"""Start-up by phase: where a run's seconds go before and around its rounds, cold (an
 empty persistent compilation cache) and warm (the cache the cold run filled), every run a fresh
 process; and the cold start of pfl-research and Flower on their CIFAR-10 job beside ours.
 
