@@ -4,7 +4,8 @@ and a memory bound on accelerators.
 The chunked backend (`core.execution`) runs the sampled clients W at a time. W comes from
 budgets on one client's temporaries, outputs and floating-point operations, read from XLA's
 memory and cost analyses of one client's step (or from upper bounds of them off the traced
-program, `core.analysis`, which need no compilation).
+program, `core.analysis`, which need no compilation). With the persistent compilation cache on,
+the analysed numbers are remembered beside it (`core.memo`), so a later run compiles no probe.
 """
 
 from __future__ import annotations
@@ -112,9 +113,10 @@ def measured_step(one_client_fn: Callable, *abstract_args: Any) -> Bounds | None
 
     With the persistent compilation cache on, the numbers are remembered beside it
     (`core.memo`) under a hash of the probe's lowered program and of the compiler, so a second
-    run of the same configuration reads them instead of compiling the probe again (issue 56:
-    4.2 CPU s of probes before round 1 of the peers' CIFAR-10 job, warm cache or not). The
-    analyses are deterministic functions of that key: the same numbers, so the same chunk."""
+    run of the same configuration reads them instead of compiling (or loading) the probe again
+    (issue 56; on the peers' CIFAR-10 job 2.5 CPU s of probes cold, 0.33 s loading them from a
+    warm cache, 0.20 s with the memo: the lowering that gives the key). The analyses are
+    deterministic functions of that key: the same numbers, so the same chunk."""
     where = memo.directory()
     entry = None
     if where is not None:

@@ -91,7 +91,9 @@ def test_a_remembered_probe_is_not_compiled_and_gives_the_probes_chunk(cache_dir
         assert chunking.auto_chunk_size(wide_step, spec) == expected
     assert probes(first) == 1 and len(entries(cache_dir)) == 1
     # The entry holds XLA's own numbers for the probe.
-    record = json.loads((cache_dir / memo.SUBDIRECTORY / entries(cache_dir)[0]).read_text())
+    path = cache_dir / memo.SUBDIRECTORY / entries(cache_dir)[0]
+    assert path.stat().st_mode & 0o777 == 0o644          # readable by others, as JAX's entries
+    record = json.loads(path.read_text())
     assert (record["temp_bytes"], record["output_bytes"], record["flops"]) == xla_numbers(
         wide_step, spec)
     # A fresh mapper's cache (what a new run builds) asks for it again: read, not compiled.
