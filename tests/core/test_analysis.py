@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedjax_pfl import core, models
-from fedjax_pfl.core import analysis, chunking, evaluate, execution
+from fedjax_pfl.core import analysis, chunking, evaluate, execution, memo
 
 S = jax.ShapeDtypeStruct
 KEY = S((), jax.random.key(0).dtype)
@@ -134,6 +134,8 @@ def test_automatic_chunk_compiles_only_when_the_bounds_do_not_decide(monkeypatch
     real = chunking.compiled_for_analysis
     monkeypatch.setattr(chunking, "compiled_for_analysis",
                         lambda *a: calls.append(a) or real(*a))
+    # (no remembered probe: another test of this session may have measured the same one)
+    monkeypatch.setattr(memo, "directory", lambda: None)
     cache = execution.MapperCache()           # a mapper's own cache, empty
     # All 6 rows fit by the bounds: the answer is 6 (one chunk), nothing compiled.
     assert cache.auto_chunk(one_client, ("k",), specs, 6) == 6 and not calls
