@@ -17,8 +17,8 @@ import math
 
 import numpy as np
 import pytest
-
 import run as cli  # (experiments/run.py)
+
 from fedjax_pfl import plots, runner
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.runner import records
@@ -184,3 +184,13 @@ def test_flops_unavailable_says_why():
     failing = records.round_flops(Failing(), 3)
     assert failing["flops_total"] is None and "no cost model" in failing["flops_unavailable"]
     assert "not compiled" in records.round_flops(None, 0)["flops_unavailable"]
+
+
+def test_a_fresh_start_removes_a_previous_runs_figure(tmp_path):
+    """A new run in the same --out clears the old client_accuracy.png (a run file), keeps others'."""
+    from fedjax_pfl.runner import rundir
+
+    (tmp_path / "client_accuracy.png").write_bytes(b"old")
+    (tmp_path / "notes.txt").write_text("mine")
+    rundir.clear_out(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
