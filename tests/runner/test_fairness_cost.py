@@ -109,6 +109,8 @@ def test_the_figure_and_its_bars(cli_run):
     fig = plots.client_accuracy_figure(acc)
     heights = [p.get_height() for p in fig.axes[0].patches]
     assert heights == [0.2, 0.5, 0.7, 0.9]
+    lines = sorted(line.get_ydata()[0] for line in fig.axes[0].lines)
+    np.testing.assert_allclose(lines, [0.2, (0.2 + 0.5 + 0.7 + 0.9) / 4])   # worst ⌈0.4⌉ = 1, mean
     counts = [p.get_height() for p in fig.axes[1].patches]
     assert sum(counts) == 4
     with pytest.raises(ValueError, match="no evaluated client"):
