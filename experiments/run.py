@@ -780,7 +780,36 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
     for key, value in summary.get("communication", {}).items():
         if key.endswith("_total"):
             print(f"  {key:<32} {value:,.0f}")
+    for line in cost_lines(summary):
+        print("  " + line)
     return 0
+
+
+def cost_lines(summary: dict) -> list[str]:
+    """The closing summary's fairness, convergence and cost lines (summary.json's "fairness",
+    "convergence" and "cost"): "clients at round 3  std 0.0816  worst 10 % 0.7143  min 0.7143
+    max 0.9310 (6 clients)", "95 % of best acc_mean 0.8620 first at round 2", the bytes sent
+    each way and the round's FLOPs (or why there are none)."""
+    lines = []
+    fair = summary.get("fairness")
+    if fair and "acc_std" in fair:
+        lines.append(f"{'clients at round ' + str(fair['round']):<22} std {fair['acc_std']:.4f}   "
+                     f"worst 10 % {fair['acc_worst10']:.4f}   min {fair['acc_min']:.4f}   "
+                     f"max {fair['acc_max']:.4f} ({fair['clients']} clients)")
+    conv = summary.get("convergence")
+    if conv:
+        lines.append(f"{'convergence':<22} {conv['fraction']:.0%} of best {conv['metric']} "
+                     f"{conv['best']:.4f} first at round {conv['round']}")
+    cost = summary.get("cost", {})
+    for key in ("up_bytes_total", "down_bytes_total"):
+        if key in cost:
+            lines.append(f"{key:<32} {cost[key]:,.0f}")
+    if cost.get("flops_per_round") is not None:
+        lines.append(f"{'flops_per_round':<32} {cost['flops_per_round']:,.0f} "
+                     f"(XLA, loops once; total {cost['flops_total']:,.0f})")
+    elif "flops_unavailable" in cost:
+        lines.append(f"{'flops_per_round':<32} none: {cost['flops_unavailable']}")
+    return lines
 
 
 def privacy_line(record: dict) -> str:

@@ -5,6 +5,8 @@
                                          label_distribution.png)
   plot_learning_curves(runs, path)     accuracy and training loss against rounds, one or
                                          several runs (the runner's learning_curve.png)
+  client_accuracy_figure(accuracy)     the final per-client accuracies, sorted, and their
+                                         histogram (the runner's client_accuracy.png)
 """
 
 from __future__ import annotations
@@ -151,6 +153,57 @@ def plot_learning_curves(runs: dict[str, list[dict]], path: str, title: str = ""
     """Writes `learning_curve_figure(runs, …)` to `path` as a PNG."""
     fig = learning_curve_figure(runs, title, acc_keys)
     _save(fig, path)
+
+
+def client_accuracy_figure(accuracy: np.ndarray, *, title: str = ""):
+    """The distribution of one evaluation's per-client accuracies (NaN: not evaluated, left
+    out): left, every client's accuracy sorted ascending (a bar each up to `MAX_SIZE_BARS`
+    clients, one filled outline beyond), with the mean and the bottom decile's mean
+    (the mean of the ⌈K/10⌉ lowest, acc_worst10) as lines; right, their histogram. Mean accuracy
+    hides the clients a personalised method leaves behind; this shows them.
+
+    Returns the matplotlib Figure; its axes are [sorted, histogram]."""
+    import math
+
+    import matplotlib
+
+    acc = np.asarray(accuracy, np.float64).ravel()
+    acc = np.sort(acc[~np.isnan(acc)])
+    if acc.size == 0:
+        raise ValueError("accuracy has no evaluated client (every entry is NaN or it is empty)")
+    # (core.metrics' definitions, written out: this module sits below core in the layers.)
+    spread = {"acc_mean": acc.mean(), "acc_std": acc.std(), "acc_min": acc[0],
+              "acc_max": acc[-1], "acc_worst10": acc[: max(1, math.ceil(0.1 * acc.size))].mean()}
+    fig = _figure(figsize=(11, 4))
+    ax_sorted, ax_hist = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    ranks = np.arange(acc.size)
+    if acc.size <= MAX_SIZE_BARS:
+        ax_sorted.bar(ranks, acc, width=0.85, color="tab:blue")
+    else:
+        ax_sorted.stairs(acc, np.arange(acc.size + 1) - 0.5, fill=True, color="tab:blue")
+    for value, style, name in ((spread["acc_mean"], "-", "mean"),
+                               (spread["acc_worst10"], "--", "worst 10 % (acc_worst10)")):
+        ax_sorted.axhline(value, linestyle=style, color="tab:red", linewidth=1,
+                          label=f"{name} {value:.3f}")
+    ax_sorted.set_xlim(-0.5, acc.size - 0.5)
+    ax_sorted.set_ylim(0, 1)
+    ax_sorted.set_xlabel(f"client, sorted by accuracy ({acc.size})")
+    ax_sorted.set_ylabel("client test accuracy")
+    ax_sorted.legend(fontsize=8, loc="upper left")
+    ax_hist.hist(acc, bins=np.linspace(0, 1, 21), color="tab:blue", alpha=0.8)
+    ax_hist.set_xlabel("client test accuracy")
+    ax_hist.set_ylabel("clients")
+    ax_hist.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax_hist.set_title(f"std {spread['acc_std']:.3f}, min {spread['acc_min']:.3f}, "
+                      f"max {spread['acc_max']:.3f}", fontsize=9)
+    fig.suptitle(title or f"per-client accuracy ({acc.size} clients)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_client_accuracy(accuracy: np.ndarray, path: str, title: str = "") -> None:
+    """Writes `client_accuracy_figure(accuracy, …)` to `path` as a PNG (atomically, `_save`)."""
+    _save(client_accuracy_figure(accuracy, title=title), path)
 
 
 def client_sizes_figure(train_counts: np.ndarray, test_counts: np.ndarray | None = None, *,

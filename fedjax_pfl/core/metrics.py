@@ -8,6 +8,10 @@ Definitions (clients without test data are left out of every statistic):
   acc_p10        10th percentile over clients (numpy's linear interpolation)
   acc_worst10    mean of the ⌈0.1·K⌉ lowest client accuracies (K clients with test data)
   loss           unweighted mean over clients of the mean test loss; loss_weighted: Σ/Σ n_i
+`client_spread` gives the same acc_std, acc_worst10 and acc_min, and acc_max (the best client),
+from one evaluation's per-client accuracies (the summary's "fairness", pFL-Bench's spread and
+bottom decile). `first_round_reaching` is the convergence round (the first round whose metric
+reaches a fraction of its best).
 For per-token and multi-label tasks a "sample" above is a scored unit (a real token; a true tag
 for recall@k) and the loss is per real token (`models.Model.metric` / `weight`).
 """
@@ -33,18 +37,50 @@ def summarize(correct, loss_sum, count, prefix: str = "", loss_count=None) -> di
         return {}
     acc = correct[has] / count[has]
     loss = loss_sum[has] / np.maximum(units[has], 1e-300)
-    worst = np.sort(acc)[: max(1, math.ceil(0.1 * acc.size))]
     stats = {
         "acc_mean": acc.mean(),
         "acc_weighted": correct[has].sum() / count[has].sum(),
         "acc_std": acc.std(),
         "acc_min": acc.min(),
         "acc_p10": np.percentile(acc, 10),
-        "acc_worst10": worst.mean(),
+        "acc_worst10": worst_decile(acc),
         "loss": loss.mean(),
         "loss_weighted": loss_sum[has].sum() / units[has].sum(),
     }
     return {prefix + k: float(v) for k, v in stats.items()}
+
+
+def worst_decile(acc: np.ndarray) -> float:
+    """Mean of the ⌈0.1·K⌉ lowest of K accuracies: the bottom decile, at least one client
+    (pFL-Bench's "bottom 10 %"; summary.json's and metrics.jsonl's acc_worst10)."""
+    acc = np.sort(np.asarray(acc, np.float64))
+    return float(acc[: max(1, math.ceil(0.1 * acc.size))].mean())
+
+
+def client_spread(accuracy) -> dict[str, float | int]:
+    """The spread of one evaluation's per-client accuracies (NaN: a client not evaluated, or
+    without test data, left out as in `summarize`): "clients" K, "acc_mean", "acc_std"
+    (population, ddof = 0), "acc_worst10" (`worst_decile`), "acc_min" (the worst client),
+    "acc_max" (the best client). Empty where no client has an accuracy."""
+    acc = np.asarray(accuracy, np.float64).ravel()
+    acc = acc[~np.isnan(acc)]
+    if acc.size == 0:
+        return {}
+    return {"clients": int(acc.size), "acc_mean": float(acc.mean()), "acc_std": float(acc.std()),
+            "acc_worst10": worst_decile(acc), "acc_min": float(acc.min()),
+            "acc_max": float(acc.max())}
+
+
+def first_round_reaching(rows, key: str, fraction: float) -> tuple[float, int] | None:
+    """(the threshold `fraction` · best, the first round whose `key` reaches it) over metric
+    rows ({"round": r, key: value, …}; rows without `key`, or NaN, are skipped); None where no
+    row has `key`. The convergence round of pFL-Bench's tables (there: 95 % of the best)."""
+    seen = [(row["round"], float(row[key])) for row in rows
+            if isinstance(row.get(key), (int, float)) and row[key] == row[key]]
+    if not seen:
+        return None
+    threshold = fraction * max(v for _, v in seen)
+    return threshold, next(r for r, v in seen if v >= threshold)
 
 
 class History:

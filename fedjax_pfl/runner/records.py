@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from fedjax_pfl import compile_cache, compiles, core, plots
+from fedjax_pfl.core.metrics import client_spread, first_round_reaching
 from fedjax_pfl.errors import MarkedError, arg
 from fedjax_pfl.runner import rundir
 
@@ -113,6 +114,16 @@ def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
     communication = communication_totals(rows)
     if communication:
         summary["communication"] = communication
+    final = final_accuracy(prog)
+    if final is not None:
+        summary["fairness"] = {"round": final[0], **client_spread(final[1])}
+    summary["cost"] = {**communication_bytes(communication),
+                       **round_flops(getattr(prep, "program", None), prog.round)}
+    reached = first_round_reaching(rows, CONVERGENCE_METRIC, CONVERGENCE_FRACTION)
+    if reached is not None:
+        summary["convergence"] = {"metric": CONVERGENCE_METRIC, "fraction": CONVERGENCE_FRACTION,
+                                  "best": summary["best"][CONVERGENCE_METRIC],
+                                  "threshold": reached[0], "round": reached[1]}
     if out:
         if prog.sampled_log:
             host = prog.host_arrays(n_real)
@@ -126,8 +137,78 @@ def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
                                  title=f"{cfg.algo} on {cfg.dataset}"
                                        + (f" (interrupted after round {prog.round})" if interrupted else ""),
                                        acc_keys=("acc_mean", "acc_worst10", "global_acc_mean"))
+        if final is not None and np.isfinite(final[1]).any():
+            plots.plot_client_accuracy(final[1], os.path.join(out, "client_accuracy.png"),
+                                       title=f"{cfg.algo} on {cfg.dataset}: per-client accuracy "
+                                             f"after round {final[0]}")
         rundir.write_json(os.path.join(out, "summary.json"), summary)
     return summary
+
+
+# The convergence round: the first round whose acc_mean reaches 95 % of its best (pFL-Bench).
+CONVERGENCE_METRIC, CONVERGENCE_FRACTION = "acc_mean", 0.95
+# Every uplink and downlink the engine counts in floats sends float32 (a bfloat16 --state-dtype
+# only stores client rows; `core.gather` hands them back as float32 before anything is sent).
+BYTES_PER_FLOAT = 4
+
+
+def final_accuracy(prog: Progress) -> tuple[int, np.ndarray] | None:
+    """(round, per-client accuracy [n_real], NaN where not evaluated) of the run's latest
+    evaluation (the last round's, which evaluates every client, unless the run stopped early);
+    None before any evaluation. client_metrics.npz keeps it as accuracy[-1], eval_rounds[-1]."""
+    if not prog.acc_log:
+        return None
+    return int(prog.eval_rounds[-1]), np.asarray(prog.acc_log[-1], np.float64)
+
+
+def communication_bytes(communication: dict[str, float]) -> dict[str, Any]:
+    """summary.json's cost in bytes from the communication totals (`communication_totals`):
+    "down_bytes_total" = down_floats_total × 4 (float32) and "up_bytes_total" = up_floats_total
+    × 4, or, where the algorithm counts the bits its compressed uplink sends (FedPC's up_bits),
+    up_bits_total / 8; "up_bytes_from" says which. Nothing for an algorithm that sends nothing."""
+    out: dict[str, Any] = {}
+    if "up_bits_total" in communication:
+        out["up_bytes_total"] = communication["up_bits_total"] / 8
+        out["up_bytes_from"] = "up_bits / 8"
+    elif "up_floats_total" in communication:
+        out["up_bytes_total"] = communication["up_floats_total"] * BYTES_PER_FLOAT
+        out["up_bytes_from"] = f"up_floats x {BYTES_PER_FLOAT} (float32)"
+    if "down_floats_total" in communication:
+        out["down_bytes_total"] = communication["down_floats_total"] * BYTES_PER_FLOAT
+        out["down_bytes_from"] = f"down_floats x {BYTES_PER_FLOAT} (float32)"
+    return out
+
+
+def round_flops(program, rounds_done: int) -> dict[str, Any]:
+    """"flops_per_round" (XLA's cost analysis of the compiled round program) and "flops_total"
+    (× the rounds done), or both None with "flops_unavailable" saying why.
+
+    XLA's HloCostAnalysis counts every loop's body once, whatever its trip count: a call of K
+    rounds (`rounds_per_call`, a lax.scan) counts one round, so the call's figure is the round's
+    (not divided by K), and each client's local-step loop (a lax.while_loop of a data-dependent
+    length) counts one step of every client slot. The figure is therefore the round's work
+    with one local step per client — a lower bound, exact for the server's side — and
+    "flops_counts_loops_once" says so."""
+    compiled = getattr(program, "_round_compiled", None)
+    if compiled is None:
+        why = ("the rounds run from Python (loop or debug backend): no compiled round program"
+               if program is not None and not getattr(program, "jit", True)
+               else "the round program was not compiled (the run stopped before its compile)")
+        return {"flops_per_round": None, "flops_total": None, "flops_unavailable": why}
+    try:
+        cost = compiled.cost_analysis()
+    except Exception as e:         # (a backend without a cost model raises)
+        return {"flops_per_round": None, "flops_total": None,
+                "flops_unavailable": f"XLA's cost analysis failed: {type(e).__name__}: {e}"}
+    if isinstance(cost, (list, tuple)):               # (older JAX: one dict per program)
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    if flops is None or not flops >= 0:
+        return {"flops_per_round": None, "flops_total": None,
+                "flops_unavailable": "XLA's cost analysis of the round gives no flops on "
+                                     f"{jax.default_backend()}"}
+    return {"flops_per_round": float(flops), "flops_total": float(flops) * rounds_done,
+            "flops_counts_loops_once": True}
 
 
 def compile_record(compiled: compiles.Log, seconds: float | None,

@@ -10,6 +10,7 @@ Output directory:
   client_metrics.npz      per-round sampled ids and per-client accuracy (to recompute any statistic)
   learning_curve.png      accuracy and loss against rounds
   label_distribution.png  clients × classes sample counts
+  client_accuracy.png     the last evaluation's per-client accuracies, sorted, and their histogram
   checkpoints/round_RRRRRR/  the full state after round R (`runner.checkpoints`; the last two)
   tensorboard/, mlflow.db, wandb/, …  what the metric sinks of --log write (`fedjax_pfl.sinks`)
 """
@@ -30,7 +31,8 @@ from fedjax_pfl.errors import OptionError, arg
 # Files a run writes into its output directory (and removes from it when it starts afresh).
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "client_metrics.npz",
              "learning_curve.png", "label_distribution.png", "checkpoints",
-             *sinks.RUN_FILES)       # what the metric sinks of --log write
+             *sinks.RUN_FILES,       # what the metric sinks of --log write
+             "client_accuracy.png")
 
 
 def check_out(out: str, *, overwrite: bool = False, resume: bool = False) -> None:

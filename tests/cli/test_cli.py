@@ -327,7 +327,8 @@ def test_out_holding_another_run_is_refused_unless_overwrite(tmp_path, capsys):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     assert sorted(os.listdir(out)) == sorted(["config.json", "metrics.jsonl", "summary.json",
                                               "client_metrics.npz", "learning_curve.png",
-                                              "label_distribution.png", "checkpoints", "notes.txt"])
+                                              "label_distribution.png", "client_accuracy.png",
+                                              "checkpoints", "notes.txt"])
     assert json.loads((out / "config.json").read_text())["seed"] == 2
 
 
