@@ -1,5 +1,5 @@
 """What a checkpoint save and restore compile, on this process's devices: the scenario of
-tests/runner/test_checkpoint_compiles.py, run in the test process (one device) and, as
+tests/runner/test_checkpoint_cost.py, run in the test process (one device) and, as
 `python tests/support/checkpoint_compiles.py DIR` with FEDJAX_PFL_CPU_DEVICES=2, on two devices
 (the layout where orbax's replica-parallel writing sliced every replicated leaf on each device).
 

@@ -1,6 +1,8 @@
-"""A checkpoint costs no compile: saving and restoring a state compiles no XLA program, on one
-device and on two, with the state on the devices or (host state placement) in a host store, and
-the state restored is the saved one bit for bit, in the sharding asked for.
+"""A checkpoint costs nothing before the rounds and compiles nothing: saving and restoring a state
+compiles no XLA program, on one device and on two, with the state on the devices or (host state
+placement) in a host store, and the state restored is the saved one bit for bit, in the sharding
+asked for; orbax is imported by the first save or restore, not by the library or the runner; a
+run's first checkpoint follows round `--checkpoint-every`, never the start.
 
 Why a count: orbax's default replica-parallel writing took every replicated leaf's slice on each
 of its devices with `lax.slice_in_dim`, one `jit(slice)` program per replicated leaf per device,
@@ -21,6 +23,7 @@ import sys
 
 import checkpoint_compiles
 import helpers
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -99,3 +102,42 @@ def test_a_runs_checkpoints_compile_nothing(tmp_path, devices, placement):
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found["devices"] == devices
     assert found["calls"] == [["save", []], ["save", []], ["restore", []], ["save", []]]
+
+
+_IMPORTS = """
+import sys
+import numpy as np
+import fedjax_pfl.runner
+from fedjax_pfl import checkpoint
+from fedjax_pfl.runner import checkpoints
+before = sorted(m for m in sys.modules if m.split(".")[0] in ("orbax", "tensorstore"))
+checkpoint.save(sys.argv[1], {"w": np.arange(3)})
+print(before, "orbax.checkpoint" in sys.modules)
+"""
+
+
+def test_orbax_is_imported_by_the_first_save_not_before(tmp_path):
+    """orbax and TensorStore cost ~0.15-0.4 s to import (`python -X importtime`): the library
+    and the runner leave them to the first checkpoint (a run without one never pays)."""
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS, str(tmp_path / "c")], env=_env(1),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["[]", "True"]
+
+
+def test_the_first_checkpoint_follows_round_every_not_the_start(monkeypatch, tmp_path):
+    """`Checkpointer(every=3)` over a 7-round run writes after rounds 3, 6 and the last, 7, and
+    nothing when it is made or the run starts (its state is only at hand at a call's end: rounds
+    whose event has no state are skipped, as inside a --rounds-per-call call)."""
+    from fedjax_pfl.callbacks import RoundEnd, RunStart
+    from fedjax_pfl.runner import checkpoints
+
+    written = []
+    monkeypatch.setattr(checkpoints, "save", lambda cfg, out, state, *rest: written.append(state))
+    ckpt = checkpoints.Checkpointer(None, str(tmp_path), None, None, 0.0, every=3)
+    ckpt.on_run_start(RunStart(str(tmp_path), {}, 0, 7))
+    assert written == [] and os.listdir(tmp_path) == []
+    for r in range(1, 8):
+        ckpt.on_round_end(RoundEnd(r, {}, np.zeros(0), state=f"after {r}", final=r == 7))
+    ckpt.on_round_end(RoundEnd(8, {}, np.zeros(0), state=None))
+    assert written == ["after 3", "after 6", "after 7"]
