@@ -29,6 +29,10 @@ count, into the shardings `like` names (a leaf without one, in a single process:
 device). `check_like(path, like)` is restore's check of the leaves'
 shapes and dtypes alone, from meta.json.
 
+Cost: neither `save` nor `restore` compiles an XLA program (orbax's replica-parallel writing,
+which took a `jit(slice)` of every replicated leaf on each device, is off: `_writer`), and orbax
+is imported by the first of them, not with this module (tests/runner/test_checkpoint_cost.py).
+
 Verification: `verify(path)` checks the manifest before any array is read: every listed file must
 exist, have the listed size (sizes first: a truncated file is found without reading anything)
 and the listed SHA-256 (FIPS 180-4; one sequential read of the checkpoint, shared out between
