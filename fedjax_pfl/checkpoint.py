@@ -178,9 +178,11 @@ def _writer(ocp) -> Any:
     replica 0, a leaf sharded over the clients by every process for its own shards (as before).
     The values written are the same and a read does not depend on who wrote them (`restore` and
     checkpoints written before read alike); only a replicated leaf's zarr chunk is its whole
-    shard instead of a 1/R slice. orbax itself turns it off on GPU
-    (`jax_array_handlers._get_default_use_replica_parallel`); it pays where several hosts share
-    one large replicated array, which a simulation's server state is not."""
+    shard instead of a 1/R slice. orbax itself turns it off where $JAX_PLATFORMS names a GPU
+    (`jax_array_handlers._get_default_use_replica_parallel`), not on a GPU found by default; it
+    pays where several hosts share the writing of one large replicated array, which a
+    simulation's server state is not. Only `jax.Array` and numpy leaves reach orbax (`save`
+    turns scalars into numpy), so the registry names those two."""
     default = ocp.type_handlers.get_type_handler(jax.Array)
     arrays = ocp.type_handlers.ArrayHandler(
         use_replica_parallel=False,
