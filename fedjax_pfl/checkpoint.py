@@ -29,6 +29,10 @@ count, into the shardings `like` names (a leaf without one, in a single process:
 device). `check_like(path, like)` is restore's check of the leaves'
 shapes and dtypes alone, from meta.json.
 
+Cost: neither `save` nor `restore` compiles an XLA program (orbax's replica-parallel writing,
+which took a `jit(slice)` of every replicated leaf on each device, is off: `_writer`), and orbax
+is imported by the first of them, not with this module (tests/runner/test_checkpoint_cost.py).
+
 Verification: `verify(path)` checks the manifest before any array is read: every listed file must
 exist, have the listed size (sizes first: a truncated file is found without reading anything)
 and the listed SHA-256 (FIPS 180-4; one sequential read of the checkpoint, shared out between
@@ -123,8 +127,8 @@ def save(path: str, state: Any, *, metadata: dict | None = None,
         if primary:
             os.makedirs(tmp)
         _barrier(multi, f"checkpoint {name}: directory")
-        checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
-        checkpointer.save(os.path.join(tmp, _ARRAYS), args=ocp.args.StandardSave(arrays))
+        checkpointer = ocp.Checkpointer(_writer(ocp))
+        checkpointer.save(os.path.join(tmp, _ARRAYS), args=ocp.args.PyTreeSave(arrays))
         if multi and host_local:      # before the barrier: process 0's manifest lists them all
             with open(os.path.join(tmp, _HOST_PART.format(jax.process_index())), "wb") as f:
                 np.savez(f, **host_local)
@@ -158,6 +162,35 @@ def save(path: str, state: Any, *, metadata: dict | None = None,
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _writer(ocp) -> Any:
+    """The orbax handler `save` writes the arrays with: orbax's own (the one
+    `StandardCheckpointHandler` wraps, so the files are those it writes and any orbax reader
+    restores them), but with replica-parallel writing off.
+
+    Why: by default orbax splits every replicated array's shard between its R replicas, each
+    writing 1/R of it, and takes each slice on its device with `lax.slice_in_dim`: one `jit(slice)`
+    program per replicated leaf per device, compiled at the first checkpoint (10 programs for
+    FedAvg's server state on 2 CPU devices, 16 for PGFedMo's; orbax 0.12
+    `serialization/replica_slices.py`). Off, the one replica whose `replica_id` is 0 writes each
+    shard whole from its own buffer, with no program: a replicated leaf by the process holding
+    replica 0, a leaf sharded over the clients by every process for its own shards (as before).
+    The values written are the same and a read does not depend on who wrote them (`restore` and
+    checkpoints written before read alike); only a replicated leaf's zarr chunk is its whole
+    shard instead of a 1/R slice. orbax itself turns it off where $JAX_PLATFORMS names a GPU
+    (`jax_array_handlers._get_default_use_replica_parallel`), not on a GPU found by default; it
+    pays where several hosts share the writing of one large replicated array, which a
+    simulation's server state is not. Only `jax.Array` and numpy leaves reach orbax (`save`
+    turns scalars into numpy), so the registry names those two."""
+    default = ocp.type_handlers.get_type_handler(jax.Array)
+    arrays = ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=False,
+        # (the store of per-array metadata the default handler writes, array_metadatas/)
+        array_metadata_store=getattr(default, "_array_metadata_store", None))
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.get_type_handler(np.ndarray)), (jax.Array, arrays))
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
 def _barrier(multi: bool, name: str) -> None:
