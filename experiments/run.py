@@ -717,8 +717,6 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
             start_processes(args)
         else:
             fedjax_pfl.use_cpu_cores()  # before JAX starts: one XLA device per core (not on GPU)
-        import orbax.checkpoint  # noqa: F401  (imported here, not in the middle of a run)
-
         from fedjax_pfl import core, runner, sinks
         from fedjax_pfl.checkpoint import CheckpointError
         from fedjax_pfl.data.sources import DatasetNotFoundError
