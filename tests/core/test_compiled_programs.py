@@ -4,6 +4,7 @@ state compiled at a low optimisation level with the same bits; concurrent compil
 results of compiling on first call."""
 
 import importlib.metadata
+import os
 import re
 
 import jax
@@ -167,3 +168,29 @@ def test_the_round_carries_one_copy_of_the_loop_unless_staging_pays():
     equal = _loops_in_round(make_data([4, 4, 4, 4, 4, 5]))
     skewed = _loops_in_round(make_data([2, 2, 2, 2, 2, 60]))
     assert skewed > equal
+
+
+def test_a_run_compiles_its_programs_once_and_its_checkpoints_none(tmp_path):
+    """A whole run as the command line makes it (PGFedMo, checkpoints every round, the
+    persistent cache off): the round, the two evaluation parts and the initial state, once each;
+    of JAX's own small programs (the root key, its fold-ins, the data's padding) at most 8, and
+    none at all from the rounds, the evaluations and the checkpoints."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+    import run as cli
+
+    from fedjax_pfl import runner
+
+    cfg = cli.config_from_args(cli.parse([
+        "--algo", "pgfedmo", "--rounds", "3", "--clients", "6", "--participation", "0.5",
+        "--quiet", "--out", str(tmp_path), "--no-compile-cache", "--checkpoint-every", "1"]))
+    with compiles.record() as log:
+        summary = runner.run(cfg)
+    assert _ours(log) == ["jit(evaluate_rest)", "jit(evaluate_rows_ids)", "jit(init_state)",
+                          "jit(rounds)"]
+    others = [n for n in log.names if n not in _ours(log)]
+    assert len(others) <= 8, others
+    assert summary["compile"]["programs"] == len(log.programs)
+    assert sorted(os.listdir(tmp_path / "checkpoints"))[-1] == "round_000003"
