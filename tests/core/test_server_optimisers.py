@@ -328,3 +328,22 @@ def test_a_sweep_over_the_server_learning_rate_equals_separate_runs():
                                        err_msg=f"{spec.label} {key}")
     losses = {s.label: round(r["last"]["loss"], 6) for s, r in zip(runs, summaries)}
     assert len(set(losses.values())) == len(runs)           # the learning rate reached the runs
+
+
+def test_a_run_saved_before_the_server_optimisers_resumes_at_their_defaults():
+    """A config.json without the server_opt* hyperparameters (written before they existed)
+    was made with their defaults: it resumes with them, and conflicts with any other value."""
+    from fedjax_pfl import runner
+    from fedjax_pfl.runner import config as config_lib
+
+    cfg = runner.RunConfig.from_options(algo="fedavg", out="/tmp/unused", rounds=3)
+    hparams = cfg.validate()
+    saved = config_lib.config_record(cfg, hparams, "mlp", {})
+    saved["hparams"] = {k: v for k, v in hparams.items() if not k.startswith("server_opt")}
+    assert config_lib.resume_conflicts(cfg, hparams, "mlp", saved) is None
+    adam = runner.RunConfig.from_options(algo="fedavg", out="/tmp/unused", rounds=3,
+                                         server_opt="adam")
+    from fedjax_pfl.errors import render
+
+    found = config_lib.resume_conflicts(adam, adam.validate(), "mlp", saved)
+    assert found is not None and "server_opt None, not 'adam'" in render(found)
