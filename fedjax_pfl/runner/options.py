@@ -314,6 +314,9 @@ def _hyperparameters(algo: str, hparams: Mapping[str, Any] | None,
     for name in given:
         if name in mine:
             continue
+        if name == "server_lr":          # (SCAFFOLD's own η_g; --server-lr is server_opt_lr)
+            raise OptionError(f"{arg(name, 'hparams')} is SCAFFOLD's η_g; the server "
+                              f"optimiser's learning rate is {arg('server_opt_lr', 'hparams')}")
         if any(name in {hp.name for hp, _ in algorithms.spec(a).all_hparams()}
                for a in algorithms.names()):
             raise OptionError(f"{arg(name, 'hparams')} does not apply to {arg('algo')} {algo}")

@@ -261,6 +261,16 @@ def test_an_algorithm_without_a_server_pseudo_gradient_refuses_in_one_line(algo,
                 flags[1] if flags[0] == "--server-opt" else 0.5})
 
 
+def test_scaffolds_server_lr_is_not_the_server_optimisers():
+    """`server_lr` is SCAFFOLD's own η_g (--scaffold-server-lr); elsewhere the name points to
+    server_opt_lr (--server-lr), the server optimiser's learning rate."""
+    from fedjax_pfl import runner
+
+    assert runner.RunConfig.from_options(algo="scaffold", server_lr=0.5).hparams == {"server_lr": 0.5}
+    with pytest.raises(OptionError, match="^server_lr is SCAFFOLD's η_g; .* is server_opt_lr$"):
+        runner.RunConfig.from_options(algo="fedavg", server_lr=0.5)
+
+
 @pytest.mark.parametrize("given,refused", [
     ({"server_opt_momentum": 0.5}, "server_opt_momentum"),                   # sgd has none
     ({"server_opt": "adagrad", "server_opt_b2": 0.9}, "server_opt_b2"),      # Adagrad has no β2
