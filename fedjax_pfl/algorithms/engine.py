@@ -40,7 +40,7 @@ from fedjax_pfl.core.evaluate import ClientEval, Evaluator
 from fedjax_pfl.core.local import LocalResult, LocalTrainer
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
-from fedjax_pfl.ops import dp
+from fedjax_pfl.ops import dp, server_opt
 
 Params = Any
 
@@ -74,6 +74,14 @@ class EngineConfig:
     dp_clip_lr: float = 0.2       # η: the adaptive clip's geometric step
     dp_count_noise: float | None = None  # σ_b: noise on the count of unclipped updates (None: D/20)
     sampling: str = "fixed"       # 'fixed': M of N without replacement; 'poisson': each w.p. rate
+    # The server optimiser on the mean update (ops/server_opt.py, docs/server-optimisers.md):
+    server_opt: str = "sgd"       # sgd | momentum | nesterov | adam | yogi | adagrad
+    server_opt_lr: float = 1.0    # η, the server learning rate (sgd at 1: FedAvg's mean itself)
+    server_opt_momentum: float = 0.9  # the momentum of 'momentum' / 'nesterov' (FedAvgM)
+    server_opt_b1: float = 0.9    # β1: the adaptive optimisers' first-moment decay
+    server_opt_b2: float = 0.99   # β2: FedAdam's and FedYogi's second-moment decay
+    server_opt_eps: float = 1e-3  # τ: the adaptivity (v_{−1} = τ², the denominator's √v + τ)
+    server_opt_bias_correction: bool = False  # 'adam' only: optax.adam's bias-corrected reading
 
     @classmethod
     def split(cls, hparams: Mapping[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
@@ -416,22 +424,45 @@ class Engine:
 def server_chain(config: EngineConfig) -> server_lib.ServerChain:
     """The server side of `config`'s rounds (`core.server`): without --dp-clip FedAvg's weighted
     mean; with it DP-FedAvg's clip → noised mean → update, the clip fixed or adapted
-    (--dp-clip-quantile, Andrew et al. 2021)."""
+    (--dp-clip-quantile, Andrew et al. 2021); the update a server optimiser's step where
+    --server-opt / --server-lr set one (`server_update`)."""
     if config.dp_clip_quantile is not None:
         check_adaptive_clip(config)
+    update = server_update(config)
     if config.dp_clip is None:
-        return server_lib.chain(server_lib.weighted_mean(), server_lib.apply_update())
+        return server_lib.chain(server_lib.weighted_mean(), update)
     if config.dp_clip_quantile is None:
         return server_lib.chain(server_lib.clip(config.dp_clip),
-                                server_lib.noised_mean(config.dp_noise_multiplier),
-                                server_lib.apply_update())
+                                server_lib.noised_mean(config.dp_noise_multiplier), update)
     sigma = lambda context: count_noise(config, context.expected)
     return server_lib.chain(
         server_lib.adaptive_clip(config.dp_clip, quantile=config.dp_clip_quantile,
                                  lr=config.dp_clip_lr, count_noise=sigma),
         server_lib.noised_mean(lambda context: dp.update_noise_multiplier(
             config.dp_noise_multiplier, sigma(context))),
-        server_lib.apply_update())
+        update)
+
+
+def plain_server_step(config: EngineConfig) -> bool:
+    """Whether the server's step is FedAvg's own (--server-opt sgd at --server-lr 1, concrete):
+    then the chain has no optimiser link at all, so the mean stays the mean bit for bit
+    (start + 1·(mean − start) is not the mean in floating point)."""
+    lr = config.server_opt_lr
+    return (config.server_opt == "sgd" and not isinstance(lr, jax.core.Tracer)
+            and float(lr) == 1.0)
+
+
+def server_update(config: EngineConfig) -> server_lib.ServerLink:
+    """The chain's last link: `apply_update` for the plain step (`plain_server_step`), else
+    the server optimiser of --server-opt (`ops.server_opt.server_transform`, Reddi et al. 2021
+    Algorithm 2) on the mean update."""
+    if plain_server_step(config):
+        return server_lib.apply_update()
+    require_choices(server_opt=(config.server_opt, server_opt.SERVER_OPTIMISERS))
+    return server_lib.server_optimizer(server_opt.server_transform(
+        config.server_opt, lr=config.server_opt_lr, momentum=config.server_opt_momentum,
+        b1=config.server_opt_b1, b2=config.server_opt_b2, eps=config.server_opt_eps,
+        bias_correction=bool(config.server_opt_bias_correction)))
 
 
 def count_noise(config: EngineConfig, expected):

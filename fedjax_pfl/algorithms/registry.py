@@ -23,6 +23,7 @@ from fedjax_pfl.core.rows import PlacedRows
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.models.model import Model
+from fedjax_pfl.ops.server_opt import SERVER_OPTIMISERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +154,33 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
            "K slots, K exceeded with probability ≤ 1e-12, unused slots empty). 'poisson' needs "
            "--dp-clip ('inf' for no clipping): only the private server step masks the empty slots",
            choices=("fixed", "poisson")),
+    # The server optimiser (ops/server_opt.py; docs/server-optimisers.md): only the algorithms
+    # whose server step is an averaged pseudo-gradient take them (SERVER_OPTIMISED).
+    HParam("server_opt", str, "sgd",
+           "the server's optimiser on the round's mean update Δ (Reddi et al., ICLR 2021, "
+           "Algorithm 2): 'sgd' x ← x + η·Δ (FedAvg at --server-lr 1), 'momentum' / 'nesterov' "
+           "(FedAvgM), 'adam', 'yogi', 'adagrad' (FedAdam, FedYogi, FedAdagrad: no bias "
+           "correction, v starts at τ²); with --dp-clip on the noised mean update",
+           choices=SERVER_OPTIMISERS, flag="--server-opt"),
+    HParam("server_opt_lr", float, 1.0, "η: the server learning rate of --server-opt",
+           check=POSITIVE, flag="--server-lr"),
+    HParam("server_opt_momentum", float, 0.9,
+           "the server momentum of --server-opt momentum / nesterov (0: plain SGD)",
+           check=UNIT_CLOSED_OPEN, flag="--server-momentum"),
+    HParam("server_opt_b1", float, 0.9,
+           "β1: the first-moment decay of --server-opt adam / yogi / adagrad (0: none; "
+           "google-research/federated's FedAdagrad has none)",
+           check=UNIT_CLOSED_OPEN, flag="--server-b1"),
+    HParam("server_opt_b2", float, 0.99,
+           "β2: the second-moment decay of --server-opt adam / yogi",
+           check=UNIT_CLOSED_OPEN, flag="--server-b2"),
+    HParam("server_opt_eps", float, 1e-3,
+           "τ: the adaptivity of --server-opt adam / yogi / adagrad (√v + τ in the denominator, "
+           "v starting at τ²; with --server-bias-correction optax's eps, v starting at 0)",
+           check=POSITIVE, flag="--server-eps"),
+    HParam("server_opt_bias_correction", bool, False,
+           "--server-opt adam as optax.adam: moments divided by 1 − β^t, v starting at 0 "
+           "(the paper's Algorithm 2 corrects no bias)", flag="--server-bias-correction"),
 )
 
 
@@ -214,6 +242,7 @@ class AlgorithmSpec:
             why = f" ({self.not_private})" if self.not_private else ""
             raise ValueError(f"{self.name} does not privatise its uplink (--dp-clip){why}; "
                              f"client-level DP is built for: {', '.join(supported)}")
+        check_server_optimiser(self.name, config)
         if config.sampling == "poisson" and config.dp_clip is None:
             raise ValueError("--sampling poisson needs --dp-clip (use --dp-clip inf for no "
                              "clipping): a round's empty slots are masked out by the private "
@@ -229,11 +258,72 @@ _REGISTRY: dict[str, AlgorithmSpec] = {}
 DP_TRACEABLE = ("dp_clip", "dp_noise_multiplier")
 
 
+# The algorithms whose server step is an averaged pseudo-gradient: the new server value is the
+# server chain's mean of uploads that started from it (the global model, a shared part, FedRoD's
+# (θ, ψ), TDPFed's factors), so a server optimiser (--server-opt) can step along mean − start
+# (docs/server-optimisers.md). Algorithms that post-process the mean take the optimiser's
+# value in its place: pFedMe's β-mixing scales its step by β, FedDyn's h and θ are computed
+# from it, TDPFed's β-mixing (and ACT's refit) follow it.
+SERVER_OPTIMISED = frozenset({
+    "apfl", "ditto", "fedala", "fedavg", "fedavg_ft", "fedavg_sar", "fedbabu", "feddyn", "fedper",
+    "fedprox", "fedprox_ft", "fedrep", "fedrod", "lg_fedavg", "moon", "perfedavg", "pfedme",
+    "pgfed", "pgfed_ce", "pgfedmo", "tdpfed",
+})
+# Why an algorithm that aggregates still takes no server optimiser (said when it is refused).
+NO_SERVER_OPTIMISER = {
+    "scaffold": "its server step x ← x + η_g·mean Δy is its own --scaffold-server-lr, and its "
+                "upload also carries the control variates' Δc, which a server optimiser must "
+                "not transform",
+    "pfedsop": "it keeps no server model: the mean update is sent back as the direction of "
+               "each client's own second-order step",
+}
+# The server optimiser's hyperparameters reach the program only as arithmetic on the mean
+# update (ops/server_opt.py): the algorithms that take one can sweep them.
+SERVER_OPT_TRACEABLE = ("server_opt_lr", "server_opt_momentum", "server_opt_b1", "server_opt_b2",
+                        "server_opt_eps")
+# The server optimiser's settings, with the --server-opt values each applies to (None: all).
+SERVER_OPT_SETTINGS = {"server_opt": None, "server_opt_lr": None,
+                       "server_opt_momentum": ("momentum", "nesterov"),
+                       "server_opt_b1": ("adam", "yogi", "adagrad"),
+                       "server_opt_b2": ("adam", "yogi"),
+                       "server_opt_eps": ("adam", "yogi", "adagrad"),
+                       "server_opt_bias_correction": ("adam",)}
+
+
+def server_optimiser_refusal(name: str) -> str | None:
+    """Why algorithm `name` takes no server optimiser (one clause), or None where it takes one."""
+    if name in SERVER_OPTIMISED:
+        return None
+    return NO_SERVER_OPTIMISER.get(
+        name, "its server step is not an averaged pseudo-gradient: no server model of its is "
+              "the mean of its clients' uploads")
+
+
+def check_server_optimiser(name: str, config: EngineConfig) -> None:
+    """ValueError naming the flag where algorithm `name` is given a server optimiser it does
+    not take, or --server-bias-correction without --server-opt adam (a traced learning rate
+    counts as given: only a sweep traces it)."""
+    lr = config.server_opt_lr
+    given = config.server_opt != "sgd" or isinstance(lr, jax.core.Tracer) or float(lr) != 1.0
+    why = server_optimiser_refusal(name)
+    if given and why is not None:
+        supported = ", ".join(sorted(n for n in _REGISTRY if n in SERVER_OPTIMISED))
+        raise OptionError(f"{name} takes no server optimiser ({arg('server_opt', 'hparams')} / "
+                          f"{arg('server_opt_lr', 'hparams')}): {why}; built for: {supported}")
+    if config.server_opt_bias_correction and config.server_opt != "adam":
+        raise OptionError(f"{arg('server_opt_bias_correction', 'hparams')} applies to "
+                          f"{arg('server_opt', 'hparams')} adam only, not "
+                          f"{arg('server_opt', 'hparams')} {config.server_opt}")
+
+
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:
     if spec.name in _REGISTRY:
         raise ValueError(f"algorithm {spec.name!r} is registered twice")
     if spec.private_uplink is not None:
         spec = dataclasses.replace(spec, traceable=tuple(dict.fromkeys(spec.traceable + DP_TRACEABLE)))
+    if spec.name in SERVER_OPTIMISED:
+        spec = dataclasses.replace(spec, traceable=tuple(dict.fromkeys(
+            spec.traceable + SERVER_OPT_TRACEABLE)))
     _REGISTRY[spec.name] = spec
     return spec
 

@@ -8,11 +8,15 @@ with its own state, and the engine assembles the chain from the configuration. T
     noised_mean(z, D)             (Σ clipped updates + N(0, z²C²)) / D               (privacy)
     weighted_mean()               Σ_i (w_i / Σ w) θ_i, the plain mean of the uploads
     apply_update()                the server's new value: start + the mean update, or the mean
+    server_optimizer(tx)          the server's new value: start + tx(−Δ), Δ the mean update
+                                  (FedAvgM, FedAdam, FedYogi, FedAdagrad; `ops.server_opt`)
 
 so a round is, with privacy, clip → noise → reduce → update (DP-FedAvg, McMahan et al. 2018,
 Algorithm 1 with the fixed denominator), and without it, reduce → update (FedAvg's weighted
-mean). New capabilities are new links (a server optimiser after the reduction, a robust
-reduction in its place, compression before it); no algorithm module changes.
+mean), and with a server optimiser (--server-opt) reduce → optimiser, or clip → noise →
+optimiser (Reddi et al. 2021, Algorithm 2, on the noised mean update). New capabilities are
+new links (a robust reduction in place of the mean, compression before it); no algorithm
+module changes.
 
 What travels down the chain is an `Uploads` value, built and consumed inside one trace (it is
 not a pytree and never crosses a jit boundary): the server's `start`, the clients' values
@@ -34,6 +38,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from fedjax_pfl.core.clients import mean_over_clients
 from fedjax_pfl.ops import dp
@@ -248,3 +253,28 @@ def apply_update() -> ServerLink:
         return uploads.replace(model=jax.tree.map(jnp.add, uploads.start, uploads.update)), {}
 
     return _stateless("apply_update", update)
+
+
+def server_optimizer(tx: optax.GradientTransformation, name: str = "server_opt") -> ServerLink:
+    """The server's new value as a step of the optax optimiser `tx` along the round's
+    pseudo-gradient: x_{t+1} = x_t + tx(−Δ_t), Δ_t the reduction's mean update (or its mean
+    model − start), so that optax.sgd(η) is Reddi et al.'s x_t + η Δ_t (Algorithm 2; optax
+    minimises, the update direction is +Δ). In place of `apply_update`; under privacy it steps
+    along the noised mean update (post-processing). Its state (`tx.init(start)`: momentum, the
+    adaptive moments) is kept under `name` in the chain's state."""
+    def init(start):
+        return tx.init(start)
+
+    def update(uploads: Uploads, state, context: Context):
+        if uploads.update is not None:
+            delta = uploads.update
+        elif uploads.model is not None:
+            delta = jax.tree.map(jnp.subtract, uploads.model, uploads.start)
+        else:
+            raise ValueError("server_optimizer needs a reduction before it")
+        grads = jax.tree.map(jnp.negative, delta)
+        step, state = tx.update(grads, state, uploads.start)
+        model = jax.tree.map(lambda x, u: (x + u).astype(x.dtype), uploads.start, step)
+        return uploads.replace(model=model), state, {}
+
+    return ServerLink(init, update, name)

@@ -312,12 +312,21 @@ def config_conflict(cfg: RunConfig, hparams: dict, model_name: str, saved: dict,
                     continue
                 if (key, sub) in derived:
                     continue
+                if key == "hparams" and sub not in b and _at_default(cfg.algo, sub, a.get(sub)):
+                    continue
                 if a.get(sub) != b.get(sub) and not (key == "hparams" and
                                                      _same_number(a.get(sub), b.get(sub))):
                     return f"{_setting(key, sub)} {b.get(sub)!r}, not {a.get(sub)!r}"
         elif a != b and not _same_number(a, b):
             return f"{arg(key)} {b!r}, not {a!r}"
     return None
+
+
+def _at_default(algo: str, name: str, value: Any) -> bool:
+    """Whether hyperparameter `name` of `algo` is at its default: a saved record without it (a
+    run made before it existed, e.g. before --server-opt) was made with that default."""
+    defaults = {hp.name: hp.default for hp, _ in algorithms.spec(algo).all_hparams()}
+    return name in defaults and value == defaults[name]
 
 
 def record_differences(a: dict, b: dict, *, may_change: tuple[str, ...] = RESUMABLE_CHANGES

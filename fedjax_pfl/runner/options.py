@@ -28,7 +28,8 @@ notebook gets what the command line gets:
 * An option or hyperparameter given that the run does not use is refused, by one declaration of
   which apply when (`applies_table`): a partition's setting under another scheme, a dataset's
   or a model's under another, a privacy setting without `dp_clip`, `local_epochs` where
-  `local_steps` sets the local work. Where the data live (`data_dir`, `tfds_dir`, `download`)
+  `local_steps` sets the local work, a server optimiser's setting for an algorithm that takes
+  none or under another `server_opt`. Where the data live (`data_dir`, `tfds_dir`, `download`)
   is harmless: left at its default with an `errors.OptionWarning`, as is a preset's setting
   the run does not use (`preset=`), so config.json never records what no part of the run used.
 
@@ -169,7 +170,26 @@ def _local_epochs() -> Applies:
     return Applies(lambda s: s.hparams.get("local_steps") is None, why)
 
 
+def _server_optimiser(kinds: Collection[str] | None) -> Applies:
+    """A server optimiser's setting: for the algorithms that take one
+    (`registry.SERVER_OPTIMISED`), with the --server-opt values in `kinds` (None: all)."""
+    from fedjax_pfl.algorithms import registry
+
+    def when(s: Setting) -> bool:
+        return registry.server_optimiser_refusal(s.algo) is None and (
+            kinds is None or s.hparams.get("server_opt") in kinds)
+
+    def why(s: Setting) -> str:
+        refusal = registry.server_optimiser_refusal(s.algo)
+        if refusal is not None:
+            return f"does not apply: {arg('algo')} {s.algo} takes no server optimiser ({refusal})"
+        return (f"applies to {arg('server_opt', 'hparams')} {' / '.join(kinds or ())} only, not "
+                f"{arg('server_opt', 'hparams')} {s.hparams.get('server_opt')}")
+    return Applies(when, why)
+
+
 def _applies_table() -> dict[tuple[str, str], Applies]:
+    from fedjax_pfl.algorithms.registry import SERVER_OPT_SETTINGS
     from fedjax_pfl.models import sequence
 
     natural = _natural_only()
@@ -210,6 +230,9 @@ def _applies_table() -> dict[tuple[str, str], Applies]:
         ("dp_count_noise", "hparams"): _with_hparam("dp_clip_quantile", "adaptive clipping"),
         # the local work (algorithms/engine.py: local_steps replaces local_epochs)
         ("local_epochs", "hparams"): _local_epochs(),
+        # the server optimiser (algorithms/engine.py's server chain, ops/server_opt.py)
+        **{(name, "hparams"): _server_optimiser(kinds)
+           for name, kinds in SERVER_OPT_SETTINGS.items()},
     }
 
 
@@ -291,6 +314,9 @@ def _hyperparameters(algo: str, hparams: Mapping[str, Any] | None,
     for name in given:
         if name in mine:
             continue
+        if name == "server_lr":          # (SCAFFOLD's own η_g; --server-lr is server_opt_lr)
+            raise OptionError(f"{arg(name, 'hparams')} is SCAFFOLD's η_g; the server "
+                              f"optimiser's learning rate is {arg('server_opt_lr', 'hparams')}")
         if any(name in {hp.name for hp, _ in algorithms.spec(a).all_hparams()}
                for a in algorithms.names()):
             raise OptionError(f"{arg(name, 'hparams')} does not apply to {arg('algo')} {algo}")
