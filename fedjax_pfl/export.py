@@ -140,7 +140,7 @@ def _fedrod(state) -> Parts:
 
 
 def _tdpfed(state) -> Parts:
-    from fedjax_pfl.ops import cp
+    from fedjax_pfl.models import cp
 
     return Parts(cp.reconstruct(state.factors), state.theta, "personal")
 
