@@ -411,7 +411,7 @@ def _into_tree(path: str, tensors: dict[str, np.ndarray], template: Params, name
     unknown = sorted(wanted - set(tensor_names(template)))
     if unknown:
         raise ExportError(f"{path}: tensor(s) {unknown[:4]} are no parameter of the model")
-    leaves = []
+    leaves: list[Any] = []
     for p, leaf in flat:
         name = jax.tree_util.keystr(p, simple=True, separator="/")
         if name not in wanted:
