@@ -213,3 +213,20 @@ def test_run_py_export_without_out_is_refused_in_one_line(capsys, monkeypatch):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err == "run.py: error: --export writes OUT/final/: it needs --out DIR\n", err
+
+
+@pytest.mark.slow
+def test_a_finished_run_resumed_with_export_writes_its_final_models(tmp_path):
+    """The documented way to export a run that did not (a multi-process one): resume its last
+    checkpoint with export on; the rounds are done, so nothing trains, and the export's
+    accuracy is the run's."""
+    cfg = runner.RunConfig.from_options(algo="fedavg", dataset="digits", clients=CLIENTS,
+                                        rounds=2, out=str(tmp_path / "run"), quiet=True)
+    summary = runner.run(cfg, log=lambda *_: None)
+    assert not os.path.exists(f"{cfg.out}/final")
+    again = runner.resume_config(cfg.out)
+    again.export = True                    # (a resume may turn it on: RESUMABLE_CHANGES)
+    runner.run(again, log=lambda *_: None)
+    data, _ = runner.load_data(cfg)
+    model, global_params, _ = export.load(f"{cfg.out}/final")
+    assert _accuracies(model, data, lambda i: global_params).mean() == summary["last"]["acc_mean"]
