@@ -14,7 +14,7 @@ file opens in any safetensors reader (PyTorch, NumPy, Rust) and `load` puts each
 its place of the model's tree.
 
 What is "the server model" and what "the personal models" is declared per algorithm family
-(`RULES`, one line per algorithm; `docs/outputs.md` lists them), by the model each algorithm's
+(`RULES`, one line per algorithm; docs/exports.md lists them), by the model each algorithm's
 own `evaluate` scores as "client" (the headline accuracy) and as "global":
 
   server        the global model is every client's model (FedAvg, FedProx, SCAFFOLD, FedDyn,
