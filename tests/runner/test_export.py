@@ -230,3 +230,10 @@ def test_a_finished_run_resumed_with_export_writes_its_final_models(tmp_path):
     data, _ = runner.load_data(cfg)
     model, global_params, _ = export.load(f"{cfg.out}/final")
     assert _accuracies(model, data, lambda i: global_params).mean() == summary["last"]["acc_mean"]
+
+
+def test_a_multi_process_run_refuses_export_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(OptionError, match="multi-process run") as e:
+        runner.RunConfig(export=True, out=str(tmp_path)).validate()
+    assert "\n" not in str(e.value)
