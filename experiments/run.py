@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default=None,
                    help="output directory (default runs/ALGO_DATASET_TIME); one that holds files is "
                         "refused unless --overwrite or --resume")
+    g.add_argument("--export", action="store_true",
+                   help="after the last round write the final server model and the personal "
+                        "models to OUT/final/ (global.safetensors, personal.safetensors, "
+                        "model.json; fedjax_pfl.export.load reads them back); needs --out")
     g.add_argument("--overwrite", action="store_true",
                    help="replace the run files already in --out (a new run never mixes its files "
                         "with stale ones)")
@@ -305,7 +309,7 @@ def _add_hparam(group, hp, flag: str, seen: set[str], defaults_by_flag: dict[str
 # The dests of run.py's own flags, not options of RunConfig.from_options: a multi-process run's
 # layout, the seeds of a vmapped group, presets, what may happen to --out, the compile cache.
 CLI_ONLY = ("preset", "seeds", "coordinator", "distributed", "num_processes", "process_id",
-            "coordinator_timeout", "peer_timeout", "overwrite", "no_compile_cache")
+            "coordinator_timeout", "peer_timeout", "overwrite", "no_compile_cache", "export")
 
 
 def config_from_args(args: argparse.Namespace, prog: str = "run.py", *,
@@ -406,6 +410,11 @@ def _checked_hparams(args: argparse.Namespace, values: dict[str, Any], *, preset
     check_processes(args)
     if args.seeds is not None:
         sweep.check_seeds(args.seeds, target_acc=values.get("target_acc"))
+    if getattr(args, "export", False):        # (run.py's own: RunConfig.export)
+        if args.out is None and args.resume in (None, ""):
+            raise ValueError("--export writes OUT/final/: it needs --out DIR")
+        if args.seeds and len(args.seeds) > 1:
+            raise ValueError("--export applies to one run, not to --seeds runs")
     mine = {flag: hp for hp, flag in algorithms.spec(values["algo"]).all_hparams()}
     hparams = {}
     # A preset's algorithm settings apply where the algorithm has them (a preset shared by
@@ -728,9 +737,11 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
                 if args.resume is not None:
                     cfg = _resume_config(args, runner)
                     cfg.compile_cache = not args.no_compile_cache    # (this invocation's)
+                    cfg.export = args.export
                 else:
                     cfg = config_from_args(args)
                     args.algo = cfg.algo
+                    cfg.export = args.export
                     cfg.validate()
                     runner.check_out(cfg.out, overwrite=args.overwrite)
                 # The cache as `prepare` sets it, already for the data's own programs.

@@ -26,7 +26,7 @@ DEFAULT_CHECKPOINT_EVERY = 10
 # compile_cache: a cached executable is the one the compile would give (the same bits).
 RESUMABLE_CHANGES = ("rounds", "out", "progress", "memory_check", "checkpoint_every", "resume",
                      "overwrite", "target_acc", "model_conv", "log", "checkpoint_on_signal",
-                     "data_placement", "state_placement", "compile_cache")
+                     "data_placement", "state_placement", "compile_cache", "export")
 # Models whose strided stages collapse small images (8×8 digits) to 1×1: they train at chance.
 MIN_IMAGE_SIDE = {"resnet9": 16, "resnet18": 16}
 
@@ -73,6 +73,9 @@ class RunConfig:
     # none with $FEDJAX_PFL_COMPILE_CACHE=off); a directory; False, none (--no-compile-cache).
     # Set by `prepare` before anything compiles; a directory it cannot use safely: one warning.
     compile_cache: bool | str = True
+    # Write the final server and personal models to OUT/final/ as safetensors files with a
+    # model.json (`fedjax_pfl.export`; --export). Needs `out`; a multi-process run refuses it.
+    export: bool = False
 
     @classmethod
     def from_options(cls, *, hparams: dict[str, Any] | None = None, **options: Any) -> "RunConfig":
@@ -180,6 +183,9 @@ class RunConfig:
         from fedjax_pfl.compile_cache import check_setting
 
         check_setting(self.compile_cache)
+        from fedjax_pfl.export import check_run
+
+        check_run(self.export, self.out)
         if self.checkpoint_on_signal is not None:
             from fedjax_pfl.interrupts import parse_signal
 
@@ -267,7 +273,7 @@ def config_record(cfg: RunConfig, hparams: dict, model_name: str, data_info: dic
 # change what the run reports, so they must match.
 REUSABLE_CHANGES = ("out", "progress", "memory_check", "checkpoint_every", "resume", "overwrite",
                     "log", "checkpoint_on_signal", "data_placement", "state_placement",
-                    "compile_cache")
+                    "compile_cache", "export")
 
 _RESUME_TAIL = (f"only {arg('rounds')}, {arg('checkpoint_every')}, {arg('target_acc')}, "
                 f"{arg('model_conv')}, {arg('log')}, {arg('checkpoint_on_signal')}, "

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from fedjax_pfl import algorithms, compile_cache, compiles, core, distributed, models, plots
+from fedjax_pfl import algorithms, compile_cache, compiles, core, distributed, export, models, plots
 from fedjax_pfl.callbacks import Callback, RoundEnd, RunStart
 from fedjax_pfl.data.build import build_federated
 from fedjax_pfl.data.federated import FederatedData, label_counts
@@ -282,6 +282,8 @@ def _run(cfg: RunConfig, data, data_info, log, prepared, callbacks,
                 started.append(cb)
             phase = "rounds"
             state = _rounds(cfg, prep, state, round_keys, prog, own, theirs)
+            if cfg.export and out:       # the final state's models (fedjax_pfl.export)
+                export.export_run(prep, state, out)
             if figure is not None:
                 figure.join()
     except BaseException as e:
