@@ -12,7 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PUBLIC = ["core", "algorithms", "runner", "sweep", "callbacks", "checkpoint", "distributed", "models",
-          "data", "ops", "privacy", "sinks", "errors", "interrupts"]
+          "data", "ops", "privacy", "sinks", "errors", "interrupts", "export", "compiles",
+          "compile_cache"]
 
 
 def test_api_reference_has_a_page_for_every_public_module():
