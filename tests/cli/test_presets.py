@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 import run as cli  # noqa: E402  (experiments/run.py)
 
 ROOT = Path(__file__).resolve().parents[2]
