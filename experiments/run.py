@@ -499,6 +499,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                   f"{type(preset).__name__}")
         preset.pop("_doc", None)
         dests = {a.dest for a in parser._actions}
+        rows = preset.pop("rows", None)
+        if rows is not None:
+            preset.update(preset_row(pre.preset, rows, pre.hp__server_opt or
+                                     preset.get("server_opt") or "sgd"))
         for key, value in preset.items():
             if key in dests:
                 defaults[key] = value
@@ -513,6 +517,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.explicit = _explicit_dests(argv)
     args.argv = argv
     return args
+
+
+def preset_row(name: str, rows: Any, server_opt: str) -> dict[str, Any]:
+    """The settings of a preset's row for `server_opt` (--server-opt's value, else the preset's
+    own, else sgd): a preset shared by several server optimisers (Reddi et al. 2021's FedAvg,
+    FedAvgM, FedAdagrad, FedAdam and FedYogi rows, each with its own client and server learning
+    rates) keeps each row's settings under "rows", keyed by --server-opt. They are preset
+    settings like the others (explicit flags still win); a row the preset does not have is
+    refused in one line naming those it has, since its learning rates were never tuned."""
+    if not isinstance(rows, dict) or not all(isinstance(r, dict) for r in rows.values()):
+        _fail(f"preset {name}: \"rows\" must map each --server-opt to a JSON object of settings")
+    if server_opt not in rows:
+        _fail(f"preset {name} has no row for --server-opt {server_opt}: its rows are "
+              f"{sorted(rows)}")
+    return {k: v for k, v in rows[server_opt].items() if k != "_doc"}
 
 
 def parse_on_top(argv: list[str], base: argparse.Namespace) -> argparse.Namespace:
