@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "among those with at least --min-samples training samples (default all)")
     g.add_argument("--min-samples", type=int, default=D["min_samples"],
                    help="natural-client datasets: leave out clients with fewer training samples")
+    g.add_argument("--max-client-samples", type=int, default=None,
+                   help="natural-client datasets: each client's first K training samples, in "
+                        "the files' order (TFF's max_elements_per_user; default all)")
     g.add_argument("--token-accuracy", default=None, choices=("default", "all", "no_oov"),
                    help="per-token tasks: which real targets accuracy scores: default (the "
                         "reader's: all but end of sentence, as FedJAX), all, or no_oov (neither "

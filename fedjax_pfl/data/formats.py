@@ -129,11 +129,16 @@ def open_reader(name: str, data_dir: str, fmt: str | None = None, **options: Any
 
 
 def to_federated(nc: NaturalClients, selected: np.ndarray | None = None, *,
-                 device: bool = True) -> FederatedData:
+                 device: bool = True, max_train: int | None = None) -> FederatedData:
     """Client blocks of `nc` (all, or the client indices `selected`, in that order) on device
-    (or, `device=False`, in host memory), each client keeping its own train/test split."""
+    (or, `device=False`, in host memory), each client keeping its own train/test split;
+    `max_train`: each client's first K training samples only (in the files' order, as TFF's
+    `max_elements_per_user` takes a client's first elements), its test split whole."""
     task, src = nc.task, nc.source
-    if selected is not None and np.array_equal(selected, np.arange(nc.num_clients)):
+    if max_train is not None:
+        if selected is None:                               # (a per-client cut: per-client slices)
+            selected = np.arange(nc.num_clients)
+    elif selected is not None and np.array_equal(selected, np.arange(nc.num_clients)):
         selected = None                   # every client in order: whole arrays, no per-client slices
     if selected is None and nc.all_x is not None:      # a cache's mapped file: no copy
         x, y = nc.all_x, nc.all_y
@@ -145,10 +150,13 @@ def to_federated(nc: NaturalClients, selected: np.ndarray | None = None, *,
     else:
         selected = np.asarray(selected, np.int64)
         to, eo = nc.train_offsets, nc.test_offsets
-        blocks = lambda a, o: [a[o[i]:o[i + 1]] for i in selected]
-        x = np.concatenate(blocks(nc.train_x, to) + blocks(nc.test_x, eo))
-        y = np.concatenate(blocks(nc.train_y, to) + blocks(nc.test_y, eo))
-        train_counts, test_counts = to[selected + 1] - to[selected], eo[selected + 1] - eo[selected]
+        train_end = to[selected + 1] if max_train is None else np.minimum(
+            to[selected + 1], to[selected] + int(max_train))
+        train = lambda a: [a[to[i]:end] for i, end in zip(selected, train_end)]
+        test = lambda a: [a[eo[i]:eo[i + 1]] for i in selected]
+        x = np.concatenate(train(nc.train_x) + test(nc.test_x))
+        y = np.concatenate(train(nc.train_y) + test(nc.test_y))
+        train_counts, test_counts = train_end - to[selected], eo[selected + 1] - eo[selected]
     if task.inputs == "tokens":
         x = x.astype(np.int32, copy=False)
     return FederatedData.from_blocks(x, y, train_counts, test_counts, num_classes=task.num_classes,
@@ -181,11 +189,12 @@ def with_token_accuracy(nc: NaturalClients, rule: str) -> NaturalClients:
 
 def load_natural(name: str, *, data_dir: str | None, fmt: str | None = None,
                  max_clients: int | None = None, min_samples: int = 0, seed: int = 0,
+                 max_client_samples: int | None = None,
                  cache_dir: str | None = None, token_accuracy: str = "default", log=print,
                  device: bool = True, **options: Any) -> tuple[FederatedData, dict[str, Any]]:
     """Reads (or opens the cache of) dataset `name`, takes the LEAF-style client subset
     (`cache.select`: clients with ≥ `min_samples` training samples, then `max_clients` of them at
-    random with `seed`) and returns it on device with a JSON-ready description. The description's
+    random with `seed`; each client's first `max_client_samples` training samples) and returns it on device with a JSON-ready description. The description's
     "client_ids" (an array, not JSON) are the natural ids of the clients, by row."""
     from fedjax_pfl.data import cache
 
@@ -198,8 +207,10 @@ def load_natural(name: str, *, data_dir: str | None, fmt: str | None = None,
     nc = with_token_accuracy(cache.load(reader, root, log=log), token_accuracy)
     selected = cache.select(nc, max_clients=max_clients, min_samples=min_samples, seed=seed)
     selected = np.asarray(selected, np.int64)
-    data = to_federated(nc, selected, device=device)
+    data = to_federated(nc, selected, device=device, max_train=max_client_samples)
     train = nc.train_counts()[selected]
+    if max_client_samples is not None:
+        train = np.minimum(train, int(max_client_samples))
     test = nc.test_counts()[selected]
     info = {
         "dataset": name,

@@ -230,6 +230,9 @@ def check_natural_options(dataset: str, options: dict, partition: PartitionConfi
         raise OptionError(f"{arg('max_clients', 'data')} must be an integer >= 1, got {k!r}")
     if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
         raise OptionError(f"{arg('min_samples', 'data')} must be an integer >= 0, got {s!r}")
+    c = options.get("max_client_samples")
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1):
+        raise OptionError(f"{arg('max_client_samples', 'data')} must be an integer >= 1, got {c!r}")
     if not options.get("data_dir"):
         raise OptionError(f"{arg('dataset')} {dataset} reads natural-client files: give "
                           f"{arg('data_dir', 'data')} DIR (README, 'Natural federated datasets')")

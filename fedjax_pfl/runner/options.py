@@ -61,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "resume": False, "checkpoint_on_signal": None, "log": "", "quiet": False, "model": None,
     "model_options": None, "model_cr": 2.0, "conv": "auto",
     "dataset": "digits", "data_dir": None, "format": None, "max_clients": None, "min_samples": 0,
+    "max_client_samples": None,
     "token_accuracy": None, "quantise": None, "cache_dir": None, "tfds_dir": None,
     "download": False,
     "emnist_split": "balanced", "synthetic_alpha": 1.0, "synthetic_beta": 1.0,
@@ -69,7 +70,8 @@ DEFAULTS: dict[str, Any] = {
     "shards_per_client": None, "shard_size": None, "clusters": 4, "test_fraction": 0.25,
 }
 # The options that apply to natural-client datasets only.
-NATURAL_ONLY = ("format", "max_clients", "cache_dir", "token_accuracy", "min_samples", "quantise")
+NATURAL_ONLY = ("format", "max_clients", "cache_dir", "token_accuracy", "min_samples", "quantise",
+                "max_client_samples")
 # The datasets read from prepared TFDS copies or their original files (`data.sources`): the ones
 # that take `data_dir`, `tfds_dir` and `download` (digits is embedded, synthetic generated).
 FILE_DATASETS = ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100")
@@ -415,6 +417,7 @@ def run_fields(*, hparams: Mapping[str, Any] | None = None,
     if natural:
         data_options = {"data_dir": o["data_dir"], "fmt": o["format"],
                         "max_clients": o["max_clients"], "min_samples": o["min_samples"],
+                        "max_client_samples": o["max_client_samples"],
                         "cache_dir": o["cache_dir"],
                         "token_accuracy": o["token_accuracy"] or "default",
                         "quantise": o["quantise"] or "round"}

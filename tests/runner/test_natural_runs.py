@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from fedjax_pfl import runner
+
+jax_get = __import__("jax").device_get
 from fedjax_pfl.data.build import PartitionConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,6 +90,33 @@ def test_a_subset_of_clients_with_enough_samples(tmp_path_factory):
     cfg.data_options.update(max_clients=None, min_samples=10_000)
     with pytest.raises(ValueError, match="^min_samples 10000: no client has that many"):
         runner.load_data(cfg)
+
+
+def test_each_client_keeps_its_first_training_samples_up_to_the_cap(tmp_path_factory):
+    """--max-client-samples K (Reddi et al.'s Stack Overflow: at most 1,000 a client, TFF's
+    `max_elements_per_user`): each client's first K training samples in the files' order, read
+    back here from the LEAF JSON the test wrote; its test split whole."""
+    root, ids = _files(tmp_path_factory, "femnist")
+    cfg = _config("femnist", root, "fedavg", rounds=1)
+    cfg.data_options.update(max_client_samples=5)
+    data, info = runner.load_data(cfg)
+    by_user = {}
+    for split in ("train", "test"):
+        for f in sorted((root / split).glob("*.json")):
+            for u, d in json.loads(f.read_text())["user_data"].items():
+                by_user.setdefault(u, {})[split] = d["y"]
+    clients = jax_get(data.clients)
+    y = np.asarray(data.y)
+    for k, u in enumerate(info["client_ids"]):
+        start, count = int(clients.train_start[k]), int(clients.train_count[k])
+        assert count == 5 and y[start:start + 5].tolist() == by_user[u]["train"][:5]
+        assert int(clients.test_count[k]) == len(by_user[u]["test"])
+        t = int(clients.test_start[k])
+        assert y[t:t + len(by_user[u]["test"])].tolist() == by_user[u]["test"]
+    assert info["train_size"]["max"] == 5
+    cfg.data_options.update(max_client_samples=0)
+    with pytest.raises(ValueError, match="max_client_samples must be an integer >= 1"):
+        cfg.validate()
 
 
 @pytest.mark.slow
