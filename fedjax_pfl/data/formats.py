@@ -194,7 +194,8 @@ def load_natural(name: str, *, data_dir: str | None, fmt: str | None = None,
                  device: bool = True, **options: Any) -> tuple[FederatedData, dict[str, Any]]:
     """Reads (or opens the cache of) dataset `name`, takes the LEAF-style client subset
     (`cache.select`: clients with ≥ `min_samples` training samples, then `max_clients` of them at
-    random with `seed`; each client's first `max_client_samples` training samples) and returns it on device with a JSON-ready description. The description's
+    random with `seed`; each client's first `max_client_samples` training samples) and returns
+    it on device with a JSON-ready description. The description's
     "client_ids" (an array, not JSON) are the natural ids of the clients, by row."""
     from fedjax_pfl.data import cache
 
