@@ -28,12 +28,14 @@ def _data(pad: int = 0):
 
 
 def test_the_held_out_set_is_ceil_frac_n_clients_drawn_from_the_seed():
-    # ⌈0.2·10⌉ = 2, ⌈0.25·10⌉ = 3 (2.5 up), ⌈0.3·10⌉ = 3 (0.3·10 is 3.0000000000000004 in
-    # floating point: a bare ceil would give 4), ⌈0.01·10⌉ = 1, 0 → none.
-    for fraction, want in ((0.2, 2), (0.25, 3), (0.3, 3), (0.01, 1), (0.0, 0), (0.95, 10)):
-        ids = engine.unseen_ids(fraction, 0, 10)
+    # N = 10: ⌈0.2·10⌉ = 2, ⌈0.25·10⌉ = 3 (2.5 up), ⌈0.01·10⌉ = 1, 0 → none, ⌈0.95·10⌉ = 10;
+    # N = 100: ⌈0.07·100⌉ = 7 (0.07·100 is 7.000000000000001 in floating point: a bare ceil
+    # would give 8).
+    for fraction, n, want in ((0.2, 10, 2), (0.25, 10, 3), (0.01, 10, 1), (0.0, 10, 0),
+                              (0.95, 10, 10), (0.07, 100, 7)):
+        ids = engine.unseen_ids(fraction, 0, n)
         assert ids.size == want, fraction
-        assert np.all(np.diff(ids) > 0) and (ids.size == 0 or (ids.min() >= 0 and ids.max() < 10))
+        assert np.all(np.diff(ids) > 0) and (ids.size == 0 or (ids.min() >= 0 and ids.max() < n))
     a, b = engine.unseen_ids(0.2, 3, 50), engine.unseen_ids(0.2, 3, 50)
     np.testing.assert_array_equal(a, b)                       # the same seed: the same set
     assert not np.array_equal(a, engine.unseen_ids(0.2, 4, 50))   # another seed: another
