@@ -417,6 +417,9 @@ def _checked_hparams(args: argparse.Namespace, values: dict[str, Any], *, preset
     check_processes(args)
     if args.seeds is not None:
         sweep.check_seeds(args.seeds, target_acc=values.get("target_acc"))
+    if args.seeds and len(args.seeds) > 1 and values.get("unseen_clients"):
+        # (the sweep's stacked runs would each need their own held-out set: not built yet)
+        raise ValueError("--unseen-clients applies to one run, not to --seeds runs")
     if getattr(args, "export", False):        # (run.py's own: RunConfig.export)
         if args.out is None and args.resume in (None, ""):
             raise ValueError("--export writes OUT/final/: it needs --out DIR")

@@ -58,6 +58,8 @@ def newcomer_rule(name: str) -> str | None:
     """How algorithm `name` evaluates a client that never trained; None where it refuses
     --unseen-clients (`REFUSED`) or is not declared."""
     return NEWCOMER_RULES.get(name)
+
+
 # The algorithms whose rounds train every client (client_metrics.npz's rounds_trained counts
 # every round for every client).
 TRAINS_EVERY_CLIENT = frozenset(REFUSED)

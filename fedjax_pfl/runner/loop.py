@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from fedjax_pfl import algorithms, compile_cache, compiles, core, distributed, export, models, plots
+from fedjax_pfl.algorithms.engine import num_unseen
 from fedjax_pfl.callbacks import Callback, RoundEnd, RunStart
 from fedjax_pfl.data.build import build_federated
 from fedjax_pfl.data.federated import FederatedData, label_counts
@@ -30,7 +31,6 @@ from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.interrupts import WarningSignal, compute, deferred_signals, parse_signal, signal_name, stop_signals
 from fedjax_pfl.runner import checkpoints, privacy, rundir
 from fedjax_pfl.runner.checkpoints import ResumeError
-from fedjax_pfl.algorithms.engine import num_unseen
 from fedjax_pfl.runner.config import (
     MIN_IMAGE_SIDE,
     RunConfig,
