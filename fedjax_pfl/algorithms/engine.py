@@ -98,6 +98,11 @@ class EngineConfig:
         return config, {k: v for k, v in hparams.items() if k not in names}
 
 
+# EngineConfig's fields that are no hyperparameter (not in COMMON_HPARAMS): settings of the
+# run (`algorithms.get(..., unseen_clients=, unseen_seed=)`, the run's --unseen-clients, --seed).
+RUN_SETTINGS = ("unseen_clients", "unseen_seed")
+
+
 def expected_clients(config: EngineConfig, num_real: int) -> float:
     """The clients expected per round among `num_real`: M = ⌊N·rate⌋, or q·N' under Poisson
     sampling, N' the clients that may train (N less the held-out `unseen_ids`; the private
