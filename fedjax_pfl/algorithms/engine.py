@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedjax_pfl import core
@@ -82,6 +83,11 @@ class EngineConfig:
     server_opt_b2: float = 0.99   # β2: FedAdam's and FedYogi's second-moment decay
     server_opt_eps: float = 1e-3  # τ: the adaptivity (v_{−1} = τ², the denominator's √v + τ)
     server_opt_bias_correction: bool = False  # 'adam' only: optax.adam's bias-corrected reading
+    # Clients that never train (--unseen-clients; no hyperparameter: the run sets them, and
+    # `algorithms.get(..., unseen_clients=, unseen_seed=)`): the fraction held out of every
+    # round's sampling, and the seed that draws the held-out set (`unseen_ids`).
+    unseen_clients: float = 0.0
+    unseen_seed: int = 0
 
     @classmethod
     def split(cls, hparams: Mapping[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
@@ -92,13 +98,75 @@ class EngineConfig:
         return config, {k: v for k, v in hparams.items() if k not in names}
 
 
+# EngineConfig's fields that are no hyperparameter (not in COMMON_HPARAMS): settings of the
+# run (`algorithms.get(..., unseen_clients=, unseen_seed=)`, the run's --unseen-clients, --seed).
+RUN_SETTINGS = ("unseen_clients", "unseen_seed")
+
+
 def expected_clients(config: EngineConfig, num_real: int) -> float:
-    """The clients expected per round among `num_real`: M = ⌊N·rate⌋, or q·N under Poisson
-    sampling (the private mean's fixed denominator D, the share M/N of SCAFFOLD's and FedDyn's
-    server steps, the adaptive clip's D)."""
+    """The clients expected per round among `num_real`: M = ⌊N·rate⌋, or q·N' under Poisson
+    sampling, N' the clients that may train (N less the held-out `unseen_ids`; the private
+    mean's fixed denominator D, the share M/N of SCAFFOLD's and FedDyn's server steps, the
+    adaptive clip's D)."""
     if config.sampling == "poisson":
-        return config.participation * num_real
+        return config.participation * (num_real - num_unseen(config.unseen_clients, num_real))
     return core.num_sampled_clients(num_real, config.participation)
+
+
+# -- clients that never train (--unseen-clients) --------------------------------------------------
+
+# The stream of the run's seed that draws the held-out clients (a numpy Generator seeded with
+# [seed, UNSEEN_STREAM]: no other draw of the run uses it).
+UNSEEN_STREAM = 57
+
+
+def num_unseen(fraction: float, num_real: int) -> int:
+    """U = ⌈FRAC·N⌉ of the N real clients (pFL-Bench's `unseen_clients_rate`; 1e-9 absorbs a
+    decimal fraction's float error: 0.3·10 is 3, not 4)."""
+    if not fraction:
+        return 0
+    return int(math.ceil(float(fraction) * num_real - 1e-9))
+
+
+def unseen_ids(fraction: float, seed: int, num_real: int) -> np.ndarray:
+    """The clients held out of training, ascending int32 [U] (`num_unseen`): a fixed set drawn
+    once from the run's seed, the first U of a permutation of 0 … N−1 (every U-subset equally
+    likely; the same for the same seed and N, whatever the algorithm or the round). Computed on
+    the host: the set is static in every traced round."""
+    u = num_unseen(fraction, num_real)
+    if u == 0:
+        return np.zeros(0, np.int32)
+    rng = np.random.default_rng([int(seed), UNSEEN_STREAM])
+    return np.sort(rng.permutation(num_real)[:u]).astype(np.int32)
+
+
+def unseen_mask(fraction: float, seed: int, num_real: int) -> np.ndarray:
+    """[N] bool: True for the held-out clients (`unseen_ids`); client_metrics.npz's `unseen`."""
+    mask = np.zeros(num_real, bool)
+    mask[unseen_ids(fraction, seed, num_real)] = True
+    return mask
+
+
+def check_unseen(config: EngineConfig, num_real: int, trains: str = "sampled") -> None:
+    """ValueError in one line where --unseen-clients cannot hold clients out: a fraction outside
+    [0, 1), fewer clients left than a round samples (M = ⌊N·rate⌋ of all N, or under Poisson
+    sampling none at all), or an algorithm that trains every client each round."""
+    fraction = config.unseen_clients
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"--unseen-clients must be in [0, 1), got {fraction!r}")
+    u = num_unseen(fraction, num_real)
+    if u == 0:
+        return
+    if trains == "all":
+        raise ValueError("--unseen-clients: this algorithm trains every client each round (its "
+                         "uploads alone are sampled), so no client can be held out of training")
+    left = num_real - u
+    m = (1 if config.sampling == "poisson"
+         else core.num_sampled_clients(num_real, config.participation))
+    if left < m:
+        raise ValueError(f"--unseen-clients {fraction:g} holds out {u} of {num_real} clients, "
+                         f"leaving {left}: fewer than the {m} a round samples (lower "
+                         "--unseen-clients or --participation)")
 
 
 class Round(NamedTuple):
@@ -162,6 +230,10 @@ class Engine:
         self.streams = tuple(streams)
         self.trains = trains
         self.persist_opt_state = config.momentum_buffer == "persist" and config.momentum > 0
+        if not 0.0 <= config.unseen_clients < 1.0:
+            raise ValueError(f"--unseen-clients must be in [0, 1), got {config.unseen_clients!r}")
+        if config.unseen_clients and trains == "all":
+            check_unseen(config, 1, trains)      # (any client count: the refusal is the rule's)
         self.mapper = core.client_mapper(config.backend, config.chunk_size)
         if optimizer is None:
             optimizer = optax.sgd(config.lr, momentum=config.momentum or None)
@@ -184,11 +256,25 @@ class Engine:
         return self.config.sampling == "poisson"
 
     def num_sampled(self, data: FederatedData) -> int:
-        """The round's slots: M = floor(N·rate) of the N real clients; under Poisson sampling
-        its capacity K (`core.poisson_capacity`), of which the unused hold a padding client."""
+        """The round's slots: M = floor(N·rate) of the N real clients (held-out clients or not:
+        a round's size does not depend on --unseen-clients); under Poisson sampling its
+        capacity K (`core.poisson_capacity`) for the N' clients that may train, of which the
+        unused hold a padding client."""
         if self.poisson:
-            return core.poisson_capacity(data.num_real_clients, self.participation)
+            return core.poisson_capacity(len(self.seen_ids(data)), self.participation)
         return core.num_sampled_clients(data.num_real_clients, self.participation)
+
+    def unseen_ids(self, data: FederatedData) -> np.ndarray:
+        """The clients held out of every round (`unseen_ids`, [U] ascending; none by default),
+        checked against the round's size (`check_unseen`)."""
+        check_unseen(self.config, data.num_real_clients, self.trains)
+        return unseen_ids(self.config.unseen_clients, self.config.unseen_seed,
+                          data.num_real_clients)
+
+    def seen_ids(self, data: FederatedData) -> np.ndarray:
+        """[N − U] ascending: the real clients a round may sample (all N without a holdout)."""
+        return np.setdiff1d(np.arange(data.num_real_clients, dtype=np.int32),
+                            self.unseen_ids(data)).astype(np.int32)
 
     def expected_clients(self, data: FederatedData) -> float:
         """`expected_clients` of this engine's configuration."""
@@ -211,14 +297,27 @@ class Engine:
         clients are split over several devices, in the order that gives every device an equal
         share of the local steps (`core.balanced_order`); rows of the round keep that order
         throughout. Under Poisson sampling: K slots, the participants ascending and the unused
-        slots holding the first padding client (`core.sample_poisson`)."""
+        slots holding the first padding client (`core.sample_poisson`).
+
+        Held-out clients (--unseen-clients, `unseen_ids`) are never drawn: the round samples
+        among the N' = N − U others (M of them; under Poisson each with probability rate) and
+        maps the draw through their ascending ids, so the ids stay ascending. Without a
+        holdout the draw is the one it always was, bit for bit."""
+        seen = self.seen_ids(data)
+        held_out = len(seen) < data.num_real_clients
         if self.poisson:
             if data.num_clients <= data.num_real_clients:
                 raise ValueError("Poisson sampling fills a round's unused slots with an empty "
                                  "padding client, and this data has none: pass "
                                  "data.pad_clients(multiple, minimum=1) (core.Program does)")
-            idx = core.sample_poisson(key, data.num_real_clients, self.participation,
-                                      self.num_sampled(data), data.num_real_clients)
+            pad = data.num_real_clients
+            idx = core.sample_poisson(key, len(seen), self.participation,
+                                      self.num_sampled(data), len(seen) if held_out else pad)
+            if held_out:                           # slot k < N' -> seen[k]; empty -> the pad id
+                idx = jnp.where(idx < len(seen), jnp.asarray(seen)[jnp.minimum(idx, len(seen) - 1)],
+                                pad).astype(jnp.int32)
+        elif held_out:
+            idx = jnp.asarray(seen)[core.sample_clients(key, len(seen), self.num_sampled(data))]
         else:
             idx = core.sample_clients(key, data.num_real_clients, self.num_sampled(data))
         devices = 1 if self.mapper.mesh is None else self.mapper.mesh.size

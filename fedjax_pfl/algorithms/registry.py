@@ -338,8 +338,13 @@ def spec(name: str) -> AlgorithmSpec:
     return _REGISTRY[name]
 
 
-def get(name: str, *, model: Model, **hparams: Any) -> Algorithm:
+def get(name: str, *, model: Model, unseen_clients: float = 0.0, unseen_seed: int = 0,
+        **hparams: Any) -> Algorithm:
     """Builds algorithm `name` for `model` with validated hyperparameters (others at defaults).
+
+    `unseen_clients` FRAC, `unseen_seed` S: ⌈FRAC·N⌉ clients drawn once from S never train
+    (`engine.unseen_ids`; the run's --unseen-clients and --seed): no hyperparameter, a setting
+    of the run's engine.
 
     Its functions check their inputs first, in one line each (`OptionError` naming the
     argument): `init(key, data)` that the model fits the data (`check_model_fits`) and that the
@@ -351,7 +356,8 @@ def get(name: str, *, model: Model, **hparams: Any) -> Algorithm:
     structure was accepted before is not checked again."""
     s = spec(name)
     resolved = s.resolve(hparams)
-    algo = s.build(model, resolved)
+    held_out = {"unseen_clients": unseen_clients, "unseen_seed": unseen_seed} if unseen_clients else {}
+    algo = s.build(model, {**resolved, **held_out})
     checks = InputChecks(name, algo.init)
     inner_init, inner_round, inner_evaluate = algo.init, algo.round_fn, algo.evaluate
 

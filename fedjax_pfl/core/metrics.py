@@ -71,6 +71,35 @@ def client_spread(accuracy) -> dict[str, float | int]:
             "acc_max": float(acc.max())}
 
 
+def participation_split(accuracy, unseen) -> dict[str, float | int]:
+    """One evaluation's accuracy split between the clients that may train and those held out
+    (`unseen` [N] bool; NaN accuracies, clients not evaluated or without test data, left out):
+    "acc_mean_seen" and "acc_mean_unseen" (unweighted means over clients, as acc_mean),
+    "participation_gap" = acc_mean_seen − acc_mean_unseen (pFL-Bench's participation
+    generalisation gap, Chen et al. 2022, §3.3: participating minus unseen clients' accuracy;
+    positive where training on a client helps it), and the client counts "clients_seen",
+    "clients_unseen". A side without an accuracy is left out, and the gap with it."""
+    acc = np.asarray(accuracy, np.float64).ravel()
+    unseen = np.asarray(unseen, bool).ravel()
+    out: dict[str, float | int] = {}
+    for name, side in (("seen", acc[~unseen]), ("unseen", acc[unseen])):
+        side = side[~np.isnan(side)]
+        out[f"clients_{name}"] = int(side.size)
+        if side.size:
+            out[f"acc_mean_{name}"] = float(side.mean())
+    if "acc_mean_seen" in out and "acc_mean_unseen" in out:
+        out["participation_gap"] = float(out["acc_mean_seen"]) - float(out["acc_mean_unseen"])
+    return out
+
+
+def rounds_trained(sampled, num_clients: int) -> np.ndarray:
+    """[N] int: in how many of the logged rounds each client was sampled (`sampled` [R, M]
+    ids, −1 for an empty Poisson slot), i.e. trained (client_metrics.npz's `rounds_trained`)."""
+    ids = np.asarray(sampled).ravel()
+    ids = ids[(ids >= 0) & (ids < num_clients)]
+    return np.bincount(ids.astype(np.int64), minlength=num_clients).astype(np.int64)
+
+
 def first_round_reaching(rows, key: str, fraction: float) -> tuple[float, int] | None:
     """(the threshold `fraction` · best, the first round whose `key` reaches it) over metric
     rows ({"round": r, key: value, …}; rows without `key`, or NaN, are skipped); None where no

@@ -49,6 +49,10 @@ class RunConfig:
     seed: int = 0
     eval_every: int = 1
     eval_clients: str = "all"
+    # Clients that never train (pFL-Bench's unseen_clients_rate): ⌈FRAC·N⌉ clients, drawn once
+    # from `seed`, are left out of every round's sampling and evaluated as newcomers
+    # (algorithms/engine.py `unseen_ids`, algorithms/newcomers.py); in [0, 1).
+    unseen_clients: float = 0.0
     rounds_per_call: int = 1
     state_dtype: str = "float32"
     data_placement: str = "auto"          # where client samples wait between rounds (core.data_placement)
@@ -180,6 +184,11 @@ class RunConfig:
             raise OptionError(f"{arg('target_acc')} must be in (0, 1] (a mean client accuracy), "
                               f"got {self.target_acc}")
         parse_eval_clients(self.eval_clients)
+        if (isinstance(self.unseen_clients, bool)
+                or not isinstance(self.unseen_clients, (int, float, np.integer, np.floating))
+                or not 0 <= self.unseen_clients < 1):
+            raise OptionError(f"{arg('unseen_clients')} must be in [0, 1) (a fraction of the "
+                              f"clients), got {self.unseen_clients!r}")
         from fedjax_pfl.compile_cache import check_setting
 
         check_setting(self.compile_cache)
@@ -326,9 +335,23 @@ def config_conflict(cfg: RunConfig, hparams: dict, model_name: str, saved: dict,
                 if a.get(sub) != b.get(sub) and not (key == "hparams" and
                                                      _same_number(a.get(sub), b.get(sub))):
                     return f"{_setting(key, sub)} {b.get(sub)!r}, not {a.get(sub)!r}"
+        elif key not in saved and _at_field_default(key, a):
+            continue           # (a record made before the field existed was made at its default)
         elif a != b and not _same_number(a, b):
             return f"{arg(key)} {b!r}, not {a!r}"
     return None
+
+
+def _at_field_default(key: str, value: Any) -> bool:
+    """Whether RunConfig field `key` (one added after runs were saved: --unseen-clients) is at
+    its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)
+                if f.default is not dataclasses.MISSING}
+    return key in _ADDED_FIELDS and key in defaults and value == defaults[key]
+
+
+# RunConfig fields added after runs were recorded: a saved record without one is at its default.
+_ADDED_FIELDS = ("unseen_clients",)
 
 
 def _at_default(algo: str, name: str, value: Any) -> bool:
@@ -390,3 +413,19 @@ def config_from_record(record: dict) -> RunConfig:
     kwargs["partition"] = PartitionConfig(**record["partition"])
     kwargs["hparams"] = dict(record.get("hparams", {}))
     return RunConfig(**kwargs)
+
+
+def check_unseen_clients(cfg: RunConfig, hparams: dict, num_real: int) -> None:
+    """The --unseen-clients checks that need the clients (OptionError in one line): the
+    held-out ⌈FRAC·N⌉ must leave at least the M = ⌊N·rate⌋ clients a round samples (one
+    under Poisson sampling). `runner.prepare` calls it."""
+    from fedjax_pfl.algorithms import engine
+
+    if not cfg.unseen_clients:
+        return
+    config, _ = engine.EngineConfig.split({**hparams, "unseen_clients": cfg.unseen_clients})
+    try:
+        engine.check_unseen(config, num_real)
+    except ValueError as e:
+        text = str(e).replace("--unseen-clients", arg("unseen_clients"), 1)
+        raise OptionError(text.replace("--participation", arg("participation", "hparams"))) from None

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from fedjax_pfl import algorithms, compile_cache, compiles, core, distributed, export, models, plots
+from fedjax_pfl.algorithms.engine import num_unseen
 from fedjax_pfl.callbacks import Callback, RoundEnd, RunStart
 from fedjax_pfl.data.build import build_federated
 from fedjax_pfl.data.federated import FederatedData, label_counts
@@ -33,6 +34,7 @@ from fedjax_pfl.runner.checkpoints import ResumeError
 from fedjax_pfl.runner.config import (
     MIN_IMAGE_SIDE,
     RunConfig,
+    check_unseen_clients,
     config_record,
     model_name_of,
     parse_eval_clients,
@@ -40,7 +42,16 @@ from fedjax_pfl.runner.config import (
     resume_conflicts,
 )
 from fedjax_pfl.runner.privacy import PrivacyPlan
-from fedjax_pfl.runner.records import Progress, eval_ids, record_call, report, round_row, round_slots, target_round
+from fedjax_pfl.runner.records import (
+    Progress,
+    eval_ids,
+    record_call,
+    report,
+    round_row,
+    round_slots,
+    target_round,
+    unseen_of,
+)
 from fedjax_pfl.runner.writers import MetricsWriter, ProgressBar
 
 
@@ -141,12 +152,16 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
     else:
         algorithms.check_labels(data, "run")      # before the program places the data
     check_with_data(cfg, data)
-    hparams, privacy_plan = privacy.plan(cfg, hparams, data.num_real_clients)
+    check_unseen_clients(cfg, hparams, data.num_real_clients)
+    # Held-out clients are no part of the population a round samples (nor of the accounting's).
+    trainable = data.num_real_clients - num_unseen(cfg.unseen_clients, data.num_real_clients)
+    hparams, privacy_plan = privacy.plan(cfg, hparams, trainable)
     model_name = model_name_of(cfg)
     model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
                        conv=cfg.model_conv, task=data.task,
                        options=cfg.model_options)
-    algo = algorithms.get(cfg.algo, model=model, **hparams)
+    algo = algorithms.get(cfg.algo, model=model, unseen_clients=cfg.unseen_clients,
+                          unseen_seed=cfg.seed, **hparams)
     compression_used = compression(cfg, hparams, model, model_name)
     vectorised = hparams["backend"] not in core.EAGER_BACKENDS
     mesh = core.client_mesh() if vectorised else None
@@ -463,7 +478,8 @@ def _rounds(cfg: RunConfig, prep: Prepared, state, round_keys, prog: Progress,
         events = []
         # Everything of this call is on the host: record it (no signal can split it).
         with deferred_signals():
-            recorded = record_call(prog, rows, evals, ids, eval_time, r, n_real)
+            recorded = record_call(prog, rows, evals, ids, eval_time, r, n_real,
+                                   unseen=unseen_of(prep))
             reached = evals is not None and target_round(cfg, [rows[-1][0]]) is not None
             r += count
             for i, (row, sampled, accuracy) in enumerate(recorded):

@@ -56,6 +56,7 @@ from fedjax_pfl.errors import OptionError, OptionWarning, arg
 DEFAULTS: dict[str, Any] = {
     "algo": "fedavg", "rounds": 50, "seed": 0, "eval_every": 1, "target_acc": None,
     "dp_delta": None, "target_epsilon": None, "dp_accountant": "rdp", "eval_clients": "all",
+    "unseen_clients": 0.0,
     "rounds_per_call": 1, "state_dtype": "float32", "data_placement": "auto",
     "state_placement": "auto", "no_memory_check": False, "out": None, "checkpoint_every": None,
     "resume": False, "checkpoint_on_signal": None, "log": "", "quiet": False, "model": None,
@@ -190,6 +191,16 @@ def _server_optimiser(kinds: Collection[str] | None) -> Applies:
     return Applies(when, why)
 
 
+def _unseen_clients() -> Applies:
+    """--unseen-clients: refused by the algorithms that train every client each round
+    (`algorithms.newcomers.REFUSED`)."""
+    from fedjax_pfl.algorithms.newcomers import REFUSED
+
+    return Applies(lambda s: s.algo not in REFUSED,
+                   lambda s: f"does not apply: {arg('algo')} {s.algo} holds no client out of "
+                             f"training ({REFUSED.get(s.algo)})")
+
+
 def _applies_table() -> dict[tuple[str, str], Applies]:
     from fedjax_pfl.algorithms.registry import SERVER_OPT_SETTINGS
     from fedjax_pfl.models import sequence
@@ -230,6 +241,8 @@ def _applies_table() -> dict[tuple[str, str], Applies]:
         ("dp_clip_quantile", "hparams"): _with_hparam("dp_clip", "the initial clip norm C_0"),
         ("dp_clip_lr", "hparams"): _with_hparam("dp_clip_quantile", "adaptive clipping"),
         ("dp_count_noise", "hparams"): _with_hparam("dp_clip_quantile", "adaptive clipping"),
+        # clients that never train (algorithms/engine.py's sampling, algorithms/newcomers.py)
+        ("unseen_clients", ""): _unseen_clients(),
         # the local work (algorithms/engine.py: local_steps replaces local_epochs)
         ("local_epochs", "hparams"): _local_epochs(),
         # the server optimiser (algorithms/engine.py's server chain, ops/server_opt.py)
@@ -436,7 +449,8 @@ def run_fields(*, hparams: Mapping[str, Any] | None = None,
                 model_options=model_options if o["model_options"] else {},
                 model_cr=o["model_cr"], model_conv=o["conv"], partition=partition,
                 rounds=o["rounds"], seed=o["seed"], eval_every=o["eval_every"],
-                eval_clients=o["eval_clients"], rounds_per_call=o["rounds_per_call"],
+                eval_clients=o["eval_clients"], unseen_clients=o["unseen_clients"],
+                rounds_per_call=o["rounds_per_call"],
                 state_dtype=o["state_dtype"], data_placement=o["data_placement"],
                 state_placement=o["state_placement"],
                 memory_check=not o["no_memory_check"], out=out,

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from fedjax_pfl import compile_cache, compiles, core, plots
-from fedjax_pfl.core.metrics import client_spread, first_round_reaching
+from fedjax_pfl.core.metrics import client_spread, first_round_reaching, participation_split, rounds_trained
 from fedjax_pfl.errors import MarkedError, arg
 from fedjax_pfl.runner import rundir
 
@@ -54,9 +54,22 @@ def target_round(cfg, rows: list[dict]) -> int | None:
     return next((row["round"] for row in rows if row.get("acc_mean", -1.0) >= cfg.target_acc), None)
 
 
-def record_call(prog: Progress, rows, evals, ids, eval_time, r, n_real) -> list:
+def unseen_of(prep) -> np.ndarray | None:
+    """[n_real] bool: the run's held-out clients (--unseen-clients: `engine.unseen_ids` of its
+    fraction and seed), or None where it holds none out."""
+    from fedjax_pfl.algorithms.engine import unseen_mask
+
+    fraction = getattr(prep.cfg, "unseen_clients", 0.0)
+    if not fraction:
+        return None
+    return unseen_mask(fraction, prep.cfg.seed, prep.data.num_real_clients)
+
+
+def record_call(prog: Progress, rows, evals, ids, eval_time, r, n_real,
+                unseen: np.ndarray | None = None) -> list:
     """Adds one call's rounds (and the evaluation after its last round) to `prog`; returns each
-    round's (row, sampled ids, per-client accuracy or None)."""
+    round's (row, sampled ids, per-client accuracy or None). `unseen`: the held-out clients
+    (`unseen_of`), whose accuracy the evaluation's row gives apart (`record_evaluation`)."""
     prog.train_time += sum(row["round_time"] for row, _ in rows)
     recorded = []
     for i, (row, sampled) in enumerate(rows):
@@ -66,7 +79,8 @@ def record_call(prog: Progress, rows, evals, ids, eval_time, r, n_real) -> list:
         accuracy = None
         if i == len(rows) - 1 and evals is not None:
             prog.eval_time += eval_time
-            accuracy = record_evaluation(row, evals, ids, n_real, prog.history, sampled)
+            accuracy = record_evaluation(row, evals, ids, n_real, prog.history, sampled,
+                                         unseen=unseen)
             prog.acc_log.append(accuracy)
             prog.eval_rounds.append(r + i + 1)
         prog.history.append(row)
@@ -117,6 +131,9 @@ def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
     final = final_accuracy(prog)
     if final is not None:
         summary["fairness"] = {"round": final[0], **client_spread(final[1])}
+    unseen = unseen_of(prep)
+    if unseen is not None:
+        summary["unseen"] = unseen_record(cfg, unseen, final)
     summary["cost"] = {**communication_bytes(communication),
                        **round_flops(getattr(prep, "program", None), prog.round)}
     reached = first_round_reaching(rows, CONVERGENCE_METRIC, CONVERGENCE_FRACTION)
@@ -129,9 +146,11 @@ def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
             host = prog.host_arrays(n_real)
             ids = prep.data_info.get("client_ids")
             named = {} if ids is None else {"client_ids": np.asarray(ids, dtype=str)}
+            trained = trained_counts(cfg, host["sampled"], n_real, len(prog.sampled_log))
+            held_out = np.zeros(n_real, bool) if unseen is None else unseen
             rundir.atomic(os.path.join(out, "client_metrics.npz"), lambda f: np.savez_compressed(
                 f, sampled=host["sampled"], eval_rounds=host["eval_rounds"],
-                accuracy=host["accuracy"], **named))
+                accuracy=host["accuracy"], unseen=held_out, rounds_trained=trained, **named))
         if rows:
             plots.plot_learning_curves({cfg.algo: rows}, os.path.join(out, "learning_curve.png"),
                                  title=f"{cfg.algo} on {cfg.dataset}"
@@ -143,6 +162,34 @@ def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
                                              f"after round {final[0]}")
         rundir.write_json(os.path.join(out, "summary.json"), summary)
     return summary
+
+
+def unseen_record(cfg, unseen: np.ndarray, final) -> dict[str, Any]:
+    """summary.json's "unseen": the held-out fraction and clients, how the algorithm evaluates
+    them (`algorithms.newcomers`), and the latest evaluation's split (`participation_split`,
+    with each side's fairness figures, `client_spread`)."""
+    from fedjax_pfl.algorithms.newcomers import newcomer_rule
+
+    record: dict[str, Any] = {"fraction": cfg.unseen_clients, "clients": int(unseen.sum()),
+                              "ids": np.flatnonzero(unseen).tolist(),
+                              "rule": newcomer_rule(cfg.algo)}
+    if final is not None:
+        record["round"] = final[0]
+        record.update(participation_split(final[1], unseen))
+        record["fairness_seen"] = client_spread(final[1][~unseen])
+        record["fairness_unseen"] = client_spread(final[1][unseen])
+    return record
+
+
+def trained_counts(cfg, sampled: np.ndarray, n_real: int, rounds: int) -> np.ndarray:
+    """client_metrics.npz's `rounds_trained` [n_real]: the rounds each client trained, counted
+    from the rounds' sampled ids (`rounds_trained`); every round for every client where the
+    algorithm trains them all (pFedMe, TDPFed: only their uploads are sampled)."""
+    from fedjax_pfl.algorithms.newcomers import TRAINS_EVERY_CLIENT
+
+    if cfg.algo in TRAINS_EVERY_CLIENT:
+        return np.full(n_real, rounds, np.int64)
+    return rounds_trained(sampled, n_real)
 
 
 # The convergence round: the first round whose acc_mean reaches 95 % of its best (pFL-Bench).
@@ -305,9 +352,11 @@ def eval_ids(prep, sampled: np.ndarray, *, final: bool) -> np.ndarray | None:
     return prep.eval_ids
 
 
-def record_evaluation(row: dict, evals: dict, ids, n_real: int, history, sampled) -> np.ndarray:
+def record_evaluation(row: dict, evals: dict, ids, n_real: int, history, sampled,
+                      unseen: np.ndarray | None = None) -> np.ndarray:
     """Adds the evaluation statistics to `row`; returns the per-client accuracy [n_real] (NaN
-    for clients not evaluated this time)."""
+    for clients not evaluated this time). With `unseen` (the held-out clients, [n_real] bool)
+    also acc_mean_seen, acc_mean_unseen and participation_gap (`participation_split`)."""
     check_evaluation(row["round"], evals, ids)
     client = evals["client"]
     correct, count = np.asarray(client.correct), np.asarray(client.count)
@@ -319,6 +368,8 @@ def record_evaluation(row: dict, evals: dict, ids, n_real: int, history, sampled
                               loss_count=client.loss_count))
     row["eval_clients"] = int(np.sum(count > 0))
     row.update(history.record_participants(accuracy, participants(sampled)))
+    if unseen is not None:
+        row.update(participation_split(accuracy, unseen))
     for name, ev in evals.items():
         if name != "client":
             row.update(core.summarize(ev.correct, ev.loss_sum, ev.count, prefix=f"{name}_",

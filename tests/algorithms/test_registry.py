@@ -26,8 +26,11 @@ INFRASTRUCTURE = {"interface", "registry", "engine"}
 
 def test_engine_config_is_the_common_hyperparameters_with_their_defaults():
     # Two declarations of the same settings (the dataclass for code, COMMON_HPARAMS for the
-    # command line and validation): same names, same order, same defaults.
+    # command line and validation): same names, same order, same defaults; besides them only
+    # the run's own settings (RUN_SETTINGS: the held-out clients, no hyperparameter), last.
     fields = dataclasses.fields(engine.EngineConfig)
+    assert [f.name for f in fields[-len(engine.RUN_SETTINGS):]] == list(engine.RUN_SETTINGS)
+    fields = fields[:-len(engine.RUN_SETTINGS)]
     assert [f.name for f in fields] == [hp.name for hp in registry.COMMON_HPARAMS]
     assert [f.default for f in fields] == [hp.default for hp in registry.COMMON_HPARAMS]
     with pytest.raises(dataclasses.FrozenInstanceError):
