@@ -40,6 +40,7 @@ from fedjax_pfl.core import server as server_lib
 from fedjax_pfl.core.evaluate import ClientEval, Evaluator
 from fedjax_pfl.core.local import LocalResult, LocalTrainer
 from fedjax_pfl.data.federated import FederatedData
+from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.models.model import Model
 from fedjax_pfl.ops import dp, server_opt
 
@@ -148,25 +149,27 @@ def unseen_mask(fraction: float, seed: int, num_real: int) -> np.ndarray:
 
 
 def check_unseen(config: EngineConfig, num_real: int, trains: str = "sampled") -> None:
-    """ValueError in one line where --unseen-clients cannot hold clients out: a fraction outside
+    """OptionError (a ValueError) in one line, naming the options (`errors.arg`), where
+    --unseen-clients cannot hold clients out: a fraction outside
     [0, 1), fewer clients left than a round samples (M = ⌊N·rate⌋ of all N, or under Poisson
     sampling none at all), or an algorithm that trains every client each round."""
     fraction = config.unseen_clients
     if not 0.0 <= fraction < 1.0:
-        raise ValueError(f"--unseen-clients must be in [0, 1), got {fraction!r}")
+        raise OptionError(f"{arg('unseen_clients')} must be in [0, 1), got {fraction!r}")
     u = num_unseen(fraction, num_real)
     if u == 0:
         return
     if trains == "all":
-        raise ValueError("--unseen-clients: this algorithm trains every client each round (its "
-                         "uploads alone are sampled), so no client can be held out of training")
+        raise OptionError(f"{arg('unseen_clients')}: this algorithm trains every client each round "
+                          "(its uploads alone are sampled), so no client can be held out of "
+                          "training")
     left = num_real - u
     m = (1 if config.sampling == "poisson"
          else core.num_sampled_clients(num_real, config.participation))
     if left < m:
-        raise ValueError(f"--unseen-clients {fraction:g} holds out {u} of {num_real} clients, "
-                         f"leaving {left}: fewer than the {m} a round samples (lower "
-                         "--unseen-clients or --participation)")
+        raise OptionError(f"{arg('unseen_clients')} {fraction:g} holds out {u} of {num_real} "
+                          f"clients, leaving {left}: fewer than the {m} a round samples (lower "
+                          f"{arg('unseen_clients')} or {arg('participation', 'hparams')})")
 
 
 class Round(NamedTuple):

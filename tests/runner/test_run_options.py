@@ -147,6 +147,9 @@ def test_a_preset_file_is_what_its_settings_are_as_options():
     for path in sorted(cli.CONFIG_DIR.glob("*.json")):
         preset = json.loads(path.read_text())
         preset.pop("_doc")
+        # (a preset's rows, one per server optimiser: its own server_opt's, else sgd's, as run.py)
+        rows = preset.pop("rows", {})
+        preset.update(rows.get(preset.get("server_opt", "sgd"), {}))
         algo = preset.pop("algo", "pgfed")
         spec = algorithms.spec(algo)
         flags = {flag: hp.name for hp, flag in spec.all_hparams()}
@@ -175,8 +178,8 @@ def test_the_rules_per_dataset_without_the_command_line():
     nat = runner.RunConfig.from_options(dataset="shakespeare", data_dir="/d", out="o")
     assert nat.partition.scheme == "natural" and nat.natural
     assert nat.data_options == {"data_dir": "/d", "fmt": None, "max_clients": None,
-                                "min_samples": 0, "cache_dir": None, "token_accuracy": "default",
-                                "quantise": "round"}
+                                "min_samples": 0, "max_client_samples": None, "cache_dir": None,
+                                "token_accuracy": "default", "quantise": "round"}
     assert runner.RunConfig.from_options(dataset="emnist", out="o").data_options[
         "emnist_split"] == "balanced"
     assert runner.RunConfig.from_options(model="char_lstm",
