@@ -185,17 +185,13 @@ def trimmed_mean(updates: Params, beta: float, mask: jax.Array | None = None) ->
 
         trmean_β(Δ)_j = 1/(n − 2k) Σ_{i ∈ U_j} Δ_{i,j}      |U_j| = n − 2k
 
-    β ∈ [0, 1/2); β = 0 is the uniform mean. Unweighted. Ties need no rule (which of equal
-    values is removed does not change the sum). Refuses 2k ≥ n (nothing left)."""
+    β ∈ [0, 1/2) (so 2k < n: something is always left); β = 0 is the uniform mean.
+    Unweighted. Ties need no rule (which of equal values is removed does not change the sum)."""
     if not 0.0 <= beta < 0.5:
         raise ValueError(f"beta must be in [0, 0.5), got {beta!r}")
     m = _slots(updates)
     n = _count(mask, m)
     k = trim_count(beta, n)
-    if isinstance(n, int) and not 2 * k < n:
-        raise ValueError(f"beta {beta} trims 2·{k} of {n} updates: nothing is left")
-    if not isinstance(n, int):
-        k = jnp.minimum(k, jnp.maximum((n - 1) // 2, 0))
     i = jnp.arange(m)
     keep = ((i >= k) & (i < n - k)).astype(jnp.float32) / jnp.maximum(n - 2 * k, 1)
 
