@@ -42,7 +42,7 @@ from fedjax_pfl.core.local import LocalResult, LocalTrainer
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.models.model import Model
-from fedjax_pfl.ops import dp, server_opt
+from fedjax_pfl.ops import dp, robust, server_opt
 
 Params = Any
 
@@ -89,6 +89,15 @@ class EngineConfig:
     # round's sampling, and the seed that draws the held-out set (`unseen_ids`).
     unseen_clients: float = 0.0
     unseen_seed: int = 0
+    # The reduction (ops/robust.py, docs/robust-aggregation.md): 'mean' is the weighted mean.
+    aggregator: str = "mean"      # mean | median | trimmed_mean | krum | multi_krum | bulyan | ...
+    aggregator_beta: float = 0.1  # β: trimmed_mean's fraction trimmed from each end
+    aggregator_f: int | None = None  # f: Krum's / Bulyan's Byzantine clients (None: the most)
+    aggregator_m: int | None = None  # m: the updates Multi-Krum averages (None: n − f)
+    aggregator_iters: int | None = None  # geomed's / centered_clip's steps (None: 5 / 1)
+    aggregator_nu: float = 1e-6   # ν: geomed's smoothing
+    aggregator_tau: float | None = None  # τ: centered_clip's radius (None: the median distance)
+    aggregator_radius: float | None = None  # ρ: norm_bound's radius (None: the median norm)
 
     @classmethod
     def split(cls, hparams: Mapping[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
@@ -426,6 +435,7 @@ class Engine:
         need the data (the adaptive clip's noise split)."""
         if self.config.dp_clip_quantile is not None:
             check_adaptive_clip(self.config, data.num_real_clients)
+        check_aggregator(self.config, self.num_sampled(data))
         return self.server.init(start)
 
     def aggregate(self, rnd: Round, start: Params, uploads: Params, weights: jax.Array | None,
@@ -525,14 +535,19 @@ class Engine:
 
 def server_chain(config: EngineConfig) -> server_lib.ServerChain:
     """The server side of `config`'s rounds (`core.server`): without --dp-clip FedAvg's weighted
-    mean; with it DP-FedAvg's clip → noised mean → update, the clip fixed or adapted
-    (--dp-clip-quantile, Andrew et al. 2021); the update a server optimiser's step where
-    --server-opt / --server-lr set one (`server_update`)."""
+    mean, or the robust rule of --aggregator in its place (`reduction`); with it DP-FedAvg's
+    clip → noised mean → update, the clip fixed or adapted (--dp-clip-quantile, Andrew et al.
+    2021); the update a server optimiser's step where --server-opt / --server-lr set one
+    (`server_update`: it steps along the robust mean update too)."""
     if config.dp_clip_quantile is not None:
         check_adaptive_clip(config)
     update = server_update(config)
     if config.dp_clip is None:
-        return server_lib.chain(server_lib.weighted_mean(), update)
+        return server_lib.chain(reduction(config), update)
+    if config.aggregator != "mean":
+        raise ValueError(f"--aggregator {config.aggregator} is not defined with --dp-clip: the "
+                         "server's estimate is one noised sum of clipped updates, not a rule "
+                         "over the clients' updates")
     if config.dp_clip_quantile is None:
         return server_lib.chain(server_lib.clip(config.dp_clip),
                                 server_lib.noised_mean(config.dp_noise_multiplier), update)
@@ -543,6 +558,35 @@ def server_chain(config: EngineConfig) -> server_lib.ServerChain:
         server_lib.noised_mean(lambda context: dp.update_noise_multiplier(
             config.dp_noise_multiplier, sigma(context))),
         update)
+
+
+def reduction(config: EngineConfig) -> server_lib.ServerLink:
+    """The chain's reduction: the weighted mean (--aggregator mean, today's link, bit for bit)
+    or `core.server.robust_mean` with the rule's settings (docs/robust-aggregation.md)."""
+    require_choices(aggregator=(config.aggregator, robust.AGGREGATORS))
+    if config.aggregator == "mean":
+        return server_lib.weighted_mean()
+    return server_lib.robust_mean(
+        config.aggregator, beta=config.aggregator_beta, f=config.aggregator_f,
+        m=config.aggregator_m, iters=config.aggregator_iters, nu=config.aggregator_nu,
+        tau=config.aggregator_tau, radius=config.aggregator_radius)
+
+
+def check_aggregator(config: EngineConfig, slots: int) -> None:
+    """ValueError naming the flag where a round's `slots` M are too few for --aggregator's
+    settings (Krum's and Multi-Krum's 2f + 2 < M, Bulyan's M ≥ 4f + 3, Multi-Krum's m ≤ M;
+    the trimmed mean's β < 1/2 always leaves something)."""
+    kind = config.aggregator
+    if kind in ("krum", "multi_krum", "bulyan"):
+        f = robust.default_f(kind, slots) if config.aggregator_f is None else config.aggregator_f
+        try:
+            robust.check_f(kind, f, slots)
+        except ValueError as e:
+            raise ValueError(f"--aggregator {kind} --aggregator-f {f}: {e} (lower "
+                             "--aggregator-f or sample more clients a round)") from None
+        m = config.aggregator_m
+        if kind == "multi_krum" and m is not None and not m <= slots:
+            raise ValueError(f"--aggregator-m {m} exceeds the {slots} clients a round")
 
 
 def plain_server_step(config: EngineConfig) -> bool:

@@ -23,6 +23,7 @@ from fedjax_pfl.core.rows import PlacedRows
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.models.model import Model
+from fedjax_pfl.ops.robust import AGGREGATORS
 from fedjax_pfl.ops.server_opt import SERVER_OPTIMISERS
 
 
@@ -181,6 +182,42 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
     HParam("server_opt_bias_correction", bool, False,
            "--server-opt adam as optax.adam: moments divided by 1 − β^t, v starting at 0 "
            "(the paper's Algorithm 2 corrects no bias)", flag="--server-bias-correction"),
+    # The reduction (ops/robust.py; docs/robust-aggregation.md): only the algorithms that
+    # aggregate their clients' uploads through the server chain take one (ROBUST_AGGREGATED).
+    HParam("aggregator", str, "mean",
+           "the server's reduction of the clients' updates: 'mean' (the weighted mean, as "
+           "always), or a robust rule over the updates: 'median' / 'trimmed_mean' (coordinate-"
+           "wise, Yin et al. 2018), 'krum' / 'multi_krum' (Blanchard et al. 2017), 'bulyan' "
+           "(El Mhamdi et al. 2018), 'geomed' (RFA, Pillutla et al. 2022), 'centered_clip' "
+           "(Karimireddy et al. 2021), 'norm_bound' (Sun et al. 2019); not with --dp-clip; "
+           "a --server-opt steps along the rule's update",
+           choices=AGGREGATORS, flag="--aggregator"),
+    HParam("aggregator_beta", float, 0.1,
+           "β: the fraction --aggregator trimmed_mean removes from EACH end of every "
+           "coordinate (⌊β·M⌋ values; 0: the uniform mean)",
+           check=Check(lambda v: 0 <= v < 0.5, "in [0, 0.5)"), flag="--aggregator-beta"),
+    HParam("aggregator_f", int, None,
+           "f: the Byzantine clients --aggregator krum / multi_krum / bulyan assume among the "
+           "M of a round; default: the most the rule tolerates, ⌊(M − 3)/2⌋ (Krum: 2f + 2 < M) "
+           "or ⌊(M − 3)/4⌋ (Bulyan: M ≥ 4f + 3)",
+           check=NON_NEGATIVE, flag="--aggregator-f"),
+    HParam("aggregator_m", int, None,
+           "m: the lowest-scored updates --aggregator multi_krum averages; default M − f",
+           check=AT_LEAST_ONE, flag="--aggregator-m"),
+    HParam("aggregator_iters", int, None,
+           "the iterations of --aggregator geomed (smoothed Weiszfeld steps; default 5) or "
+           "centered_clip (clipping steps from the previous aggregate; default 1)",
+           check=AT_LEAST_ONE, flag="--aggregator-iters"),
+    HParam("aggregator_nu", float, 1e-6,
+           "ν: the smoothing of --aggregator geomed (an update within ν of the estimate weighs "
+           "as if at distance ν)", check=POSITIVE, flag="--aggregator-nu"),
+    HParam("aggregator_tau", float, None,
+           "τ: the clipping radius of --aggregator centered_clip, in update units; default: "
+           "the median distance of the updates from the centre, each step",
+           check=POSITIVE, flag="--aggregator-tau"),
+    HParam("aggregator_radius", float, None,
+           "ρ: the L2 norm --aggregator norm_bound clips each update to; default: the median "
+           "of the round's update norms", check=POSITIVE, flag="--aggregator-radius"),
 )
 
 
@@ -243,6 +280,7 @@ class AlgorithmSpec:
             raise ValueError(f"{self.name} does not privatise its uplink (--dp-clip){why}; "
                              f"client-level DP is built for: {', '.join(supported)}")
         check_server_optimiser(self.name, config)
+        check_aggregator(self.name, config)
         if config.sampling == "poisson" and config.dp_clip is None:
             raise ValueError("--sampling poisson needs --dp-clip (use --dp-clip inf for no "
                              "clipping): a round's empty slots are masked out by the private "
@@ -314,6 +352,58 @@ def check_server_optimiser(name: str, config: EngineConfig) -> None:
         raise OptionError(f"{arg('server_opt_bias_correction', 'hparams')} applies to "
                           f"{arg('server_opt', 'hparams')} adam only, not "
                           f"{arg('server_opt', 'hparams')} {config.server_opt}")
+
+
+# The algorithms whose server chain reduces their clients' uploads (Engine.aggregate) and may do
+# so robustly (--aggregator): those with a server pseudo-gradient, and pFedSOP, whose mean
+# update of the clients' updates is sent back as their direction (a robust rule over the same
+# updates in its place).
+ROBUST_AGGREGATED = SERVER_OPTIMISED | {"pfedsop"}
+# Why an algorithm that aggregates still takes no robust rule (said when it is refused).
+NO_ROBUST_AGGREGATOR = {
+    "scaffold": "its upload is two parts (Δy, Δc): the server control variate must stay the "
+                "mean of the clients' c_i (c ← c + (|S|/N)·mean Δc), which a robust rule, per "
+                "part or on the pair, breaks",
+}
+# The reduction's settings, with the --aggregator values each applies to (None: all).
+AGGREGATOR_SETTINGS = {"aggregator": None,
+                       "aggregator_beta": ("trimmed_mean",),
+                       "aggregator_f": ("krum", "multi_krum", "bulyan"),
+                       "aggregator_m": ("multi_krum",),
+                       "aggregator_iters": ("geomed", "centered_clip"),
+                       "aggregator_nu": ("geomed",),
+                       "aggregator_tau": ("centered_clip",),
+                       "aggregator_radius": ("norm_bound",)}
+
+
+def aggregator_refusal(name: str) -> str | None:
+    """Why algorithm `name` takes no robust aggregator (one clause), or None where it takes one."""
+    if name in ROBUST_AGGREGATED:
+        return None
+    return NO_ROBUST_AGGREGATOR.get(
+        name, "it aggregates no uploads through the server chain (no server model of its is a "
+              "mean of its clients' uploads)")
+
+
+def aggregator_dp_refusal() -> str:
+    """Why a robust rule is refused with --dp-clip (one clause)."""
+    return ("a robust rule is not defined under client-level DP: the server's estimate is one "
+            "noised sum of clipped updates, not a rule over each client's update")
+
+
+def check_aggregator(name: str, config: EngineConfig) -> None:
+    """OptionError naming the flag where algorithm `name` is given a robust --aggregator it does
+    not take, or one with --dp-clip."""
+    if config.aggregator == "mean":
+        return
+    why = aggregator_refusal(name)
+    if why is not None:
+        supported = ", ".join(sorted(n for n in _REGISTRY if n in ROBUST_AGGREGATED))
+        raise OptionError(f"{name} takes no robust aggregator ({arg('aggregator', 'hparams')} "
+                          f"{config.aggregator}): {why}; built for: {supported}")
+    if config.dp_clip is not None:
+        raise OptionError(f"{arg('aggregator', 'hparams')} {config.aggregator} does not apply "
+                          f"with {arg('dp_clip', 'hparams')}: {aggregator_dp_refusal()}")
 
 
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:

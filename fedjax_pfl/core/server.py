@@ -7,6 +7,8 @@ with its own state, and the engine assembles the chain from the configuration. T
     clip(C) / adaptive_clip(...)  clip each client's update θ_i − start to C        (privacy)
     noised_mean(z, D)             (Σ clipped updates + N(0, z²C²)) / D               (privacy)
     weighted_mean()               Σ_i (w_i / Σ w) θ_i, the plain mean of the uploads
+    robust_mean(kind, ...)        a robust rule over the updates θ_i − start in its place
+                                  (median, trimmed mean, Krum, Bulyan, RFA, ...; `ops.robust`)
     apply_update()                the server's new value: start + the mean update, or the mean
     server_optimizer(tx)          the server's new value: start + tx(−Δ), Δ the mean update
                                   (FedAvgM, FedAdam, FedYogi, FedAdagrad; `ops.server_opt`)
@@ -41,7 +43,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl.core.clients import mean_over_clients
-from fedjax_pfl.ops import dp
+from fedjax_pfl.ops import dp, robust
 
 Params = Any
 
@@ -240,6 +242,41 @@ def weighted_mean() -> ServerLink:
         return uploads.replace(model=mean), {}
 
     return _stateless("weighted_mean", update)
+
+
+def robust_mean(kind: str, **params) -> ServerLink:
+    """A robust rule in place of `weighted_mean` (`ops.robust.aggregate`: kind one of
+    `ops.robust.AGGREGATORS` but "mean", `params` its beta, f, m, iters, nu, tau, radius): the
+    rule runs over the clients' updates Δ_i = θ_i − start (centered clipping and norm bounding
+    are not translation-invariant, so the rules see updates, not models; an algorithm that
+    uploads updates passes a zero start) and leaves the mean update of start. The round's
+    participants mask (`Context.mask`) keeps empty slots out; the uploads' [M] weights reach the
+    weighted rules only (RFA, centered clipping, norm bounding). One weight vector: a tree of
+    them, one per part (SCAFFOLD's (Δy, Δc)), is refused.
+
+    Centered clipping keeps the previous round's aggregate update as its state (the centre it
+    iterates from; zeros before the first round), under this link's name "robust_mean"; the
+    other rules keep none."""
+    if kind not in robust.AGGREGATORS or kind == "mean":
+        raise ValueError(f"kind must be one of {list(robust.AGGREGATORS[1:])}, got {kind!r}")
+    stateful = kind == "centered_clip"
+
+    def init(start):
+        return jax.tree.map(jnp.zeros_like, start)
+
+    def update(uploads: Uploads, state, context: Context):
+        weights = uploads.weights
+        if not (weights is None or hasattr(weights, "shape")):
+            raise ValueError("robust_mean takes one [M] weight vector (or None), not one per "
+                             "part of the upload")
+        wide = lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32))   # bfloat16 rows
+        deltas = jax.tree.map(lambda x, s: wide(x) - wide(s)[None], uploads.clients,
+                              uploads.start)
+        mean = robust.aggregate(kind, deltas, weights, context.mask, center=state, **params)
+        mean = jax.tree.map(lambda u, s: u.astype(s.dtype), mean, uploads.start)
+        return uploads.replace(update=mean), (mean if stateful else state), {}
+
+    return ServerLink(init if stateful else None, update, "robust_mean")
 
 
 def apply_update() -> ServerLink:

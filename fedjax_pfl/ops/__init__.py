@@ -15,6 +15,17 @@ from fedjax_pfl.ops.cp import (
     unfold,
 )
 from fedjax_pfl.ops.gompertz import gompertz_weight
+from fedjax_pfl.ops.robust import (
+    AGGREGATORS,
+    bulyan,
+    centered_clip,
+    coordinate_median,
+    geometric_median,
+    krum,
+    multi_krum,
+    norm_bound,
+    trimmed_mean,
+)
 from fedjax_pfl.ops.server_opt import FedOptState, scale_by_fedopt, server_transform
 from fedjax_pfl.ops.sherman_morrison import sherman_morrison_step
 from fedjax_pfl.ops.tree import (
@@ -35,6 +46,8 @@ __all__ = [
     "cp_reconstruct", "cp_relative_error", "hadamard_gram", "khatri_rao", "mttkrp", "unfold",
     "cosine_angle", "cosine_similarity", "gompertz_weight", "sherman_morrison_step",
     "FedOptState", "scale_by_fedopt", "server_transform",
+    "AGGREGATORS", "bulyan", "centered_clip", "coordinate_median", "geometric_median", "krum",
+    "multi_krum", "norm_bound", "trimmed_mean",
     "tree_add", "tree_axpy", "tree_lerp", "tree_norm", "tree_scale", "tree_size", "tree_sq_norm",
     "tree_sub", "tree_vdot", "tree_zeros_like",
 ]

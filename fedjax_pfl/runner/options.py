@@ -29,9 +29,11 @@ notebook gets what the command line gets:
   which apply when (`applies_table`): a partition's setting under another scheme, a dataset's
   or a model's under another, a privacy setting without `dp_clip`, `local_epochs` where
   `local_steps` sets the local work, a server optimiser's setting for an algorithm that takes
-  none or under another `server_opt`. Where the data live (`data_dir`, `tfds_dir`, `download`)
-  is harmless: left at its default with an `errors.OptionWarning`, as is a preset's setting
-  the run does not use (`preset=`), so config.json never records what no part of the run used.
+  none or under another `server_opt`, a reduction's setting for an algorithm that takes none,
+  under another `aggregator`, or a robust `aggregator` with `dp_clip`. Where the data live
+  (`data_dir`, `tfds_dir`, `download`) is harmless: left at its default with an
+  `errors.OptionWarning`, as is a preset's setting the run does not use (`preset=`), so
+  config.json never records what no part of the run used.
 
 Errors are `fedjax_pfl.errors.OptionError`s naming these options, raised before anything is
 loaded: `str(e)` says "clients does not apply (use max_clients K)", run.py says the same with
@@ -201,8 +203,33 @@ def _unseen_clients() -> Applies:
                              f"training ({REFUSED.get(s.algo)})")
 
 
+def _aggregator(kinds: Collection[str] | None) -> Applies:
+    """A reduction's setting: for the algorithms that take a robust rule
+    (`registry.ROBUST_AGGREGATED`), without `dp_clip` for a rule other than the mean, with the
+    `aggregator` values in `kinds` (None: all)."""
+    from fedjax_pfl.algorithms import registry
+
+    def when(s: Setting) -> bool:
+        kind = s.hparams.get("aggregator")
+        return (registry.aggregator_refusal(s.algo) is None
+                and (kind == "mean" or s.hparams.get("dp_clip") is None)
+                and (kinds is None or kind in kinds))
+
+    def why(s: Setting) -> str:
+        refusal = registry.aggregator_refusal(s.algo)
+        kind = s.hparams.get("aggregator")
+        if refusal is not None:
+            return f"does not apply: {arg('algo')} {s.algo} takes no robust aggregator ({refusal})"
+        if kind != "mean" and s.hparams.get("dp_clip") is not None:
+            return (f"does not apply with {arg('dp_clip', 'hparams')}: "
+                    f"{registry.aggregator_dp_refusal()}")
+        return (f"applies to {arg('aggregator', 'hparams')} {' / '.join(kinds or ())} only, not "
+                f"{arg('aggregator', 'hparams')} {kind}")
+    return Applies(when, why)
+
+
 def _applies_table() -> dict[tuple[str, str], Applies]:
-    from fedjax_pfl.algorithms.registry import SERVER_OPT_SETTINGS
+    from fedjax_pfl.algorithms.registry import AGGREGATOR_SETTINGS, SERVER_OPT_SETTINGS
     from fedjax_pfl.models import sequence
 
     natural = _natural_only()
@@ -248,6 +275,9 @@ def _applies_table() -> dict[tuple[str, str], Applies]:
         # the server optimiser (algorithms/engine.py's server chain, ops/server_opt.py)
         **{(name, "hparams"): _server_optimiser(kinds)
            for name, kinds in SERVER_OPT_SETTINGS.items()},
+        # the reduction (algorithms/engine.py's server chain, ops/robust.py)
+        **{(name, "hparams"): _aggregator(kinds)
+           for name, kinds in AGGREGATOR_SETTINGS.items()},
     }
 
 
