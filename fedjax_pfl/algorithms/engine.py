@@ -84,11 +84,6 @@ class EngineConfig:
     server_opt_b2: float = 0.99   # β2: FedAdam's and FedYogi's second-moment decay
     server_opt_eps: float = 1e-3  # τ: the adaptivity (v_{−1} = τ², the denominator's √v + τ)
     server_opt_bias_correction: bool = False  # 'adam' only: optax.adam's bias-corrected reading
-    # Clients that never train (--unseen-clients; no hyperparameter: the run sets them, and
-    # `algorithms.get(..., unseen_clients=, unseen_seed=)`): the fraction held out of every
-    # round's sampling, and the seed that draws the held-out set (`unseen_ids`).
-    unseen_clients: float = 0.0
-    unseen_seed: int = 0
     # The reduction (ops/robust.py, docs/robust-aggregation.md): 'mean' is the weighted mean.
     aggregator: str = "mean"      # mean | median | trimmed_mean | krum | multi_krum | bulyan | ...
     aggregator_beta: float = 0.1  # β: trimmed_mean's fraction trimmed from each end
@@ -98,6 +93,11 @@ class EngineConfig:
     aggregator_nu: float = 1e-6   # ν: geomed's smoothing
     aggregator_tau: float | None = None  # τ: centered_clip's radius (None: the median distance)
     aggregator_radius: float | None = None  # ρ: norm_bound's radius (None: the median norm)
+    # Clients that never train (--unseen-clients; no hyperparameter: the run sets them, and
+    # `algorithms.get(..., unseen_clients=, unseen_seed=)`): the fraction held out of every
+    # round's sampling, and the seed that draws the held-out set (`unseen_ids`).
+    unseen_clients: float = 0.0
+    unseen_seed: int = 0
 
     @classmethod
     def split(cls, hparams: Mapping[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
