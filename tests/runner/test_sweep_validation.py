@@ -99,7 +99,9 @@ BAD = [
      "local_epochs, local_steps, batch_size, lr, momentum, momentum_buffer, drop_last, backend, "
      "chunk_size, eval_batch_size, dp_clip, dp_noise_multiplier, dp_clip_quantile, dp_clip_lr, "
      "dp_count_noise, sampling, server_opt, server_opt_lr, server_opt_momentum, server_opt_b1, "
-     "server_opt_b2, server_opt_eps, server_opt_bias_correction (all) and their own (fedavg: "
+     "server_opt_b2, server_opt_eps, server_opt_bias_correction, aggregator, aggregator_beta, "
+     "aggregator_f, aggregator_m, aggregator_iters, aggregator_nu, aggregator_tau, "
+     "aggregator_radius (all) and their own (fedavg: "
      "(none); pgfed: mu, alpha_lr)"),
     (["--grid", "rounds=3"], "--grid rounds: --rounds is a run setting, not an algorithm "
                              "hyperparameter; set it in --common"),
