@@ -63,7 +63,8 @@ def _bits(x) -> bytes:
     return np.asarray(x).dtype.str.encode() + np.asarray(x).tobytes()
 
 
-@pytest.mark.parametrize("model", ["linear", "mlp", "cnn"])
+@pytest.mark.parametrize("model", ["linear", pytest.param("mlp", marks=pytest.mark.slow),
+                                   pytest.param("cnn", marks=pytest.mark.slow)])
 def test_the_initial_state_at_a_low_optimisation_level_has_the_same_bits(model):
     """The initial state's program compiled at `INIT_COMPILER_OPTIONS`' level against the same
     program at XLA's default level and emitters (this suite's flags set level 0 and the
