@@ -399,7 +399,8 @@ class Program:
                 args += (jax.ShapeDtypeStruct((ids,), jnp.int32),)
             lowered[(name, whole, None if whole else ids)] = (
                 self._eval_function(name, fn, whole, ids).lower(*args), None)
-        if init and self._init_compiled is None:
+        # (an init that needs concrete data, FedPC's, ran eagerly once: nothing to compile)
+        if init and self._init_compiled is None and state_at.traceable:
             init_fn = self._in_mesh_fn(state_at.init_function(self.algo.init, self.data))
             key = jax.eval_shape(lambda: jax.random.key(0))
             lowered["init"] = (init_fn.lower(key, self.data), init_compiler_options())
