@@ -32,7 +32,8 @@ from fedjax_pfl.errors import OptionError, arg
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "client_metrics.npz",
              "learning_curve.png", "label_distribution.png", "checkpoints",
              *sinks.RUN_FILES,       # what the metric sinks of --log write
-             "client_accuracy.png")
+             "client_accuracy.png",
+             "final")                 # --export's models (fedjax_pfl.export.FINAL_DIR)
 
 
 def check_out(out: str, *, overwrite: bool = False, resume: bool = False) -> None:

@@ -237,3 +237,15 @@ def test_a_multi_process_run_refuses_export_in_one_line(monkeypatch, tmp_path):
     with pytest.raises(OptionError, match="multi-process run") as e:
         runner.RunConfig(export=True, out=str(tmp_path)).validate()
     assert "\n" not in str(e.value)
+
+
+def test_a_fresh_start_removes_an_earlier_runs_exported_models(tmp_path):
+    """OUT/final/ is a run file: a new run in the same --out (with --overwrite) never leaves
+    another run's models beside its own results; files of the user's stay."""
+    from fedjax_pfl.runner import rundir
+
+    (tmp_path / export.FINAL_DIR).mkdir()
+    (tmp_path / export.FINAL_DIR / "global.safetensors").write_bytes(b"another run's")
+    (tmp_path / "notes.txt").write_text("mine")
+    rundir.clear_out(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
