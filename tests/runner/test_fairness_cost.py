@@ -10,14 +10,11 @@ what the run wrote (client_metrics.npz, metrics.jsonl) or from a closed form:
   * client_accuracy.png: the sorted bars are the sorted final accuracies.
 """
 
-import contextlib
-import io
-import json
 import math
 
 import numpy as np
 import pytest
-import run as cli  # (experiments/run.py)
+from helpers import finished_cli_run
 
 from fedjax_pfl import plots, runner
 from fedjax_pfl.data.federated import FederatedData
@@ -30,14 +27,9 @@ CLIENTS, ROUNDS = 12, 3
 def cli_run(tmp_path_factory):
     """One tiny CLI run (FedAvg on digits, 12 clients, 3 rounds): its directory and its output."""
     out = tmp_path_factory.mktemp("fair")
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        code = cli.main(["--algo", "fedavg", "--rounds", str(ROUNDS), "--clients", str(CLIENTS),
-                         "--out", str(out), "--quiet"])
-    assert code == 0
-    summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return out, summary, rows, printed.getvalue()
+    summary, rows, printed = finished_cli_run(out, ["--algo", "fedavg", "--rounds", str(ROUNDS),
+                                                    "--clients", str(CLIENTS)])
+    return out, summary, rows, printed
 
 
 def test_fairness_is_the_spread_of_the_final_per_client_accuracies(cli_run):

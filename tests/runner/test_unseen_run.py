@@ -4,14 +4,11 @@ each id in `sampled`; the held-out clients never in `sampled`; acc_mean_seen / a
 the NumPy means of accuracy[-1] over each side and participation_gap their difference, in
 summary.json and metrics.jsonl's last row; the refusals name the option."""
 
-import contextlib
-import io
-import json
 import math
 
 import numpy as np
 import pytest
-import run as cli  # (experiments/run.py)
+from helpers import finished_cli_run
 
 from fedjax_pfl import runner
 from fedjax_pfl.errors import OptionError
@@ -22,15 +19,10 @@ CLIENTS, ROUNDS, FRACTION = 10, 3, 0.3
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("unseen")
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        code = cli.main(["--algo", "fedavg", "--rounds", str(ROUNDS), "--clients", str(CLIENTS),
-                         "--participation", "0.5", "--unseen-clients", str(FRACTION),
-                         "--out", str(out), "--quiet"])
-    assert code == 0
-    summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return np.load(out / "client_metrics.npz"), summary, rows, printed.getvalue()
+    summary, rows, printed = finished_cli_run(out, [
+        "--algo", "fedavg", "--rounds", str(ROUNDS), "--clients", str(CLIENTS),
+        "--participation", "0.5", "--unseen-clients", str(FRACTION)])
+    return np.load(out / "client_metrics.npz"), summary, rows, printed
 
 
 def test_the_npz_marks_the_held_out_clients_and_counts_each_clients_rounds(cli_run):

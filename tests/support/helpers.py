@@ -260,3 +260,23 @@ def snapshot(root) -> dict:
             with open(path, "rb") as fh:
                 out[os.path.relpath(path, root)] = (fh.read(), os.stat(path).st_mtime_ns)
     return out
+
+
+def finished_cli_run(out, argv):
+    """experiments/run.py's `main(argv + --out out --quiet)` in this process, which must exit 0:
+    (summary.json, metrics.jsonl's rows, what it printed)."""
+    import io
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+    import run as cli
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = cli.main([*argv, "--out", str(out), "--quiet"])
+    assert code == 0, printed.getvalue()[-2000:]
+    summary = json.loads((Path(out) / "summary.json").read_text())
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows, printed.getvalue()
