@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "acc_mean_unseen and participation_gap. In [0, 1); refused where fewer "
                         "than a round's clients would be left")
 
+    g.add_argument("--attack-seed", type=int, default=D["attack_seed"], metavar="S",
+                   help="the seed that draws the malicious clients (--attack-fraction; "
+                        "docs/attacks.md); default: --seed")
+
     g = p.add_argument_group("execution")
     g.add_argument("--rounds-per-call", type=int, default=D["rounds_per_call"],
                    help="K rounds per compiled call (one lax.scan, sampling and metrics on device): "

@@ -42,7 +42,7 @@ from fedjax_pfl.core.local import LocalResult, LocalTrainer
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.models.model import Model
-from fedjax_pfl.ops import dp, robust, server_opt
+from fedjax_pfl.ops import attacks, dp, robust, server_opt
 
 Params = Any
 
@@ -93,11 +93,24 @@ class EngineConfig:
     aggregator_nu: float = 1e-6   # ν: geomed's smoothing
     aggregator_tau: float | None = None  # τ: centered_clip's radius (None: the median distance)
     aggregator_radius: float | None = None  # ρ: norm_bound's radius (None: the median norm)
+    # The adversaries (ops/attacks.py, ops/poison.py, docs/attacks.md): ⌈F·N⌉ malicious clients.
+    attack: str = "none"          # none | label_flip | backdoor | sign_flip | scale | gaussian | ...
+    attack_fraction: float = 0.0  # F: the malicious fraction of the N clients
+    attack_redraw: bool = False   # re-draw the malicious set every round (default: one for the run)
+    attack_scale: float | None = None  # S of sign_flip / scale (None: 1 / the round's slots M)
+    attack_std: float = 1.0       # σ of gaussian's N(0, σ²I) uploads
+    attack_z: float | None = None  # z of alie's μ − zσ (None: Baruch et al.'s z_max of n and f)
+    attack_eps: float = 0.1       # ε of ipm's −ε·μ
+    attack_target: int | None = None  # label_flip's fixed label (None: y → C−1−y); backdoor's (0)
+    attack_poison_fraction: float = 0.5  # backdoor: the share of a malicious client's examples
+    attack_trigger_size: int = 2  # backdoor: the k of the bottom-right k×k patch (k tokens)
     # Clients that never train (--unseen-clients; no hyperparameter: the run sets them, and
     # `algorithms.get(..., unseen_clients=, unseen_seed=)`): the fraction held out of every
     # round's sampling, and the seed that draws the held-out set (`unseen_ids`).
     unseen_clients: float = 0.0
     unseen_seed: int = 0
+    # The seed of the malicious set (--attack-seed; the run's --seed where not given).
+    attack_seed: int = 0
 
     @classmethod
     def split(cls, hparams: Mapping[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
@@ -110,7 +123,7 @@ class EngineConfig:
 
 # EngineConfig's fields that are no hyperparameter (not in COMMON_HPARAMS): settings of the
 # run (`algorithms.get(..., unseen_clients=, unseen_seed=)`, the run's --unseen-clients, --seed).
-RUN_SETTINGS = ("unseen_clients", "unseen_seed")
+RUN_SETTINGS = ("unseen_clients", "unseen_seed", "attack_seed")
 
 
 def expected_clients(config: EngineConfig, num_real: int) -> float:
@@ -181,6 +194,46 @@ def check_unseen(config: EngineConfig, num_real: int, trains: str = "sampled") -
                           f"{arg('unseen_clients')} or {arg('participation', 'hparams')})")
 
 
+# -- the malicious clients (--attack-fraction) -------------------------------------------------
+
+# The stream of the attack seed that draws the fixed malicious set (a numpy Generator seeded
+# with [seed, ATTACK_STREAM]), and the stream of a round's key that re-draws it (--attack-redraw).
+ATTACK_STREAM = 58
+ATTACK_REDRAW = 0x0A7
+
+
+def num_malicious(fraction: float, num_real: int) -> int:
+    """K = ⌈F·N⌉ of the N real clients (as `num_unseen`: 1e-9 absorbs a decimal fraction's
+    float error, 0.3·10 is 3)."""
+    if not fraction:
+        return 0
+    return int(math.ceil(float(fraction) * num_real - 1e-9))
+
+
+def malicious_mask(fraction: float, seed: int, num_real: int) -> np.ndarray:
+    """[N] bool, the fixed malicious set of a run: the first K = ⌈F·N⌉ (`num_malicious`) of a
+    permutation of 0 … N−1 drawn from `seed` (every K-subset equally likely; the same for the
+    same seed and N, whatever the algorithm). client_metrics.npz's `malicious`."""
+    mask = np.zeros(num_real, bool)
+    k = num_malicious(fraction, num_real)
+    if k:
+        mask[np.random.default_rng([int(seed), ATTACK_STREAM]).permutation(num_real)[:k]] = True
+    return mask
+
+
+def redrawn_mask(key: jax.Array, seed: int, fraction: float, num_real: int,
+                 num_clients: int | None = None) -> jax.Array:
+    """[num_clients] bool, a round's malicious set under --attack-redraw: the first K of a
+    permutation of 0 … N−1 drawn from fold_in(fold_in(round key, ATTACK_REDRAW), seed), so it
+    changes every round and with the seed; padding clients (ids ≥ N) are never malicious.
+    Traceable (the round's key); the host computes the same from the round keys."""
+    num_clients = num_real if num_clients is None else num_clients
+    k = num_malicious(fraction, num_real)
+    draw = jax.random.fold_in(jax.random.fold_in(key, ATTACK_REDRAW), seed)
+    chosen = jax.random.permutation(draw, num_real)[:k]
+    return jnp.zeros(num_clients, bool).at[chosen].set(True)
+
+
 class Round(NamedTuple):
     """One round's common inputs, drawn by `Engine.begin` from the round's key."""
 
@@ -188,6 +241,13 @@ class Round(NamedTuple):
     key: jax.Array                 # the round's key (the server chain folds its noise from it)
     idx: jax.Array                 # S_t: the round's client slots, [M] int32
     keys: Mapping[str, jax.Array]  # the algorithm's named key streams ("train", …)
+    attackers: jax.Array | None = None  # [N] bool: the round's malicious clients (None: none)
+
+    def malicious(self, idx: jax.Array | None = None) -> jax.Array | None:
+        """[M] bool: which of the slots `idx` (default S_t) hold a malicious client."""
+        if self.attackers is None:
+            return None
+        return self.attackers[self.idx if idx is None else idx]
 
     @property
     def m(self) -> int:
@@ -342,7 +402,23 @@ class Engine:
         """The round's keys and clients: the key split into the sampling key and the named
         `streams`, and S_t sampled from the first (`sample`)."""
         keys = jax.random.split(key, 1 + len(self.streams))
-        return Round(data, key, self.sample(keys[0], data), dict(zip(self.streams, keys[1:])))
+        return Round(data, key, self.sample(keys[0], data), dict(zip(self.streams, keys[1:])),
+                     self.attackers(data, key))
+
+    def attackers(self, data: FederatedData, key: jax.Array) -> jax.Array | None:
+        """[N] bool: the malicious clients of the round of `key` (--attack-fraction F > 0;
+        None without): the run's fixed set (`malicious_mask`, a constant of the program) or,
+        with --attack-redraw, the round's own (`redrawn_mask`). Padding clients are never
+        malicious."""
+        config = self.config
+        if not config.attack_fraction:
+            return None
+        n, n_all = data.num_real_clients, data.num_clients
+        if config.attack_redraw:
+            return redrawn_mask(key, config.attack_seed, config.attack_fraction, n, n_all)
+        mask = np.zeros(n_all, bool)
+        mask[:n] = malicious_mask(config.attack_fraction, config.attack_seed, n)
+        return jnp.asarray(mask)
 
     def everyone(self, data: FederatedData) -> jax.Array:
         """[N] every client's id (an algorithm that trains all of them: `trains="all"`)."""
@@ -448,7 +524,7 @@ class Engine:
         context = server_lib.Context(
             key=rnd.key, slots=rnd.m,
             mask=self.participating(rnd.idx, rnd.data) if self.poisson else None,
-            expected=self.expected_clients(rnd.data))
+            expected=self.expected_clients(rnd.data), malicious=rnd.malicious())
         return self.server(start, uploads, weights, server, context)
 
     # -- metrics ----------------------------------------------------------------------------------
@@ -541,6 +617,12 @@ def server_chain(config: EngineConfig) -> server_lib.ServerChain:
     (`server_update`: it steps along the robust mean update too)."""
     if config.dp_clip_quantile is not None:
         check_adaptive_clip(config)
+    require_choices(attack=(config.attack, attacks.ATTACKS))
+    if config.attack in attacks.MODEL_ATTACKS and config.attack_fraction:
+        # The malicious uploads are replaced before anything else: what a client sends.
+        first = model_attack(config)
+        return server_lib.ServerChain((first,) + server_chain(
+            dataclasses.replace(config, attack="none")).links)
     update = server_update(config)
     if config.dp_clip is None:
         return server_lib.chain(reduction(config), update)
@@ -558,6 +640,13 @@ def server_chain(config: EngineConfig) -> server_lib.ServerChain:
         server_lib.noised_mean(lambda context: dp.update_noise_multiplier(
             config.dp_noise_multiplier, sigma(context))),
         update)
+
+
+def model_attack(config: EngineConfig) -> server_lib.ServerLink:
+    """The chain's first link under a model-poisoning --attack (`core.server.model_attack`)."""
+    return server_lib.model_attack(config.attack, scale=config.attack_scale,
+                                   std=config.attack_std, z=config.attack_z,
+                                   eps=config.attack_eps)
 
 
 def reduction(config: EngineConfig) -> server_lib.ServerLink:

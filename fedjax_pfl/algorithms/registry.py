@@ -23,6 +23,7 @@ from fedjax_pfl.core.rows import PlacedRows
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.models.model import Model
+from fedjax_pfl.ops.attacks import ATTACKS, MODEL_ATTACKS
 from fedjax_pfl.ops.robust import AGGREGATORS
 from fedjax_pfl.ops.server_opt import SERVER_OPTIMISERS
 
@@ -218,6 +219,43 @@ COMMON_HPARAMS: tuple[HParam, ...] = (
     HParam("aggregator_radius", float, None,
            "ρ: the L2 norm --aggregator norm_bound clips each update to; default: the median "
            "of the round's update norms", check=POSITIVE, flag="--aggregator-radius"),
+    # The adversaries (ops/attacks.py, ops/poison.py; docs/attacks.md): a seeded set of
+    # malicious clients (the seed is the run's: --attack-seed) and what they do.
+    HParam("attack", str, "none",
+           "what the malicious clients (--attack-fraction) do: 'label_flip' / 'backdoor' poison "
+           "their training data; 'sign_flip' (−S·Δ), 'scale' (S·Δ, model replacement), "
+           "'gaussian' (N(0, σ²) uploads), 'alie' (μ − zσ of the benign updates, Baruch et al. "
+           "2019), 'ipm' (−ε·μ, Xie et al. 2020) replace the update they upload",
+           choices=ATTACKS, flag="--attack"),
+    HParam("attack_fraction", float, 0.0,
+           "F: the malicious clients, ⌈F·N⌉ of the N, drawn from --attack-seed; 0: none",
+           check=UNIT_CLOSED_OPEN, flag="--attack-fraction"),
+    HParam("attack_redraw", bool, False,
+           "re-draw the malicious set every round (default: one set for the whole run)",
+           flag="--attack-redraw"),
+    HParam("attack_scale", float, None,
+           "S of --attack sign_flip (−S·Δ; default 1) and scale (S·Δ; default the round's "
+           "clients M, Bagdasaryan et al.'s n/η)", check=POSITIVE, flag="--attack-scale"),
+    HParam("attack_std", float, 1.0, "σ of --attack gaussian: each malicious upload ~ N(0, σ²I)",
+           check=POSITIVE, flag="--attack-std"),
+    HParam("attack_z", float, None,
+           "z of --attack alie (μ − z·σ); default Baruch et al.'s z_max = Φ⁻¹((n − s)/n), "
+           "s = ⌊n/2 + 1⌋ − f, from the round's n clients and f malicious",
+           check=NON_NEGATIVE, flag="--attack-z"),
+    HParam("attack_eps", float, 0.1, "ε of --attack ipm (−ε × the benign mean update)",
+           check=POSITIVE, flag="--attack-eps"),
+    HParam("attack_target", int, None,
+           "the target label of --attack backdoor (default 0) and label_flip (every label set "
+           "to it; default the permutation y → C − 1 − y)",
+           check=NON_NEGATIVE, flag="--attack-target"),
+    HParam("attack_poison_fraction", float, 0.5,
+           "--attack backdoor: the share of each malicious client's training examples that "
+           "carry the trigger (a seeded, fixed subset)", check=UNIT_OPEN_CLOSED,
+           flag="--attack-poison-fraction"),
+    HParam("attack_trigger_size", int, 2,
+           "--attack backdoor: the trigger, the bottom-right k×k pixels set to the top of the "
+           "input range (the last k features or tokens)", check=AT_LEAST_ONE,
+           flag="--attack-trigger-size"),
 )
 
 
@@ -281,6 +319,7 @@ class AlgorithmSpec:
                              f"client-level DP is built for: {', '.join(supported)}")
         check_server_optimiser(self.name, config)
         check_aggregator(self.name, config)
+        check_attack(self.name, config)
         if config.sampling == "poisson" and config.dp_clip is None:
             raise ValueError("--sampling poisson needs --dp-clip (use --dp-clip inf for no "
                              "clipping): a round's empty slots are masked out by the private "
@@ -406,6 +445,46 @@ def check_aggregator(name: str, config: EngineConfig) -> None:
                           f"with {arg('dp_clip', 'hparams')}: {aggregator_dp_refusal()}")
 
 
+# The algorithms whose clients' uploads go through the server chain (Engine.aggregate), where a
+# model-poisoning --attack replaces the malicious ones: those that may aggregate robustly, and
+# SCAFFOLD (its (Δy, Δc) replaced together).
+MODEL_ATTACKED = ROBUST_AGGREGATED | {"scaffold"}
+# The attack's settings, with the --attack values each applies to.
+ATTACK_SETTINGS = {"attack_scale": ("sign_flip", "scale"), "attack_std": ("gaussian",),
+                   "attack_z": ("alie",), "attack_eps": ("ipm",),
+                   "attack_target": ("label_flip", "backdoor"),
+                   "attack_poison_fraction": ("backdoor",),
+                   "attack_trigger_size": ("backdoor",)}
+
+
+def attack_refusal(name: str, kind: str) -> str | None:
+    """Why algorithm `name` cannot be given --attack `kind` (one clause), or None."""
+    if kind in MODEL_ATTACKS and name not in MODEL_ATTACKED:
+        return ("it aggregates no uploads through the server chain, so no malicious upload can "
+                "be replaced; the data attacks label_flip and backdoor apply")
+    return None
+
+
+def check_attack(name: str, config: EngineConfig) -> None:
+    """OptionError naming the flag where algorithm `name` is given a model-poisoning --attack
+    it has no uploads for, or an attack's setting under another --attack."""
+    why = attack_refusal(name, config.attack)
+    if why is not None:
+        supported = ", ".join(sorted(n for n in _REGISTRY if n in MODEL_ATTACKED))
+        raise OptionError(f"{name} takes no {arg('attack', 'hparams')} {config.attack}: {why}; "
+                          f"model poisoning is built for: {supported}")
+    defaults = EngineConfig()
+    for setting, kinds in ATTACK_SETTINGS.items():
+        if (getattr(config, setting) != getattr(defaults, setting)
+                and config.attack not in kinds):
+            raise OptionError(f"{arg(setting, 'hparams')} applies to {arg('attack', 'hparams')} "
+                              f"{' / '.join(kinds)} only, not {arg('attack', 'hparams')} "
+                              f"{config.attack}")
+    if config.attack_redraw and not config.attack_fraction:
+        raise OptionError(f"{arg('attack_redraw', 'hparams')} re-draws the malicious set, and "
+                          f"{arg('attack_fraction', 'hparams')} 0 has none")
+
+
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:
     if spec.name in _REGISTRY:
         raise ValueError(f"algorithm {spec.name!r} is registered twice")
@@ -429,12 +508,13 @@ def spec(name: str) -> AlgorithmSpec:
 
 
 def get(name: str, *, model: Model, unseen_clients: float = 0.0, unseen_seed: int = 0,
-        **hparams: Any) -> Algorithm:
+        attack_seed: int = 0, **hparams: Any) -> Algorithm:
     """Builds algorithm `name` for `model` with validated hyperparameters (others at defaults).
 
     `unseen_clients` FRAC, `unseen_seed` S: ⌈FRAC·N⌉ clients drawn once from S never train
     (`engine.unseen_ids`; the run's --unseen-clients and --seed): no hyperparameter, a setting
-    of the run's engine.
+    of the run's engine. `attack_seed`: the seed of the malicious set (--attack-fraction;
+    `engine.malicious_mask`), the run's --attack-seed or --seed.
 
     Its functions check their inputs first, in one line each (`OptionError` naming the
     argument): `init(key, data)` that the model fits the data (`check_model_fits`) and that the
@@ -447,6 +527,8 @@ def get(name: str, *, model: Model, unseen_clients: float = 0.0, unseen_seed: in
     s = spec(name)
     resolved = s.resolve(hparams)
     held_out = {"unseen_clients": unseen_clients, "unseen_seed": unseen_seed} if unseen_clients else {}
+    if resolved.get("attack_fraction"):
+        held_out["attack_seed"] = attack_seed
     algo = s.build(model, {**resolved, **held_out})
     checks = InputChecks(name, algo.init)
     inner_init, inner_round, inner_evaluate = algo.init, algo.round_fn, algo.evaluate

@@ -4,6 +4,7 @@ Every algorithm with a server aggregate sends its clients' uploads through one `
 composed like optax's `chain` (`optax/_src/combine.py`): each link is a pure transformation
 with its own state, and the engine assembles the chain from the configuration. Today's links:
 
+    model_attack(kind, ...)       the malicious clients' uploads replaced (`ops.attacks`)
     clip(C) / adaptive_clip(...)  clip each client's update θ_i − start to C        (privacy)
     noised_mean(z, D)             (Σ clipped updates + N(0, z²C²)) / D               (privacy)
     weighted_mean()               Σ_i (w_i / Σ w) θ_i, the plain mean of the uploads
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl.core.clients import mean_over_clients
-from fedjax_pfl.ops import dp, robust
+from fedjax_pfl.ops import attacks, dp, robust
 
 Params = Any
 
@@ -51,6 +52,7 @@ Params = Any
 # other keys (sampling, training) stay those of the plain round.
 DP_NOISE = 0x0D9          # the Gaussian mechanism's noise on the sum of clipped updates
 DP_COUNT_NOISE = 0x0DA    # the adaptive clip's noise on its count of unclipped updates
+ATTACK_NOISE = 0x0DB      # the Gaussian attack's noise (`model_attack`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,7 @@ class Context:
     slots: int                      # M, the round's slots
     mask: jax.Array | None          # [M] bool: the slots that hold a participant (Poisson), or None
     expected: Any                   # D: the clients a round is expected to hold (M, or q·N)
+    malicious: jax.Array | None = None  # [M] bool: the slots of malicious clients, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +153,43 @@ def _clip_metrics(norms: jax.Array, clip, mask: jax.Array | None) -> dict[str, j
     count = jnp.maximum(jnp.sum(mask), 1)
     return {"dp_clipped_fraction": jnp.sum(mask & (norms > clip)) / count,
             "dp_update_norm": jnp.sum(jnp.where(mask, norms, 0.0)) / count}
+
+
+def model_attack(kind: str, *, scale=None, std: float = 1.0, z=None, eps: float = 0.1
+                 ) -> ServerLink:
+    """Model poisoning, the first link: the uploads of the round's malicious participants
+    (`Context.malicious`, less a Poisson round's empty slots) replaced by `kind`'s (one of
+    `ops.attacks.MODEL_ATTACKS`) update Δ'_i of `start`, θ'_i = start + Δ'_i; the other rows
+    are kept as they are, bit for bit. The omniscient attacks (alie, ipm) read the benign
+    participants' updates Δ_i = θ_i − start of this round. `scale` None: 1 for sign_flip and
+    the round's slots M for scale (Bagdasaryan et al.'s n/η at the plain server step η = 1).
+    The Gaussian attack draws from the ATTACK_NOISE stream of the round's key. A round
+    without malicious slots (Context.malicious None) passes the uploads on untouched.
+    Metric: "attack_malicious", the round's malicious participants."""
+    if kind not in attacks.MODEL_ATTACKS:
+        raise ValueError(f"kind must be one of {list(attacks.MODEL_ATTACKS)}, got {kind!r}")
+
+    def update(uploads: Uploads, context: Context):
+        if context.malicious is None:
+            return uploads, {}
+        present = (jnp.ones(context.slots, bool) if context.mask is None else context.mask)
+        malicious = context.malicious & present
+        benign = present & ~malicious
+        factor = scale if scale is not None else (context.slots if kind == "scale" else 1.0)
+        wide = lambda a: a.astype(jnp.promote_types(a.dtype, jnp.float32))
+        deltas = jax.tree.map(lambda x, s: wide(x) - wide(s)[None], uploads.clients,
+                              uploads.start)
+        sent = attacks.poison_updates(kind, deltas, malicious, benign,
+                                      key=jax.random.fold_in(context.key, ATTACK_NOISE),
+                                      scale=factor, std=std, z=z, eps=eps)
+        rows = lambda leaf: malicious.reshape(malicious.shape + (1,) * (leaf.ndim - 1))
+        clients = jax.tree.map(
+            lambda x, d, s: jnp.where(rows(x), (wide(s)[None] + d).astype(x.dtype), x),
+            uploads.clients, sent, uploads.start)
+        return (uploads.replace(clients=clients),
+                {"attack_malicious": jnp.sum(malicious, dtype=jnp.int32)})
+
+    return _stateless("model_attack", update)
 
 
 def clip(norm) -> ServerLink:

@@ -53,6 +53,9 @@ class RunConfig:
     # from `seed`, are left out of every round's sampling and evaluated as newcomers
     # (algorithms/engine.py `unseen_ids`, algorithms/newcomers.py); in [0, 1).
     unseen_clients: float = 0.0
+    # The seed of the malicious set (hparams["attack_fraction"]; algorithms/engine.py
+    # `malicious_mask`): None draws it from `seed`.
+    attack_seed: int | None = None
     rounds_per_call: int = 1
     state_dtype: str = "float32"
     data_placement: str = "auto"          # where client samples wait between rounds (core.data_placement)
@@ -189,6 +192,10 @@ class RunConfig:
                 or not 0 <= self.unseen_clients < 1):
             raise OptionError(f"{arg('unseen_clients')} must be in [0, 1) (a fraction of the "
                               f"clients), got {self.unseen_clients!r}")
+        if self.attack_seed is not None and (isinstance(self.attack_seed, bool) or not isinstance(
+                self.attack_seed, (int, np.integer)) or not 0 <= self.attack_seed < 2**32):
+            raise OptionError(f"{arg('attack_seed')} must be an integer in [0, 2**32), got "
+                              f"{self.attack_seed!r}")
         from fedjax_pfl.compile_cache import check_setting
 
         check_setting(self.compile_cache)
@@ -351,7 +358,7 @@ def _at_field_default(key: str, value: Any) -> bool:
 
 
 # RunConfig fields added after runs were recorded: a saved record without one is at its default.
-_ADDED_FIELDS = ("unseen_clients",)
+_ADDED_FIELDS = ("unseen_clients", "attack_seed")
 
 
 def _at_default(algo: str, name: str, value: Any) -> bool:
@@ -425,3 +432,8 @@ def check_unseen_clients(cfg: RunConfig, hparams: dict, num_real: int) -> None:
         return
     config, _ = engine.EngineConfig.split({**hparams, "unseen_clients": cfg.unseen_clients})
     engine.check_unseen(config, num_real)        # (OptionError naming the options)
+
+
+def attack_seed_of(cfg: RunConfig) -> int:
+    """The seed of the run's malicious set: --attack-seed, or --seed where not given."""
+    return int(cfg.seed if getattr(cfg, "attack_seed", None) is None else cfg.attack_seed)

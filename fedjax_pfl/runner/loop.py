@@ -34,6 +34,7 @@ from fedjax_pfl.runner.checkpoints import ResumeError
 from fedjax_pfl.runner.config import (
     MIN_IMAGE_SIDE,
     RunConfig,
+    attack_seed_of,
     check_unseen_clients,
     config_record,
     model_name_of,
@@ -161,7 +162,7 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
                        conv=cfg.model_conv, task=data.task,
                        options=cfg.model_options)
     algo = algorithms.get(cfg.algo, model=model, unseen_clients=cfg.unseen_clients,
-                          unseen_seed=cfg.seed, **hparams)
+                          unseen_seed=cfg.seed, attack_seed=attack_seed_of(cfg), **hparams)
     compression_used = compression(cfg, hparams, model, model_name)
     vectorised = hparams["backend"] not in core.EAGER_BACKENDS
     mesh = core.client_mesh() if vectorised else None

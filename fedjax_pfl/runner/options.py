@@ -58,7 +58,7 @@ from fedjax_pfl.errors import OptionError, OptionWarning, arg
 DEFAULTS: dict[str, Any] = {
     "algo": "fedavg", "rounds": 50, "seed": 0, "eval_every": 1, "target_acc": None,
     "dp_delta": None, "target_epsilon": None, "dp_accountant": "rdp", "eval_clients": "all",
-    "unseen_clients": 0.0,
+    "unseen_clients": 0.0, "attack_seed": None,
     "rounds_per_call": 1, "state_dtype": "float32", "data_placement": "auto",
     "state_placement": "auto", "no_memory_check": False, "out": None, "checkpoint_every": None,
     "resume": False, "checkpoint_on_signal": None, "log": "", "quiet": False, "model": None,
@@ -228,8 +228,29 @@ def _aggregator(kinds: Collection[str] | None) -> Applies:
     return Applies(when, why)
 
 
+def _attack(kinds: Collection[str] | None) -> Applies:
+    """An attack's setting: with the `attack` values in `kinds` (None: `attack` itself, whose
+    model-poisoning kinds need an algorithm whose uploads go through the server chain,
+    `registry.attack_refusal`)."""
+    from fedjax_pfl.algorithms import registry
+
+    def when(s: Setting) -> bool:
+        kind = s.hparams.get("attack")
+        return (registry.attack_refusal(s.algo, kind) is None
+                and (kinds is None or kind in kinds))
+
+    def why(s: Setting) -> str:
+        kind = s.hparams.get("attack")
+        refusal = registry.attack_refusal(s.algo, kind)
+        if refusal is not None:
+            return f"{kind} does not apply: {arg('algo')} {s.algo} takes none ({refusal})"
+        return (f"applies to {arg('attack', 'hparams')} {' / '.join(kinds or ())} only, not "
+                f"{arg('attack', 'hparams')} {kind}")
+    return Applies(when, why)
+
+
 def _applies_table() -> dict[tuple[str, str], Applies]:
-    from fedjax_pfl.algorithms.registry import AGGREGATOR_SETTINGS, SERVER_OPT_SETTINGS
+    from fedjax_pfl.algorithms.registry import AGGREGATOR_SETTINGS, ATTACK_SETTINGS, SERVER_OPT_SETTINGS
     from fedjax_pfl.models import sequence
 
     natural = _natural_only()
@@ -270,6 +291,16 @@ def _applies_table() -> dict[tuple[str, str], Applies]:
         ("dp_count_noise", "hparams"): _with_hparam("dp_clip_quantile", "adaptive clipping"),
         # clients that never train (algorithms/engine.py's sampling, algorithms/newcomers.py)
         ("unseen_clients", ""): _unseen_clients(),
+        # the adversaries (algorithms/engine.py's malicious set, ops/attacks.py, ops/poison.py)
+        ("attack_seed", ""): Applies(lambda s: bool(s.hparams.get("attack_fraction")),
+                                     lambda s: f"needs {arg('attack_fraction', 'hparams')} > 0 "
+                                               "(the malicious set it draws)"),
+        ("attack_redraw", "hparams"): Applies(
+            lambda s: bool(s.hparams.get("attack_fraction")),
+            lambda s: f"needs {arg('attack_fraction', 'hparams')} > 0 (the malicious set it "
+                      "re-draws)"),
+        **{(name, "hparams"): _attack(kinds) for name, kinds in ATTACK_SETTINGS.items()},
+        ("attack", "hparams"): _attack(None),
         # the local work (algorithms/engine.py: local_steps replaces local_epochs)
         ("local_epochs", "hparams"): _local_epochs(),
         # the server optimiser (algorithms/engine.py's server chain, ops/server_opt.py)
@@ -480,6 +511,7 @@ def run_fields(*, hparams: Mapping[str, Any] | None = None,
                 model_cr=o["model_cr"], model_conv=o["conv"], partition=partition,
                 rounds=o["rounds"], seed=o["seed"], eval_every=o["eval_every"],
                 eval_clients=o["eval_clients"], unseen_clients=o["unseen_clients"],
+                attack_seed=o["attack_seed"],
                 rounds_per_call=o["rounds_per_call"],
                 state_dtype=o["state_dtype"], data_placement=o["data_placement"],
                 state_placement=o["state_placement"],

@@ -101,7 +101,9 @@ BAD = [
      "dp_count_noise, sampling, server_opt, server_opt_lr, server_opt_momentum, server_opt_b1, "
      "server_opt_b2, server_opt_eps, server_opt_bias_correction, aggregator, aggregator_beta, "
      "aggregator_f, aggregator_m, aggregator_iters, aggregator_nu, aggregator_tau, "
-     "aggregator_radius (all) and their own (fedavg: "
+     "aggregator_radius, attack, attack_fraction, attack_redraw, attack_scale, attack_std, "
+     "attack_z, attack_eps, attack_target, attack_poison_fraction, attack_trigger_size (all) "
+     "and their own (fedavg: "
      "(none); pgfed: mu, alpha_lr)"),
     (["--grid", "rounds=3"], "--grid rounds: --rounds is a run setting, not an algorithm "
                              "hyperparameter; set it in --common"),
