@@ -38,7 +38,7 @@ from fedjax_pfl import core
 from fedjax_pfl.algorithms.interface import Algorithm, EvaluateParts, evaluated_ids, split_evaluate
 from fedjax_pfl.core import server as server_lib
 from fedjax_pfl.core.evaluate import ClientEval, Evaluator
-from fedjax_pfl.core.local import LocalResult, LocalTrainer
+from fedjax_pfl.core.local import DataPoison, LocalResult, LocalTrainer
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.models.model import Model
@@ -319,6 +319,7 @@ class Engine:
         )
         self.evaluator = Evaluator(model, batch_size=config.eval_batch_size, mapper=self.mapper)
         self.server = server_chain(config)
+        self.poison = data_poison(config)
 
     # -- sampling ---------------------------------------------------------------------------------
 
@@ -465,7 +466,11 @@ class Engine:
         persist): the clients' rows are gathered and the trained ones scattered back into
         `Trained.opt_rows`; or `opt_state` the clients' states ([M, ...]); neither: fresh states
         for a model shaped like `start` (or `opt_like`, where the trained carry holds more than
-        the optimised model: MOON's)."""
+        the optimised model: MOON's).
+
+        Under data poisoning (--attack label_flip / backdoor) the trainer is its poisoned copy
+        (`LocalTrainer.poisoned`), the round's malicious slots among `idx` poisoning their
+        batches; every other client's training is the plain one."""
         idx = rnd.idx if idx is None else idx
         data = rnd.data if data is None else data
         key = rnd.keys["train"] if key is None else key
@@ -477,8 +482,12 @@ class Engine:
             else:
                 opt_state = core.broadcast(trainer.init_opt_state(one), idx.shape[0])
         keys = client_keys(key, idx)
+        malicious = None
+        if self.poison is not None and rnd.attackers is not None:   # (--attack label_flip, …)
+            trainer, malicious = trainer.poisoned(self.poison), rnd.malicious(idx)
         result = trainer(data, start, opt_state, core.gather(data.clients, idx), keys,
-                         extra=extra, hook_state=hook_state, shared_start=shared_start, ids=idx)
+                         extra=extra, hook_state=hook_state, shared_start=shared_start, ids=idx,
+                         malicious=malicious)
         rows = opt_rows
         if opt_rows is not None and self.persist_opt_state:
             rows = core.scatter(opt_rows, idx, result.opt_state)
@@ -640,6 +649,18 @@ def server_chain(config: EngineConfig) -> server_lib.ServerChain:
         server_lib.noised_mean(lambda context: dp.update_noise_multiplier(
             config.dp_noise_multiplier, sigma(context))),
         update)
+
+
+def data_poison(config: EngineConfig) -> DataPoison | None:
+    """The data poisoning of the malicious clients' training (--attack label_flip / backdoor
+    with --attack-fraction > 0; `core.local.DataPoison`), or None."""
+    if config.attack not in attacks.DATA_ATTACKS or not config.attack_fraction:
+        return None
+    target = config.attack_target
+    if config.attack == "backdoor" and target is None:
+        target = 0
+    return DataPoison(config.attack, target, float(config.attack_poison_fraction),
+                      int(config.attack_trigger_size), int(config.attack_seed))
 
 
 def model_attack(config: EngineConfig) -> server_lib.ServerLink:

@@ -34,6 +34,7 @@ Algorithms change local training by composition, not by writing loops:
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -45,6 +46,7 @@ from fedjax_pfl.core.evaluate import auto_eval_batch, input_dtype
 from fedjax_pfl.core.execution import ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
 from fedjax_pfl.models.model import Model
+from fedjax_pfl.ops import poison as poison_ops
 
 Params = Any
 OnStep = Callable[[Any, Params, dict], Any]
@@ -60,6 +62,7 @@ class TrainRow(NamedTuple):
     client: ClientSplits  # where its samples are
     key: jax.Array        # its PRNG key (batch order)
     extra: dict           # per-client inputs of the optimizer and the hook
+    malicious: Any = None  # () bool: the client poisons its training data (`DataPoison`)
 
 
 class TrainCarry(NamedTuple):
@@ -73,6 +76,7 @@ class TrainCarry(NamedTuple):
     key: jax.Array
     extra: dict
     draws: Any = None     # with E epochs: each epoch's `ShuffleDraws`, [E, SHUFFLE_ROUNDS] each
+    malicious: Any = None  # () bool, the row's (`TrainRow.malicious`)
 
 
 class PassCarry(NamedTuple):
@@ -177,6 +181,66 @@ def shuffled(draws: ShuffleDraws, n: jax.Array, positions: jax.Array,
     return jnp.where(inside, x, 0)
 
 
+# The stream of the attack seed that picks a backdoor client's poisoned examples.
+POISON_STREAM = 0x0B4
+
+
+class DataPoison(NamedTuple):
+    """Data poisoning of a malicious client's training batches (--attack label_flip /
+    backdoor; `ops.poison`): hashable, a static part of the trainer.
+
+    label_flip poisons every training example of the client; backdoor the same fixed share
+    `fraction` of them in every epoch and round: example j of a client with n examples (its
+    position in the client's train split) is poisoned iff π(j) < ⌈fraction·n⌉, π the
+    swap-or-not permutation of 0 … n−1 (`shuffled`) keyed by fold_in(key(seed), the client's
+    first row), so exactly ⌈fraction·n⌉ of its examples carry the trigger. The trigger's value
+    is 1.0 (the top of the normalised input range of every image dataset here) or, for token
+    inputs, the vocabulary's last id. Classification tasks only (one label per example)."""
+
+    kind: str                  # "label_flip" | "backdoor"
+    target: int | None         # label_flip: None (y → C−1−y) or the label; backdoor: the label
+    fraction: float = 1.0      # backdoor: the share of a client's examples poisoned
+    size: int = 2              # backdoor: the trigger's k
+    seed: int = 0              # backdoor: the seed of the poisoned examples
+
+    def chosen(self, client: ClientSplits, order: jax.Array) -> jax.Array:
+        """[B] bool: which of the examples at positions `order` of the client's train split
+        are poisoned (all for label_flip)."""
+        if self.kind == "label_flip":
+            return jnp.ones(order.shape, bool)
+        n = client.train_count
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), POISON_STREAM),
+                                 client.train_start)
+        rank = shuffled(shuffle_draws(key, n), n, order)
+        take = jnp.ceil(jnp.float32(self.fraction) * n.astype(jnp.float32) - 1e-6)
+        return rank < take.astype(jnp.int32)
+
+    def apply(self, data: FederatedData, x: jax.Array, y: jax.Array, client: ClientSplits,
+              order: jax.Array, malicious: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The batch (x, y) of examples `order` as the client trains on it: poisoned where
+        `malicious`, as it is otherwise."""
+        kind = "classify" if data.task is None else data.task.kind
+        if kind != "classify":
+            raise ValueError(f"--attack {self.kind} poisons classification labels; this "
+                             f"dataset's task is {kind!r} (labels {tuple(y.shape[1:])} per "
+                             "example)")
+        chosen = malicious & self.chosen(client, order)
+        if self.kind == "label_flip":
+            return poison_ops.label_flip(x, y, chosen, num_classes=data.num_classes,
+                                         target=self.target)
+        inputs, value = trigger_of(data)
+        return poison_ops.backdoor(x, y, chosen, target=self.target or 0, size=self.size,
+                                   value=value, inputs=inputs)
+
+
+def trigger_of(data: FederatedData) -> tuple[str, Any]:
+    """(how a trigger is stamped on `data`'s inputs, its value): images (inputs of rank ≥ 2)
+    get the pixel value 1.0, features 1.0, token inputs the vocabulary's last id."""
+    if data.token_inputs:
+        return "tokens", data.task.vocab_size - 1
+    return ("image" if len(data.input_shape) >= 2 else "features"), 1.0
+
+
 def masked_mean_loss(model: Model, params: Params, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
     """Σ_j mask_j ℓ(params; x_j, y_j) / Σ_j mask_j w_j: the mean over the real samples (and, for
     a model with `weight`, their real tokens) of a padded batch."""
@@ -211,6 +275,7 @@ class LocalTrainer:
         drop_last: bool = False,
         on_step: OnStep | None = None,
         step_fn: StepFn | None = None,
+        poison: DataPoison | None = None,
     ):
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs (E passes over each client's data) or "
@@ -230,9 +295,25 @@ class LocalTrainer:
         self.drop_last = bool(drop_last)
         self.mapper = mapper
         self.on_step = on_step
+        self.poison = poison
+        self._poisoned: dict[DataPoison, LocalTrainer] = {}
+        self._build()
+
+    def _build(self) -> None:
         self._loop, self._probe = self._make_loop()
-        self._train_many = jit_unless_loop(mapper, self._map_clients)
-        self._train_many_shared_start = jit_unless_loop(mapper, self._map_clients_shared_start)
+        self._train_many = jit_unless_loop(self.mapper, self._map_clients)
+        self._train_many_shared_start = jit_unless_loop(self.mapper,
+                                                        self._map_clients_shared_start)
+
+    def poisoned(self, poison: DataPoison) -> "LocalTrainer":
+        """This trainer with its malicious clients' batches poisoned by `poison` (built once
+        per poison: the same trainer, a loop that reads `TrainRow.malicious`)."""
+        if poison not in self._poisoned:
+            other = copy.copy(self)
+            other.poison, other._poisoned = poison, {}
+            other._build()
+            self._poisoned[poison] = other
+        return self._poisoned[poison]
 
     def num_steps(self, count: jax.Array) -> jax.Array:
         """Steps each client takes: E·S_i, or K (0 for a client without data)."""
@@ -256,6 +337,7 @@ class LocalTrainer:
         hook_state: Any = None,
         shared_start: bool = False,
         ids: jax.Array | None = None,
+        malicious: jax.Array | None = None,
     ) -> LocalResult:
         """Trains M clients. Every argument but `data` has leading axis M.
 
@@ -269,25 +351,31 @@ class LocalTrainer:
           extra: per-client inputs for the optimizer and the `on_step` hook.
           hook_state: per-client state carried by `on_step`.
           ids: the M clients' ids (optional): the debug backend names a failing client by it.
+          malicious: [M] bool, the clients whose batches the trainer's `poison` poisons (None:
+            none; a trainer without `poison` ignores it).
         """
         extra = {} if extra is None else extra
+        if self.poison is None:
+            malicious = None
         train = self._train_many_shared_start if shared_start else self._train_many
-        return train(data, params, opt_state, hook_state, clients, keys, extra, ids)
+        return train(data, params, opt_state, hook_state, clients, keys, extra, ids, malicious)
 
-    def _map_clients(self, data, params, opt_state, hook_state, clients, keys, extra, ids=None):
-        rows = TrainRow(params, opt_state, hook_state, clients, keys, extra)
+    def _map_clients(self, data, params, opt_state, hook_state, clients, keys, extra, ids=None,
+                     malicious=None):
+        rows = TrainRow(params, opt_state, hook_state, clients, keys, extra, malicious)
         return self.mapper.run(self._loop, rows, shared=(data, None), probe=self._probe, ids=ids,
                                stage="local training")
 
     def _map_clients_shared_start(self, data, params, opt_state, hook_state, clients, keys, extra,
-                                  ids=None):
-        rows = TrainRow(None, opt_state, hook_state, clients, keys, extra)
+                                  ids=None, malicious=None):
+        rows = TrainRow(None, opt_state, hook_state, clients, keys, extra, malicious)
         return self.mapper.run(self._loop, rows, shared=(data, params), probe=self._probe, ids=ids,
                                stage="local training")
 
     def _make_loop(self):
         """(loop, probe): one client's local training as a ClientLoop, and one step of it."""
         model, optimizer, on_step, step_fn = self.model, self.optimizer, self.on_step, self.step_fn
+        poison = self.poison
         batch, drop_last, epochs = self.batch_size, self.drop_last, self.epochs
         loss_and_grad = jax.value_and_grad(lambda p, x, y, m: masked_mean_loss(model, p, x, y, m))
 
@@ -312,13 +400,13 @@ class LocalTrainer:
                 draws = jax.vmap(lambda e: epoch_draws(row.key, row.client.train_count, e))(
                     jnp.arange(epochs, dtype=jnp.int32))
             return TrainCarry(params, row.opt_state, row.hook_state, jnp.zeros(()), row.client,
-                              row.key, row.extra, draws)
+                              row.key, row.extra, draws, row.malicious)
 
         def step(shared, carry: TrainCarry, t) -> TrainCarry:
             """Minibatch t: the hook (pre-step params), then the update (default: gradient +
             optimizer)."""
             data = shared[0]
-            params, opt_state, hook_state, loss_sum, client, key, extra, draws = carry
+            params, opt_state, hook_state, loss_sum, client, key, extra, draws, bad = carry
             count = client.train_count
             per_epoch = jnp.maximum(steps_per_epoch(count, batch, drop_last), 1)
             epoch, k = t // per_epoch, t % per_epoch
@@ -336,10 +424,12 @@ class LocalTrainer:
             rows = client.train_start + order
             if on_step is not None:
                 hook_state = on_step(hook_state, params, extra)
-            params, opt_state, loss = update(params, opt_state, data.inputs(rows),
-                                             data.labels(rows), mask, extra)
+            x, y = data.inputs(rows), data.labels(rows)
+            if poison is not None and bad is not None:
+                x, y = poison.apply(data, x, y, client, order, bad)
+            params, opt_state, loss = update(params, opt_state, x, y, mask, extra)
             return TrainCarry(params, opt_state, hook_state, loss_sum + loss, client, key, extra,
-                              draws)
+                              draws, bad)
 
         def finish(shared, carry: TrainCarry) -> LocalResult:
             total = self.num_steps(carry.client.train_count)
