@@ -827,10 +827,29 @@ def _main(argv: list[str] | None, callbacks: Sequence[Any] = ()) -> int:
             print(f"  {key:<32} {value:,.0f}")
     for line in cost_lines(summary):
         print("  " + line)
-    line = unseen_line(summary)
-    if line:
-        print("  " + line)
+    for line in (unseen_line(summary), attack_line(summary)):
+        if line:
+            print("  " + line)
     return 0
+
+
+def attack_line(summary: dict) -> str | None:
+    """The closing summary's line on the adversaries (summary.json's "attack"): "attack
+    backdoor (6 of 20 malicious) at round 5   benign 0.8123   global benign 0.8011   asr
+    0.9300"; None without malicious clients."""
+    record = summary.get("attack")
+    if not record:
+        return None
+    who = (f"{record['clients']} of {summary['clients']} malicious" if "clients" in record
+           else f"{record['fraction']:g} malicious, re-drawn each round")
+    text = f"{'attack ' + record['attack']:<22} {who}"
+    if "round" in record:
+        text += f" at round {record['round']}"
+    for key, label in (("acc_mean_benign", "benign"), ("global_acc_mean_benign", "global benign"),
+                       ("asr", "asr"), ("global_asr", "global asr")):
+        if key in record:
+            text += f"   {label} {record[key]:.4f}"
+    return text
 
 
 def unseen_line(summary: dict) -> str | None:

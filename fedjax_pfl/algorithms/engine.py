@@ -37,7 +37,7 @@ import optax
 from fedjax_pfl import core
 from fedjax_pfl.algorithms.interface import Algorithm, EvaluateParts, evaluated_ids, split_evaluate
 from fedjax_pfl.core import server as server_lib
-from fedjax_pfl.core.evaluate import ClientEval, Evaluator
+from fedjax_pfl.core.evaluate import Backdoor, ClientEval, Evaluator
 from fedjax_pfl.core.local import DataPoison, LocalResult, LocalTrainer
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.errors import OptionError, arg
@@ -317,9 +317,12 @@ class Engine:
             model, optimizer, batch_size=config.batch_size, mapper=self.mapper,
             drop_last=config.drop_last, on_step=on_step, step_fn=step_fn, **schedule,
         )
-        self.evaluator = Evaluator(model, batch_size=config.eval_batch_size, mapper=self.mapper)
-        self.server = server_chain(config)
         self.poison = data_poison(config)
+        backdoor = (None if self.poison is None or self.poison.kind != "backdoor"
+                    else Backdoor(self.poison.target or 0, self.poison.size))
+        self.evaluator = Evaluator(model, batch_size=config.eval_batch_size, mapper=self.mapper,
+                                   backdoor=backdoor)
+        self.server = server_chain(config)
 
     # -- sampling ---------------------------------------------------------------------------------
 

@@ -144,7 +144,7 @@ def fedrod(model: Model, config: EngineConfig, *, head: str) -> Algorithm:
     combined = model._replace(init=model.init, apply=lambda pp, x: personal_logits(pp[0], pp[1], x),
                               name=f"{model.name}+personal head")
     evaluator = Evaluator(combined, batch_size=config.eval_batch_size,
-                          mapper=engine.evaluator.mapper)
+                          mapper=engine.evaluator.mapper, backdoor=engine.evaluator.backdoor)
     generic_size = ops.tree_size(template)
 
     def init(key: jax.Array, data) -> State:

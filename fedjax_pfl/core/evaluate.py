@@ -21,6 +21,7 @@ from fedjax_pfl.core.clients import gather, num_sampled_clients
 from fedjax_pfl.core.execution import EAGER_BACKENDS, ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
+from fedjax_pfl.ops import poison as poison_ops
 
 Params = Any
 
@@ -32,6 +33,10 @@ class ClientEval(NamedTuple):
     loss_sum: jax.Array  # Σ of per-example test losses (float32)
     count: jax.Array     # number of test samples (int32), or of scored units (`Model.metric`)
     loss_count: Any = None  # Σ of the loss units (`Model.weight`: tokens); None: `count`
+    # Under a backdoor (`Backdoor`): the client's test samples of a true label other than the
+    # target, and how many of them the model classifies as the target once triggered.
+    backdoor_hits: Any = None
+    backdoor_count: Any = None
 
     @property
     def accuracy(self) -> jax.Array:
@@ -43,6 +48,23 @@ class ClientEval(NamedTuple):
         """Mean test loss per client (per token with `Model.weight`); NaN without test data."""
         units = self.count if self.loss_count is None else self.loss_count
         return self.loss_sum / jnp.where(units > 0, units, jnp.nan)
+
+
+class Backdoor(NamedTuple):
+    """The backdoor an evaluation measures (--attack backdoor): its target label and the
+    trigger's k (`ops.poison.stamp_trigger`, stamped as `trigger_of` says)."""
+
+    target: int
+    size: int
+
+
+def trigger_of(data: FederatedData) -> tuple[str, Any]:
+    """(how a trigger is stamped on `data`'s inputs, its value): images (inputs of rank ≥ 2)
+    get the pixel value 1.0 (the top of every image dataset's normalised range here), features
+    1.0, token inputs the vocabulary's last id."""
+    if data.token_inputs:
+        return "tokens", data.task.vocab_size - 1
+    return ("image" if len(data.input_shape) >= 2 else "features"), 1.0
 
 
 AUTO_EVAL_BATCH = 0
@@ -99,10 +121,16 @@ class Evaluator:
     `ClientLoop` of ⌈test_count / batch⌉ steps, run by the mapper in lanes (chunked) or vmapped.
     """
 
-    def __init__(self, model: Model, *, batch_size: int, mapper: ClientMapper):
+    def __init__(self, model: Model, *, batch_size: int, mapper: ClientMapper,
+                 backdoor: Backdoor | None = None):
+        """`backdoor`: each test batch is also evaluated with the trigger stamped on it, and
+        the results count the samples whose label is not the target (`backdoor_count`) and
+        those of them classified as the target (`backdoor_hits`): the attack success rate's
+        parts (classification tasks)."""
         if batch_size < 0:
             raise ValueError(f"--eval-batch-size must be >= 0 (0: automatic), got {batch_size}")
         self.model = model
+        self.backdoor = backdoor
         self.batch_size = int(batch_size)
         # Evaluation touches all N clients: never vmap them all at once (memory), use lanes.
         if mapper.backend == "vmap":
@@ -170,13 +198,25 @@ class Evaluator:
         return self._shared(data, params, clients, self.batch_for(data), ids)
 
     def _make_loop(self, batch: int, personal: bool):
-        model = self.model
+        model, backdoor = self.model, self.backdoor
 
         def init(shared, row) -> EvalCarry:
             params, client = row
             zero = jnp.zeros(())  # float64 under x64, float32 otherwise
             units = None if model.metric is None and model.weight is None else (zero, zero)
-            return EvalCarry(params, client, zero, zero, units)
+            return EvalCarry(params, client, zero, zero, units,
+                             None if backdoor is None else (zero, zero))
+
+        def triggered(data, params, x, labels, mask, sums):
+            """The backdoor's (hits, count) after this batch: its samples of another label than
+            the target, triggered, classified as the target."""
+            inputs, value = trigger_of(data)
+            outputs = model.apply(_as_float32(params),
+                                  poison_ops.stamp_trigger(x, backdoor.size, value, inputs))
+            keep = mask & (labels != backdoor.target)
+            hit = keep & (jnp.argmax(outputs, axis=-1) == backdoor.target)
+            return (sums[0] + jnp.sum(hit).astype(sums[0].dtype),
+                    sums[1] + jnp.sum(keep).astype(sums[1].dtype))
 
         def step(shared, carry: EvalCarry, b) -> EvalCarry:
             data, common = shared
@@ -185,8 +225,12 @@ class Evaluator:
             positions = b * batch + jnp.arange(batch)
             mask = positions < client.test_count
             rows = client.test_start + jnp.where(mask, positions, 0)
-            outputs = model.apply(_as_float32(params), data.inputs(rows))
+            x = data.inputs(rows)
+            outputs = model.apply(_as_float32(params), x)
             labels = data.labels(rows)
+            if backdoor is not None:
+                carry = carry._replace(backdoor=triggered(data, params, x, labels, mask,
+                                                          carry.backdoor))
             losses = model.loss(outputs, labels)
             loss_sum = loss_sum + jnp.sum(jnp.where(mask, losses, 0.0)).astype(loss_sum.dtype)
             if carry.units is None:
@@ -204,11 +248,13 @@ class Evaluator:
             return carry._replace(correct=masked(hits, correct), loss_sum=loss_sum, units=units)
 
         def finish(shared, carry: EvalCarry) -> ClientEval:
+            hits, count = (None, None) if carry.backdoor is None else carry.backdoor
             if carry.units is None:
                 return ClientEval(carry.correct, carry.loss_sum,
-                                  carry.client.test_count.astype(jnp.int32))
+                                  carry.client.test_count.astype(jnp.int32),
+                                  backdoor_hits=hits, backdoor_count=count)
             scored, loss_units = carry.units
-            return ClientEval(carry.correct, carry.loss_sum, scored, loss_units)
+            return ClientEval(carry.correct, carry.loss_sum, scored, loss_units, hits, count)
 
         def length(row):
             _, client = row
@@ -229,6 +275,7 @@ class EvalCarry(NamedTuple):
     correct: jax.Array      # correct predictions so far; shape=()
     loss_sum: jax.Array     # Σ of the per-example losses so far; shape=()
     units: Any = None       # (scored units, loss units) so far, for a model with metric/weight
+    backdoor: Any = None    # (triggered hits, non-target samples) so far (`Backdoor`)
 
 
 def _rows(tree: Params, ids: jax.Array) -> Params:

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedjax_pfl.core.evaluate import auto_eval_batch, input_dtype
+from fedjax_pfl.core.evaluate import auto_eval_batch, input_dtype, trigger_of
 from fedjax_pfl.core.execution import ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
 from fedjax_pfl.models.model import Model
@@ -231,14 +231,6 @@ class DataPoison(NamedTuple):
         inputs, value = trigger_of(data)
         return poison_ops.backdoor(x, y, chosen, target=self.target or 0, size=self.size,
                                    value=value, inputs=inputs)
-
-
-def trigger_of(data: FederatedData) -> tuple[str, Any]:
-    """(how a trigger is stamped on `data`'s inputs, its value): images (inputs of rank ≥ 2)
-    get the pixel value 1.0, features 1.0, token inputs the vocabulary's last id."""
-    if data.token_inputs:
-        return "tokens", data.task.vocab_size - 1
-    return ("image" if len(data.input_shape) >= 2 else "features"), 1.0
 
 
 def masked_mean_loss(model: Model, params: Params, x: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:

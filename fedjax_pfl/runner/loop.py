@@ -46,6 +46,7 @@ from fedjax_pfl.runner.privacy import PrivacyPlan
 from fedjax_pfl.runner.records import (
     Progress,
     eval_ids,
+    malicious_of,
     record_call,
     report,
     round_row,
@@ -480,7 +481,7 @@ def _rounds(cfg: RunConfig, prep: Prepared, state, round_keys, prog: Progress,
         # Everything of this call is on the host: record it (no signal can split it).
         with deferred_signals():
             recorded = record_call(prog, rows, evals, ids, eval_time, r, n_real,
-                                   unseen=unseen_of(prep))
+                                   unseen=unseen_of(prep), malicious=malicious_of(prep))
             reached = evals is not None and target_round(cfg, [rows[-1][0]]) is not None
             r += count
             for i, (row, sampled, accuracy) in enumerate(recorded):

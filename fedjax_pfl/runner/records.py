@@ -65,8 +65,44 @@ def unseen_of(prep) -> np.ndarray | None:
     return unseen_mask(fraction, prep.cfg.seed, prep.data.num_real_clients)
 
 
+def attack_of(prep) -> dict | None:
+    """The run's threat model ({attack, fraction, redraw, seed}: --attack, --attack-fraction,
+    --attack-redraw, the seed of the set), or None without malicious clients."""
+    from fedjax_pfl.runner.config import attack_seed_of
+
+    hp = getattr(prep, "hparams", {}) or {}
+    if not hp.get("attack_fraction"):
+        return None
+    return {"attack": hp.get("attack", "none"), "fraction": float(hp["attack_fraction"]),
+            "redraw": bool(hp.get("attack_redraw")), "seed": attack_seed_of(prep.cfg)}
+
+
+def malicious_of(prep) -> np.ndarray | None:
+    """[n_real] bool: the run's fixed malicious set (`engine.malicious_mask`), or None (no
+    malicious clients, or a set re-drawn every round: no client stays benign)."""
+    from fedjax_pfl.algorithms.engine import malicious_mask
+
+    threat = attack_of(prep)
+    if threat is None or threat["redraw"]:
+        return None
+    return malicious_mask(threat["fraction"], threat["seed"], prep.data.num_real_clients)
+
+
+def malicious_per_round(prep, rounds: int) -> np.ndarray:
+    """[R, n_real] bool: each round's malicious set under --attack-redraw, recomputed from the
+    round keys as the rounds drew it (`engine.redrawn_mask`)."""
+    from fedjax_pfl.algorithms.engine import redrawn_mask
+    from fedjax_pfl.core.program import round_key
+
+    threat = attack_of(prep)
+    n = prep.data.num_real_clients
+    return np.stack([np.asarray(redrawn_mask(round_key(prep.round_keys, r), threat["seed"],
+                                             threat["fraction"], n)) for r in range(rounds)]
+                    ) if rounds else np.zeros((0, n), bool)
+
+
 def record_call(prog: Progress, rows, evals, ids, eval_time, r, n_real,
-                unseen: np.ndarray | None = None) -> list:
+                unseen: np.ndarray | None = None, malicious: np.ndarray | None = None) -> list:
     """Adds one call's rounds (and the evaluation after its last round) to `prog`; returns each
     round's (row, sampled ids, per-client accuracy or None). `unseen`: the held-out clients
     (`unseen_of`), whose accuracy the evaluation's row gives apart (`record_evaluation`)."""
@@ -80,7 +116,7 @@ def record_call(prog: Progress, rows, evals, ids, eval_time, r, n_real,
         if i == len(rows) - 1 and evals is not None:
             prog.eval_time += eval_time
             accuracy = record_evaluation(row, evals, ids, n_real, prog.history, sampled,
-                                         unseen=unseen)
+                                         unseen=unseen, malicious=malicious)
             prog.acc_log.append(accuracy)
             prog.eval_rounds.append(r + i + 1)
         prog.history.append(row)
@@ -134,6 +170,9 @@ def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
     unseen = unseen_of(prep)
     if unseen is not None:
         summary["unseen"] = unseen_record(cfg, unseen, final)
+    threat = attack_of(prep)
+    if threat is not None:
+        summary["attack"] = attack_record(threat, malicious_of(prep), rows)
     summary["cost"] = {**communication_bytes(communication),
                        **round_flops(getattr(prep, "program", None), prog.round)}
     reached = first_round_reaching(rows, CONVERGENCE_METRIC, CONVERGENCE_FRACTION)
@@ -148,6 +187,10 @@ def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
             named = {} if ids is None else {"client_ids": np.asarray(ids, dtype=str)}
             trained = trained_counts(cfg, host["sampled"], n_real, len(prog.sampled_log))
             held_out = np.zeros(n_real, bool) if unseen is None else unseen
+            if threat is not None:     # [n_real], or [R, n_real] where re-drawn every round
+                fixed = malicious_of(prep)
+                named["malicious"] = (fixed if fixed is not None
+                                      else malicious_per_round(prep, len(prog.sampled_log)))
             rundir.atomic(os.path.join(out, "client_metrics.npz"), lambda f: np.savez_compressed(
                 f, sampled=host["sampled"], eval_rounds=host["eval_rounds"],
                 accuracy=host["accuracy"], unseen=held_out, rounds_trained=trained, **named))
@@ -162,6 +205,23 @@ def report(cfg, prep, prog: Progress, out, t_start, *, compile_time, plan,
                                              f"after round {final[0]}")
         rundir.write_json(os.path.join(out, "summary.json"), summary)
     return summary
+
+
+def attack_record(threat: dict, malicious: np.ndarray | None, rows: list[dict]) -> dict[str, Any]:
+    """summary.json's "attack": the threat model (`attack_of`), the malicious clients (their
+    count and ids; with --attack-redraw the count a round's set has) and the latest
+    evaluation's benign accuracy and attack success rate (`attack_metrics`)."""
+    record: dict[str, Any] = dict(threat)
+    if malicious is not None:
+        record.update(clients=int(malicious.sum()), ids=np.flatnonzero(malicious).tolist())
+    evaluated = [row for row in rows if "acc_mean" in row]
+    if evaluated:
+        last = evaluated[-1]
+        record["round"] = last["round"]
+        record.update({k: v for k, v in last.items()
+                       if k.endswith("acc_mean_benign") or k.endswith("asr")
+                       or k == "clients_benign"})
+    return record
 
 
 def unseen_record(cfg, unseen: np.ndarray, final) -> dict[str, Any]:
@@ -352,8 +412,42 @@ def eval_ids(prep, sampled: np.ndarray, *, final: bool) -> np.ndarray | None:
     return prep.eval_ids
 
 
+def attack_metrics(evals: dict, ids, n_real: int,
+                   malicious: np.ndarray | None) -> dict[str, float | int]:
+    """An evaluation's figures under attack: with a fixed malicious set ([n_real] bool) the
+    benign clients' accuracy, "acc_mean_benign" (the unweighted mean over benign clients, as
+    acc_mean) for the clients' own models and "<name>_acc_mean_benign" for each other model
+    evaluated (the global one), and "clients_benign"; under a backdoor the attack success rate
+    "asr" ("<name>_asr"): of the benign clients' test samples whose label is not the target,
+    the fraction the model classifies as the target once triggered (pooled over the clients;
+    every client's where the set is re-drawn each round: `malicious` None)."""
+    where = np.arange(n_real) if ids is None else np.asarray(ids)
+    out: dict[str, float | int] = {}
+    for name, ev in evals.items():
+        prefix = "" if name == "client" else f"{name}_"
+        k = len(where)
+        benign = (np.ones(k, bool) if malicious is None
+                  else ~np.asarray(malicious, bool)[np.minimum(where, n_real - 1)])
+        benign &= where < n_real
+        if malicious is not None:
+            correct = np.asarray(ev.correct, np.float64)[:k]
+            count = np.asarray(ev.count, np.float64)[:k]
+            acc = correct[benign & (count > 0)] / count[benign & (count > 0)]
+            if acc.size:
+                out[f"{prefix}acc_mean_benign"] = float(acc.mean())
+            if name == "client":
+                out["clients_benign"] = int((benign & (count > 0)).sum())
+        if getattr(ev, "backdoor_hits", None) is not None:
+            hits = np.asarray(ev.backdoor_hits, np.float64)[:k][benign].sum()
+            total = np.asarray(ev.backdoor_count, np.float64)[:k][benign].sum()
+            if total > 0:
+                out[f"{prefix}asr"] = float(hits / total)
+    return out
+
+
 def record_evaluation(row: dict, evals: dict, ids, n_real: int, history, sampled,
-                      unseen: np.ndarray | None = None) -> np.ndarray:
+                      unseen: np.ndarray | None = None,
+                      malicious: np.ndarray | None = None) -> np.ndarray:
     """Adds the evaluation statistics to `row`; returns the per-client accuracy [n_real] (NaN
     for clients not evaluated this time). With `unseen` (the held-out clients, [n_real] bool)
     also acc_mean_seen, acc_mean_unseen and participation_gap (`participation_split`)."""
@@ -370,6 +464,7 @@ def record_evaluation(row: dict, evals: dict, ids, n_real: int, history, sampled
     row.update(history.record_participants(accuracy, participants(sampled)))
     if unseen is not None:
         row.update(participation_split(accuracy, unseen))
+    row.update(attack_metrics(evals, ids, n_real, malicious))
     for name, ev in evals.items():
         if name != "client":
             row.update(core.summarize(ev.correct, ev.loss_sum, ev.count, prefix=f"{name}_",
