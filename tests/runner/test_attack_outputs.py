@@ -4,12 +4,11 @@ and a run's summary.json "attack", metrics rows and client_metrics.npz `maliciou
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import finished_cli_run, linear_model, make_raw
-
-import jax
-import jax.numpy as jnp
 
 from fedjax_pfl.algorithms import engine as engine_lib
 from fedjax_pfl.core import client_mapper
