@@ -27,19 +27,31 @@ import numpy as np
 
 from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.models.hf import names
-from fedjax_pfl.models.hf.config import (MODEL_TYPES, GPT2Config, LlamaConfig, PretrainedError,
-                                         PretrainedNotFoundError, read_config)
+from fedjax_pfl.models.hf.config import (
+    MODEL_TYPES,
+    GPT2Config,
+    LlamaConfig,
+    PretrainedError,
+    PretrainedNotFoundError,
+    config_from_dict,
+    read_config,
+)
 from fedjax_pfl.models.hf.gpt2 import GPT2LMHeadModel
 from fedjax_pfl.models.hf.llama import LlamaForCausalLM
 from fedjax_pfl.models.hf.names import flax_path, from_hf, hf_name, is_transposed, to_hf
-from fedjax_pfl.models.hf.task import (shifted_labels, shifted_sequence_loss, shifted_sequence_metric,
-                                       shifted_sequence_weight)
+from fedjax_pfl.models.hf.task import (
+    shifted_labels,
+    shifted_sequence_loss,
+    shifted_sequence_metric,
+    shifted_sequence_weight,
+)
 from fedjax_pfl.models.hf.tokenizer import Tokenizer
 from fedjax_pfl.models.model import Model
 
-__all__ = ["DTYPES", "Decoder", "load", "model_from_hf", "Tokenizer", "PretrainedError",
-           "PretrainedNotFoundError", "LlamaConfig", "GPT2Config", "MODEL_TYPES", "read_config",
-           "LlamaForCausalLM", "GPT2LMHeadModel", "hf_name", "flax_path", "from_hf", "to_hf",
+__all__ = ["DTYPES", "Decoder", "load", "model_from_hf", "decoder", "decoder_from_config", "Tokenizer",
+           "PretrainedError", "PretrainedNotFoundError", "LlamaConfig", "GPT2Config", "MODEL_TYPES",
+           "read_config", "config_from_dict", "LlamaForCausalLM", "GPT2LMHeadModel", "hf_name",
+           "flax_path", "from_hf", "to_hf",
            "is_transposed", "shifted_labels", "shifted_sequence_loss", "shifted_sequence_weight",
            "shifted_sequence_metric", "names"]
 
@@ -87,8 +99,17 @@ def _check_dtype(dtype: str) -> str:
 
 def decoder(path: str, dtype: str = "float32") -> Decoder:
     """The `Decoder` of folder `path` from its config.json alone (no weights read)."""
+    _check_dtype(dtype)
+    return decoder_from_config(read_config(path), dtype, path=path)
+
+
+def decoder_from_config(config: LlamaConfig | GPT2Config | dict, dtype: str = "float32", *,
+                        path: str = "") -> Decoder:
+    """The `Decoder` of a config (ours, or a config.json's contents as a dict); no weights.
+    Its `module.init(key, tokens)` gives flax's random initialisation (tests, from scratch)."""
     dtype = _check_dtype(dtype)
-    config = read_config(path)
+    if isinstance(config, dict):
+        config = config_from_dict(config)
     jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     module: LlamaForCausalLM | GPT2LMHeadModel
     if isinstance(config, GPT2Config):

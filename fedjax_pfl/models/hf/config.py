@@ -16,7 +16,7 @@ from typing import Any
 from fedjax_pfl.errors import MarkedError, arg
 
 __all__ = ["PretrainedError", "PretrainedNotFoundError", "LlamaConfig", "GPT2Config", "MODEL_TYPES",
-           "read_config", "rope_frequencies"]
+           "read_config", "config_from_dict", "rope_frequencies"]
 
 
 class PretrainedError(MarkedError, ValueError):
@@ -156,6 +156,11 @@ def read_config(path: str) -> LlamaConfig | GPT2Config:
     """The decoder settings of the folder `path` (its config.json)."""
     cfg = _read_json(path, "config.json")
     assert cfg is not None
+    return config_from_dict(cfg, path)
+
+
+def config_from_dict(cfg: dict, path: str = "<config>") -> LlamaConfig | GPT2Config:
+    """The decoder settings of a config.json's contents (`path` only names it in errors)."""
     model_type = cfg.get("model_type")
     if model_type not in MODEL_TYPES:
         raise PretrainedError(f"{where(path, 'config.json')}: unknown model_type {model_type!r}; "
