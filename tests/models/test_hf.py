@@ -553,3 +553,53 @@ def test_errors_name_the_file_and_what_is_wrong(tmp_path):
     msg = _error(OptionError, hf.load, str(good), dtype="float16")
     assert "dtype must be one of ['float32', 'bfloat16']" in msg
     assert "tokenizer.json is missing" in _error(hf.PretrainedNotFoundError, hf.Tokenizer, str(good))
+
+
+# -- against transformers itself, where it is installed ------------------------------------------
+
+
+@pytest.mark.slow
+def test_folders_saved_by_transformers_match_its_own_logits_and_tokenizer(tmp_path):
+    """`save_pretrained` folders of transformers' own LlamaForCausalLM (GQA, tied, llama3 rope,
+    in the config layout transformers writes) and GPT2LMHeadModel, in float32 and BF16, load to
+    transformers' logits; its PreTrainedTokenizerFast's files give its ids."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+
+    def randomise(module):                   # weights of order 1, not the init's 0.02
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                base = 1.0 if p.ndim == 1 and ("norm" in name or "ln_" in name) and name.endswith("weight") else 0.0
+                p.copy_(base + 0.2 * torch.randn(p.shape, generator=gen))
+        return module.eval()
+
+    llama = randomise(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=10000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=16))))
+    gpt2 = randomise(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=40, n_positions=32, n_embd=24, n_layer=2, n_head=3, bos_token_id=1, eos_token_id=2)))
+    ids = np.random.default_rng(0).integers(0, 40, (2, 20))
+    for label, module in (("llama", llama), ("gpt2", gpt2)):
+        with torch.no_grad():
+            want = module(torch.tensor(ids)).logits.double().numpy()
+        module.save_pretrained(tmp_path / label)
+        decoder, params = hf.load(str(tmp_path / label))
+        _close(jax.jit(decoder.apply)(params, jnp.asarray(ids, jnp.int32)), want, rtol=2e-5)
+        module.to(torch.bfloat16).save_pretrained(tmp_path / f"{label}-bf16")
+        # Read back in float32 by transformers (a fresh float32 rotary buffer: `.to` rounds it).
+        again = type(module).from_pretrained(tmp_path / f"{label}-bf16", dtype=torch.float32).eval()
+        with torch.no_grad():
+            want16 = again(torch.tensor(ids)).logits.double().numpy()
+        decoder, params = hf.load(str(tmp_path / f"{label}-bf16"))   # BF16 file, float32 base
+        _close(jax.jit(decoder.apply)(params, jnp.asarray(ids, jnp.int32)), want16, rtol=2e-5)
+
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=__import__("tokenizers").Tokenizer.from_str(
+        _tokenizer_json()), bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    fast.save_pretrained(tmp_path / "tok")
+    tok = hf.Tokenizer(str(tmp_path / "tok"))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id)
+    assert tok.encode("hello world be") == fast("hello world be")["input_ids"]
