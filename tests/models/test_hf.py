@@ -503,6 +503,11 @@ def test_errors_name_the_file_and_what_is_wrong(tmp_path):
 
     msg = _error(hf.PretrainedNotFoundError, hf.load, str(tmp_path / "nowhere"))
     assert "nowhere" in msg and "no such folder" in msg
+    with pytest.raises(hf.PretrainedError) as info:     # the folder is the argument, for the CLI
+        hf.load(str(tmp_path / "nowhere"))
+    assert info.value.arguments == [("path", "model")]
+    spell = {("path", "model"): "--model hf:"}.get
+    assert info.value.render(lambda n, s: spell((n, s))).startswith(f"--model hf: {tmp_path}/nowhere: ")
     (tmp_path / "empty").mkdir()
     assert "config.json is missing" in _error(FileNotFoundError, hf.load, str(tmp_path / "empty"))
 
@@ -552,6 +557,9 @@ def test_errors_name_the_file_and_what_is_wrong(tmp_path):
 
     msg = _error(OptionError, hf.load, str(good), dtype="float16")
     assert "dtype must be one of ['float32', 'bfloat16']" in msg
+    with pytest.raises(OptionError) as info:
+        hf.load(str(good), dtype="float16")
+    assert info.value.arguments == [("dtype", "model")]
     assert "tokenizer.json is missing" in _error(hf.PretrainedNotFoundError, hf.Tokenizer, str(good))
 
 

@@ -93,7 +93,7 @@ class Decoder(NamedTuple):
 
 def _check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
-        raise OptionError(f"{arg('dtype')} must be one of {list(DTYPES)}, got {dtype!r}")
+        raise OptionError(f"{arg('dtype', 'model')} must be one of {list(DTYPES)}, got {dtype!r}")
     return dtype
 
 

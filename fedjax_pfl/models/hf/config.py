@@ -2,7 +2,8 @@
 folder that cannot be loaded.
 
 Every message is one line that names the file (and the key or tensor) at fault; the folder is
-marked as the argument `path` (`errors.arg`), which the command line spells `--model hf:PATH`.
+marked as the argument `path` of the space "model" (`errors.arg("path", "model")`), which the
+command line spells as its `--model hf:PATH` flag.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class PretrainedNotFoundError(PretrainedError, FileNotFoundError):
 
 def where(path: str, file: str = "") -> str:
     """`path` marked as the argument, with the file inside it: the start of every message."""
-    return f"{arg('path')} {path}" + (f": {file}" if file else "")
+    return f"{arg('path', 'model')} {path}" + (f": {file}" if file else "")
 
 
 # model_type -> the family our module implements.
