@@ -11,7 +11,9 @@ prompt the loss leaves out). The shift by one keeps the engine's "0 = PAD" conve
     metric_b = (Σ_t [y_bt > 0]·[argmax z_bt = y_bt − 1],  Σ_t [y_bt > 0])
 
 so the engine's mean loss Σ m_b loss_b / Σ m_b weight_b is the mean over the scored tokens, as
-HF's `LlamaForCausalLM` loss (labels −100 ignored) is on one batch.
+HF's `LlamaForCausalLM` loss (labels −100 ignored) is on one batch. A dataset of such labels runs
+0 … V, so its `num_classes` (and its `Task`'s) is V + 1 for a vocabulary of V logits
+(`data.federated.check_labels` accepts labels below num_classes).
 """
 
 from __future__ import annotations
