@@ -34,6 +34,7 @@ Algorithms change local training by composition, not by writing loops:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -44,7 +45,7 @@ import optax
 from fedjax_pfl.core.evaluate import auto_eval_batch, input_dtype
 from fedjax_pfl.core.execution import ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
-from fedjax_pfl.models.model import Model
+from fedjax_pfl.models.model import Model, training_key
 
 Params = Any
 OnStep = Callable[[Any, Params, dict], Any]
@@ -336,8 +337,9 @@ class LocalTrainer:
             rows = client.train_start + order
             if on_step is not None:
                 hook_state = on_step(hook_state, params, extra)
-            params, opt_state, loss = update(params, opt_state, data.inputs(rows),
-                                             data.labels(rows), mask, extra)
+            with _step_key(model, key, t):
+                params, opt_state, loss = update(params, opt_state, data.inputs(rows),
+                                                 data.labels(rows), mask, extra)
             return TrainCarry(params, opt_state, hook_state, loss_sum + loss, client, key, extra,
                               draws)
 
@@ -355,6 +357,19 @@ class LocalTrainer:
 
         return ClientLoop(init, step, finish, length, uniform=self.steps is not None,
                           host_length=lambda train, test: self.num_steps(train)), probe
+
+
+# Folded into a client's key before the step number for its training-mode randomness (a model's
+# dropout), apart from the epoch shuffles' fold_in(key, epoch).
+_STEP_KEY_SALT = 0x6C6F7261
+
+
+def _step_key(model: Model, key: jax.Array, t: jax.Array):
+    """Step t's key bound for a model that draws randomness in training (`Model.train_key`:
+    fold_in(fold_in(key, salt), t)); nothing for the others (their program is unchanged)."""
+    if not getattr(model, "train_key", False):
+        return contextlib.nullcontext()
+    return training_key(jax.random.fold_in(jax.random.fold_in(key, _STEP_KEY_SALT), t))
 
 
 def add_aux_gradient(name: str = "aux_grad") -> optax.GradientTransformationExtraArgs:
