@@ -183,7 +183,10 @@ def lora(model: Model, base: Params, example: Any, *, targets: Sequence[str], ra
     def init(key: jax.Array) -> Params:
         return init_adapters(key, layers, config)
 
-    def apply(adapters: Params, x: jax.Array) -> jax.Array:
+    def mix(weighted: Sequence[tuple[Any, Params]], x: jax.Array) -> jax.Array:
+        """The base with several adapters' low-rank terms added in every targeted layer, each
+        scaled by its weight: y = x W + b + Σ_k w_k (α/r) dropout(x) A_kᵀ B_kᵀ (FedDPA's
+        mixture of a global and a personal adapter, `algorithms.feddpa`)."""
         train_key = model_lib.current_training_key() if config.dropout > 0 else None
         calls = [0]
 
@@ -194,16 +197,24 @@ def lora(model: Model, base: Params, example: Any, *, targets: Sequence[str], ra
             path = "/".join(context.module.path)
             if path not in targeted:
                 return out
-            a, b = adapter_of(adapters, path)
             key = None
             if train_key is not None:     # one dropout mask per adapted call
                 key = jax.random.fold_in(train_key, calls[0])
                 calls[0] += 1
-            delta = low_rank(args[0], a, b, config.scale, dropout=config.dropout, key=key)
-            return out + delta.astype(out.dtype)
+            for weight, adapters in weighted:
+                a, b = adapter_of(adapters, path)
+                delta = low_rank(args[0], a, b, config.scale, dropout=config.dropout, key=key)
+                out = out + (delta if weight is None else weight * delta).astype(out.dtype)
+            return out
 
         with nn.intercept_methods(adapt):
             return base_apply(frozen.get(), x)
+
+    def apply(adapters: Params, x: jax.Array) -> jax.Array:
+        return mix([(None, adapters)], x)
+
+    # (the mixture of several adapters over one forward pass of the base, for FedDPA)
+    apply.mix = mix
 
     adapted = model._replace(init=init, apply=apply, name=f"{model.name}+lora",
                              features=None, frozen=frozen,
