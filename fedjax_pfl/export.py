@@ -89,6 +89,8 @@ CLIENT_MODELS = {
     "personal": "client i's model is row i of the personal tensors",
     "two_heads": "client i's logits are f(x; global) + f(x; global with its head leaves replaced "
                  "by row i of the personal tensors) (FedRoD)",
+    "adapter_mixture": "client i's model adds (1 - lambda) times the global adapter's low-rank "
+                       "terms and lambda times those of row i of the personal adapters (FedDPA)",
 }
 
 
@@ -139,6 +141,10 @@ def _fedrod(state) -> Parts:
     return Parts(state.params, state.heads, "two_heads")
 
 
+def _feddpa(state) -> Parts:
+    return Parts(state.params, state.local, "adapter_mixture")
+
+
 def _tdpfed(state) -> Parts:
     from fedjax_pfl.models import cp
 
@@ -166,6 +172,7 @@ RULES: dict[str, Callable[[Any], Parts]] = {
     "fedpc": _merged(lambda s: s.x, lambda s: s.z),
     "apfl": _apfl,
     "fedrod": _fedrod,
+    "ffa_lora": _server, "feddpa": _feddpa,
 }
 
 
@@ -447,3 +454,103 @@ def client_logits(model: Model, global_params: Params | None, personal: Params |
 def _f32(tree: Params) -> Params:
     return jax.tree.map(lambda a: jnp.asarray(a).astype(jnp.float32)
                         if jnp.asarray(a).dtype == jnp.bfloat16 else jnp.asarray(a), tree)
+
+
+# -- adapters in PEFT's format --------------------------------------------------------------------
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_module_name(path: str) -> str:
+    """Our models' name mapping: a dense module's path ("Block_0/qkv") as a PyTorch module name
+    ("Block_0.qkv"), "/" → "." (a Hugging Face model's loader gives its own, `names=`)."""
+    return path.replace("/", ".")
+
+
+def save_peft(directory: str, adapters: Params, config: Any, *,
+              names: Callable[[str], str] = peft_module_name,
+              task_type: str = "CAUSAL_LM", base_model: str | None = None) -> dict:
+    """One adapter (`models.lora`'s tree, leaves [r, d_in] and [d_out, r]) in PEFT's format in
+    `directory`: adapter_model.safetensors, tensors `base_model.model.<module>.lora_A.weight`
+    [r, d_in] and `….lora_B.weight` [d_out, r] (PEFT's names and shapes: torch's nn.Linear
+    weight is [out, in]), and adapter_config.json (peft_type LORA, r, lora_alpha,
+    target_modules, lora_dropout, bias "none", task_type). `names` maps a module path to its
+    PyTorch module name. Returns the config written."""
+    from fedjax_pfl.models import lora
+
+    os.makedirs(directory, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    for path in config.targets:
+        a, b = lora.adapter_of(adapters, path)
+        module = PEFT_PREFIX + names(path)
+        tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(a)))
+        tensors[f"{module}.lora_B.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(b)))
+    _write_safetensors(os.path.join(directory, PEFT_WEIGHTS), tensors, {"format": "pt"})
+    record = {"peft_type": "LORA", "r": int(config.rank), "lora_alpha": float(config.alpha),
+              "target_modules": sorted({names(p).rsplit(".", 1)[-1] for p in config.targets}),
+              "lora_dropout": float(config.dropout), "bias": "none", "task_type": task_type,
+              "base_model_name_or_path": base_model, "fan_in_fan_out": False,
+              "inference_mode": True, "init_lora_weights": True, "use_rslora": False}
+    _write_text(os.path.join(directory, PEFT_CONFIG), json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def load_peft(directory: str, config: Any, *,
+              names: Callable[[str], str] = peft_module_name) -> Params:
+    """The adapter tree `save_peft` wrote (the inverse: the same arrays in `models.lora`'s
+    tree). A tensor missing from the file is an ExportError naming it."""
+    from safetensors.numpy import load_file
+
+    from fedjax_pfl.models.lora import LORA_A, LORA_B
+
+    path = os.path.join(directory, PEFT_WEIGHTS)
+    if not os.path.exists(path):
+        raise ExportError(f"{path}: no such file (a PEFT adapter folder holds {PEFT_WEIGHTS})")
+    tensors = load_file(path)
+    out: dict = {}
+    for target in config.targets:
+        node = out
+        for part in target.split("/"):
+            node = node.setdefault(part, {})
+        for key, leaf in ((LORA_A, "lora_A"), (LORA_B, "lora_B")):
+            name = f"{PEFT_PREFIX}{names(target)}.{leaf}.weight"
+            if name not in tensors:
+                raise ExportError(f"{path} has no tensor {name}")
+            node[key] = tensors[name]
+    return out
+
+
+def save_peft_run(directory: str, global_adapters: Params | None, personal: Params | None,
+                  config: Any, **kwargs) -> dict:
+    """A run's adapters in PEFT's format: the global adapter in `directory`/global/ and each
+    client's personal adapter (row i of `personal`, leaves [N, ...]) in `directory`/clients/i/,
+    one folder each, as PEFT loads one adapter per folder. Returns {"global": …, "clients": N}."""
+    out: dict[str, Any] = {}
+    if global_adapters is not None:
+        out["global"] = save_peft(os.path.join(directory, "global"), global_adapters, config,
+                                  **kwargs)
+    if personal is not None:
+        n = int(jax.tree.leaves(personal)[0].shape[0])
+        for i in range(n):
+            row = jax.tree.map(lambda x, i=i: x[i], personal)
+            save_peft(os.path.join(directory, "clients", str(i)), row, config, **kwargs)
+        out["clients"] = n
+    return out
+
+
+def save_merged(directory: str, base: Params, adapters: Params, config: Any, *,
+                names: Callable[[str], str] | None = None) -> list[str]:
+    """The merged weights W + (α/r)(BA)ᵀ of every targeted kernel with the rest of the base, in
+    `directory`/model.safetensors, one tensor per leaf named by its path (or `names(path)`:
+    a Hugging Face model's loader maps them to its keys). Returns the tensor names."""
+    from fedjax_pfl.models import lora
+
+    merged = lora.merged(base, adapters, config)
+    tensors = _host_tensors(merged)
+    if names is not None:
+        tensors = {names(k): v for k, v in tensors.items()}
+    os.makedirs(directory, exist_ok=True)
+    _write_safetensors(os.path.join(directory, "model.safetensors"), tensors, {"format": "pt"})
+    return list(tensors)

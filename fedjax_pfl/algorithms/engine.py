@@ -612,10 +612,11 @@ class Engine:
     def algorithm(self, name: str, init: Callable, round_fn: Callable, evaluate: Callable,
                   evaluate_parts: EvaluateParts | None = None, *, host_state: bool = False,
                   data_blocks: bool = True) -> Algorithm:
-        """The `Algorithm`, its participants declared by this engine (`participants`)."""
+        """The `Algorithm`, its participants declared by this engine (`participants`) and its
+        model's frozen parameters (`Model.frozen`)."""
         return Algorithm(name, init, round_fn, evaluate, {}, evaluate_parts,
                          host_state=host_state, data_blocks=data_blocks,
-                         participants=self.participants)
+                         participants=self.participants, frozen=self.model.frozen)
 
 
 # -- the server chain from the configuration ------------------------------------------------------

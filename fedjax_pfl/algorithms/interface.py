@@ -75,7 +75,11 @@ class Algorithm(NamedTuple):
     `client_blocks` B > 1 declares that the clients are B equal blocks that share nothing: a
     sweep's runs stacked as one algorithm (`fedjax_pfl.sweep`), whose participants come block by
     block (M/B of each). Host state placement then gives each block its own initial rows and
-    each block its own part of a call's world; evaluation groups lie within one block."""
+    each block its own part of a call's world; evaluation groups lie within one block.
+
+    `frozen` (a `models.frozen.Frozen`, the model's `Model.frozen`): parameters the model reads
+    that are no part of the state (a pretrained base under adapters); `core.Program` passes them
+    to every compiled program as one replicated argument. None: none."""
 
     name: str
     init: Callable[[jax.Array, FederatedData], Any]
@@ -87,6 +91,7 @@ class Algorithm(NamedTuple):
     data_blocks: bool = True
     participants: Callable[[FederatedData, jax.Array], jax.Array] | None = None
     client_blocks: int = 1
+    frozen: Any = None
 
 
 def split_evaluate(rows: Callable[..., dict[str, ClientEval]],

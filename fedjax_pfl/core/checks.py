@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pfl.models import frozen
+
 MISSED, CROSSED = 1, 2
 MISDEALT = "a client ran on a device that does not hold its samples"
 
@@ -109,10 +111,12 @@ def jit_carrying(fn: Callable, **jit_kwargs) -> Callable:
     """`jax.jit(fn)` whose checks reach the caller's trace: the jitted function returns them as
     one more output and each call notes them again. (A jitted function is traced once and its
     trace reused by every program that calls it, so what it collects must leave it as an
-    output, not through Python state.) A given `out_shardings` is fn's result's."""
+    output, not through Python state; for the same reason the frozen parameters bound by the
+    caller's trace enter it as an argument, `models.frozen.jit`.) A given `out_shardings` is
+    fn's result's."""
     if "out_shardings" in jit_kwargs:
         jit_kwargs = {**jit_kwargs, "out_shardings": (jit_kwargs["out_shardings"], None)}
-    jitted = jax.jit(checked(fn), **jit_kwargs)
+    jitted = frozen.jit(checked(fn), **jit_kwargs)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

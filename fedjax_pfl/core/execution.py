@@ -24,6 +24,7 @@ from fedjax_pfl.core import checks, layout
 from fedjax_pfl.core import rows as rows_lib
 from fedjax_pfl.core.chunking import AUTO_CHUNK, abstract, abstract_row, auto_chunk_size, traced_chunk_size
 from fedjax_pfl.core.clients import gather, scatter
+from fedjax_pfl.models import frozen
 
 Params = Any
 BACKENDS: tuple[str, ...] = ("vmap", "chunked", "loop", "debug")
@@ -58,7 +59,8 @@ class MapperCache:
 
     def jitted(self, fn: Callable) -> Callable:
         if fn not in self._jitted:
-            self._jitted[fn] = jax.jit(fn)
+            # (the frozen parameters a program binds enter as an argument: `models.frozen.jit`)
+            self._jitted[fn] = frozen.jit(fn)
         return self._jitted[fn]
 
     def whole_loop(self, loop: "ClientLoop") -> Callable:

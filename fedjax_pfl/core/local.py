@@ -34,6 +34,7 @@ Algorithms change local training by composition, not by writing loops:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable, NamedTuple
 
@@ -45,7 +46,7 @@ import optax
 from fedjax_pfl.core.evaluate import auto_eval_batch, input_dtype, trigger_of
 from fedjax_pfl.core.execution import ClientLoop, ClientMapper, jit_unless_loop
 from fedjax_pfl.data.federated import ClientSplits, FederatedData
-from fedjax_pfl.models.model import Model
+from fedjax_pfl.models.model import Model, training_key
 from fedjax_pfl.ops import poison as poison_ops
 
 Params = Any
@@ -419,7 +420,8 @@ class LocalTrainer:
             x, y = data.inputs(rows), data.labels(rows)
             if poison is not None and bad is not None:
                 x, y = poison.apply(data, x, y, client, order, bad)
-            params, opt_state, loss = update(params, opt_state, x, y, mask, extra)
+            with _step_key(model, key, t):
+                params, opt_state, loss = update(params, opt_state, x, y, mask, extra)
             return TrainCarry(params, opt_state, hook_state, loss_sum + loss, client, key, extra,
                               draws, bad)
 
@@ -437,6 +439,19 @@ class LocalTrainer:
 
         return ClientLoop(init, step, finish, length, uniform=self.steps is not None,
                           host_length=lambda train, test: self.num_steps(train)), probe
+
+
+# Folded into a client's key before the step number for its training-mode randomness (a model's
+# dropout), apart from the epoch shuffles' fold_in(key, epoch).
+_STEP_KEY_SALT = 0x6C6F7261
+
+
+def _step_key(model: Model, key: jax.Array, t: jax.Array):
+    """Step t's key bound for a model that draws randomness in training (`Model.train_key`:
+    fold_in(fold_in(key, salt), t)); nothing for the others (their program is unchanged)."""
+    if not getattr(model, "train_key", False):
+        return contextlib.nullcontext()
+    return training_key(jax.random.fold_in(jax.random.fold_in(key, _STEP_KEY_SALT), t))
 
 
 def add_aux_gradient(name: str = "aux_grad") -> optax.GradientTransformationExtraArgs:

@@ -38,10 +38,11 @@ class MemoryPlan:
     # host placement, several processes: rows each device receives from its process before the
     # world is assembled (transient)
     staging_rows: int = 0
+    frozen: int = 0                # a model's frozen parameters (a pretrained base): once a device
 
     @property
     def per_device(self) -> int:
-        return (self.client_state_per_device + self.replicated_state + self.data
+        return (self.client_state_per_device + self.replicated_state + self.frozen + self.data
                 + max(self.working_set, self.eval_working_set, self.staging))
 
     @property
@@ -82,7 +83,8 @@ class MemoryPlan:
             f"{self.num_clients} clients): per device {mb(self.per_device)} = client state "
             f"{mb(self.client_state_per_device)} ({mb(self.state_per_client)} per client, sharded) "
             f"+ replicated state {mb(self.replicated_state)} + data {mb(self.data)} + working set "
-            f"{mb(max(self.working_set, self.eval_working_set))}",
+            f"{mb(max(self.working_set, self.eval_working_set))}"
+            + (f" + frozen base {mb(self.frozen)} (once per device)" if self.frozen else ""),
         ]
         if not self.compiled:
             lines.append("  working set not known yet: Program.compile first (a round's "
@@ -162,11 +164,12 @@ def check_memory(plan: MemoryPlan, *, allow: bool = False) -> None:
 
 def memory_plan(abstract_state, num_clients: int, mesh, *, compiled: tuple, state_sizes: dict,
                 data_bytes: int, data_whole: int, data_placement: str, state_placement: str,
-                is_compiled: bool) -> MemoryPlan:
+                is_compiled: bool, frozen_bytes: int = 0) -> MemoryPlan:
     """A program's bytes per device (`core.Program.memory_plan`): its client state (resident
     rows sharded over the devices, or under host state placement the world's rows, `state_sizes`
     of the state placement), the data on each device (`data_bytes`), and the XLA temporaries of
-    the `compiled` (round, evaluation), where compiled."""
+    the `compiled` (round, evaluation), where compiled; a model's frozen parameters
+    (`frozen_bytes`) once per device, whatever the number of clients."""
     from fedjax_pfl.core import layout
 
     devices = 1 if mesh is None else mesh.size
@@ -189,4 +192,4 @@ def memory_plan(abstract_state, num_clients: int, mesh, *, compiled: tuple, stat
         eval_working_set=evaluating, available=available_memory(platform),
         local_devices=int(local), data_placement=data_placement, data_whole=data_whole,
         compiled=is_compiled, state_placement=state_placement, host_row_bytes=host_row,
-        world_rows=world, staging_rows=state_sizes.get("staging", 0))
+        world_rows=world, staging_rows=state_sizes.get("staging", 0), frozen=int(frozen_bytes))

@@ -19,6 +19,12 @@ which removes the per-round dispatch that dominates small models. Per-client flo
 be stored in bfloat16 (`state_dtype`); `core.gather` hands rows back as float32, so all
 arithmetic stays float32. `memory_plan()` adds up the bytes per device before anything is
 allocated (from abstract shapes and XLA's memory analysis of the compiled round).
+
+A model's frozen parameters (`Model.frozen`, `Algorithm.frozen`: a pretrained base under
+adapters, `models.frozen`) are placed once, whole on every device, and passed to every
+compiled program (the rounds, the evaluations, the initial state) as its last argument, which
+the program binds while it traces (`models.frozen.binding`): an input, never a constant of the
+program, never a client row, never in the state or a checkpoint.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from fedjax_pfl.core.execution import ClientError
 from fedjax_pfl.core.memory import MemoryPlan, memory_plan, nbytes
 from fedjax_pfl.core.sharded import ShardedData
 from fedjax_pfl.core.state_placement import DeviceState, HostState
+from fedjax_pfl.models import frozen as frozen_lib
 
 Params = Any
 
@@ -106,6 +113,12 @@ class Program:
         # The evaluation programs compiled ahead, by (name, whole, ids length or None).
         self._eval_compiled: dict[tuple, Any] = {}
         self.world_crossings = 0
+        # The model's frozen parameters, whole on every device, the last argument of every
+        # compiled program ({} without any: nothing is added to a program).
+        frozen = getattr(algo, "frozen", None)
+        self.frozen_bytes = 0 if frozen is None else frozen_lib.nbytes(frozen.value)
+        self._frozen = frozen_lib.bound(
+            frozen, None if frozen is None else transfer.put_whole(frozen.value, mesh))
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -191,12 +204,19 @@ class Program:
         debug backends run `fn` itself (checks noted outside a program are checked at once)."""
         if name not in self._compiled:
             if not self.jit:
-                self._compiled[name] = lambda *args: (fn(*args), {})
+                self._compiled[name] = lambda *args: (fn(*args[:-1]), {})
             else:
                 if "out_shardings" in kwargs:
                     kwargs = {**kwargs, "out_shardings": (kwargs["out_shardings"], None)}
-                self._compiled[name] = self._in_mesh_fn(jax.jit(checks.checked(fn), **kwargs))
+                self._compiled[name] = self._in_mesh_fn(jax.jit(checks.checked(
+                    _with_frozen(fn)), **kwargs))
         return self._compiled[name]
+
+    def _frozen_spec(self):
+        """The frozen parameters' shapes, dtypes and shardings (what `compile` lowers with)."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=a.sharding if self.mesh is not None else None),
+            self._frozen)
 
     def _read(self, found: dict, where: str) -> None:
         """Stops on a misdealt row or a missed client row of a call (`core.checks`); counts the
@@ -217,7 +237,7 @@ class Program:
             # (a sweep's batch of keys is another program than the one key compiled ahead)
             ahead = self._init_compiled if jnp.shape(key) == () else None
             return self.placements.state.init(self.algo.init, key, data, jit=self.jit,
-                                              compiled=ahead)
+                                              compiled=ahead, frozen=self._frozen)
 
     def run_rounds(self, state: Params, round_keys: jax.Array, first: int, count: int):
         """Rounds first … first + count − 1 (0-based). Returns (state, list of per-round metrics
@@ -232,7 +252,7 @@ class Program:
             ids = self._participants(round_keys, first, count)
         carry, fixed = state_at.enter(state, ids, count, round_keys, first)
         (carry, metrics), found = self._round_function(count, staged.per_round)(
-            carry, fixed, staged.data, round_keys, np.int32(first))
+            carry, fixed, staged.data, round_keys, np.int32(first), self._frozen)
         # While these rounds run: the next call's data, and its rows from the store.
         data_at.prefetch(round_keys, first + count, count)
         if state_at.needs_participants:
@@ -318,11 +338,12 @@ class Program:
         def run(data, padded):
             if padded is None:
                 carry, fixed = state_at.enter_evaluation(state, None)
-                out, found = self._eval_function(name, fn, whole=True)(carry, fixed, data)
+                out, found = self._eval_function(name, fn, whole=True)(carry, fixed, data,
+                                                                       self._frozen)
             else:
                 carry, fixed = state_at.enter_evaluation(state, padded)
                 out, found = self._eval_function(name, fn, ids=len(padded))(carry, fixed, data,
-                                                                           padded)
+                                                                           padded, self._frozen)
             self._read(found, "evaluation")
             return transfer.to_host(out)
 
@@ -389,21 +410,23 @@ class Program:
         carry, fixed = state_at.abstract_inputs(k)
         per_round = data_at.needs_participants and k > 1
         lowered["round"] = (self._round_function(k, per_round).lower(
-            carry, fixed, data_at.abstract(k), round_keys, jax.ShapeDtypeStruct((), jnp.int32)),
-            None)
+            carry, fixed, data_at.abstract(k), round_keys, jax.ShapeDtypeStruct((), jnp.int32),
+            self._frozen_spec()), None)
         grouped = state_at.grouped or data_at.needs_participants
         for name, fn, whole, ids in self.evaluations():
             carry, fixed = state_at.abstract_eval_inputs(self.eval_group if grouped else ids)
             args = (carry, fixed, data_at.abstract_evaluation(grouped))
             if not whole:
                 args += (jax.ShapeDtypeStruct((ids,), jnp.int32),)
+            args += (self._frozen_spec(),)
             lowered[(name, whole, None if whole else ids)] = (
                 self._eval_function(name, fn, whole, ids).lower(*args), None)
         # (an init that needs concrete data, FedPC's, ran eagerly once: nothing to compile)
         if init and self._init_compiled is None and state_at.traceable:
             init_fn = self._in_mesh_fn(state_at.init_function(self.algo.init, self.data))
             key = jax.eval_shape(lambda: jax.random.key(0))
-            lowered["init"] = (init_fn.lower(key, self.data), init_compiler_options())
+            lowered["init"] = (init_fn.lower(key, self.data, self._frozen_spec()),
+                               init_compiler_options())
         compiled = compile_all(lowered)
         self._round_compiled = compiled.pop("round")
         self._init_compiled = compiled.pop("init", self._init_compiled)
@@ -454,7 +477,8 @@ class Program:
                            data_bytes=self.placements.data.bytes_on_device(),
                            data_whole=self.data_whole_bytes, data_placement=self.data_placement,
                            state_placement=self.state_placement,
-                           is_compiled=self.is_compiled or not self.jit)
+                           is_compiled=self.is_compiled or not self.jit,
+                           frozen_bytes=self.frozen_bytes)
 
 
 # XLA's backend optimisation level 1 for programs that run once (the initial state): the main
@@ -491,6 +515,16 @@ def compile_all(lowered: dict) -> dict:
     with concurrent.futures.ThreadPoolExecutor(len(lowered), thread_name_prefix="compile") as pool:
         futures = {name: pool.submit(one, item) for name, item in lowered.items()}
         return {name: f.result() for name, f in futures.items()}
+
+
+def _with_frozen(fn: Callable) -> Callable:
+    """fn(*args) as f(*args, frozen bindings): the model's frozen parameters, the program's last
+    argument, bound while it traces (`models.frozen.binding`)."""
+    def with_frozen(*args):
+        with frozen_lib.binding(args[-1]):
+            return fn(*args[:-1])
+
+    return _named(with_frozen, fn.__name__)
 
 
 def _named(fn: Callable, name: str) -> Callable:

@@ -37,6 +37,7 @@ from fedjax_pfl.core import layout, transfer
 from fedjax_pfl.core import store as store_lib
 from fedjax_pfl.core import world as world_lib
 from fedjax_pfl.core.rows import ClientRows
+from fedjax_pfl.models import frozen as frozen_lib
 
 Params = Any
 STATE_PLACEMENTS = ("device", "host", "auto")
@@ -50,7 +51,7 @@ class StatePlacement(Protocol):
     grouped: bool              # evaluation runs in groups of clients (their rows moved each)
 
     def init(self, init_fn: Callable, key: jax.Array, data, jit: bool = True,
-             compiled: Callable | None = None) -> Any: ...
+             compiled: Callable | None = None, frozen: dict | None = None) -> Any: ...
     def init_function(self, init_fn: Callable, data) -> Callable: ...
     def enter(self, state: Any, ids: np.ndarray | None, count: int, round_keys: jax.Array,
               first: int) -> tuple[Any, Any]: ...
@@ -120,18 +121,20 @@ class DeviceState(_Placement):
     grouped = False
 
     def init(self, init_fn: Callable, key: jax.Array, data, jit: bool = True,
-             compiled: Callable | None = None):
-        """The initial state; `compiled`: `init_function`'s program compiled ahead (`Program`)."""
+             compiled: Callable | None = None, frozen: dict | None = None):
+        """The initial state; `compiled`: `init_function`'s program compiled ahead (`Program`);
+        `frozen`: the model's frozen parameters, bound while it traces (`models.frozen`)."""
         if not jit:
             return self.store(init_fn(key, data))
         if not self.traceable:
             return self._eager_init(init_fn, key, data)
-        return (compiled or self.init_function(init_fn, data))(key, data)
+        return (compiled or self.init_function(init_fn, data))(key, data, frozen or {})
 
     def init_function(self, init_fn: Callable, data) -> Callable:
-        """The jitted (key, data) -> initial state, placed in its shardings."""
-        def init_state(k, d):
-            return self.store(init_fn(k, d))
+        """The jitted (key, data, frozen bindings) -> initial state, placed in its shardings."""
+        def init_state(k, d, fz=None):
+            with frozen_lib.binding(fz or {}):
+                return self.store(init_fn(k, d))
 
         return jax.jit(init_state, out_shardings=self.shardings)
 
@@ -336,11 +339,13 @@ class HostState(_Placement):
                               for i in sorted({0, min(1, real - 1), real - 1})], np.int32)
 
     def init_function(self, init_fn: Callable, data) -> Callable:
-        """The jitted (key, data) -> (device leaves, the probed clients' host rows)."""
+        """The jitted (key, data, frozen bindings) -> (device leaves, the probed clients' host
+        rows)."""
         probe = jnp.asarray(self._probed_clients(data)[1])
 
-        def init_state(k, d):
-            dev, host = self.host.split(jax.tree.leaves(self.store(init_fn(k, d))))
+        def init_state(k, d, fz=None):
+            with frozen_lib.binding(fz or {}):
+                dev, host = self.host.split(jax.tree.leaves(self.store(init_fn(k, d))))
             return dev, [h[probe] for h in host]
 
         kwargs = {}
@@ -349,12 +354,12 @@ class HostState(_Placement):
         return jax.jit(init_state, **kwargs)
 
     def init(self, init_fn: Callable, key: jax.Array, data, jit: bool = True,
-             compiled: Callable | None = None) -> StoredState:
+             compiled: Callable | None = None, frozen: dict | None = None) -> StoredState:
         """The device leaves of the initial state, and a store whose initial rows are every
         client's (checked on the first, second and last real client: they must be equal).
         `compiled`: `init_function`'s program compiled ahead (`Program`)."""
         b = self._probed_clients(data)[0]
-        dev, samples = (compiled or self.init_function(init_fn, data))(key, data)
+        dev, samples = (compiled or self.init_function(init_fn, data))(key, data, frozen or {})
         initial = []
         for path, rows in zip(self.host.host_paths, transfer.to_host(samples)):
             rows = np.asarray(rows).reshape((b, -1) + np.shape(rows)[1:])

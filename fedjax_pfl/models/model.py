@@ -10,8 +10,10 @@ functions works, so a notebook user can bring their own model:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pfl.models import split as split_lib
+from fedjax_pfl.models.frozen import Frozen
 
 Params = Any
 
@@ -46,6 +49,12 @@ class Model(NamedTuple):
             Dense layer, `models.split.head_pattern`), e.g. [B, 100] for the MLP, [B, T, H] for a
             per-token model; `from_flax` and the sequence models fill it (`head_input`); None: a
             hand-written model without one (MOON needs it).
+    frozen: parameters `apply` reads that are no part of `params` and are never trained (a
+            pretrained base under adapters, `models.lora`): a `models.frozen.Frozen`, a shared
+            input of every compiled program (`core.Program`), never a client row; None: none.
+    train_key: True where `apply` draws randomness in training (LoRA's dropout): local
+            training binds a key for each minibatch step (`training_key`), which apply reads
+            with `current_training_key()`; evaluation binds none (deterministic).
     """
 
     init: Callable[[jax.Array], Params]
@@ -55,6 +64,29 @@ class Model(NamedTuple):
     weight: Callable[[jax.Array], jax.Array] | None = None
     metric: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
     features: Callable[[Params, jax.Array], jax.Array] | None = None
+    frozen: Frozen | None = None
+    train_key: bool = False
+
+
+# The key of the minibatch step being traced (`training_key`), or None outside local training.
+_TRAINING_KEY: contextvars.ContextVar = contextvars.ContextVar("fedjax_pfl_training_key",
+                                                               default=None)
+
+
+@contextlib.contextmanager
+def training_key(key: jax.Array) -> Iterator[None]:
+    """Within: `current_training_key()` is `key` (local training's step, for a model with
+    `train_key`)."""
+    token = _TRAINING_KEY.set(key)
+    try:
+        yield
+    finally:
+        _TRAINING_KEY.reset(token)
+
+
+def current_training_key() -> jax.Array | None:
+    """The training step's key (`training_key`), or None (evaluation, or outside training)."""
+    return _TRAINING_KEY.get()
 
 
 def head_input(module: nn.Module, params_template: Params

@@ -54,10 +54,16 @@ def head_pattern(params: Params) -> str:
     logistic regression (where the head is the whole model). A tree without such a module (a
     hand-written {'w', 'b'}) has the leaves next to its last leaf as its head, which for a flat
     dict is every leaf.
+
+    LoRA adapters (`models.lora`: every leaf a `lora_A` or a `lora_B`) have their B matrices as
+    their head, FedSA-LoRA's split (Guo et al., ICLR 2025: A learns what clients share and is
+    averaged, B what is client-specific and stays personal): "(^|/)lora_B$".
     """
     paths = leaf_paths(params)
     if not paths:
         raise ValueError("head_pattern: the parameter tree has no leaves")
+    if all(re.search(r"(^|/)lora_[AB]$", p) for p in paths):
+        return r"(^|/)lora_B$"
     prefixes = set()
     for path in paths:
         parts = path.split("/")

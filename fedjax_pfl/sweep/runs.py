@@ -295,5 +295,5 @@ def stack(algo_name: str, model, data, static_hparams: dict, runs: Sequence[RunS
         hparams=resolved,
         host_state=first.host_state, data_blocks=False,
         participants=participants if first.participants is not None else None,
-        client_blocks=count)
+        client_blocks=count, frozen=first.frozen)   # (one base shared by every run)
     return algo, tiled(data, count), seeds, count

@@ -75,6 +75,8 @@ def test_every_algorithm_runs_on_every_task(name, task):
     hp.pop("head", None)                    # the linear test model's pattern; here: the default
     if name == "fedrep":
         hp["local_epochs"] = 2
+    if name == "ffa_lora":
+        hp["frozen"] = "bias$"              # (the linear model's '^b$'; adapters' lora_A)
     algo = algorithms.get(name, model=_model(task), **hp)
     if name == "fedrod" and task.kind == "multilabel":
         with pytest.raises(ValueError, match="multi-label"):
