@@ -19,7 +19,9 @@ Llama's <unk> is 0), so no token id is free to mean padding. Such a task stores
 y_bt = (id of the next token) + k for a scored target and y_bt = 0 (`PAD`) for a target that
 is not scored (padding, and the prompt of an instruction example); the class a loss or metric
 compares with the logits is y − k where y > 0. With k = 0 (every other task) the labels are the
-classes themselves and the functions are the unshifted ones, unchanged. `Task` (here: the data readers build it, the models read it) says what is
+classes themselves and the functions are the unshifted ones, unchanged.
+
+`Task` (here: the data readers build it, the models read it) says what is
 predicted from what; `for_task(task)` returns the triple for a `Task`.
 """
 
