@@ -245,8 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="natural-client datasets: where the converted, client-sorted copy is kept "
                         "(default DATA_DIR/.fedjax_pfl_cache)")
     g.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="--dataset jsonl: the pretrained tokenizer, a tokenizer.json or the "
-                        "folder holding one (Hugging Face layout); tokens and labels as "
+                   help="--dataset jsonl (required), shakespeare and stackoverflow_nwp (TFF or "
+                        "FedJAX files): the pretrained tokenizer, a tokenizer.json or the folder "
+                        "holding one (Hugging Face layout); tokens and labels as "
                         "docs/text-finetuning-data.md says")
     g.add_argument("--client-field", default=None, metavar="NAME",
                    help="--dataset jsonl: the record field naming its client (default client)")

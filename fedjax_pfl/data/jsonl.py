@@ -56,9 +56,10 @@ from fedjax_pfl.data.partition import test_size
 from fedjax_pfl.data.sources import DatasetNotFoundError
 from fedjax_pfl.errors import OptionError, arg
 
-__all__ = ["DEFAULT_PROMPT_TEMPLATE", "DEFAULT_MAX_LENGTH", "DEFAULT_TEST_FRACTION", "OPTIONS",
+__all__ = ["DATASETS", "DEFAULT_PROMPT_TEMPLATE", "DEFAULT_MAX_LENGTH", "DEFAULT_TEST_FRACTION", "OPTIONS",
            "JsonlReader", "jsonl_files", "open_jsonl"]
 
+DATASETS: tuple[str, ...] = ("jsonl",)
 DEFAULT_PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 DEFAULT_MAX_LENGTH = 128
 DEFAULT_TEST_FRACTION = 0.25            # run.py's --test-fraction default
@@ -277,6 +278,6 @@ def open_jsonl(name: str, data_dir: str | os.PathLike, **options: Any) -> JsonlR
       DatasetNotFoundError: no such file or folder, no ``*.jsonl``, no tokenizer file.
       OptionError: a bad option (named).
     """
-    if name != "jsonl":
+    if name not in DATASETS:
         raise ValueError(f"the JSON Lines reader reads dataset 'jsonl', not {name!r}")
     return JsonlReader(data_dir, **options)

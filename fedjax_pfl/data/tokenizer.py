@@ -41,7 +41,8 @@ from fedjax_pfl.data.sources import DatasetNotFoundError
 from fedjax_pfl.errors import OptionError, arg
 
 __all__ = ["TOKENIZER_FILE", "EOS_NAMES", "PAD_NAMES", "LABEL_OFFSET", "PretrainedTokenizer",
-           "find_tokenizer_file", "load_tokenizer", "pack_example", "pretrained_task"]
+           "find_tokenizer_file", "load_tokenizer", "pack_example", "text_rows", "stream_windows",
+           "pretrained_task"]
 
 TOKENIZER_FILE = "tokenizer.json"
 # Used where no tokenizer_config.json names them, tried in this order.
@@ -157,6 +158,44 @@ def pack_example(ids: Sequence[int], scored_from: int, max_length: int,
     if not np.any(y):
         return None
     return x, y
+
+
+def _text(s: bytes | str) -> str:
+    return s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s)
+
+
+def text_rows(texts: Sequence[bytes | str], tok: PretrainedTokenizer,
+              max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """One row per text (Stack Overflow's sentences under ``tokenizer``): the ids of
+    ``text + eos``, every target scored, cut and padded by `pack_example`; a text with nothing
+    to predict (one token) is left out. Returns (x, y), both [n ≤ len(texts), T] int32."""
+    rows = [pack_example(tok.with_eos(tok.encode(_text(t))), 0, max_length, tok.pad_id)
+            for t in texts]
+    kept = [r for r in rows if r is not None]
+    if not kept:
+        return np.zeros((0, max_length), np.int32), np.zeros((0, max_length), np.int32)
+    return np.stack([r[0] for r in kept]), np.stack([r[1] for r in kept])
+
+
+def stream_windows(texts: Sequence[bytes | str], tok: PretrainedTokenizer,
+                   max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """A client's texts as one token stream cut into windows (Shakespeare's snippets under
+    ``tokenizer``), as `text.shakespeare_sequences` cuts its character ids: s = the ids of each
+    ``text + eos`` one after another (with the tokenizer's post-processor per text, e.g. a BOS
+    each), J tokens; row r is x = s[rT : rT + T], y = s[rT + 1 : rT + T + 1] + 1, the last row
+    padded (x with the pad id, y with 0). Nothing is cut: consecutive windows overlap by one
+    token. Returns (x, y), both [⌈(J − 1)/T⌉, T] int32."""
+    T = int(max_length)
+    s: list[int] = []
+    for t in texts:
+        s += tok.with_eos(tok.encode(_text(t)))
+    n = max(len(s) - 1, 0)
+    rows = -(-n // T)
+    x = np.full(rows * T, tok.pad_id, np.int32)
+    y = np.zeros(rows * T, np.int32)
+    arr = np.asarray(s, np.int64)
+    x[:n], y[:n] = arr[:n], arr[1:n + 1] + LABEL_OFFSET
+    return x.reshape(rows, T), y.reshape(rows, T)
 
 
 def pretrained_task(tok: PretrainedTokenizer, default_model: str = "transformer") -> Task:

@@ -26,7 +26,8 @@ notebook gets what the command line gets:
   each dataset gets the data options its loader takes (`RunConfig.data_options`). ``jsonl``
   (JSON Lines text clients, `data/jsonl.py`) also takes `tokenizer` (required),
   `client_field`, `text_field`, `instruction_field`, `response_field`, `prompt_template`,
-  `max_length` and `test_fraction` (its per-client held-out share).
+  `max_length` and `test_fraction` (its per-client held-out share); ``shakespeare`` and
+  ``stackoverflow_nwp`` (TFF's or FedJAX's files) take `tokenizer` too (`data/tff.py`).
 * `out` defaults to runs/ALGO_DATASET_TIME.
 * An option or hyperparameter given that the run does not use is refused, by one declaration of
   which apply when (`applies_table`): a partition's setting under another scheme, a dataset's
@@ -85,7 +86,7 @@ NATURAL_ONLY = ("format", "max_clients", "cache_dir", "token_accuracy", "min_sam
 # pretrained tokenizer (`tokenizer`).
 JSONL_ONLY = ("client_field", "text_field", "instruction_field", "response_field",
               "prompt_template", "max_length")
-TOKENIZED_DATASETS = ("jsonl",)
+TOKENIZED_DATASETS = ("jsonl", "shakespeare", "stackoverflow_nwp")
 # The datasets read from prepared TFDS copies or their original files (`data.sources`): the ones
 # that take `data_dir`, `tfds_dir` and `download` (digits is embedded, synthetic generated).
 FILE_DATASETS = ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100")
@@ -477,6 +478,8 @@ def run_fields(*, hparams: Mapping[str, Any] | None = None,
                         "cache_dir": o["cache_dir"],
                         "token_accuracy": o["token_accuracy"] or "default",
                         "quantise": o["quantise"] or "round"}
+    if natural and o["tokenizer"] is not None:
+        data_options["tokenizer"] = o["tokenizer"]
     if dataset == "jsonl":       # (None: the reader's default; the record keeps what was given)
         data_options.update({key: o[key] for key in ("tokenizer", *JSONL_ONLY)
                              if o[key] is not None}, test_fraction=o["test_fraction"])
