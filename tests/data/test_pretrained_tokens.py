@@ -39,11 +39,14 @@ def write_h5(path: Path, feature: str, clients: dict[str, list[str]]) -> None:
 
 def test_tff_shakespeare_stream_windows(tmp_path):
     tok = make_tokenizer(tmp_path / "tok")
-    write_h5(tmp_path / "shakespeare_train.h5", "snippets", {"R": ["cat sat", "dog"]})
-    write_h5(tmp_path / "shakespeare_test.h5", "snippets", {"R": ["the"]})
+    write_h5(tmp_path / "shakespeare_train.h5", "snippets", {"R": ["cat sat", "dog"],
+                                                             "S": ["cat sat on"]})
+    write_h5(tmp_path / "shakespeare_test.h5", "snippets", {"R": ["the"], "S": ["the"]})
     r = tff.open_tff("shakespeare", str(tmp_path), tokenizer=str(tok), sequence_length=3)
     assert r.task().label_offset == 1 and r.task().vocab_size == len(WORDS)
-    (b,) = list(r.clients())
+    b, s = list(r.clients())
+    # S: [cat, sat, on, eos]: 3 pairs, exactly one window
+    np.testing.assert_array_equal(s.train_y, [[V["sat"] + 1, V["on"] + 1, EOS + 1]])
     # stream [cat, sat, eos, dog, eos]: 4 pairs in windows of 3, overlapping by one token
     np.testing.assert_array_equal(b.train_x, [[V["cat"], V["sat"], EOS], [V["dog"], PADID, PADID]])
     np.testing.assert_array_equal(b.train_y, [[V["sat"] + 1, EOS + 1, V["dog"] + 1], [EOS + 1, 0, 0]])
