@@ -248,6 +248,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-dir", default=None,
                    help="natural-client datasets: where the converted, client-sorted copy is kept "
                         "(default DATA_DIR/.fedjax_pfl_cache)")
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="--dataset jsonl (required), shakespeare and stackoverflow_nwp (TFF or "
+                        "FedJAX files): the pretrained tokenizer, a tokenizer.json or the folder "
+                        "holding one (Hugging Face layout); tokens and labels as "
+                        "docs/text-finetuning-data.md says")
+    g.add_argument("--client-field", default=None, metavar="NAME",
+                   help="--dataset jsonl: the record field naming its client (default client)")
+    g.add_argument("--text-field", default=None, metavar="NAME",
+                   help="--dataset jsonl: the record field of the text, all of it scored "
+                        "(default text)")
+    g.add_argument("--instruction-field", default=None, metavar="NAME",
+                   help="--dataset jsonl: with --response-field, instruction mode: the prompt "
+                        "(--prompt-template filled with this field) is not scored, the response is")
+    g.add_argument("--response-field", default=None, metavar="NAME",
+                   help="--dataset jsonl: the record field of the response (instruction mode)")
+    g.add_argument("--prompt-template", default=None, metavar="TEMPLATE",
+                   help="--dataset jsonl, instruction mode: a str.format template of the prompt, "
+                        "{instruction} the instruction field, any other {name} the record's "
+                        "field (default '### Instruction:\\n{instruction}\\n\\n### "
+                        "Response:\\n')")
+    g.add_argument("--max-length", type=int, default=None, metavar="T",
+                   help="--dataset jsonl: tokens per example (default 128): its first T + 1 "
+                        "tokens are kept, T inputs each with its next token as target")
     g.add_argument("--tfds-dir", default=None,
                    help="prepared TFDS data dir (default $TFDS_DATA_DIR or ~/tensorflow_datasets)")
     g.add_argument("--download", action="store_true",
@@ -277,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clustered: G groups of clients (contiguous ids), each group holding its "
                         "own disjoint set of labels")
     g.add_argument("--test-fraction", type=float, default=D["test_fraction"],
-                   help="fraction of each client's samples held out as its test split")
+                   help="fraction of each client's samples held out as its test split (--dataset "
+                        "jsonl: each client's last ones)")
 
     g = p.add_argument_group("algorithm (all algorithms; defaults differ per algorithm)")
     seen: set[str] = set()

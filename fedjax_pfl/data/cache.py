@@ -408,7 +408,11 @@ def check(cache_dir: str, task: Task, source: SourceInfo) -> None:
     meta = _read_meta(cache_dir)
     _check_files(cache_dir, meta)
     cached = meta.get("source", {})
-    if _task_to_dict(task) != meta.get("task"):
+    try:   # (through Task, so a field added since, at its default, is no change)
+        cached_task = _task_to_dict(_task_from_dict(meta.get("task") or {}))
+    except (TypeError, ValueError):
+        cached_task = meta.get("task")
+    if _task_to_dict(task) != cached_task:
         raise StaleCacheError(f"the reader's task changed: cached {meta.get('task')}, now {_task_to_dict(task)}")
     now = _source_to_dict(dataclasses.replace(source, files=()))
     for field in ("name", "format", "options"):

@@ -237,11 +237,13 @@ def check_labels(y: np.ndarray, num_classes: int, task: Any = None) -> None:
         if not np.issubdtype(y.dtype, np.floating) or not np.all(np.mod(y, 1) == 0):
             raise ValueError(f"labels must be integer class ids, got {y.dtype} values")
     low = -1 if task is not None and task.kind == "multilabel" else 0
+    # Shifted labels (`Task.label_offset` k): class y − k, so y runs up to num_classes − 1 + k.
+    top = num_classes - 1 + (int(getattr(task, "label_offset", 0)) if task is not None else 0)
     lo, hi = int(np.min(y)), int(np.max(y))
-    if lo < low or hi >= num_classes:
+    if lo < low or hi > top:
         bad = lo if lo < low else hi
         raise ValueError(f"label {bad} is outside the {num_classes} classes of this dataset "
-                         f"(labels must be {low} … {num_classes - 1}): pass the right "
+                         f"(labels must be {low} … {top}): pass the right "
                          "num_classes, or relabel")
 
 
@@ -269,5 +271,7 @@ def label_counts(data: FederatedData, split: str = "train") -> np.ndarray:
             pad = 0 if data.task is not None and data.task.kind == "sequence" else -1
             real = labels != pad
             client_of_row, labels = client_of_row[real], labels[real]
+            if data.task is not None and data.task.label_offset:   # shifted: class y − k
+                labels = labels - data.task.label_offset
         np.add.at(counts, (client_of_row, labels), 1)
     return counts

@@ -5,8 +5,10 @@ the path from files to a `FederatedData` (reader → cache → client subset →
 
 Formats (one reader module each): ``leaf`` (LEAF's ``train/*.json`` and ``test/*.json``,
 `data/leaf.py`), ``tff`` (TensorFlow Federated's ``*_train.h5`` / ``*_test.h5``, `data/tff.py`),
-``fedjax`` (FedJAX's SQLite files, `data/fedjax_sqlite.py`). The first read converts the files to a
-client-sorted cache under the data directory (`data/cache.py`); later runs open the cache.
+``fedjax`` (FedJAX's SQLite files, `data/fedjax_sqlite.py`), ``jsonl`` (JSON Lines text clients
+for fine-tuning with a pretrained tokenizer, `data/jsonl.py`; ``data_dir`` may be one file). The
+first read converts the files to a client-sorted cache under the data directory
+(`data/cache.py`); later runs open the cache.
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ NATURAL_DATASETS: dict[str, tuple[str, ...]] = {
     "sent140": ("leaf",),
     "celeba": ("leaf",),
     "cifar100_fl": ("tff", "fedjax"),
+    "jsonl": ("jsonl",),
 }
-FORMATS = ("leaf", "tff", "fedjax")
+FORMATS = ("leaf", "tff", "fedjax", "jsonl")
 # format -> (reader module, its open function)
 READERS = {"leaf": ("fedjax_pfl.data.leaf", "open_leaf"),
            "tff": ("fedjax_pfl.data.tff", "open_tff"),
-           "fedjax": ("fedjax_pfl.data.fedjax_sqlite", "open_fedjax")}
+           "fedjax": ("fedjax_pfl.data.fedjax_sqlite", "open_fedjax"),
+           "jsonl": ("fedjax_pfl.data.jsonl", "open_jsonl")}
 
 
 class UsageError(OptionError):
@@ -58,6 +62,8 @@ def _glob_detect(fmt: str, data_dir: str) -> bool:
         return has("train", "*.json") and has("test", "*.json")
     if fmt == "tff":
         return has("*_train.h5") or has("*_test.h5")
+    if fmt == "jsonl":
+        return os.path.isfile(data_dir) or has("*.jsonl")
     return has("*.sqlite")
 
 
@@ -108,7 +114,9 @@ def open_reader(name: str, data_dir: str, fmt: str | None = None, **options: Any
         raise UsageError(f"{arg('fmt', 'data')} {fmt}: {name} is read from "
                          f"{list(NATURAL_DATASETS[name])} files")
     data_dir = os.path.abspath(os.path.expanduser(data_dir))
-    if not os.path.isdir(data_dir):
+    if name == "jsonl":                               # a file or a folder: the reader says which
+        fmt = "jsonl"
+    elif not os.path.isdir(data_dir):
         raise DatasetNotFoundError(f"{arg('data_dir', 'data')} {data_dir} is not a directory")
     if fmt is None:
         try:
@@ -204,7 +212,10 @@ def load_natural(name: str, *, data_dir: str | None, fmt: str | None = None,
                           f"{arg('data_dir', 'data')} DIR (the folder holding the "
                           f"{'/'.join(NATURAL_DATASETS.get(name, ()))} files)")
     reader = open_reader(name, data_dir, fmt, **options)
-    root = cache_dir or os.path.join(os.path.abspath(os.path.expanduser(data_dir)), ".fedjax_pfl_cache")
+    where = os.path.abspath(os.path.expanduser(data_dir))
+    if os.path.isfile(where):                         # (jsonl: one file) the cache beside it
+        where = os.path.dirname(where)
+    root = cache_dir or os.path.join(where, ".fedjax_pfl_cache")
     nc = with_token_accuracy(cache.load(reader, root, log=log), token_accuracy)
     selected = cache.select(nc, max_clients=max_clients, min_samples=min_samples, seed=seed)
     selected = np.asarray(selected, np.int64)

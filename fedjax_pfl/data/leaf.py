@@ -97,7 +97,7 @@ import numpy as np
 
 from fedjax_pfl.data.natural import ClientBlock, DataFormatError, Quantiser, SourceInfo, Task
 from fedjax_pfl.data.sources import DatasetNotFoundError
-from fedjax_pfl.errors import arg
+from fedjax_pfl.errors import OptionError, arg
 
 __all__ = [
     "LEAF_DATASETS", "ALL_LETTERS", "DEFAULT_MAX_VOCAB", "DEFAULT_MIN_COUNT", "DEFAULT_SEQ_LEN",
@@ -287,6 +287,10 @@ class LeafReader:
         if name not in LEAF_DATASETS:
             raise ValueError(f"LEAF dataset must be one of {LEAF_DATASETS}, got {name!r}")
         allowed = _OPTIONS[name]
+        if "tokenizer" in options:
+            raise OptionError(f"{arg('tokenizer', 'data')}: LEAF's {name} files hold fixed windows "
+                              "and their ids, not a client's running text to re-tokenise; read "
+                              f"TFF's or FedJAX's files ({arg('fmt', 'data')} tff or fedjax)")
         unknown = sorted(set(options) - set(allowed))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for LEAF {name}; valid: "

@@ -79,9 +79,10 @@ _TAG_COUNT = "stackoverflow.tag_count"
 _OPTIONS: dict[str, dict[str, Any]] = {
     "emnist62": {},
     "emnist10": {},
-    "shakespeare": {"sequence_length": text.SHAKESPEARE_SEQUENCE_LENGTH},
+    "shakespeare": {"sequence_length": text.SHAKESPEARE_SEQUENCE_LENGTH, "tokenizer": None},
     "stackoverflow_nwp": {"vocab_size": text.SO_VOCAB_SIZE,
-                          "sequence_length": text.SO_SEQUENCE_LENGTH, "eval_split": "test"},
+                          "sequence_length": text.SO_SEQUENCE_LENGTH, "eval_split": "test",
+                          "tokenizer": None},
     "stackoverflow_tp": {"vocab_size": text.SO_VOCAB_SIZE, "num_tags": text.SO_TAG_VOCAB_SIZE,
                          "max_tokens": text.SO_MAX_TOKENS, "max_tags": text.SO_MAX_TAGS,
                          "eval_split": "test"},
@@ -196,7 +197,10 @@ def dataset_spec(name: str, data_dir: str, options: Mapping[str, Any]) -> Datase
     `DatasetNotFoundError`, naming them and where they come from)."""
     opts = resolve_options(name, options)
     quantiser = Quantiser(opts.pop("quantise"))
+    tokenizer = opts.pop("tokenizer", None)
     opt_items = tuple(sorted((k, str(v)) for k, v in opts.items()))
+    if tokenizer is not None:      # a pretrained tokenizer's ids (data/tokenizer.py's contract)
+        return _pretrained_spec(name, data_dir, opts, tokenizer, opt_items)
     if name in _QUANTISED:
         opt_items = tuple(sorted(opt_items + (("quantise", quantiser.quantise),)))
 
@@ -282,6 +286,30 @@ def dataset_spec(name: str, data_dir: str, options: Mapping[str, Any]) -> Datase
                        (np.zeros((0, L), np.int32), np.zeros((0, K), np.int32)),
                        vocab=("<pad>", *vocab.words, "<oov>"), labels=tuple(tags),
                        extra_files=(word_path, tag_path), options=opt_items)
+
+
+def _pretrained_spec(name: str, data_dir: str, opts: Mapping[str, Any], tokenizer: str,
+                     opt_items: tuple[tuple[str, str], ...]) -> DatasetSpec:
+    """Shakespeare or Stack Overflow next word re-tokenised from their raw text with a pretrained
+    tokenizer (`data/tokenizer.py`): Shakespeare's snippets as one stream per client cut into
+    windows of ``sequence_length`` tokens (`tokenizer.stream_windows`, FedJAX's windowing),
+    Stack Overflow's sentences one row each, cut at ``sequence_length`` tokens
+    (`tokenizer.text_rows`; the word-count file and ``vocab_size`` are not used). Labels are
+    shifted by one (`Task.label_offset`)."""
+    from fedjax_pfl.data import tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.load_tokenizer(tokenizer)
+    L = opts["sequence_length"]
+    feature = "snippets" if name == "shakespeare" else "tokens"
+    to_rows = tokenizer_lib.stream_windows if name == "shakespeare" else tokenizer_lib.text_rows
+    items = tuple(sorted([kv for kv in opt_items if kv[0] != "vocab_size"] + list(tok.options())))
+
+    def convert(f: Features, path: str, client: str):
+        return to_rows(_strings(f[feature], feature, path, client), tok, L)
+
+    return DatasetSpec(name, tokenizer_lib.pretrained_task(tok, default_model="transformer"),
+                       (feature,), convert, (np.zeros((0, L), np.int32), np.zeros((0, L), np.int32)),
+                       options=items)
 
 
 def pair_clients(train_ids: Sequence[str], test_ids: Sequence[str], separate: bool = False
@@ -401,7 +429,8 @@ def open_tff(name: str, data_dir: str, **options: Any) -> TffReader:
     """The reader of `name` in TFF's HDF5 files under `data_dir`.
 
     Options (defaults): shakespeare: sequence_length=80; stackoverflow_nwp: vocab_size=10000,
-    sequence_length=20, eval_split="test" | "held_out"; stackoverflow_tp: vocab_size=10000,
+    sequence_length=20, eval_split="test" | "held_out"; both: tokenizer=None (a pretrained
+    tokenizer.json or its folder: its ids instead of FedJAX's, `_pretrained_spec`); stackoverflow_tp: vocab_size=10000,
     num_tags=500, max_tokens=64, max_tags=5, eval_split; cifar100_fl: coarse=False,
     test_clients="separate" | "paired"; every dataset: quantise="round" | "refuse" (EMNIST
     pixels off the k/255 grid stored at their nearest level and counted, or refused:

@@ -11,7 +11,17 @@ Every function here follows `Model`'s contract (models/model.py), on ONE batch o
   units; accuracy = Σ hits / Σ count (None: argmax == label, one each).
 
 Labels follow data/natural.py: sequence labels y [B, T] with 0 = PAD; multilabel y [B, K] tag ids
-padded with −1. `Task` (here: the data readers build it, the models read it) says what is
+padded with −1.
+
+Shifted labels (`Task.label_offset` = k > 0, the pretrained-tokenizer token tasks of
+`data/tokenizer.py`, k = 1): a pretrained vocabulary uses every id from 0 (GPT-2's "!" is id 0,
+Llama's <unk> is 0), so no token id is free to mean padding. Such a task stores
+y_bt = (id of the next token) + k for a scored target and y_bt = 0 (`PAD`) for a target that
+is not scored (padding, and the prompt of an instruction example); the class a loss or metric
+compares with the logits is y − k where y > 0. With k = 0 (every other task) the labels are the
+classes themselves and the functions are the unshifted ones, unchanged.
+
+`Task` (here: the data readers build it, the models read it) says what is
 predicted from what; `for_task(task)` returns the triple for a `Task`.
 """
 
@@ -40,6 +50,9 @@ class Task:
     metric_excluded: sequence tasks: labels besides `PAD` that accuracy leaves out.
     topk: multilabel tasks: k of recall@k.
     default_model: the published model of this dataset (models.get name).
+    label_offset: sequence tasks: k ≥ 0 added to every scored target (module docstring,
+      "Shifted labels"): the class of a label y > 0 is y − k, so labels run 0 … num_classes − 1 + k.
+      0 (the default) for every task but the pretrained-tokenizer ones (1).
     """
 
     kind: str = "classify"
@@ -49,6 +62,7 @@ class Task:
     metric_excluded: tuple[int, ...] = ()
     topk: int = 5
     default_model: str = ""
+    label_offset: int = 0
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -59,9 +73,13 @@ class Task:
             raise ValueError(f"Task.num_classes must be >= 1, got {self.num_classes}")
         if self.inputs == "tokens" and self.vocab_size < 1:
             raise ValueError("a task with token inputs needs vocab_size >= 1")
+        if self.label_offset < 0 or (self.label_offset and self.kind != "sequence"):
+            raise ValueError(f"Task.label_offset must be 0, or > 0 for a sequence task; got "
+                             f"{self.label_offset} for a {self.kind} task")
 
 
-__all__ = ["PAD", "KINDS", "INPUTS", "Task", "sequence_cross_entropy", "token_weight", "token_accuracy", "multi_hot",
+__all__ = ["PAD", "KINDS", "INPUTS", "Task", "sequence_cross_entropy", "token_weight", "token_accuracy",
+           "shifted_sequence_cross_entropy", "shifted_token_accuracy", "multi_hot",
            "multilabel_sigmoid_loss", "recall_at_k", "for_task"]
 
 Metric = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
@@ -110,6 +128,42 @@ def token_accuracy(excluded: tuple[int, ...] = ()) -> Metric:
         for e in excluded:
             scored = scored & (labels != e)
         correct = jnp.argmax(logits, axis=-1) == labels
+        hits = jnp.sum(scored & correct, axis=-1).astype(jnp.float32)
+        return hits, jnp.sum(scored, axis=-1).astype(jnp.float32)
+
+    return metric
+
+
+def shifted_sequence_cross_entropy(label_offset: int) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """`sequence_cross_entropy` for labels shifted by k = `label_offset` (module docstring).
+
+    ℓ_b = Σ_t [y_bt ≠ PAD] · (−log softmax(z_bt)[y_bt − k]): the class of a scored target is
+    y − k (so a next token of id 0 is y = k, scored), and a target y = PAD = 0 counts nothing.
+    Returns the loss function (logits [B, T, V], labels [B, T]) -> [B].
+    """
+    k = int(label_offset)
+
+    def loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+        scored = labels != PAD
+        per_token = optax.softmax_cross_entropy_with_integer_labels(
+            logits, jnp.where(scored, labels - k, 0))
+        return jnp.sum(jnp.where(scored, per_token, 0.0), axis=-1)
+
+    return loss
+
+
+def shifted_token_accuracy(label_offset: int, excluded: tuple[int, ...] = ()) -> Metric:
+    """`token_accuracy` for labels shifted by k = `label_offset`: hits_b = Σ_t [y_bt ∉ E] ·
+    [argmax_v z_btv = y_bt − k], count_b = Σ_t [y_bt ∉ E], E = {PAD} ∪ excluded (`excluded` in
+    the stored, shifted label values)."""
+    k = int(label_offset)
+    excluded = tuple(int(e) for e in excluded)
+
+    def metric(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+        scored = labels != PAD
+        for e in excluded:
+            scored = scored & (labels != e)
+        correct = jnp.argmax(logits, axis=-1) == labels - k
         hits = jnp.sum(scored & correct, axis=-1).astype(jnp.float32)
         return hits, jnp.sum(scored, axis=-1).astype(jnp.float32)
 
@@ -175,11 +229,17 @@ def for_task(task: Task) -> dict:
     """The (loss, weight, metric) of a natural `Task`, as keyword arguments of `Model`.
 
     classify:   softmax cross-entropy; weight None; metric None (argmax == label).
-    sequence:   `sequence_cross_entropy`, `token_weight`, `token_accuracy(task.metric_excluded)`.
+    sequence:   `sequence_cross_entropy`, `token_weight`, `token_accuracy(task.metric_excluded)`;
+                with `task.label_offset` k > 0, `shifted_sequence_cross_entropy(k)`, `token_weight`,
+                `shifted_token_accuracy(k, task.metric_excluded)`.
     multilabel: `multilabel_sigmoid_loss`, weight None, `recall_at_k(task.topk)`.
     """
     if task.kind == "classify":
         return dict(loss=softmax_cross_entropy, weight=None, metric=None)
+    if task.kind == "sequence" and task.label_offset:
+        k = task.label_offset
+        return dict(loss=shifted_sequence_cross_entropy(k), weight=token_weight,
+                    metric=shifted_token_accuracy(k, tuple(task.metric_excluded)))
     if task.kind == "sequence":
         return dict(loss=sequence_cross_entropy, weight=token_weight,
                     metric=token_accuracy(tuple(task.metric_excluded)))

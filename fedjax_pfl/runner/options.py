@@ -23,7 +23,11 @@ notebook gets what the command line gets:
   subset) and is the only kind that takes `format`, `max_clients`, `min_samples`, `cache_dir`,
   `token_accuracy` and `quantise`; the partition defaults to `natural` for those and for `synthetic`,
   `dirichlet` otherwise; the client count to `synthetic_clients` for `synthetic`, 20 otherwise;
-  each dataset gets the data options its loader takes (`RunConfig.data_options`).
+  each dataset gets the data options its loader takes (`RunConfig.data_options`). ``jsonl``
+  (JSON Lines text clients, `data/jsonl.py`) also takes `tokenizer` (required),
+  `client_field`, `text_field`, `instruction_field`, `response_field`, `prompt_template`,
+  `max_length` and `test_fraction` (its per-client held-out share); ``shakespeare`` and
+  ``stackoverflow_nwp`` (TFF's or FedJAX's files) take `tokenizer` too (`data/tff.py`).
 * `out` defaults to runs/ALGO_DATASET_TIME.
 * An option or hyperparameter given that the run does not use is refused, by one declaration of
   which apply when (`applies_table`): a partition's setting under another scheme, a dataset's
@@ -65,6 +69,9 @@ DEFAULTS: dict[str, Any] = {
     "model_options": None, "model_cr": 2.0, "conv": "auto",
     "dataset": "digits", "data_dir": None, "format": None, "max_clients": None, "min_samples": 0,
     "max_client_samples": None,
+    # --dataset jsonl (data/jsonl.py; None: the reader's defaults) and pretrained tokenisation
+    "tokenizer": None, "client_field": None, "text_field": None, "instruction_field": None,
+    "response_field": None, "prompt_template": None, "max_length": None,
     "token_accuracy": None, "quantise": None, "cache_dir": None, "tfds_dir": None,
     "download": False,
     "emnist_split": "balanced", "synthetic_alpha": 1.0, "synthetic_beta": 1.0,
@@ -75,6 +82,11 @@ DEFAULTS: dict[str, Any] = {
 # The options that apply to natural-client datasets only.
 NATURAL_ONLY = ("format", "max_clients", "cache_dir", "token_accuracy", "min_samples", "quantise",
                 "max_client_samples")
+# The options of the JSON Lines text clients only (data/jsonl.py), and the datasets that take a
+# pretrained tokenizer (`tokenizer`).
+JSONL_ONLY = ("client_field", "text_field", "instruction_field", "response_field",
+              "prompt_template", "max_length")
+TOKENIZED_DATASETS = ("jsonl", "shakespeare", "stackoverflow_nwp")
 # The datasets read from prepared TFDS copies or their original files (`data.sources`): the ones
 # that take `data_dir`, `tfds_dir` and `download` (digits is embedded, synthetic generated).
 FILE_DATASETS = ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100")
@@ -85,7 +97,7 @@ DEFAULT_MODEL = {"digits": "mlp", "synthetic": "logreg", "mnist": "mlp", "fashio
                  "femnist": "femnist_cnn", "emnist62": "femnist_cnn", "emnist10": "femnist_cnn",
                  "shakespeare": "char_lstm", "stackoverflow_nwp": "word_lstm",
                  "stackoverflow_tp": "tag_logreg", "sent140": "sent_lstm", "celeba": "cnn",
-                 "cifar100_fl": "resnet18"}
+                 "cifar100_fl": "resnet18", "jsonl": "transformer"}
 
 # The option that sets an argument the library's errors name (`errors.arg(name, space)`) where
 # the two names differ: RunConfig's fields (""), PartitionConfig's ("partition") and the keys
@@ -263,11 +275,13 @@ def _applies_table() -> dict[tuple[str, str], Applies]:
         ("shards_per_client", ""): _schemes("shards"),
         ("shard_size", ""): _schemes("shards"),
         ("clusters", ""): _schemes("clustered"),
-        ("test_fraction", ""): Applies(lambda s: not s.natural,
+        ("test_fraction", ""): Applies(lambda s: not s.natural or s.dataset == "jsonl",
                                        lambda s: f"does not apply: {arg('dataset')} {s.dataset} "
                                                  "keeps its own test split"),
         # the datasets' own settings (data/sources.py, data/formats.py)
         **{(key, ""): natural for key in NATURAL_ONLY},
+        **{(key, ""): _dataset("jsonl") for key in JSONL_ONLY},
+        ("tokenizer", ""): _dataset(*TOKENIZED_DATASETS),
         ("emnist_split", ""): _dataset("emnist"),
         ("synthetic_alpha", ""): _dataset("synthetic"),
         ("synthetic_beta", ""): _dataset("synthetic"),
@@ -495,6 +509,11 @@ def run_fields(*, hparams: Mapping[str, Any] | None = None,
                         "cache_dir": o["cache_dir"],
                         "token_accuracy": o["token_accuracy"] or "default",
                         "quantise": o["quantise"] or "round"}
+    if natural and o["tokenizer"] is not None:
+        data_options["tokenizer"] = o["tokenizer"]
+    if dataset == "jsonl":       # (None: the reader's default; the record keeps what was given)
+        data_options.update({key: o[key] for key in ("tokenizer", *JSONL_ONLY)
+                             if o[key] is not None}, test_fraction=o["test_fraction"])
     if dataset == "emnist":
         data_options["emnist_split"] = o["emnist_split"]
     if synthetic:

@@ -372,3 +372,23 @@ def test_subset_holds_the_selected_clients(tmp_path):
     assert cache.subset(nc, np.arange(nc.num_clients)) is nc       # all clients: still the memory map
     with pytest.raises(ValueError):
         cache.subset(nc, np.array([0, 7]))
+
+
+def test_a_cache_from_before_a_new_task_field_is_still_current(tmp_path):
+    """A Task field added later at its default (label_offset) does not make older caches stale;
+    another value of it does."""
+    import dataclasses
+
+    reader = FakeReader(str(tmp_path), make_blocks([(3, 1), (2, 2)]))
+    load(reader, tmp_path / "cache")
+    meta_path = _cache_dir(tmp_path, reader) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["task"]["label_offset"]                  # as a cache written before the field
+    meta_path.write_text(json.dumps(meta))
+    _, msgs = load(reader, tmp_path / "cache")
+    assert msgs == [] and reader.calls == 1           # opened, not converted again
+    shifted = FakeReader(str(tmp_path), reader.blocks,
+                         task=dataclasses.replace(TASK, kind="sequence", label_offset=1))
+    cache.check(str(_cache_dir(tmp_path, reader)), reader.task(), reader.source())
+    with pytest.raises(cache.StaleCacheError, match="the reader's task changed"):
+        cache.check(str(_cache_dir(tmp_path, reader)), shifted.task(), shifted.source())

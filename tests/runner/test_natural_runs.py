@@ -168,10 +168,10 @@ def test_token_accuracy_rule_chooses_the_scored_targets(tmp_path_factory):
 def test_every_reader_dataset_is_reachable_by_name():
     """formats.NATURAL_DATASETS lists, for each dataset, exactly the formats whose reader module
     reads it (a dataset a reader supports but the table omits cannot be chosen)."""
-    from fedjax_pfl.data import fedjax_sqlite, formats, leaf, tff
+    from fedjax_pfl.data import fedjax_sqlite, formats, jsonl, leaf, tff
 
     readers = {"leaf": set(leaf.LEAF_DATASETS), "tff": set(tff.DATASETS),
-               "fedjax": set(fedjax_sqlite.DATASETS)}
+               "fedjax": set(fedjax_sqlite.DATASETS), "jsonl": set(jsonl.DATASETS)}
     for name, fmts in formats.NATURAL_DATASETS.items():
         assert set(fmts) == {f for f, names in readers.items() if name in names}, name
     assert set().union(*readers.values()) == set(formats.NATURAL_DATASETS)
