@@ -573,7 +573,8 @@ def export_peft_run(prep: Any, state: Any, out: str) -> dict:
     cfg, config = prep.cfg, prep.lora
     p = parts(cfg.algo, full_state(prep.program, state), prep.data.num_real_clients)
     directory = os.path.join(out, FINAL_DIR)
-    base = prep.algo.model.frozen if hasattr(prep.algo, "model") else None
+    frozen = getattr(prep, "frozen", None)
+    base = None if frozen is None else frozen.value
     name = prep.model_name
     hf_path = name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else None
     kwargs: dict[str, Any] = {"base_model": hf_path or name}

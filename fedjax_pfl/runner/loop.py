@@ -118,6 +118,7 @@ class Prepared:
     privacy: PrivacyPlan | None = None  # dp_clip: the noise multiplier and ε after each round
     compression: dict | None = None    # a CP model's or TDPFed's ranks and the rate used (`compression`)
     lora: Any = None                   # peft lora: the adapters' models.lora.LoraConfig
+    frozen: Any = None                 # the model's frozen base parameters (peft lora), or None
 
     @property
     def poisson(self) -> bool:
@@ -181,7 +182,7 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
         eval_ids = np.sort(rng.choice(data.num_real_clients, subset, replace=False)).astype(np.int32)
     return Prepared(cfg, hparams, data, data_info or {}, model_name, algo, program, root,
                     jax.random.fold_in(root, 1), eval_ids, privacy_plan, compression_used,
-                    lora_config)
+                    lora_config, model.frozen)
 
 
 def build_model(cfg: RunConfig, model_name: str, data: FederatedData) -> tuple[models.Model, Any]:
