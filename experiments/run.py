@@ -203,11 +203,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true",
                    help="no progress bar, and no lines of the metric sinks' own libraries (W&B)")
     g.add_argument("--model", default=None,
-                   help=f"one of {list(models.MODELS)}; default per dataset (mlp for digits/mnist-"
+                   help=f"one of {list(models.MODELS)}, or hf:PATH (a pretrained decoder in a "
+                        "local Hugging Face folder, docs/pretrained.md); default per dataset (mlp for digits/mnist-"
                         "like, logreg for synthetic, cnn for cifar)")
     g.add_argument("--model-options", default=None, metavar="KEY=VALUE,...",
                    help="sizes of the text models and femnist_cnn, e.g. hidden=64,layers=1 for "
                         "--model char_lstm (models/sequence.py lists each model's options)")
+    g.add_argument("--model-dtype", default=None, choices=("float32", "bfloat16"),
+                   help="--model hf:PATH: the base weights' dtype (default float32)")
+    g.add_argument("--peft", default=None, choices=("lora",),
+                   help="train LoRA adapters over the frozen model (pretrained or ours) instead "
+                        "of every weight: the adapters are the state the algorithm keeps, "
+                        "averages and personalises (docs/adapters.md)")
+    g.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="--peft lora: the adapters' rank r (default 8)")
+    g.add_argument("--lora-alpha", type=float, default=None, metavar="A",
+                   help="--peft lora: the scale numerator α, the update is (α/r)·BA (default 16)")
+    g.add_argument("--lora-targets", default=None, metavar="NAME,...",
+                   help="--peft lora: the dense modules adapted, names or paths (PEFT's "
+                        "target_modules), or all (default q_proj,v_proj)")
+    g.add_argument("--lora-dropout", type=float, default=None, metavar="P",
+                   help="--peft lora: dropout on the adapters' input in training (default 0)")
     g.add_argument("--model-cr", type=float, default=D["model_cr"],
                    help="compression rate of --model cp_mlp / cp_vgg8: rank round(ΠI/(CR·ΣI)) per "
                         "weight tensor (TDPFed's rule; 1 = the dense model)")

@@ -341,8 +341,10 @@ def model_spec(cfg: Any, model_name: str, data: Any) -> ModelSpec:
 
 def export_run(prep: Any, state: Any, out: str) -> dict:
     """A finished run's export to OUT/final/ (`runner.run` with `RunConfig.export`): its final
-    state (`full_state`), the real clients' rows."""
+    state (`full_state`), the real clients' rows. With adapters (`peft` lora): `export_peft_run`."""
     cfg = prep.cfg
+    if getattr(prep, "lora", None) is not None:
+        return export_peft_run(prep, state, out)
     return save(os.path.join(out, FINAL_DIR), cfg.algo, full_state(prep.program, state),
                 model_spec(cfg, prep.model_name, prep.data),
                 num_clients=prep.data.num_real_clients, hparams=prep.hparams)
@@ -553,4 +555,63 @@ def save_merged(directory: str, base: Params, adapters: Params, config: Any, *,
         tensors = {names(k): v for k, v in tensors.items()}
     os.makedirs(directory, exist_ok=True)
     _write_safetensors(os.path.join(directory, "model.safetensors"), tensors, {"format": "pt"})
+    return list(tensors)
+
+
+HF_PREFIX = "hf:"
+
+
+def export_peft_run(prep: Any, state: Any, out: str) -> dict:
+    """A LoRA run's export to OUT/final/: the final global adapter in global/ and each real
+    client's personal adapter in clients/i/ (`save_peft_run`, PEFT's format; a pretrained
+    model's modules by their Hugging Face names, `models.hf.names.hf_name`, so the tensors are
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), and the base merged with
+    the global adapter in merged/: for `model` hf:PATH in the Hugging Face layout
+    (model.safetensors with HF's names and [out, in] Linear weights, PATH's config.json and
+    tokenizer files copied), which `models.hf.load` and `transformers` read; for a zoo model
+    `save_merged`'s tensors by parameter path. Returns {"global", "clients", "merged"}."""
+    cfg, config = prep.cfg, prep.lora
+    p = parts(cfg.algo, full_state(prep.program, state), prep.data.num_real_clients)
+    directory = os.path.join(out, FINAL_DIR)
+    frozen = getattr(prep, "frozen", None)
+    base = None if frozen is None else frozen.value
+    name = prep.model_name
+    hf_path = name[len(HF_PREFIX):] if name.startswith(HF_PREFIX) else None
+    kwargs: dict[str, Any] = {"base_model": hf_path or name}
+    if hf_path is not None:
+        from fedjax_pfl.models.hf import names as hf_names
+
+        kwargs["names"] = hf_names.hf_name
+    adapters = p.global_params if p.global_params is not None else p.shared
+    record = save_peft_run(directory, adapters, p.personal, config, **kwargs)
+    if base is not None and adapters is not None:
+        merged_dir = os.path.join(directory, "merged")
+        if hf_path is not None:
+            record["merged"] = save_merged_hf(merged_dir, base, adapters, config, hf_path)
+        else:
+            record["merged"] = save_merged(merged_dir, base, adapters, config)
+    return record
+
+
+def save_merged_hf(directory: str, base: Params, adapters: Params, config: Any,
+                   source: str) -> list[str]:
+    """The merged weights W + (α/r)(BA)ᵀ of a pretrained model (`models.lora.merged`) in the
+    Hugging Face layout of its folder `source`: `directory`/model.safetensors with HF's tensor
+    names and layouts (`names.hf_name`, `names.to_hf`: Llama's Linear weights [out, in]), and
+    `source`'s config.json and tokenizer files copied beside it. Returns the tensor names."""
+    import shutil
+
+    from fedjax_pfl.models import lora
+    from fedjax_pfl.models.hf import names as hf_names
+    from fedjax_pfl.models.hf.config import read_config
+
+    model_type = "gpt2" if type(read_config(source)).__name__ == "GPT2Config" else "llama"
+    tensors = {hf_names.hf_name(path): np.ascontiguousarray(hf_names.to_hf(path, arr, model_type))
+               for path, arr in _host_tensors(lora.merged(base, adapters, config)).items()}
+    os.makedirs(directory, exist_ok=True)
+    _write_safetensors(os.path.join(directory, "model.safetensors"), tensors, {"format": "pt"})
+    for file in ("config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(source, file)):
+            shutil.copyfile(os.path.join(source, file), os.path.join(directory, file))
     return list(tensors)

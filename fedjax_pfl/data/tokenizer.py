@@ -22,15 +22,15 @@ the tokenizer's post-processor (``add_special_tokens=True``: Llama's tokenizers 
 GPT-2's add nothing), then the end-of-sequence token appended unless the post-processor already
 ended the sequence with it. Special tokens come from ``tokenizer_config.json`` (or
 ``special_tokens_map.json``) beside ``tokenizer.json`` (fields ``eos_token``, ``pad_token``, a
-string or ``{"content": …}``), else from the first of the usual names present in the vocabulary
-(`EOS_NAMES`, `PAD_NAMES`).
+string or ``{"content": …}``), else ``config.json``'s ``eos_token_id`` / ``pad_token_id``, as the
+pretrained models read them (`models.hf.tokenizer.special_token_ids`), else from the first of
+the usual names present in the vocabulary (`EOS_NAMES`, `PAD_NAMES`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 from collections.abc import Sequence
 
@@ -39,16 +39,18 @@ import numpy as np
 from fedjax_pfl.data.natural import PAD, Task
 from fedjax_pfl.data.sources import DatasetNotFoundError
 from fedjax_pfl.errors import OptionError, arg
+from fedjax_pfl.models.hf import tokenizer as hf_tokenizer
+from fedjax_pfl.models.hf.config import PretrainedError
+from fedjax_pfl.models.hf.task import LABEL_OFFSET
 
 __all__ = ["TOKENIZER_FILE", "EOS_NAMES", "PAD_NAMES", "LABEL_OFFSET", "PretrainedTokenizer",
            "find_tokenizer_file", "load_tokenizer", "pack_example", "text_rows", "stream_windows",
            "pretrained_task"]
 
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE = hf_tokenizer.TOKENIZER_FILE
 # Used where no tokenizer_config.json names them, tried in this order.
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<eos>", "[SEP]")
 PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
-LABEL_OFFSET = 1        # y = next token id + 1; 0 = not scored (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,48 +92,38 @@ def find_tokenizer_file(path: str | os.PathLike, flag: str = "tokenizer") -> str
     return p
 
 
-def _special(folder: str, key: str) -> str | None:
-    """The content of `key` (eos_token, pad_token) in tokenizer_config.json or
-    special_tokens_map.json of `folder`, or None."""
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                value = json.load(f).get(key)
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(value, dict):
-            value = value.get("content")
-        if isinstance(value, str) and value:
-            return value
-    return None
-
-
 def load_tokenizer(path: str | os.PathLike, flag: str = "tokenizer") -> PretrainedTokenizer:
     """The tokenizer at `path` (a tokenizer.json, or a folder holding one) with its eos and pad
-    ids (module docstring). Errors (one line, naming the data option `flag`): no such file
-    (DatasetNotFoundError), a file `tokenizers` cannot read, the package missing (OptionError)."""
+    ids (module docstring). The file and the ids are read by the pretrained models' own reader
+    (`models.hf.tokenizer`: tokenizer_config.json, special_tokens_map.json, config.json), with
+    the usual names (`EOS_NAMES`, `PAD_NAMES`) where no file names a token. Errors (one line,
+    naming the data option `flag`): no such file (DatasetNotFoundError), a file `tokenizers`
+    cannot read, a named special token not in it, the package missing (OptionError)."""
     file = find_tokenizer_file(path, flag)
     try:
-        from tokenizers import Tokenizer
+        import tokenizers  # noqa: F401 (only whether it is installed)
     except ImportError:
         raise OptionError(f"{arg(flag, 'data')} needs the tokenizers package: pip install "
                           "tokenizers") from None
     try:
-        tok = Tokenizer.from_file(file)
-    except Exception as e:                            # noqa: BLE001 (the library's own error type)
+        tok = hf_tokenizer.read_tokenizer_file(file)
+    except ValueError as e:
         text = " ".join(str(e).split())
         raise OptionError(f"{arg(flag, 'data')} {file} is not a tokenizer.json the tokenizers "
                           f"library reads ({text})") from None
     folder = os.path.dirname(file)
+    try:
+        ids = hf_tokenizer.special_token_ids(folder, tok.token_to_id)
+    except PretrainedError as e:
+        # The same message, naming the data option rather than the model folder.
+        raise OptionError(e.message.replace(arg("path", "model"), arg(flag, "data"))) from None
     vocab = tok.get_vocab(with_added_tokens=True)
 
-    def find(key: str, names: Sequence[str]) -> int | None:
-        name = _special(folder, key)
-        if name is not None and name in vocab:
-            return int(vocab[name])
+    def named(names: Sequence[str]) -> int | None:
         return next((int(vocab[n]) for n in names if n in vocab), None)
 
-    eos, pad = find("eos_token", EOS_NAMES), find("pad_token", PAD_NAMES)
+    eos = ids["eos"] if ids["eos"] is not None else named(EOS_NAMES)
+    pad = ids["pad"] if ids["pad"] is not None else named(PAD_NAMES)
     with open(file, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     return PretrainedTokenizer(path=file, tokenizer=tok,

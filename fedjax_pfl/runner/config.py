@@ -44,6 +44,16 @@ class RunConfig:
     model_cr: float = 2.0
     model_conv: str = "auto"              # how convolutions are computed (models.CONV_IMPLS)
     model_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # text models' sizes
+    # --model hf:PATH: the base weights' dtype (models.hf.DTYPES).
+    model_dtype: str = "float32"
+    # LoRA adapters as the trained (and per-client) parameters over the frozen model
+    # (models/lora.py): None (every weight trained) or "lora"; PEFT's r, lora_alpha,
+    # target_modules (comma-separated module names or paths, or "all") and lora_dropout.
+    peft: str | None = None
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: str = "q_proj,v_proj"
+    lora_dropout: float = 0.0
     partition: PartitionConfig = dataclasses.field(default_factory=PartitionConfig)
     rounds: int = 50
     seed: int = 0
@@ -135,7 +145,24 @@ class RunConfig:
             raise OptionError(f"{arg('scheme', 'partition')} natural keeps a dataset's own "
                               f"clients: synthetic's or a natural-client dataset's, not "
                               f"{arg('dataset')} {self.dataset}'s")
-        if self.model is not None and self.model not in models.MODELS:
+        hf = self.model is not None and self.model.startswith(options_lib.HF_PREFIX)
+        if hf and not self.model[len(options_lib.HF_PREFIX):]:
+            raise OptionError(f"{arg('model')} hf:PATH needs the folder PATH, got {self.model!r}")
+        if self.model_dtype not in ("float32", "bfloat16"):
+            raise OptionError(f"{arg('model_dtype')} must be float32 or bfloat16, got "
+                              f"{self.model_dtype!r}")
+        if self.peft not in (None, "lora"):
+            raise OptionError(f"{arg('peft')} must be lora (or not given), got {self.peft!r}")
+        if self.peft == "lora":
+            if isinstance(self.lora_rank, bool) or int(self.lora_rank) != self.lora_rank or self.lora_rank < 1:
+                raise OptionError(f"{arg('lora_rank')} must be an integer >= 1, got {self.lora_rank!r}")
+            if not self.lora_alpha > 0:
+                raise OptionError(f"{arg('lora_alpha')} must be > 0, got {self.lora_alpha!r}")
+            if not 0.0 <= self.lora_dropout < 1.0:
+                raise OptionError(f"{arg('lora_dropout')} must be in [0, 1), got {self.lora_dropout!r}")
+            if not [t for t in str(self.lora_targets).split(",") if t.strip()]:
+                raise OptionError(f"{arg('lora_targets')} names no module, got {self.lora_targets!r}")
+        if self.model is not None and not hf and self.model not in models.MODELS:
             raise OptionError(f"{arg('model')} must be one of {list(models.MODELS)}, got "
                               f"{self.model!r}")
         if self.model is None or self.model in models.MODELS:

@@ -30,6 +30,7 @@ from fedjax_pfl.data.federated import FederatedData, label_counts
 from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.interrupts import WarningSignal, compute, deferred_signals, parse_signal, signal_name, stop_signals
 from fedjax_pfl.runner import checkpoints, privacy, rundir
+from fedjax_pfl.runner import options as options_lib
 from fedjax_pfl.runner.checkpoints import ResumeError
 from fedjax_pfl.runner.config import (
     MIN_IMAGE_SIDE,
@@ -116,6 +117,8 @@ class Prepared:
     eval_ids: np.ndarray | None        # a fixed evaluation subset (eval_clients K), or None
     privacy: PrivacyPlan | None = None  # dp_clip: the noise multiplier and ε after each round
     compression: dict | None = None    # a CP model's or TDPFed's ranks and the rate used (`compression`)
+    lora: Any = None                   # peft lora: the adapters' models.lora.LoraConfig
+    frozen: Any = None                 # the model's frozen base parameters (peft lora), or None
 
     @property
     def poisson(self) -> bool:
@@ -159,9 +162,7 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
     trainable = data.num_real_clients - num_unseen(cfg.unseen_clients, data.num_real_clients)
     hparams, privacy_plan = privacy.plan(cfg, hparams, trainable)
     model_name = model_name_of(cfg)
-    model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
-                       conv=cfg.model_conv, task=data.task,
-                       options=cfg.model_options)
+    model, lora_config = build_model(cfg, model_name, data)
     algo = algorithms.get(cfg.algo, model=model, unseen_clients=cfg.unseen_clients,
                           unseen_seed=cfg.seed, attack_seed=attack_seed_of(cfg), **hparams)
     compression_used = compression(cfg, hparams, model, model_name)
@@ -180,7 +181,46 @@ def prepare(cfg: RunConfig, data: FederatedData | None = None, data_info: dict |
         rng = np.random.default_rng(cfg.seed + 7)
         eval_ids = np.sort(rng.choice(data.num_real_clients, subset, replace=False)).astype(np.int32)
     return Prepared(cfg, hparams, data, data_info or {}, model_name, algo, program, root,
-                    jax.random.fold_in(root, 1), eval_ids, privacy_plan, compression_used)
+                    jax.random.fold_in(root, 1), eval_ids, privacy_plan, compression_used,
+                    lora_config, model.frozen)
+
+
+def build_model(cfg: RunConfig, model_name: str, data: FederatedData) -> tuple[models.Model, Any]:
+    """The run's model and, with `peft` lora, its `models.lora.LoraConfig` (else None).
+
+    `model` hf:PATH is `models.hf.model_from_hf(PATH, dtype=model_dtype)` (every weight trained
+    without `peft`); a zoo name is `models.get`. With `peft` lora the model is wrapped by
+    `models.lora.lora` over its initial parameters as the frozen base (the pretrained weights,
+    or a zoo model's initialisation at the run's seed), so the trained state is the adapters.
+    A task whose vocabulary exceeds the pretrained model's is an OptionError naming both."""
+    if model_name.startswith(options_lib.HF_PREFIX):
+        from fedjax_pfl.models import hf
+
+        path = model_name[len(options_lib.HF_PREFIX):]
+        model = hf.model_from_hf(path, dtype=cfg.model_dtype)
+        vocab = int(hf.decoder(path, cfg.model_dtype).config.vocab_size)
+        task = data.task
+        needed = (task.vocab_size if task is not None and task.vocab_size else data.num_classes)
+        if needed > vocab:
+            raise OptionError(f"{arg('model')} {model_name} has a vocabulary of {vocab} tokens, "
+                              f"the task's is {needed} ({arg('tokenizer', 'data')} "
+                              f"{cfg.data_options.get('tokenizer')}): use the model's tokenizer")
+    else:
+        model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
+                           conv=cfg.model_conv, task=data.task, options=cfg.model_options)
+    if cfg.peft != "lora":
+        return model, None
+    from fedjax_pfl.models import lora
+
+    base = model.init(jax.random.fold_in(jax.random.key(cfg.seed), 0x10A))
+    example = jax.ShapeDtypeStruct((1, *data.input_shape), data.x.dtype)
+    targets = [t.strip() for t in str(cfg.lora_targets).split(",") if t.strip()]
+    try:
+        return lora.lora(model, base, example, targets=targets, rank=int(cfg.lora_rank),
+                         alpha=float(cfg.lora_alpha), dropout=float(cfg.lora_dropout))
+    except ValueError as e:       # lora's messages start with the flag they are about
+        flag = str(e).split()[0].lstrip("-").replace("-", "_")
+        raise OptionError(str(e).replace(str(e).split()[0], arg(flag), 1)) from None
 
 
 def compression(cfg: RunConfig, hparams: dict, model, model_name: str) -> dict | None:

@@ -67,6 +67,9 @@ DEFAULTS: dict[str, Any] = {
     "state_placement": "auto", "no_memory_check": False, "out": None, "checkpoint_every": None,
     "resume": False, "checkpoint_on_signal": None, "log": "", "quiet": False, "model": None,
     "model_options": None, "model_cr": 2.0, "conv": "auto",
+    # pretrained models (--model hf:PATH) and adapters (--peft lora; models/lora.py)
+    "model_dtype": None, "peft": None, "lora_rank": None, "lora_alpha": None,
+    "lora_targets": None, "lora_dropout": None,
     "dataset": "digits", "data_dir": None, "format": None, "max_clients": None, "min_samples": 0,
     "max_client_samples": None,
     # --dataset jsonl (data/jsonl.py; None: the reader's defaults) and pretrained tokenisation
@@ -87,6 +90,10 @@ NATURAL_ONLY = ("format", "max_clients", "cache_dir", "token_accuracy", "min_sam
 JSONL_ONLY = ("client_field", "text_field", "instruction_field", "response_field",
               "prompt_template", "max_length")
 TOKENIZED_DATASETS = ("jsonl", "shakespeare", "stackoverflow_nwp")
+# A pretrained model from a local Hugging Face folder: `model` "hf:PATH" (models/hf/).
+HF_PREFIX = "hf:"
+# The adapters' settings (RunConfig fields of the same names), used with `peft` lora only.
+LORA_OPTIONS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
 # The datasets read from prepared TFDS copies or their original files (`data.sources`): the ones
 # that take `data_dir`, `tfds_dir` and `download` (digits is embedded, synthetic generated).
 FILE_DATASETS = ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100")
@@ -131,6 +138,7 @@ class Setting:
     algo: str
     hparams: Mapping[str, Any]
     given_hparams: Collection[str]
+    peft: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +301,12 @@ def _applies_table() -> dict[tuple[str, str], Applies]:
         ("download", ""): _dataset(*FILE_DATASETS, harmless=True),
         # the models' own settings (models/zoo.py, models/sequence.py)
         ("model_cr", ""): _models(("cp_mlp", "cp_vgg8"), "cp_mlp / cp_vgg8"),
+        ("model_dtype", ""): Applies(lambda s: s.model.startswith(HF_PREFIX),
+                                     lambda s: f"applies to {arg('model')} hf:PATH only, not "
+                                               f"{arg('model')} {s.model}"),
+        **{(key, ""): Applies(lambda s: s.peft == "lora",
+                              lambda s: f"applies with {arg('peft')} lora only")
+           for key in LORA_OPTIONS},
         ("model_options", ""): _models(sequence.SEQUENCE_MODELS,
                                        " / ".join(sequence.SEQUENCE_MODELS)),
         # privacy (runner/privacy.py, algorithms/engine.py's server chain)
@@ -490,7 +504,7 @@ def run_fields(*, hparams: Mapping[str, Any] | None = None,
                                algo, {**{hp.name: hp.default
                                          for hp, _ in algorithms.spec(algo).all_hparams()},
                                       **{k: v for k, v in hparams.items() if v is not None}},
-                               {k for k, v in hparams.items() if v is not None}))
+                               {k for k, v in hparams.items() if v is not None}, o["peft"]))
     if o["clients"] is not None:
         clients = o["clients"]
     else:
@@ -509,6 +523,11 @@ def run_fields(*, hparams: Mapping[str, Any] | None = None,
                         "cache_dir": o["cache_dir"],
                         "token_accuracy": o["token_accuracy"] or "default",
                         "quantise": o["quantise"] or "round"}
+    model = o["model"]
+    if (o["tokenizer"] is None and isinstance(model, str) and model.startswith(HF_PREFIX)
+            and dataset in TOKENIZED_DATASETS):
+        # A pretrained model's data are tokenised with its own tokenizer.json by default.
+        o["tokenizer"] = model[len(HF_PREFIX):]
     if natural and o["tokenizer"] is not None:
         data_options["tokenizer"] = o["tokenizer"]
     if dataset == "jsonl":       # (None: the reader's default; the record keeps what was given)
@@ -525,7 +544,10 @@ def run_fields(*, hparams: Mapping[str, Any] | None = None,
     log = sinks.parse_log_flag(log if log is None or isinstance(log, str) else ",".join(log))
     if o["checkpoint_on_signal"] is not None:
         parse_signal(o["checkpoint_on_signal"])
-    return dict(algo=algo, dataset=dataset, model=o["model"],
+    adapters = {key: o[key] for key in LORA_OPTIONS if o[key] is not None}
+    if o["model_dtype"] is not None:
+        adapters["model_dtype"] = o["model_dtype"]
+    return dict(algo=algo, dataset=dataset, model=o["model"], peft=o["peft"], **adapters,
                 model_options=model_options if o["model_options"] else {},
                 model_cr=o["model_cr"], model_conv=o["conv"], partition=partition,
                 rounds=o["rounds"], seed=o["seed"], eval_every=o["eval_every"],

@@ -1,5 +1,9 @@
 """Next-token prediction with a pretrained decoder: labels, loss, weight and metric.
 
+The loss, weight and metric are `models.tasks`' shifted functions at k = 1 (one
+implementation, which `tasks.for_task` also returns for a `Task` with `label_offset` = 1); this
+module only builds the labels and names the k = 1 instances.
+
 The label contract of pretrained token tasks (shared with the JSONL reader, data/): the inputs
 x [B, T] are the model's token ids (int32; any id, 0 included, is a real token); the labels
 y [B, T] are the NEXT token's id + 1, with 0 = not scored (padding, the last position, or a
@@ -18,15 +22,14 @@ HF's `LlamaForCausalLM` loss (labels −100 ignored) is on one batch. A dataset 
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from fedjax_pfl.models.tasks import token_weight
+from fedjax_pfl.models.tasks import shifted_sequence_cross_entropy, shifted_token_accuracy, token_weight
 
-__all__ = ["shifted_labels", "shifted_sequence_loss", "shifted_sequence_weight",
+__all__ = ["LABEL_OFFSET", "shifted_labels", "shifted_sequence_loss", "shifted_sequence_weight",
            "shifted_sequence_metric"]
+
+LABEL_OFFSET = 1        # y = next token id + 1; 0 = not scored (module docstring)
 
 
 def shifted_labels(token_ids: np.ndarray, scored: np.ndarray | None = None) -> np.ndarray:
@@ -43,24 +46,13 @@ def shifted_labels(token_ids: np.ndarray, scored: np.ndarray | None = None) -> n
     x = np.asarray(token_ids, np.int64)
     ok = np.ones(x.shape, bool) if scored is None else np.asarray(scored, bool)
     y = np.zeros(x.shape, np.int32)
-    y[..., :-1] = np.where(ok[..., 1:], x[..., 1:] + 1, 0)
+    y[..., :-1] = np.where(ok[..., 1:], x[..., 1:] + LABEL_OFFSET, 0)
     return y
 
 
-def shifted_sequence_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """ℓ_b = Σ_t [y_bt > 0] · (−log softmax(z_bt)[y_bt − 1]); [B, T, V], [B, T] -> [B]."""
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels - 1, 0))
-    # where, not a product: an unscored position's value never reaches the sum or the gradient.
-    return jnp.sum(jnp.where(labels > 0, per_token, 0.0), axis=-1)
-
-
-def shifted_sequence_weight(labels: jax.Array) -> jax.Array:
-    """w_b = Σ_t [y_bt > 0]; [B, T] -> [B] (`tasks.token_weight`: labels are ≥ 0)."""
-    return token_weight(labels)
-
-
-def shifted_sequence_metric(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(Σ_t [y_bt > 0]·[argmax z_bt = y_bt − 1], Σ_t [y_bt > 0]): next-token accuracy."""
-    scored = labels > 0
-    hits = jnp.sum(scored & (jnp.argmax(logits, axis=-1) == labels - 1), axis=-1)
-    return hits.astype(jnp.float32), jnp.sum(scored, axis=-1).astype(jnp.float32)
+# ℓ_b = Σ_t [y_bt > 0] · (−log softmax(z_bt)[y_bt − 1]); [B, T, V], [B, T] -> [B].
+shifted_sequence_loss = shifted_sequence_cross_entropy(LABEL_OFFSET)
+# w_b = Σ_t [y_bt > 0]; [B, T] -> [B].
+shifted_sequence_weight = token_weight
+# (Σ_t [y_bt > 0]·[argmax z_bt = y_bt − 1], Σ_t [y_bt > 0]): next-token accuracy.
+shifted_sequence_metric = shifted_token_accuracy(LABEL_OFFSET)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from fedjax_pfl.models.hf.config import PretrainedError, PretrainedNotFoundError, where
 
-__all__ = ["Tokenizer", "TOKENIZER_FILE"]
+__all__ = ["Tokenizer", "TOKENIZER_FILE", "read_tokenizer_file", "special_token_ids"]
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -39,6 +39,46 @@ def _content(token) -> str | None:
     return token if isinstance(token, str) else None
 
 
+def read_tokenizer_file(file: str) -> Any:
+    """The `tokenizers` library's Tokenizer of `file`; ValueError (its first line) when the library
+    cannot read it. Callers name the file in their own terms (the model folder, a data flag)."""
+    from tokenizers import Tokenizer as _Tokenizer
+
+    try:
+        return _Tokenizer.from_file(file)
+    except Exception as e:            # tokenizers raises a bare Exception on a bad file
+        raise ValueError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+def special_token_ids(path: str, token_to_id: Callable[[str], int | None]) -> dict[str, int | None]:
+    """{"bos", "eos", "pad"} → the id the folder `path` names for each (module docstring: its
+    tokenizer_config.json, else special_tokens_map.json, else config.json's `<kind>_token_id`),
+    or None where none says. A named token missing from the vocabulary (`token_to_id` gives
+    None) is a PretrainedError naming the file."""
+    tok_config = _json(path, "tokenizer_config.json")
+    special_map = _json(path, "special_tokens_map.json")
+    config = _json(path, "config.json")
+    return {kind: _special(path, kind, token_to_id, tok_config, special_map, config)
+            for kind in ("bos", "eos", "pad")}
+
+
+def _special(path: str, kind: str, token_to_id: Callable[[str], int | None], tok_config: dict,
+             special_map: dict, config: dict) -> int | None:
+    for source, file in ((tok_config, "tokenizer_config.json"),
+                         (special_map, "special_tokens_map.json")):
+        token = _content(source.get(f"{kind}_token"))
+        if token is not None:
+            found = token_to_id(token)
+            if found is None:
+                raise PretrainedError(f"{where(path, file)}: {kind}_token {token!r} is not "
+                                      f"in {TOKENIZER_FILE}")
+            return int(found)
+    value = config.get(f"{kind}_token_id")
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 class Tokenizer:
     """Text ↔ token ids of a pretrained folder.
 
@@ -49,8 +89,6 @@ class Tokenizer:
     """
 
     def __init__(self, path: str):
-        from tokenizers import Tokenizer as _Tokenizer
-
         self.path = path
         file = os.path.join(path, TOKENIZER_FILE)
         if not os.path.isfile(file):
@@ -58,32 +96,12 @@ class Tokenizer:
                 raise PretrainedNotFoundError(f"{where(path)}: no such folder")
             raise PretrainedNotFoundError(f"{where(path, TOKENIZER_FILE)} is missing")
         try:
-            self._tok = _Tokenizer.from_file(file)
-        except Exception as e:            # tokenizers raises a bare Exception on a bad file
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self._tok = read_tokenizer_file(file)
+        except ValueError as e:
             raise PretrainedError(f"{where(path, TOKENIZER_FILE)} is not a readable tokenizer "
-                                  f"({first})") from None
-        tok_config = _json(path, "tokenizer_config.json")
-        special_map = _json(path, "special_tokens_map.json")
-        config = _json(path, "config.json")
-        self.bos_id = self._special("bos", tok_config, special_map, config)
-        self.eos_id = self._special("eos", tok_config, special_map, config)
-        self.pad_id = self._special("pad", tok_config, special_map, config)
-
-    def _special(self, kind: str, tok_config: dict, special_map: dict, config: dict) -> int | None:
-        for source, file in ((tok_config, "tokenizer_config.json"),
-                             (special_map, "special_tokens_map.json")):
-            token = _content(source.get(f"{kind}_token"))
-            if token is not None:
-                found = self._tok.token_to_id(token)
-                if found is None:
-                    raise PretrainedError(f"{where(self.path, file)}: {kind}_token {token!r} is not "
-                                          f"in {TOKENIZER_FILE}")
-                return int(found)
-        value = config.get(f"{kind}_token_id")
-        if isinstance(value, list):
-            value = value[0] if value else None
-        return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+                                  f"({e})") from None
+        ids = special_token_ids(path, self._tok.token_to_id)
+        self.bos_id, self.eos_id, self.pad_id = ids["bos"], ids["eos"], ids["pad"]
 
     @property
     def vocab_size(self) -> int:
