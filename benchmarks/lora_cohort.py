@@ -131,9 +131,9 @@ def ours(a, M: int, chunk: int, analyse_only: bool = False) -> dict:
 # -------------------------------------------------------------------------------- theirs
 
 def theirs(a, M: int) -> dict:
+    import peft
     import torch
     import transformers
-    import peft
 
     torch.set_num_threads(a.threads)
     K, B, T = a.local_steps, a.batch_size, a.seq_len
