@@ -36,7 +36,8 @@ def get(
     networks with GroupNorm; resnet18_reddi: Reddi et al. 2021's CIFAR-100 ResNet-18 (ResNet v2,
     7×7/2 stem and 3×3/2 max pool, GroupNorm 32, stages at stride 1; models/resnet_reddi.py, whose
     widths are fixed, so `width` and `norm` do not apply); cp_mlp / cp_vgg8: TDPFed's CP-DNN /
-    CP-VGG8, every weight tensor as CP factors with ranks for compression rate `cr` (models/cp.py; cr = 1 is the dense model).
+    CP-VGG8, every weight tensor as CP factors with ranks for compression rate `cr`
+    (models/cp.py; cr = 1 is the dense model).
     `conv` picks how convolutions are computed (layers.CONV_IMPLS: "auto", "im2col",
     "winograd"; see layers.conv2d); the function is the same up to float rounding.
 

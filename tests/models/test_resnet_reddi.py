@@ -70,10 +70,12 @@ def _np_max_pool_3x3_s2_same(x):
 @pytest.fixture(scope="module")
 def captured():
     """One forward pass on a 24×24 batch (the crop's shape) with every submodule's output."""
-    module = ResNet18Reddi(100)
+    module = ResNet18Reddi(100, conv="im2col")   # one path: quicker to compile
     x = jax.random.normal(jax.random.key(1), (2, 24, 24, 3))
-    variables = module.init(jax.random.key(0), x[:1])
-    out, state = module.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
+    variables = jax.jit(module.init)(jax.random.key(0), x[:1])
+    forward = jax.jit(lambda v, x: module.apply(v, x, capture_intermediates=True,
+                                                mutable=["intermediates"]))
+    out, state = forward(variables, x)
     inter = jax.tree.map(np.asarray, state["intermediates"])
     return np.asarray(x), jax.tree.map(np.asarray, variables["params"]), inter, np.asarray(out)
 
@@ -85,6 +87,7 @@ def _out(inter, *path):
     return node["__call__"][0]
 
 
+@pytest.mark.slow   # shares a ~13 s forward pass (fixture `captured`)
 def test_stem_and_stage_spatial_sizes(captured):
     _, _, inter, out = captured
     assert _out(inter, "HeConv_0").shape == (2, 12, 12, 64)         # 24 → 12 (7×7/2, SAME)
@@ -96,6 +99,7 @@ def test_stem_and_stage_spatial_sizes(captured):
     assert full["params"]["HeConv_0"]["kernel"].shape == (7, 7, 3, 64)
 
 
+@pytest.mark.slow   # shares a ~13 s forward pass (fixture `captured`)
 def test_stem_conv_is_7x7_stride_2_with_tf_same_padding(captured):
     x, params, inter, _ = captured
     k = params["HeConv_0"]["kernel"].astype(np.float64)
@@ -106,6 +110,7 @@ def test_stem_conv_is_7x7_stride_2_with_tf_same_padding(captured):
         np.testing.assert_allclose(_out(inter, "HeConv_0")[:, i, j], ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow   # shares a ~13 s forward pass (fixture `captured`)
 def test_group_norms_have_32_groups_and_tfa_epsilon(captured):
     _, _, inter, _ = captured
     np.testing.assert_allclose(_out(inter, "GroupNorm_0"), _np_group_norm(_out(inter, "HeConv_0")),
@@ -116,6 +121,7 @@ def test_group_norms_have_32_groups_and_tfa_epsilon(captured):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow   # shares a ~13 s forward pass (fixture `captured`)
 def test_max_pool_and_identity_shortcut(captured):
     _, _, inter, _ = captured
     # Block 0 (no pre-activation, 64 → 64): out = pool(ReLU(GN(stem))) + its second conv's output.
@@ -130,6 +136,7 @@ def test_max_pool_and_identity_shortcut(captured):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow   # shares a ~13 s forward pass (fixture `captured`)
 def test_projection_shortcut_reads_the_raw_input(captured):
     _, params, inter, _ = captured
     x_in = _out(inter, "PreActBlock_1").astype(np.float64)          # 64 channels into stage 2
@@ -141,6 +148,7 @@ def test_projection_shortcut_reads_the_raw_input(captured):
     assert "HeConv_2" not in inter["PreActBlock_3"]                 # same shape: identity
 
 
+@pytest.mark.slow   # shares a ~13 s forward pass (fixture `captured`)
 def test_head_is_final_gn_relu_average_pool_dense(captured):
     _, params, inter, out = captured
     feats = np.maximum(_np_group_norm(_out(inter, "PreActBlock_7")), 0).mean(axis=(1, 2))
