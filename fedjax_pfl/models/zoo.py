@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from fedjax_pfl.models import cp, layers, nets, sequence
+from fedjax_pfl.models import cp, layers, nets, resnet_reddi, sequence
 from fedjax_pfl.models.model import Model, from_flax
 from fedjax_pfl.models.tasks import Task
 
 MODELS: tuple[str, ...] = ("mlp", "logreg", "cnn", "vgg8", "resnet9", "resnet18", "cp_mlp", "cp_vgg8",
+                           "resnet18_reddi",  # Reddi et al. 2021's CIFAR-100 ResNet (models/resnet_reddi.py)
                            # natural-dataset models (models/sequence.py): text and FEMNIST
                            "char_lstm", "word_lstm", "transformer", "tag_logreg", "sent_lstm",
                            "femnist_cnn")
@@ -32,8 +33,11 @@ def get(
     mlp: Flatten-Dense(hidden...)-Dense(C) (784-100-10 on MNIST, pFedMe/TDPFed);
     logreg: multinomial logistic regression; cnn: the FedAvg CNN of the PGFed code (needs at
     least 16×16 images); vgg8: TDPFed's VGG8 (32×32 images); resnet9 / resnet18: pFedSOP's
-    networks with GroupNorm; cp_mlp / cp_vgg8: TDPFed's CP-DNN / CP-VGG8, every weight tensor as
-    CP factors with ranks for compression rate `cr` (models/cp.py; cr = 1 is the dense model).
+    networks with GroupNorm; resnet18_reddi: Reddi et al. 2021's CIFAR-100 ResNet-18 (ResNet v2,
+    7×7/2 stem and 3×3/2 max pool, GroupNorm 32, stages at stride 1; models/resnet_reddi.py, whose
+    widths are fixed, so `width` and `norm` do not apply); cp_mlp / cp_vgg8: TDPFed's CP-DNN /
+    CP-VGG8, every weight tensor as CP factors with ranks for compression rate `cr`
+    (models/cp.py; cr = 1 is the dense model).
     `conv` picks how convolutions are computed (layers.CONV_IMPLS: "auto", "im2col",
     "winograd"; see layers.conv2d); the function is the same up to float rounding.
 
@@ -72,7 +76,7 @@ def get(
                              f"got shape {input_shape}; use --model mlp or cnn")
         module = (nets.VGG8(num_classes, conv=conv) if name == "vgg8"
                   else cp.CPVGG8(num_classes, cr=cr, conv=conv))
-    elif name in ("cnn", "resnet9", "resnet18"):
+    elif name in ("cnn", "resnet9", "resnet18", "resnet18_reddi"):
         if len(input_shape) != 3:
             raise ValueError(f"--model {name} needs image inputs [H, W, C], got shape {input_shape}")
         if name == "cnn":
@@ -82,6 +86,11 @@ def get(
                     f"2x2 pools), got {input_shape[0]}x{input_shape[1]}; use --model mlp"
                 )
             module = nets.FedAvgCNN(num_classes, conv=conv)
+        elif name == "resnet18_reddi":
+            if width != 64 or norm != "group":
+                raise ValueError(f"--model resnet18_reddi has the repository's fixed widths and "
+                                 f"GroupNorm; width={width}, norm={norm!r} do not apply")
+            module = resnet_reddi.ResNet18Reddi(num_classes, conv=conv)
         elif name == "resnet9":
             module = nets.ResNet9(num_classes, width=width, norm=norm, conv=conv)
         else:
