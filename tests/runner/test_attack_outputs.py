@@ -87,6 +87,7 @@ def _redraw_flags(*extra):
             "--attack-redraw", "--quiet", *extra]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_figures")
 def test_redrawn_masks_in_client_metrics_are_the_sets_the_rounds_attacked(tmp_path):
     """--attack-redraw: client_metrics.npz's [R, N] `malicious` against what each round did. One
@@ -127,6 +128,7 @@ def test_redrawn_masks_in_client_metrics_are_the_sets_the_rounds_attacked(tmp_pa
     assert len({tuple(row) for row in mask}) > 1
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_figures")
 @pytest.mark.parametrize("attack", [["--attack", "sign_flip", "--attack-scale", "4", "--attack-redraw"],
                                     ["--attack", "backdoor", "--aggregator", "median"]],
