@@ -18,6 +18,7 @@ import argparse
 import fnmatch
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -80,7 +81,7 @@ def run_all(out: Path, fashion_dir: str | None, only: list[str] | None) -> None:
         if only and not any(fnmatch.fnmatch(f"{dataset}:{algo}:{attack}:{agg}", p) for p in only):
             continue
         cell = out / dataset / f"{algo}__{attack}__{agg}"
-        if (cell / "summary.json").exists() or (cell / "refused.txt").exists():
+        if any((cell / name).exists() for name in ("summary.json", "refused.txt", "failed.txt")):
             continue
         cell.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, XLA_FLAGS=DATASETS[dataset]["xla"],
@@ -94,7 +95,8 @@ def run_all(out: Path, fashion_dir: str | None, only: list[str] | None) -> None:
         (cell / "log.txt").write_text(proc.stdout + proc.stderr)
         if proc.returncode == 2:             # a refusal: its one line is the result
             (cell / "refused.txt").write_text(proc.stderr.strip().splitlines()[-1] + "\n")
-        elif proc.returncode != 0:
+        elif proc.returncode != 0:          # e.g. a diverged run (non-finite loss): also a result
+            (cell / "failed.txt").write_text(proc.stderr.strip().splitlines()[-1] + "\n")
             print(f"{cell}: exit {proc.returncode}\n{proc.stderr[-2000:]}", file=sys.stderr)
         print(f"{dataset:14s} {algo:8s} {attack:10s} {agg:13s} {wall:6.1f} s  rc {proc.returncode}",
               flush=True)
@@ -109,6 +111,8 @@ def collect(out: Path) -> list[dict]:
         rec = {"dataset": dataset, "algo": algo, "attack": attack, "aggregator": agg}
         if (cell / "refused.txt").exists():
             rec["refused"] = (cell / "refused.txt").read_text().strip()
+        elif (cell / "failed.txt").exists():
+            rec["failed"] = (cell / "failed.txt").read_text().strip()
         elif (cell / "summary.json").exists():
             summary = json.loads((cell / "summary.json").read_text())
             a = summary["attack"]
@@ -127,29 +131,32 @@ def _fmt(x):
 
 
 def table(records: list[dict], dataset: str) -> str:
-    """Markdown: a row per algorithm and attack, a column per aggregator; a cell is the benign
-    clients' personal / global accuracy (and the ASR, personal / global, for the backdoor)."""
-    lines = ["| algorithm | attack | mean | median | trimmed mean (β = 0.3) |",
+    """Markdown: rows per algorithm (clean, sign flip, backdoor, the backdoor's ASR), a column per
+    aggregator; a cell is personal / global (the benign clients' figures; one number where the
+    algorithm evaluates one model)."""
+    lines = ["| algorithm | benign clients' | mean | median | trimmed mean (β = 0.3) |",
              "|---|---|---|---|---|"]
     by = {(r["algo"], r["attack"], r["aggregator"]): r for r in records if r["dataset"] == dataset}
+    rows = [("none", "acc", "accuracy, clean"), ("sign_flip", "acc", "accuracy, sign flip ×4"),
+            ("backdoor", "acc", "accuracy, backdoor"), ("backdoor", "asr", "ASR, backdoor")]
     for algo in ALGOS:
-        for attack in ["none", *ATTACKS]:
-            row = [algo, {"none": "none (clean)", "sign_flip": "sign_flip ×4",
-                          "backdoor": "backdoor: acc · ASR"}[attack]]
+        for attack, what, label in rows:
+            row = [algo, label]
             for agg in AGGREGATORS:
                 r = by.get((algo, attack, agg))
                 if r is None:
                     row.append("–")            # the clean baseline runs with the mean only
                 elif "refused" in r:
                     row.append("refused")
+                elif "failed" in r:
+                    m = re.search(r"round (\d+)", r["failed"])
+                    row.append(f"diverged (round {m.group(1)})" if m and "non-finite" in r["failed"]
+                               else "failed")
                 elif "missing" in r:
                     row.append("not run")
                 else:
-                    cell = _fmt(r["acc"]) + (f" / {_fmt(r['global_acc'])}" if r["global_acc"] is not None else "")
-                    if attack == "backdoor":
-                        cell += f" · {_fmt(r['asr'])}" + (f" / {_fmt(r['global_asr'])}"
-                                                          if r["global_asr"] is not None else "")
-                    row.append(cell)
+                    glob = r["global_acc" if what == "acc" else "global_asr"]
+                    row.append(_fmt(r[what]) + ("" if glob is None else f" / {_fmt(glob)}"))
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -180,6 +187,9 @@ def figure(records: list[dict], path: Path) -> None:
             acc = [by.get((a, attack, agg), {}).get("acc") for a in ALGOS]
             pos = x + (k - 3) * width
             ax.bar(pos, [np.nan if v is None else v for v in acc], width, color=color, label=label)
+            for p_, a in zip(pos, ALGOS):
+                if "failed" in by.get((a, attack, agg), {}):
+                    ax.text(p_, 0.02, "diverged", rotation=90, ha="center", va="bottom", fontsize=7)
             if attack == "backdoor":
                 asr = [by.get((a, attack, agg), {}).get("asr") for a in ALGOS]
                 ax.plot(pos, [np.nan if v is None else v for v in asr], "kx", ms=6,
