@@ -128,7 +128,8 @@ def preset_hparams(task: str, opt: str) -> dict:
     return hp
 
 
-def run_task(task: str, opts, rounds: int, so_clients: int, cache_root: str) -> list[dict]:
+def run_task(task: str, opts, rounds: int, so_clients: int, cache_root: str,
+             json_path: str | None = None) -> list[dict]:
     import fedjax_pfl
 
     fedjax_pfl.use_cpu_cores()
@@ -172,6 +173,9 @@ def run_task(task: str, opts, rounds: int, so_clients: int, cache_root: str) -> 
         print(f"{task:18s} {opt:9s} compile {compile_s:6.1f} s  round {med:7.3f} s "
               f"({row['rounds_per_s']:.3g} rounds/s)  {row['client_steps_per_s']:8.1f} client-steps/s",
               flush=True)
+        if json_path:                  # each row as it is measured (a long task may be stopped)
+            with open(json_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
         rows.append(row)
     return rows
 
@@ -189,10 +193,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="append one JSON line per configuration here")
     a = p.parse_args()
     for task in a.tasks:
-        for row in run_task(task, a.opts, a.rounds, a.so_clients, a.cache_root):
-            if a.json:
-                with open(a.json, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+        run_task(task, a.opts, a.rounds, a.so_clients, a.cache_root, a.json)
 
 
 if __name__ == "__main__":
