@@ -54,7 +54,9 @@ def table(out: Path, preset: str) -> str:
         s = json.loads(f.read_text())
         cfg = json.loads((f.parent / "config.json").read_text())
         steps = (cfg.get("hparams") or {}).get("local_steps")
-        work = f"{s['last_completed_round']} × {steps}" if steps else f"{s['last_completed_round']} × 1 epoch"
+        epochs = cfg["hparams"].get("local_epochs", 1)
+        work = (f"{s['last_completed_round']} × {steps}" if steps else
+                f"{s['last_completed_round']} × {epochs} epoch{'s' if epochs > 1 else ''}")
         epoch_steps = cfg["data"]["train_size"]["total"] / cfg["hparams"]["batch_size"]
         scale = epoch_steps / (s["clients"] * steps) if steps else 1.0
         est = "–" if algo in NOT_SCALED and steps else f"{s['time_per_round_s'] * scale:.0f}"

@@ -20,15 +20,25 @@ DATA_DIR=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
 PRESETS=${PRESETS:-pfllib_fmnist_dir01 pfllib_fmnist_pat}
 ALGOS=${ALGOS:-fedavg fedprox perfedavg pfedme ditto apfl fedfomo fedamp fedala fedper fedrep fedrod fedbabu}
 
-work=()
-if [[ -n $LOCAL_STEPS ]]; then work=(--local-steps "$LOCAL_STEPS"); fi
+# FedRep counts its head and body phases in epochs (it refuses --local-steps, and the preset's
+# E = 1 leaves no epoch for the body after --fedrep-head-epochs 1): PFLlib's FedRep trains the head
+# for 1 epoch (-pls 1) and then the body for 1 (-ls 1), our --local-epochs 2 --fedrep-head-epochs 1;
+# with LOCAL_STEPS set it runs FEDREP_ROUNDS (default 1) such rounds.
+FEDREP_ROUNDS=${FEDREP_ROUNDS:-$([[ -n $LOCAL_STEPS ]] && echo 1 || echo "$ROUNDS")}
 for preset in $PRESETS; do
   for algo in $ALGOS; do
+    work=(); rounds=$ROUNDS; every=$EVAL_EVERY
+    if [[ $algo == fedrep ]]; then
+      work=(--local-epochs 2 --fedrep-head-epochs 1); rounds=$FEDREP_ROUNDS
+      if [[ -n $LOCAL_STEPS ]]; then every=$rounds; fi
+    elif [[ -n $LOCAL_STEPS ]]; then
+      work=(--local-steps "$LOCAL_STEPS")
+    fi
     dir=$OUT/$preset/$algo
     if [[ -f $dir/summary.json ]]; then continue; fi      # a rerun skips the finished runs
     start=$(date +%s)
-    nice -n 10 python experiments/run.py --preset "$preset" --algo "$algo" --rounds "$ROUNDS" \
-      "${work[@]}" --eval-every "$EVAL_EVERY" --data-dir "$DATA_DIR" --out "$dir" --overwrite \
+    nice -n 10 python experiments/run.py --preset "$preset" --algo "$algo" --rounds "$rounds" \
+      "${work[@]}" --eval-every "$every" --data-dir "$DATA_DIR" --out "$dir" --overwrite \
       --quiet > "$OUT/$preset.$algo.log" 2>&1 || echo "$preset $algo failed: see $OUT/$preset.$algo.log"
     echo "$preset $algo $(( $(date +%s) - start )) s"
   done
