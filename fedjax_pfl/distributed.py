@@ -54,6 +54,7 @@ from fedjax_pfl.errors import MarkedError, arg
 EXIT_LOST_PEER = interrupts.EXIT_LOST_PEER   # sysexits.h EX_TEMPFAIL: temporary; resume later
 _PREFIX = "fedjax_pfl"
 _POLL = 0.2                        # seconds between polls of a wait (how soon a signal is taken)
+_DONE = "done"                     # a watchdog's last sign of life: its process ended normally
 
 
 class StartupError(MarkedError, RuntimeError):
@@ -492,14 +493,29 @@ class Watchdog(threading.Thread):
     def __init__(self, timeout: float, period: float | None = None, grace: float = 10.0, *,
                  client=None, process: int | None = None, processes: int | None = None):
         super().__init__(name="fedjax_pfl-watchdog", daemon=True)
+        self._stopping = threading.Event()
         self.timeout, self.grace = float(timeout), float(grace)
         self.period = period if period is not None else min(2.0, self.timeout / 5)
         # (JAX's coordination client and layout by default; tests give a key-value store)
         self.client, self.process, self.processes = client, process, processes
 
     def start(self) -> None:
+        import atexit
+
         Watchdog.running = self
         super().start()
+        # (registered after JAX's shutdown and `_at_exit_release`: runs before them)
+        atexit.register(self.stop)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ends the watch at a normal exit: publishes "done" (the others stop watching this
+        process, which may wait at JAX's shutdown barrier for longer than their timeout) and
+        joins the thread. A daemon thread still inside a call of the coordination client at the
+        interpreter's finalisation is ended by a forced unwind through C++ frames that do not
+        rethrow it: "FATAL: exception not rethrown", an abort (exit -6) after a finished run."""
+        self._stopping.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
 
     def run(self) -> None:
         import jax
@@ -512,7 +528,7 @@ class Watchdog(threading.Thread):
         seen: dict[int, tuple[str | None, float]] = {p: (None, time.monotonic()) for p in others}
         store_ok = time.monotonic()
         beat = 0
-        while _lost is None:
+        while _lost is None and not self._stopping.is_set():
             now = time.monotonic()
             try:
                 beat += 1
@@ -522,7 +538,9 @@ class Watchdog(threading.Thread):
                         value = client.key_value_try_get(f"{_PREFIX}/alive/{p}")
                     except Exception:         # not published yet
                         value = None
-                    if value != seen[p][0]:
+                    if value == _DONE:               # ended normally: no longer watched
+                        seen[p] = (value, float("inf"))
+                    elif value != seen[p][0]:
                         seen[p] = (value, now)
                 store_ok = now
             except Exception:                 # the coordination service does not answer
@@ -534,7 +552,11 @@ class Watchdog(threading.Thread):
                     _lost = PeerLost(p, f"no sign of life for {self.timeout:g} s")
                     break
             if _lost is None:
-                time.sleep(self.period)
+                self._stopping.wait(self.period)
+        if _lost is None:                     # stopped (`stop`): say so, and leave
+            with contextlib.suppress(Exception):
+                client.key_value_set(f"{_PREFIX}/alive/{me}", _DONE, allow_overwrite=True)
+            return
         loss = _lost
         interrupts.note_lost_peer(loss)
         if not _handling.is_set():

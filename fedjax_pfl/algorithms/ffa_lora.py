@@ -17,6 +17,8 @@ the adapters' A, "lora_A"); on a model without adapters any part can be frozen s
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -25,6 +27,7 @@ from fedjax_pfl.algorithms._global_model import GlobalModelState
 from fedjax_pfl.algorithms.engine import Engine, EngineConfig
 from fedjax_pfl.algorithms.interface import Algorithm
 from fedjax_pfl.algorithms.registry import AlgorithmSpec, Check, HParam, register
+from fedjax_pfl.errors import OptionError, arg
 from fedjax_pfl.models import split as split_lib
 from fedjax_pfl.models.model import Model
 
@@ -35,6 +38,11 @@ FROZEN_A = r"(^|/)lora_A$"
 def ffa_lora(model: Model, config: EngineConfig, *, frozen: str) -> Algorithm:
     """FFA-LoRA; see the module docstring."""
     template = jax.eval_shape(model.init, jax.random.key(0))
+    if frozen == FROZEN_A and not any(map(re.compile(FROZEN_A).search,
+                                          split_lib.leaf_paths(template))):
+        raise OptionError(f"ffa_lora freezes LoRA's A matrices but model {model.name!r} has no "
+                          f"adapters: build it with models.lora ({arg('peft')} lora), or name "
+                          f"the parameters to freeze with {arg('frozen', 'hparams')}")
     fixed = split_lib.personal_mask(template, frozen)                  # True: A (never trained)
     if all(jax.tree.leaves(fixed)):
         raise ValueError(f"--ffa-lora-frozen {frozen!r} freezes every parameter: nothing trains")

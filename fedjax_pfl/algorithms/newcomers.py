@@ -33,12 +33,14 @@ SPLIT = "the current global body with its initial, untrained head"
 # every one has an entry, or a refusal).
 NEWCOMER_RULES: dict[str, str] = {
     "fedavg": GLOBAL, "fedprox": GLOBAL, "scaffold": GLOBAL, "feddyn": GLOBAL, "moon": GLOBAL,
-    "fedavg_sar": GLOBAL,
+    "fedavg_sar": GLOBAL, "ffa_lora": GLOBAL,
     "fedavg_ft": FINE_TUNED, "fedprox_ft": FINE_TUNED, "fedbabu": FINE_TUNED,
     "perfedavg": FINE_TUNED,
     "fedper": SPLIT, "lg_fedavg": SPLIT, "fedrep": SPLIT,
     "fedpc": "the current shared part x with its initial personal part z (untrained)",
     "fedrod": "the global generic model plus its initial, untrained personal head",
+    "feddpa": "the mixture (1 − λ, λ) of the current global adapter with its initial, untrained "
+              "local adapter",
     "apfl": "the mix α·v + (1 − α)·w of its initial local model v with the current global "
             "model w, at its initial α",
     "ditto": "its initial personal model (the initial global model, untrained: Ditto trains a "

@@ -65,7 +65,7 @@ class HParam:
         if self.flag:
             return self.flag
         stem = self.name.replace("_", "-")
-        return f"--{prefix}-{stem}" if prefix else f"--{stem}"
+        return f"--{prefix.replace('_', '-')}-{stem}" if prefix else f"--{stem}"
 
     def validate(self, value: Any, flag: str) -> Any:
         if value is None:
@@ -342,9 +342,9 @@ DP_TRACEABLE = ("dp_clip", "dp_noise_multiplier")
 # value in its place: pFedMe's β-mixing scales its step by β, FedDyn's h and θ are computed
 # from it, TDPFed's β-mixing (and ACT's refit) follow it.
 SERVER_OPTIMISED = frozenset({
-    "apfl", "ditto", "fedala", "fedavg", "fedavg_ft", "fedavg_sar", "fedbabu", "feddyn", "fedper",
-    "fedprox", "fedprox_ft", "fedrep", "fedrod", "lg_fedavg", "moon", "perfedavg", "pfedme",
-    "pgfed", "pgfed_ce", "pgfedmo", "tdpfed",
+    "apfl", "ditto", "fedala", "fedavg", "fedavg_ft", "fedavg_sar", "fedbabu", "feddpa", "feddyn",
+    "fedper", "fedprox", "fedprox_ft", "fedrep", "fedrod", "ffa_lora", "lg_fedavg", "moon",
+    "perfedavg", "pfedme", "pgfed", "pgfed_ce", "pgfedmo", "tdpfed",
 })
 # Why an algorithm that aggregates still takes no server optimiser (said when it is refused).
 NO_SERVER_OPTIMISER = {

@@ -219,6 +219,13 @@ def test_help_lists_every_algorithm_flag():
         assert flag in text
 
 
+def test_every_flag_is_spelled_with_hyphens():
+    # (an algorithm whose name has an underscore once gave --ffa_lora-frozen)
+    flags = [f for action in cli.build_parser()._actions for f in action.option_strings]
+    assert "--ffa-lora-frozen" in flags and "--lg-fedavg-head" in flags
+    assert [f for f in flags if "_" in f] == []
+
+
 @pytest.mark.slow
 def test_a_short_run_writes_every_output_file(tmp_path):
     out = tmp_path / "run"

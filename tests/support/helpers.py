@@ -131,6 +131,15 @@ def without_device_count(xla_flags: str) -> str:
     return " ".join(f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
 
 
+# The algorithms whose command line with nothing else is a refusal, and the fewest flags that
+# make it a run (tests/runner/test_defaults_train.py checks both): FFA-LoRA is defined on LoRA
+# adapters, which the digits MLP has only with --peft (adapters on a random base take a larger
+# step than the full model's 0.05).
+ALGO_FLAGS: dict[str, tuple[str, ...]] = {
+    "ffa_lora": ("--peft", "lora", "--lora-targets", "all", "--lr", "0.5"),
+}
+
+
 @functools.lru_cache(maxsize=None)
 def default_prepared(algo: str):
     """`runner.prepare` of `python experiments/run.py --algo ALGO` (digits, 20 clients), built and
@@ -141,7 +150,8 @@ def default_prepared(algo: str):
 
     from fedjax_pfl import runner
 
-    return runner.prepare(cli.config_from_args(cli.parse(["--algo", algo, "--quiet"])))
+    return runner.prepare(cli.config_from_args(cli.parse(["--algo", algo, "--quiet",
+                                                          *ALGO_FLAGS.get(algo, ())])))
 
 
 def default_config(algo: str, out, rounds: int, *flags: str, checkpoint_every: int = 2):
@@ -149,9 +159,9 @@ def default_config(algo: str, out, rounds: int, *flags: str, checkpoint_every: i
     compiled program is `default_prepared(algo)`, with these rounds, output and checkpoints."""
     import run as cli
 
-    return cli.config_from_args(cli.parse(["--algo", algo, "--quiet", "--out", str(out), "--rounds",
-                                           str(rounds), "--checkpoint-every", str(checkpoint_every),
-                                           *flags]))
+    return cli.config_from_args(cli.parse(["--algo", algo, "--quiet", *ALGO_FLAGS.get(algo, ()),
+                                           "--out", str(out), "--rounds", str(rounds),
+                                           "--checkpoint-every", str(checkpoint_every), *flags]))
 
 
 def metric_rows(out) -> list[dict]:

@@ -222,6 +222,34 @@ def test_the_watchdog_finds_the_process_whose_counter_stopped_and_stops_the_main
     assert interrupts._lost == []
 
 
+def test_a_process_that_ended_normally_is_not_lost_and_stop_ends_the_watch():
+    """Process 1 beats, then says "done" (its watchdog's `stop` at a normal exit) and falls
+    silent for 3 timeouts: process 0's watchdog does not count it lost. `stop` then ends process
+    0's watch at once (no thread left inside the coordination client at the interpreter's
+    finalisation) and publishes its own "done"."""
+    import threading
+
+    from fedjax_pfl import distributed
+
+    store = _Store()
+    store.key_value_set("fedjax_pfl/alive/1", "1")
+    dog = distributed.Watchdog(0.3, period=0.02, grace=3600, client=store, process=0, processes=2)
+    try:
+        dog.start()
+        time.sleep(0.1)
+        store.key_value_set("fedjax_pfl/alive/1", "done")
+        time.sleep(1.0)                                   # > 3 timeouts of silence
+        assert distributed.lost() is None and dog.is_alive()
+        began = time.monotonic()
+        dog.stop()
+        assert not dog.is_alive() and time.monotonic() - began < 0.5
+        assert store.values["fedjax_pfl/alive/0"] == "done"
+        assert dog not in threading.enumerate()
+    finally:
+        dog.stop()
+        distributed.reset()
+
+
 def test_the_facts_are_said_by_name(monkeypatch):
     import fedjax_pfl
     from fedjax_pfl import distributed
