@@ -107,9 +107,15 @@ def ours(a, M: int, chunk: int, analyse_only: bool = False) -> dict:
     keys = jax.random.key(1)
     compile_s = program.compile(keys)
     mem = program._round_compiled.memory_analysis()
+    cost = program._round_compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    # (XLA counts a loop's body once: with the whole cohort in one chunk the round's count is
+    # one local step of every client, so /M is a client-step's arithmetic)
+    step_flops = float(cost.get("flops", float("nan"))) / M if chunk in (0, M) else float("nan")
     out = {"side": "ours", "M": M, "chunk": chunk or M, "compile_s": compile_s,
            "temp_bytes": int(mem.temp_size_in_bytes), "arg_bytes": int(mem.argument_size_in_bytes),
            "out_bytes": int(mem.output_size_in_bytes),
+           "client_step_flops": step_flops,
            "adapter_floats": int(sum(np.size(v) for v in jax.tree.leaves(adapted.init(keys)))),
            "base_params": int(sum(np.size(v) for v in jax.tree.leaves(base)))}
     if analyse_only:
@@ -273,11 +279,17 @@ def main(argv=None) -> None:
                 res.setdefault((side, M), []).append(row["client_steps_per_s"])
                 print(f"  {side:<6} M={M:<4} rep {rep}: {row['client_steps_per_s']:8.2f} "
                       f"client-steps/s  rounds {[round(t, 2) for t in row['times']]} s", flush=True)
-    print(f"\n{'M':>4} {'ours client-steps/s':>20} {'PEFT loop':>10} {'ratio':>6}")
+    flops = next((r["client_step_flops"] for r in rows if r.get("client_step_flops", 0) > 0),
+                 float("nan"))
+    print(f"\none client-step: {flops / 1e9:.3f} GFLOP (XLA's count of our round; the same work "
+          "on both sides)")
+    print(f"{'M':>4} {'ours client-steps/s':>20} {'PEFT loop':>10} {'ratio':>6} "
+          f"{'ours GFLOP/s':>13} {'loop GFLOP/s':>13}")
     for M in a.cohorts:
         o = statistics.median(res[("ours", M)])
         t = statistics.median(res[("theirs", M)]) if ("theirs", M) in res else float("nan")
-        print(f"{M:>4} {o:>20.2f} {t:>10.2f} {o / t:>6.2f}")
+        print(f"{M:>4} {o:>20.2f} {t:>10.2f} {o / t:>6.2f} {o * flops / 1e9:>13.1f} "
+              f"{t * flops / 1e9:>13.1f}")
     # Memory per extra client: the two smallest cohorts, fully vmapped.
     m1, m2 = sorted(a.cohorts)[:2]
     an = [spawn(a, "ours", m, ["--analyse-only", "--chunk-size", "0"]) for m in (m1, m2)]

@@ -64,6 +64,7 @@ GLOBAL_FILE = "global.safetensors"
 PERSONAL_FILE = "personal.safetensors"
 MODEL_FILE = "model.json"
 FORMAT_VERSION = 1
+HF_PREFIX = "hf:"                  # a pretrained model's name: hf:PATH (its folder)
 
 
 class ExportError(ValueError):
@@ -209,11 +210,21 @@ class ModelSpec:
     task: dict | None = None
     input_scale: float = 1.0
     input_shift: float = 0.0
+    dtype: str | None = None          # a pretrained model's (`model_dtype`); None: float32
 
     def build(self) -> Model:
         from fedjax_pfl import models
         from fedjax_pfl.models.tasks import Task
 
+        if self.name.startswith(HF_PREFIX):   # a pretrained decoder: its folder rebuilds it
+            from fedjax_pfl.models import hf
+
+            path = self.name[len(HF_PREFIX):]
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise ValueError(f"the pretrained model's folder {path} (its config.json) is "
+                                 "not there: the export holds the weights, the folder the "
+                                 "architecture")
+            return hf.model_from_hf(path, dtype=self.dtype or "float32")
         task = None
         if self.task is not None:
             fields = dict(self.task)
@@ -336,7 +347,9 @@ def model_spec(cfg: Any, model_name: str, data: Any) -> ModelSpec:
     return ModelSpec(model_name, tuple(int(s) for s in data.input_shape), int(data.num_classes),
                      cr=float(cfg.model_cr), conv=str(cfg.model_conv),
                      options=dict(cfg.model_options), task=task,
-                     input_scale=float(data.input_scale), input_shift=float(data.input_shift))
+                     input_scale=float(data.input_scale), input_shift=float(data.input_shift),
+                     dtype=(str(cfg.model_dtype or "float32")
+                            if model_name.startswith(HF_PREFIX) else None))
 
 
 def export_run(prep: Any, state: Any, out: str) -> dict:
@@ -345,9 +358,17 @@ def export_run(prep: Any, state: Any, out: str) -> dict:
     cfg = prep.cfg
     if getattr(prep, "lora", None) is not None:
         return export_peft_run(prep, state, out)
-    return save(os.path.join(out, FINAL_DIR), cfg.algo, full_state(prep.program, state),
-                model_spec(cfg, prep.model_name, prep.data),
-                num_clients=prep.data.num_real_clients, hparams=prep.hparams)
+    full = full_state(prep.program, state)
+    directory = os.path.join(out, FINAL_DIR)
+    record = save(directory, cfg.algo, full, model_spec(cfg, prep.model_name, prep.data),
+                  num_clients=prep.data.num_real_clients, hparams=prep.hparams)
+    name = prep.model_name
+    global_params = parts(cfg.algo, full, prep.data.num_real_clients).global_params
+    if name.startswith(HF_PREFIX) and global_params is not None:
+        # (a pretrained model trained whole: its global model in the Hugging Face layout too)
+        record["hf"] = save_hf(os.path.join(directory, "hf"), global_params,
+                               name[len(HF_PREFIX):])
+    return record
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -558,9 +579,6 @@ def save_merged(directory: str, base: Params, adapters: Params, config: Any, *,
     return list(tensors)
 
 
-HF_PREFIX = "hf:"
-
-
 def export_peft_run(prep: Any, state: Any, out: str) -> dict:
     """A LoRA run's export to OUT/final/: the final global adapter in global/ and each real
     client's personal adapter in clients/i/ (`save_peft_run`, PEFT's format; a pretrained
@@ -596,18 +614,26 @@ def export_peft_run(prep: Any, state: Any, out: str) -> dict:
 def save_merged_hf(directory: str, base: Params, adapters: Params, config: Any,
                    source: str) -> list[str]:
     """The merged weights W + (α/r)(BA)ᵀ of a pretrained model (`models.lora.merged`) in the
-    Hugging Face layout of its folder `source`: `directory`/model.safetensors with HF's tensor
-    names and layouts (`names.hf_name`, `names.to_hf`: Llama's Linear weights [out, in]), and
-    `source`'s config.json and tokenizer files copied beside it. Returns the tensor names."""
+    Hugging Face layout of its folder `source` (`save_hf`). Returns the tensor names."""
+    from fedjax_pfl.models import lora
+
+    return save_hf(directory, lora.merged(base, adapters, config), source)
+
+
+def save_hf(directory: str, params: Params, source: str) -> list[str]:
+    """A pretrained model's parameters `params` in the Hugging Face layout of its folder
+    `source`: `directory`/model.safetensors with HF's tensor names and layouts
+    (`names.hf_name`, `names.to_hf`: Llama's Linear weights [out, in]), and `source`'s
+    config.json and tokenizer files copied beside it, so `models.hf.load` and `transformers`
+    read it. Returns the tensor names."""
     import shutil
 
-    from fedjax_pfl.models import lora
     from fedjax_pfl.models.hf import names as hf_names
     from fedjax_pfl.models.hf.config import read_config
 
     model_type = "gpt2" if type(read_config(source)).__name__ == "GPT2Config" else "llama"
     tensors = {hf_names.hf_name(path): np.ascontiguousarray(hf_names.to_hf(path, arr, model_type))
-               for path, arr in _host_tensors(lora.merged(base, adapters, config)).items()}
+               for path, arr in _host_tensors(params).items()}
     os.makedirs(directory, exist_ok=True)
     _write_safetensors(os.path.join(directory, "model.safetensors"), tensors, {"format": "pt"})
     for file in ("config.json", "generation_config.json", "tokenizer.json",
