@@ -25,7 +25,8 @@ algorithm uses only in arithmetic (its `traceable` list: lr, μ, λ, β, …) ru
 compiled program (fedjax_pfl.sweep); other hyperparameters (batch size, epochs, choices) make
 separate programs, run one after another, and so do algorithms whose initialisation needs
 concrete data (FedPC's graph). Seeds vary the model initialisation and client sampling; the
-partition comes from --seed in --common (so all seeds see the same clients).
+partition comes from --seed in --common (so all seeds see the same clients), and so does the
+frozen base of a zoo model under --peft lora (a pretrained --model hf:PATH is its own).
 
 OUT/results.md: one row per (dataset, algorithm, hyperparameters): mean ± std over seeds of the
 best-round and last-round mean client accuracy, the last worst-10 % and global accuracy.
@@ -289,7 +290,7 @@ def check_algorithms(the_plan, data: dict[str, tuple]) -> None:
     """Builds every run's algorithm for its dataset's model, as the runner's `prepare` does
     (`models.get`, `algorithms.get`): the checks a factory makes (pFedSOP's plain-SGD probe, a
     split model's head) stop the sweep before its first run. Nothing is initialised or compiled."""
-    from fedjax_pfl import algorithms, models, runner
+    from fedjax_pfl import algorithms, runner, sweep
 
     for group in the_plan.groups:
         cfg, (fed, _) = group.cfg, data[group.dataset]
@@ -299,9 +300,7 @@ def check_algorithms(the_plan, data: dict[str, tuple]) -> None:
         except ValueError as e:
             raise SweepError(f"{where}: {_message(e, group.algo)}") from None
         try:
-            model = models.get(runner.model_name_of(cfg), fed.input_shape, fed.num_classes,
-                               cr=cfg.model_cr, conv=cfg.model_conv, task=fed.task,
-                               options=cfg.model_options)
+            model = sweep.sweep_model(cfg, fed)
         except ValueError as e:
             raise SweepError(f"{where}: {_message(e, group.algo)}") from None
         for combo, hparams in zip(group.traced, group.resolved):

@@ -29,6 +29,7 @@ from fedjax_pfl.sweep.group import (
     seeds_summary,
     seeds_table,
     slug,
+    sweep_model,
 )
 from fedjax_pfl.sweep.plan import Group, Plan, check_grid_names, grid, label, plan, plan_groups
 from fedjax_pfl.sweep.results import group_results, result_row, results_table, write_results

@@ -82,6 +82,17 @@ class VectorProgram:
             getattr(placement, "close", lambda: None)()
 
 
+def sweep_model(cfg, data):
+    """The model every run of a group shares, built as `runner.prepare` builds a run's
+    (`runner.build_model`: a zoo model, `hf:PATH`, LoRA adapters over a frozen base). A zoo
+    model's frozen base under `peft` lora is drawn from `cfg.seed` (--seed in the sweep's
+    --common), like the partition: every seed of the sweep trains over the same base."""
+    from fedjax_pfl import runner
+    from fedjax_pfl.runner.loop import build_model
+
+    return build_model(cfg, runner.model_name_of(cfg), data)[0]
+
+
 def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str | None,
               log=print, progress: bool = True) -> list[dict]:
     """Runs `runs` of `cfg` (a runner.RunConfig; cfg.seed is ignored, each run has its own) as one
@@ -91,7 +102,7 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
     import os
     import time
 
-    from fedjax_pfl import models, runner
+    from fedjax_pfl import runner
     from fedjax_pfl.runner.records import compile_record
 
     hparams = cfg.validate()
@@ -100,10 +111,8 @@ def run_group(cfg, runs: Sequence[RunSpec], *, data, data_info: dict, out: str |
         raise OptionError(f"{arg('target_acc')} stops one run; the runs of a sweep share one "
                           "program")
     program_hparams, hparams, plans = _privacy_plans(cfg, hparams, runs, data.num_real_clients)
-    model_name = cfg.model or runner.DEFAULT_MODEL.get(cfg.dataset, "mlp")
-    model = models.get(model_name, data.input_shape, data.num_classes, cr=cfg.model_cr,
-                       conv=cfg.model_conv, task=data.task,
-                       options=cfg.model_options)
+    model_name = runner.model_name_of(cfg)
+    model = sweep_model(cfg, data)
     with compiles.record() as compiled:        # summary.json's "compile", as runner.run's
         t0 = time.perf_counter()
         program = VectorProgram(cfg.algo, model, data, program_hparams, runs,

@@ -43,6 +43,29 @@ def test_vmapped_runs_equal_separate_runs(algo, traced):
     assert len({round(s["last"]["train_loss"], 6) for s in summaries}) == len(runs)
 
 
+@pytest.mark.slow
+def test_a_sweep_of_lora_adapters_trains_over_one_frozen_base_like_separate_runs():
+    """--peft lora in a sweep: the runs' model is the adapted one (`sweep_model`, as the
+    runner's), so a run of the common seed equals runner.run; a run of another seed trains over
+    the same base (drawn from the common --seed) from its own adapters."""
+    data = make_data([7, 23, 12, 9], feature_dim=6)
+    hp = {"batch_size": 4, "participation": 0.5}
+    lora = dict(peft="lora", lora_targets="all", lora_rank=2)
+    runs = [sweep.RunSpec(seed, (("lr", lr),)) for lr in (0.005, 0.02) for seed in (0, 3)]
+    cfg = runner.RunConfig(algo="fedavg", rounds=3, hparams=hp, progress=False,
+                           memory_check=False, model="mlp", **lora)
+    model = sweep.sweep_model(cfg, data)
+    assert model.frozen is not None and model.name.endswith("+lora")
+    summaries = sweep.run_group(cfg, runs, data=data, data_info={}, out=None, progress=False)
+    for spec, got in [(runs[0], summaries[0]), (runs[2], summaries[2])]:     # seed 0, both lrs
+        single = runner.RunConfig(algo="fedavg", rounds=3, seed=0, model="mlp", progress=False,
+                                  hparams={**hp, **dict(spec.traced)}, memory_check=False, **lora)
+        ref = runner.run(single, data=data, data_info={}, log=lambda *_: None)
+        for key in ("acc_mean", "loss", "train_loss"):
+            np.testing.assert_allclose(got["last"][key], ref["last"][key], rtol=2e-4, err_msg=key)
+    assert len({round(s["last"]["train_loss"], 6) for s in summaries}) == len(runs)
+
+
 def test_untraceable_hyperparameters_are_refused_in_one_program():
     data = make_data([7, 23])
     model = models.get("logreg", data.input_shape, data.num_classes)
