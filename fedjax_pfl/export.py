@@ -91,7 +91,9 @@ CLIENT_MODELS = {
     "two_heads": "client i's logits are f(x; global) + f(x; global with its head leaves replaced "
                  "by row i of the personal tensors) (FedRoD)",
     "adapter_mixture": "client i's model adds (1 - lambda) times the global adapter's low-rank "
-                       "terms and lambda times those of row i of the personal adapters (FedDPA)",
+                       "terms and lambda times those of row i of the personal adapters (FedDPA; "
+                       "lambda fixed, or per input by its similarity to the client's training "
+                       "data: hparams weighting, refs, scale)",
 }
 
 

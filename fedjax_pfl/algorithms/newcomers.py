@@ -40,7 +40,7 @@ NEWCOMER_RULES: dict[str, str] = {
     "fedpc": "the current shared part x with its initial personal part z (untrained)",
     "fedrod": "the global generic model plus its initial, untrained personal head",
     "feddpa": "the mixture (1 − λ, λ) of the current global adapter with its initial, untrained "
-              "local adapter",
+              "local adapter (λ per input under --feddpa-weighting instance)",
     "apfl": "the mix α·v + (1 − α)·w of its initial local model v with the current global "
             "model w, at its initial α",
     "ditto": "its initial personal model (the initial global model, untrained: Ditto trains a "

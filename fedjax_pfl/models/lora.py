@@ -33,7 +33,7 @@ target names a module whose path is it or ends with "/" + it (PEFT's `target_mod
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
@@ -183,10 +183,10 @@ def lora(model: Model, base: Params, example: Any, *, targets: Sequence[str], ra
     def init(key: jax.Array) -> Params:
         return init_adapters(key, layers, config)
 
-    def mix(weighted: Sequence[tuple[Any, Params]], x: jax.Array) -> jax.Array:
-        """The base with several adapters' low-rank terms added in every targeted layer, each
-        scaled by its weight: y = x W + b + Σ_k w_k (α/r) dropout(x) A_kᵀ B_kᵀ (FedDPA's
-        mixture of a global and a personal adapter, `algorithms.feddpa`)."""
+    def adapted_call(weighted: Sequence[tuple[Any, Params]], fn: Callable, x: jax.Array):
+        """fn(base, x) with several adapters' low-rank terms added in every targeted layer, each
+        scaled by its weight: y = x W + b + Σ_k w_k (α/r) dropout(x) A_kᵀ B_kᵀ. A weight is
+        None (1), a scalar, or one per example [B] (FedDPA's instance-wise mixture)."""
         train_key = model_lib.current_training_key() if config.dropout > 0 else None
         calls = [0]
 
@@ -204,17 +204,31 @@ def lora(model: Model, base: Params, example: Any, *, targets: Sequence[str], ra
             for weight, adapters in weighted:
                 a, b = adapter_of(adapters, path)
                 delta = low_rank(args[0], a, b, config.scale, dropout=config.dropout, key=key)
-                out = out + (delta if weight is None else weight * delta).astype(out.dtype)
+                if weight is not None:
+                    weight = jnp.asarray(weight)
+                    if weight.ndim == 1:          # per example: over the batch axis
+                        weight = weight.reshape(weight.shape + (1,) * (delta.ndim - 1))
+                    delta = weight * delta
+                out = out + delta.astype(out.dtype)
             return out
 
         with nn.intercept_methods(adapt):
-            return base_apply(frozen.get(), x)
+            return fn(frozen.get(), x)
+
+    def mix(weighted: Sequence[tuple[Any, Params]], x: jax.Array) -> jax.Array:
+        """The adapted model's outputs with several weighted adapters (`adapted_call`; FedDPA's
+        mixture of a global and a personal adapter, `algorithms.feddpa`)."""
+        return adapted_call(weighted, base_apply, x)
 
     def apply(adapters: Params, x: jax.Array) -> jax.Array:
         return mix([(None, adapters)], x)
 
     # (the mixture of several adapters over one forward pass of the base, for FedDPA)
     apply.mix = mix
+    if model.features is not None:
+        # The base's representation (its `features`) under the adapters (FedDPA's similarity
+        # of an input to a client's data); the adapted Model's own `features` stays None.
+        apply.features = lambda adapters, x: adapted_call([(None, adapters)], model.features, x)
 
     adapted = model._replace(init=init, apply=apply, name=f"{model.name}+lora",
                              features=None, frozen=frozen,

@@ -120,6 +120,70 @@ def test_feddpa_mixes_the_two_adapters_outputs_against_numpy():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+def _np_feddpa_logits(base, g, loc, x, lam, s):
+    """The adapted MLP (both layers adapted) with the adapters mixed at per-example λ [B]."""
+    f = lambda a: np.asarray(a, np.float64)
+    lam = np.asarray(lam, np.float64).reshape(-1, 1)
+
+    def layer(h, name, weights):
+        out = h @ f(base[name]["kernel"]) + f(base[name]["bias"])
+        for w, ad in weights:
+            out = out + w * s * (h @ f(ad[name]["lora_A"]).T) @ f(ad[name]["lora_B"]).T
+        return out
+
+    h = np.maximum(layer(x, "Dense_0", [(1 - lam, g), (lam, loc)]), 0)
+    return layer(h, "Dense_1", [(1 - lam, g), (lam, loc)])
+
+
+def test_feddpa_evaluates_each_instance_at_its_similarity_to_the_clients_data_against_numpy():
+    """--feddpa-weighting instance: client i's test input x is scored by the mixture at
+    λ(x) = clip(w · mean_j cos(h_l(x), h_l(x_j)), 0, 1), h_l the hidden layer (the MLP's
+    features) under the local adapter alone, x_j its K training inputs at positions ⌊j·n/K⌋."""
+    program, _, _, state = run("feddpa", rounds=2, refs=3, scale=0.9)
+    adapted, base, _ = adapted_mlp()
+    d = data()
+    ev = program.evaluate(state)["client"]
+    f = lambda a: np.asarray(a, np.float64)
+    g = jax.tree.map(f, state.params)
+    x_all, y_all = f(d.x), np.asarray(d.y)
+    s = 4.0 / 2
+    lams = []
+    for i in range(d.num_clients):
+        loc = jax.tree.map(lambda a: f(a)[i], state.local)
+        hidden = lambda x: np.maximum(
+            x @ f(base["Dense_0"]["kernel"]) + f(base["Dense_0"]["bias"])
+            + s * (x @ f(loc["Dense_0"]["lora_A"]).T) @ f(loc["Dense_0"]["lora_B"]).T, 0)
+        unit = lambda h: h / np.linalg.norm(h, axis=1, keepdims=True)
+        n, start = int(d.clients.train_count[i]), int(d.clients.train_start[i])
+        refs = x_all[start + np.array([j * n // 3 for j in range(3)])]
+        c = unit(hidden(refs)).mean(axis=0)
+        t0, m = int(d.clients.test_start[i]), int(d.clients.test_count[i])
+        x, y = x_all[t0:t0 + m], y_all[t0:t0 + m]
+        lam = np.clip(0.9 * unit(hidden(x)) @ c, 0, 1)
+        lams.append(lam)
+        logits = _np_feddpa_logits(base, g, loc, x, lam, s)
+        assert int(ev.correct[i]) == int((logits.argmax(1) == y).sum()), i
+        lp = logits - logits.max(1, keepdims=True)
+        lp = lp - np.log(np.exp(lp).sum(1, keepdims=True))
+        np.testing.assert_allclose(float(ev.loss_sum[i]), -lp[np.arange(m), y].sum(), rtol=1e-4)
+    lams = np.concatenate(lams)
+    assert 0 < lams.min() < lams.max() < 1, (lams.min(), lams.max())   # really per instance
+
+
+def test_feddpa_fixed_weighting_evaluates_at_lambda():
+    program, _, _, state = run("feddpa", rounds=1, weighting="fixed", lam=0.3)
+    _, base, _ = adapted_mlp()
+    d = data()
+    ev = program.evaluate(state)["client"]
+    f = lambda a: np.asarray(a, np.float64)
+    g = jax.tree.map(f, state.params)
+    for i in range(d.num_clients):
+        loc = jax.tree.map(lambda a: f(a)[i], state.local)
+        t0, m = int(d.clients.test_start[i]), int(d.clients.test_count[i])
+        logits = _np_feddpa_logits(base, g, loc, f(d.x)[t0:t0 + m], np.full(m, 0.3), 4.0 / 2)
+        assert int(ev.correct[i]) == int((logits.argmax(1) == np.asarray(d.y)[t0:t0 + m]).sum())
+
+
 def test_feddpa_keeps_a_local_adapter_per_client_and_averages_the_global_one():
     _, states, _, _ = run("feddpa")
     local = np.asarray(states[-1].local["Dense_1"]["lora_B"])
