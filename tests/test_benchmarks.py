@@ -47,6 +47,7 @@ SUBCOMMANDS = [("scale.py", "clients"), ("scale.py", "skew"), ("scale.py", "seed
 
 
 @pytest.mark.parametrize("script,sub", [(name, None) for name in listed()] + SUBCOMMANDS)
+@pytest.mark.slow
 def test_help_exits_zero_without_heavy_imports(script, sub):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-c", _HELP, str(BENCH / script), *([sub] if sub else []), "--help"]

@@ -6,6 +6,7 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fedjax_pfl import compiles
 
@@ -32,6 +33,7 @@ def test_counts_each_program_once_by_name_in_any_thread():
     assert again.names == [] and again.describe() == "no program compiled"
 
 
+@pytest.mark.slow
 def test_a_warm_persistent_cache_is_counted_as_hits(tmp_path):
     previous = (jax.config.jax_compilation_cache_dir,
                 jax.config.jax_persistent_cache_min_compile_time_secs,

@@ -27,6 +27,7 @@ def softmax_regression_grad(params, x, y):
     return {"w": x.T @ p / len(y), "b": p.mean(axis=0)}
 
 
+@pytest.mark.slow
 def test_mixed_gradients_match_the_closed_form(x64):
     # ∂f(αv + (1−α)w)/∂α = ⟨∇f(v̄), v − w⟩ and ∇_v f(v̄) = α ∇f(v̄).
     rng = np.random.default_rng(0)

@@ -70,6 +70,7 @@ def client_rows(sizes, i):
     return x[train[i]].astype(np.float64), y[train[i]]
 
 
+@pytest.mark.slow
 def test_ala_step_matches_float64_gradient_and_clips():
     # T1: one pass of ALA with B ≥ n_i is one full-batch step on W; η = 4 pushes entries past 0
     # and past 1, so the clip is exercised on both sides.
@@ -87,6 +88,7 @@ def test_ala_step_matches_float64_gradient_and_clips():
         assert int(result.epochs[i]) == 1
 
 
+@pytest.mark.slow
 def test_ala_uses_only_the_random_fraction_of_data():
     # T1 with s = 50 %: D_i^s is the first ⌊0.5·8⌋ = 4 positions of the client's keyed
     # permutation (core.epoch_permutation, the engine's shuffle), one full-batch step on them.
@@ -106,6 +108,7 @@ def test_ala_uses_only_the_random_fraction_of_data():
     np.testing.assert_array_equal(fedala.subset_size(jnp.array([6, 8, 1, 0]), 50.0), [3, 4, 1, 0])
 
 
+@pytest.mark.slow
 def test_start_phase_repeats_passes_until_settled_or_capped():
     # T1 over several passes (R4): threshold 0 never settles, so all 3 passes run (three
     # full-batch steps); a huge threshold settles as soon as patience + 1 = 3 pass losses exist.
@@ -152,6 +155,7 @@ def test_top_layers_are_the_last_modules_in_path_order():
     assert all(jax.tree.leaves(fedala.top_layers_mask(params, 9)))
 
 
+@pytest.mark.slow
 def test_round_starts_from_the_aggregate_and_leaves_unsampled_clients_alone():
     # T2–T4 through round_fn: with a negligible lr and η (1e-30: every update rounds away), a
     # sampled client's trained model IS its start θ̂_i, so the state shows eq. 4 exactly:
@@ -216,6 +220,7 @@ def test_bad_start_phase_budget_is_an_error():
         algorithms.get("fedala", model=linear_model(), patience=10, max_epochs=10)
 
 
+@pytest.mark.slow
 def test_round_gives_each_client_its_pass_budget(x64):
     # R4–R6 through round_fn: a first participation runs no ALA (W_i kept), a client's first ALA
     # (started, not warm) the start phase's --fedala-max-epochs passes (3; threshold 0 never

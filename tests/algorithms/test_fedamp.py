@@ -76,6 +76,7 @@ HP = dict(participation=0.6, local_epochs=2, batch_size=8, lr=0.1, alpha=0.2, si
 
 
 @pytest.mark.parametrize("self_weight,start", [(None, "cloud"), (0.3, "own")])
+@pytest.mark.slow
 def test_rounds_match_the_naive_transcription(x64, self_weight, start):
     # T1–T3, T5: distances, weights, cloud models, proximal local training, unsampled clients.
     data, xs = quadratic_clients()

@@ -49,6 +49,7 @@ def test_one_client_a_round_the_step_is_its_clipped_update():
     np.testing.assert_allclose(float(m["dp_update_norm"]), np.linalg.norm(delta), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_without_clipping_or_noise_it_is_the_uniform_mean_and_clients_train_as_in_fedavg():
     """With equal client sizes FedAvg's sample weights are uniform: DP-FedAvg with C = ∞, z = 0
     (θ + Σ(θ_i − θ)/M) gives FedAvg's model up to float rounding, from the same sampled clients
@@ -61,6 +62,7 @@ def test_without_clipping_or_noise_it_is_the_uniform_mean_and_clients_train_as_i
     np.testing.assert_allclose(private, plain, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_the_noise_on_the_model_has_standard_deviation_z_c_over_m():
     """The same round with and without noise (z = 2, C = 0.5, M = 5): their difference is the
     noise over M; over 30 round keys × 18 parameters its standard deviation is z·C/M within 20 %

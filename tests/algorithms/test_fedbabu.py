@@ -39,6 +39,7 @@ def head(params):
     return split_lib.split(params, split_lib.personal_mask(params, "head"))[1]
 
 
+@pytest.mark.slow
 def test_head_never_changes_during_federated_rounds():
     # The global head (the server keeps θ_H^0); that local training leaves it too is the next
     # test's: unfrozen heads would change the bodies' gradients.

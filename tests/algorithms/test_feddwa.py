@@ -57,6 +57,7 @@ def naive_mix(p, trained):
             for i in range(m)]
 
 
+@pytest.mark.slow
 def test_distances_weights_and_mixtures_equal_a_naive_double_loop(x64):
     # T1: D, P and P·W on 5 clients with two leaves, models far from 0 (as trained models are)
     # and guidance steps small against the distances between clients.
@@ -92,6 +93,7 @@ def test_float32_self_distance_keeps_the_small_guidance_step():
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 7])
+@pytest.mark.slow
 def test_weights_are_a_distribution_with_exactly_k_nonzero_per_row(k):
     # T2: rows ≥ 0 summing to 1, exactly min(K, M) non-zero, on the K smallest distances.
     d = jnp.asarray(np.random.default_rng(k).uniform(0.1, 4.0, size=(5, 5)), jnp.float32)
@@ -151,6 +153,7 @@ def reference_rounds(xs, sampled_per_round, *, eta, epochs, guide_steps, k):
     {}, pytest.param({"guidance_steps": 1}, marks=pytest.mark.slow),
     pytest.param({"guidance_epochs": 3}, marks=pytest.mark.slow)],
     ids=["same_schedule", "one_step", "three_epochs"])
+@pytest.mark.slow
 def test_rounds_match_the_naive_transcription(x64, guidance):
     # T1, T4, T5: local training from w̃_i, the guidance pass, the weights from ‖ŵ_i − w_j‖²
     # with top-K, the mixtures, the statistics; unsampled clients untouched.
@@ -255,6 +258,7 @@ def _epoch_order(start, end, samples, eta):
     return None
 
 
+@pytest.mark.slow
 def test_guidance_pass_draws_its_own_batch_order(x64, monkeypatch):
     # R2: the guidance pass is an epoch of its own, in a fresh batch order (its own key): with
     # batch size 1 on quadratics each pass is a product of per-sample steps whose order is

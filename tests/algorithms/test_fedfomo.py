@@ -112,6 +112,7 @@ def distinct_models(seed=1):
 
 
 @pytest.mark.parametrize("baseline", ["current", pytest.param("start", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_round_matches_the_naive_double_loop(x64, baseline):
     # T1, T2: weights, the personalised update and local training on the first n_i − v_i rows.
     x, y, train, test = raw_clients()
@@ -183,6 +184,7 @@ def test_identical_clients_keep_their_model_and_train_locally(x64):
     np.testing.assert_array_equal(new.affinity, 0.0)
 
 
+@pytest.mark.slow
 def test_validation_block_is_never_trained_on(x64):
     # T4: in round 1 (local training only: nothing uploaded yet) flipping client 1's validation
     # labels leaves every trained model bit for bit unchanged, while flipping one of its
@@ -205,6 +207,7 @@ def test_validation_block_is_never_trained_on(x64):
     assert not np.allclose(changed["w"][1], base_state.params["w"][1])
 
 
+@pytest.mark.slow
 def test_unsampled_clients_are_unchanged():
     # T5: params, optimizer rows, affinity rows and start models of clients not sampled stay bit
     # for bit.
@@ -272,6 +275,7 @@ def test_affinity_accumulates_the_weights_over_rounds(x64):
     np.testing.assert_allclose(state.affinity, w1 + w2, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_epsilon_metric_follows_the_decay_schedule():
     # F3: ε_t = max(0, ε − δ(t − 2)) in round t ≥ 2; round 1 has no downloads (0).
     data = to_data(*raw_clients())
@@ -284,6 +288,7 @@ def test_epsilon_metric_follows_the_decay_schedule():
     np.testing.assert_allclose(seen, [0.0, 0.12, 0.07, 0.02, 0.0], atol=1e-7)
 
 
+@pytest.mark.slow
 def test_round_two_explores_with_epsilon_and_round_three_with_epsilon_minus_decay():
     # F3 in behaviour: ε = δ = 1 gives ε_2 = 1 (every slot a uniformly random other upload) and
     # ε_3 = 0 (the top affinity). Six clients, one slot each, client i's top affinity on

@@ -119,6 +119,7 @@ def test_default_personal_step_moves_z_like_a_local_sgd_step(x64):
 
 
 @pytest.mark.parametrize("steps", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.slow
 def test_client_sends_the_sum_of_its_local_minibatch_gradients(x64, steps):
     # K = 1 is exactly the stochastic gradient at y (also checked through the whole round by
     # test_all_shared_is_synchronous_minibatch_sgd); K = 2 adds the gradient after one SGD step.

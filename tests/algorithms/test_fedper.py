@@ -55,6 +55,7 @@ def test_no_head_is_fedavg_bit_for_bit(data):
     tree_equal(e_per, e_avg)
 
 
+@pytest.mark.slow
 def test_all_head_is_local_bit_for_bit(data):
     _, s_per, m_per, e_per = run("fedper", data, head="all")
     _, s_loc, m_loc, e_loc = run("local", data)

@@ -76,6 +76,7 @@ def reference_rounds(sampled_per_round, p0, *, tau_h, epochs, lr, momentum):
 
 @pytest.mark.parametrize("momentum,buffer", [(0.0, "reset"),
                                              pytest.param(0.9, "persist", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_rounds_match_numpy_transcription(x64, momentum, buffer):
     algo = algorithms.get("fedrep", model=ref.TWO_LAYER, lr=0.3, batch_size=32, participation=0.5,
                           local_epochs=3, head_epochs=1, momentum=momentum, momentum_buffer=buffer)
@@ -199,6 +200,7 @@ def _unique_order(simulate, got):
     return order
 
 
+@pytest.mark.slow
 def test_the_head_phase_does_not_reuse_the_body_phases_batch_order(x64):
     data = make_data(GUARD_SIZES, num_classes=CLASSES, feature_dim=FEATURES, seed=4)
     x_raw, y_raw, train, _, _, _ = make_raw(GUARD_SIZES, num_classes=CLASSES, feature_dim=FEATURES, seed=4)

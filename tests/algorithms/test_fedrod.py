@@ -108,6 +108,7 @@ def test_prediction_is_the_sum_of_the_two_heads():
         tree_allclose(some[key], jax.tree.map(lambda a: a[np.array([2, 0])], evals[key]), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_rounds_match_numpy_transcription(x64):
     # Per full batch: step 1, the generic model on the balanced softmax; step 2, the personal head
     # on CE(detached generic logits + personal logits), with the PRE-step features (the

@@ -61,6 +61,7 @@ ADAPTER_ALGORITHMS = {
 
 
 @pytest.mark.parametrize("name", sorted(ADAPTER_ALGORITHMS))
+@pytest.mark.slow
 def test_every_adapter_capable_algorithm_trains_the_adapters(name):
     program, states, losses, last = run(name, **ADAPTER_ALGORITHMS[name])
     assert losses[-1] < losses[0], losses
@@ -72,6 +73,7 @@ def test_every_adapter_capable_algorithm_trains_the_adapters(name):
     assert np.isfinite(np.asarray(ev.loss_sum)).all()
 
 
+@pytest.mark.slow
 def test_ffa_lora_keeps_a_at_its_initialisation_and_trains_b():
     _, states, _, _ = run("ffa_lora")
     first, last = states[0].params, states[-1].params
@@ -82,6 +84,7 @@ def test_ffa_lora_keeps_a_at_its_initialisation_and_trains_b():
         assert np.abs(np.asarray(last[layer]["lora_B"])).max() > 0   # ... and is trained
 
 
+@pytest.mark.slow
 def test_fedsa_split_shares_a_and_keeps_b_per_client():
     adapted, _, _ = adapted_mlp()
     template = jax.eval_shape(adapted.init, jax.random.key(0))
@@ -135,6 +138,7 @@ def _np_feddpa_logits(base, g, loc, x, lam, s):
     return layer(h, "Dense_1", [(1 - lam, g), (lam, loc)])
 
 
+@pytest.mark.slow
 def test_feddpa_evaluates_each_instance_at_its_similarity_to_the_clients_data_against_numpy():
     """--feddpa-weighting instance: client i's test input x is scored by the mixture at
     λ(x) = clip(w · mean_j cos(h_l(x), h_l(x_j)), 0, 1), h_l the hidden layer (the MLP's
@@ -170,6 +174,7 @@ def test_feddpa_evaluates_each_instance_at_its_similarity_to_the_clients_data_ag
     assert 0 < lams.min() < lams.max() < 1, (lams.min(), lams.max())   # really per instance
 
 
+@pytest.mark.slow
 def test_feddpa_fixed_weighting_evaluates_at_lambda():
     program, _, _, state = run("feddpa", rounds=1, weighting="fixed", lam=0.3)
     _, base, _ = adapted_mlp()
@@ -184,6 +189,7 @@ def test_feddpa_fixed_weighting_evaluates_at_lambda():
         assert int(ev.correct[i]) == int((logits.argmax(1) == np.asarray(d.y)[t0:t0 + m]).sum())
 
 
+@pytest.mark.slow
 def test_feddpa_keeps_a_local_adapter_per_client_and_averages_the_global_one():
     _, states, _, _ = run("feddpa")
     local = np.asarray(states[-1].local["Dense_1"]["lora_B"])
@@ -192,6 +198,7 @@ def test_feddpa_keeps_a_local_adapter_per_client_and_averages_the_global_one():
     assert np.abs(np.asarray(states[-1].params["Dense_1"]["lora_B"])).max() > 0
 
 
+@pytest.mark.slow
 def test_a_private_round_clips_the_adapter_update():
     """DP-FedAvg on adapters without noise: the server's step is the mean of the clients'
     updates each clipped to ‖·‖ ≤ C, so its norm is at most C."""
@@ -204,6 +211,7 @@ def test_a_private_round_clips_the_adapter_update():
         assert 0 < norm <= clip * (1 + 1e-5)
 
 
+@pytest.mark.slow
 def test_a_server_optimiser_steps_the_adapters():
     """FedAvgM's server momentum lives on the adapters' shapes (never the base's)."""
     _, states, losses, _ = run("fedavg", rounds=6, server_opt="momentum", server_opt_lr=0.5)

@@ -186,6 +186,7 @@ PFEDSOP_HP = dict(participation=0.6, local_epochs=3, batch_size=10, eta_local=0.
 
 
 @pytest.mark.parametrize("keep", [pytest.param("newton", marks=pytest.mark.slow), "sgd"])
+@pytest.mark.slow
 def test_pfedsop_matches_float64_transcription_on_a_multi_leaf_model(x64, keep):
     algo, states, sampled, data, clients = run_rounds("pfedsop", 0, keep=keep)
     assert all(len(s) == 3 for s in sampled)                      # M = floor(0.6 · 5)

@@ -94,6 +94,7 @@ def as_np(tree):
 
 # ------------------------------------------------------------------------------------- the loss
 
+@pytest.mark.slow
 def test_loss_and_gradient_against_numpy(x64):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4, F))
@@ -122,6 +123,7 @@ def test_contrastive_term_hand_case():
     np.testing.assert_allclose(float(got), np.log1p(np.exp(-2.0)), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_per_token_representation_averages_over_real_target_tokens(x64):
     # z [B, T, H] with sequence labels y [B, T] (0 = PAD): eq. 2 at every position, each example
     # summing its real targets, and the batch's mean over all real tokens of real examples.
@@ -170,6 +172,7 @@ def round_data():
 
 
 @pytest.mark.parametrize("mu", [pytest.param(0.0, marks=pytest.mark.slow), 1.5], ids=["mu0_fedavg", "mu1.5"])
+@pytest.mark.slow
 def test_one_round_against_numpy_gradient_descent(x64, mu):
     # Batch 8 ≥ every n_i: each local step is full-batch gradient descent on the client's padded
     # batch (order irrelevant), 2 epochs = 2 steps. μ = 0 is FedAvg's round by hand: w_i after two
@@ -213,6 +216,7 @@ def test_one_round_against_numpy_gradient_descent(x64, mu):
                                    err_msg=f"client {i}")
 
 
+@pytest.mark.slow
 def test_first_round_previous_models_are_the_initial_model():
     # Before a client first trains, w_i^prev = w⁰ (docs/algorithms/moon.md M3): then z_glob = z_prev
     # in round 0, so ℓ_con = log 2 whatever the local model.

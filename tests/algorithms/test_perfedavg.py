@@ -82,6 +82,7 @@ def constant_client_data():
 
 
 @pytest.mark.parametrize("variant", ["fo", pytest.param("hf", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_round_and_adapted_evaluation_by_hand(x64, variant):
     # Per-example loss ½‖u − x‖² has Hessian I: w̃ = w − α(w − x_k), ∇f(w̃) = (1 − α)(w − x_k);
     # FO steps w ← w − β(1 − α)(w − x_k), HF multiplies by (I − αI) once more: (1 − α)².

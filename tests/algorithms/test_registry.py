@@ -195,6 +195,7 @@ def test_round_fn_refuses_the_state_of_another_algorithm_naming_it():
                             "fedjax_pfl.data.FederatedData, got dict")
 
 
+@pytest.mark.slow
 def test_round_fn_and_evaluate_refuse_a_state_made_for_another_client_count():
     ten, twelve = make_data([6] * 10), make_data([6] * 12)
     ditto = algorithms.get("ditto", model=linear_model(), lr=0.1)
@@ -253,6 +254,7 @@ def test_sequence_labels_are_n_by_t():
         check_labels(dataclasses.replace(ok, y=jnp.zeros((6,), jnp.int32)), "init")
 
 
+@pytest.mark.slow
 def test_input_checks_run_once_per_structure(monkeypatch):
     """The checks read structure and shapes: under jit they run when the round is traced, and
     eagerly a signature accepted once is not checked again."""

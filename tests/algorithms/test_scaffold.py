@@ -63,6 +63,7 @@ def unflat(v) -> dict:
 
 
 @pytest.mark.parametrize("weights", ["uniform", "data_size"])
+@pytest.mark.slow
 def test_zero_controls_and_one_step_is_a_fedavg_round(x64, weights):
     # With c = c_i = 0 and K = 1 full-batch step, y_i = x − η ∇f_i(x) and, at η_g = 1,
     # x⁺ = x + Σ w_i (y_i − x) = Σ w_i y_i: FedAvg's round (FedAvg's n_i weights with
@@ -87,6 +88,7 @@ def test_zero_controls_and_one_step_is_a_fedavg_round(x64, weights):
     assert float(metrics["comm_up_floats"]) == float(metrics["comm_down_floats"]) == N * 2 * 4
 
 
+@pytest.mark.slow
 def test_three_rounds_of_option_ii_against_numpy_transcription(x64):
     # Quadratics whose local SGD is exact gradient descent (identical rows), B = 2 and E = 2, so
     # clients take different numbers of steps K_i = 2·⌈n_i/2⌉ = 4, 6, 2, 4; M = 2 of N = 4
@@ -207,6 +209,7 @@ def test_cli_help_explains_the_flags():
 
 
 @pytest.mark.parametrize("variant", ["ii", "i"])
+@pytest.mark.slow
 def test_a_client_without_data_keeps_its_control_variate_and_contributes_nothing(x64, variant):
     # A7: a client with n_i = 0 takes K_i = 0 steps, so option II's (x − y_i)/(K_i η_l) is 0/0
     # and option I's gradient has no data: its c_i stays as it was (bit for bit), Δc_i = 0 and

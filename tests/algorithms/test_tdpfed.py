@@ -199,6 +199,7 @@ def test_afm_rounds_match_the_numpy_transcription(x64, change):
         assert int(m["client_steps"]) == 3 * hp["local_steps"]
 
 
+@pytest.mark.slow
 def test_act_round_matches_the_numpy_transcription(x64):
     hp = {**HP, "aggregate": "act", "als_iters": 30}
     data = toy()

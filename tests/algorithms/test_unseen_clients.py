@@ -48,6 +48,7 @@ def _rows_with_client_axis(state, n):
 
 
 @pytest.mark.parametrize("name", ["ditto", "pfedsop"])
+@pytest.mark.slow
 def test_held_out_rows_never_change_and_are_never_sampled(name):
     data, _ = _data()
     fraction, seed = 0.25, 5                                   # U = 2 of 8; M = 2 a round
@@ -78,6 +79,7 @@ def test_held_out_rows_never_change_and_are_never_sampled(name):
     assert changed, "the sampled clients' rows did train"
 
 
+@pytest.mark.slow
 def test_poisson_rounds_never_draw_a_held_out_client():
     data, _ = _data(pad=4)
     algo = algorithms.get("fedavg", model=linear_model(), unseen_clients=0.5, unseen_seed=2,
@@ -121,6 +123,7 @@ def test_fedavg_evaluates_a_newcomer_with_the_global_model():
         assert int(ev.count[k]) == len(test[i])
 
 
+@pytest.mark.slow
 def test_fedavg_ft_fine_tunes_a_newcomer_from_the_global_model():
     """FedAvg-FT: one epoch of one full batch (B ≥ n) is one gradient step of the mean softmax
     cross-entropy from the global model: w − η Xᵀ(softmax(Xw + b) − Y)/n, b − η Σ(…)/n."""

@@ -205,6 +205,7 @@ def _env():
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
+@pytest.mark.slow
 def test_exit_status_of_the_real_script():
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), "--alpha", "0"],
                           capture_output=True, text=True, env=_env())

@@ -176,6 +176,7 @@ class _Loaded(Exception):
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(argv=any_flags())
+@pytest.mark.slow
 def test_any_flags_pass_the_checks_or_are_refused_in_one_line_with_nothing_written(
         argv, tmp_path_factory, capsys, monkeypatch):
     """Up to the data load (runner.load_data replaced, so no data and no compilation): every

@@ -144,6 +144,7 @@ def test_errors_are_one_line_with_exit_status_2(leaf_dir, tmp_path, capsys):
     _fails(["--dataset", "toy", *d], capsys, "pip install no_such_package_xyz")
 
 
+@pytest.mark.slow
 def test_command_line_exit_status(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(prepare.__file__), "prepare.py"),
                            "--dataset", "femnist", "--data-dir", str(tmp_path)],

@@ -111,6 +111,7 @@ def ref_alie(x, mal):
                                                                    x.shape)),
     ("alie", {}, lambda x, mal, m: np.broadcast_to(ref_alie(x, mal), x.shape)),
 ])
+@pytest.mark.slow
 def test_a_poisoned_fedavg_round_against_its_formula(kind, extra, sent):
     data, model = make_data(SIZES, feature_dim=5), linear_model()
     hp = {**COMMON, "attack": kind, "attack_fraction": 0.3, **extra}
@@ -138,6 +139,7 @@ def test_gaussian_uploads_move_the_mean_by_the_noise():
     assert np.abs(flat(new.params) - honest).max() > 1.0
 
 
+@pytest.mark.slow
 def test_fraction_zero_keeps_the_plain_run_bit_for_bit():
     data, model = make_data(SIZES, feature_dim=5), linear_model()
     plain = algorithms.get("fedavg", model=model, **COMMON)

@@ -44,6 +44,7 @@ def test_the_personalised_algorithms_declare_their_parts():
 
 @pytest.mark.matrix
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.slow
 def test_cached_evaluation_equals_a_fresh_evaluation_of_every_client(name, monkeypatch):
     data = make_data([7, 23, 12, 1, 9, 5, 14, 3, 8, 11])     # 10 clients, 3 sampled a round
     program = _program(name, data)

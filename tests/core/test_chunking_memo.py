@@ -83,6 +83,7 @@ def chunk_without_memo(fn, *args) -> int:
         jax.config.update("jax_compilation_cache_dir", previous)
 
 
+@pytest.mark.slow
 def test_a_remembered_probe_is_not_compiled_and_gives_the_probes_chunk(cache_dir):
     spec = S((64,), jnp.float32)
     expected = chunk_without_memo(wide_step, spec)
@@ -102,6 +103,7 @@ def test_a_remembered_probe_is_not_compiled_and_gives_the_probes_chunk(cache_dir
     assert got == expected and probes(second) == 0 and second.names == []
 
 
+@pytest.mark.slow
 def test_another_shape_or_compiler_misses(cache_dir, monkeypatch):
     spec = S((64,), jnp.float32)
     chunking.auto_chunk_size(wide_step, spec)

@@ -174,6 +174,7 @@ COUNTING = _counting_loop()
 
 @pytest.mark.parametrize("backend,width", [("loop", 0), ("vmap", 0), ("chunked", 1),
                                            ("chunked", 2), ("chunked", 3), ("chunked", 9)])
+@pytest.mark.slow
 def test_client_loops_take_each_clients_own_steps(backend, width):
     """Every client takes exactly its own number of steps in any chunk width (chunks of sorted
     clients, stages for the longest, masked lanes), zero-step clients included; results come
@@ -269,6 +270,7 @@ def _blocks(costs: np.ndarray, order: np.ndarray, devices: int) -> list[np.ndarr
     return [costs[order[d * block:(d + 1) * block]] for d in range(devices)]
 
 
+@pytest.mark.slow
 def test_balanced_order_gives_every_device_a_near_equal_share():
     """The busiest device's load against the brute-force best split: exact on PGFed's Dirichlet
     protocol example, where the snake order (0, 1, 1, 0, 0, 1 by decreasing size) leaves one

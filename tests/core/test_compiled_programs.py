@@ -46,6 +46,7 @@ def _run(program, rounds=2):
     # evaluate_parts: the two parts CachedEvaluation runs, never the full evaluation beside them
     ("ditto", ["jit(evaluate_rest)", "jit(evaluate_rows_ids)"]),
 ])
+@pytest.mark.slow
 def test_each_program_is_compiled_once_ahead_and_none_after(name, evaluations):
     data = make_data([8, 8, 8, 8, 8, 8])
     program = _program(name, data)
@@ -65,6 +66,7 @@ def _bits(x) -> bytes:
 
 @pytest.mark.parametrize("model", ["linear", pytest.param("mlp", marks=pytest.mark.slow),
                                    pytest.param("cnn", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_the_initial_state_at_a_low_optimisation_level_has_the_same_bits(model):
     """The initial state's program compiled at `INIT_COMPILER_OPTIONS`' level against the same
     program at XLA's default level and emitters (this suite's flags set level 0 and the
@@ -113,6 +115,7 @@ def test_the_initial_state_is_compiled_low_only_where_that_lowers_the_level(monk
         assert _bits(x) == _bits(y)
 
 
+@pytest.mark.slow
 def test_concurrent_compilation_gives_the_results_of_compiling_on_first_call():
     data = make_data([5, 9, 3, 7, 11, 2])
     ahead, plain = _program("pgfedmo", data), _program("pgfedmo", data)
@@ -163,6 +166,7 @@ def _loops_in_round(data) -> int:
     return program._round_compiled.as_text().count(" while(")
 
 
+@pytest.mark.slow
 def test_the_round_carries_one_copy_of_the_loop_unless_staging_pays():
     """FedAvg (E = 1, B = 1: one step per sample) over 6 clients: equal clients get one stage;
     one client of 60 samples among five of 2 gets the narrow stage too (another while loop)."""
@@ -171,6 +175,7 @@ def test_the_round_carries_one_copy_of_the_loop_unless_staging_pays():
     assert skewed > equal
 
 
+@pytest.mark.slow
 def test_a_run_compiles_its_programs_once_and_its_checkpoints_none(tmp_path):
     """A whole run as the command line makes it (PGFedMo, checkpoints every round, the
     persistent cache off): the round, the two evaluation parts and the initial state, once each;

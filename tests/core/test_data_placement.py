@@ -93,6 +93,7 @@ def test_the_round_buffer_holds_exactly_the_participants_training_samples():
 
 @pytest.mark.parametrize("name", ["fedavg"] + [
     pytest.param(n, marks=pytest.mark.slow) for n in ("pgfedmo", "ditto", "fedpc", "fedrep")])
+@pytest.mark.slow
 def test_host_placement_equals_device_placement_bit_for_bit(name):
     data = make_data(SIZES)
     algo = _algo(name)
@@ -134,6 +135,7 @@ def test_a_prefetch_for_other_keys_or_rounds_is_never_used():
     _leaves_equal(m, ref_m)
 
 
+@pytest.mark.slow
 def test_a_round_training_clients_outside_its_buffer_stops_with_an_error(monkeypatch):
     algo = _algo("fedavg")
     program = core.Program(algo, make_data(SIZES), mesh=None, data_placement="host")

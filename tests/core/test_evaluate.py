@@ -11,6 +11,7 @@ from fedjax_pfl.data.federated import FederatedData
 
 
 @pytest.mark.parametrize("backend", ["vmap", "chunked", "loop"])
+@pytest.mark.slow
 def test_personal_and_shared_evaluation(backend):
     data = make_data([5, 9, 4], test_sizes=[7, 1, 12])
     x, y, _, test, _, _ = make_raw([5, 9, 4], test_sizes=[7, 1, 12])
@@ -35,6 +36,7 @@ def test_personal_and_shared_evaluation(backend):
 
 
 @pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.slow
 def test_evaluating_every_clients_model_holds_a_few_of_them_at_once(width):
     """Every client's personal model on its test split (N = 160, unequal test splits, lanes of
     4, or one client at a time): the evaluation's temporaries stay below a quarter of all the
@@ -62,6 +64,7 @@ def test_evaluating_every_clients_model_holds_a_few_of_them_at_once(width):
                                    rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_evaluating_a_subset_of_clients_and_the_batch_size():
     data = make_data([5, 9, 4, 6], test_sizes=[7, 1, 12, 3])
     model = linear_model()
@@ -165,6 +168,7 @@ def _check(got, params_per_client, x, y, test):
 
 
 @pytest.mark.parametrize("backend", ["chunked", "loop"])
+@pytest.mark.slow
 def test_personal_and_shared_evaluation_ignore_padded_test_positions(backend):
     model = linear_model(FEATURES, CLASSES)
     stacked = jax.vmap(model.init)(jax.random.split(jax.random.key(3), len(TRAIN)))

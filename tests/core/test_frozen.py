@@ -58,6 +58,7 @@ def test_the_initial_evaluation_is_the_frozen_model_against_numpy():
 
 @pytest.mark.parametrize("placement, backend", [("device", "chunked"), ("host", "chunked"),
                                                 ("device", "loop")])
+@pytest.mark.slow
 def test_the_base_is_no_state_and_never_changes(placement, backend):
     data = make_data([7, 23, 11, 5, 9, 14])
     w, b = _base(1)
@@ -97,6 +98,7 @@ def _round_text(width):
     return program._round_compiled.as_text(), program
 
 
+@pytest.mark.slow
 def test_the_base_is_an_argument_of_the_compiled_round_not_a_constant():
     small, _ = _round_text(C)
     large, program = _round_text(20_000)          # 100,000 floats of base
@@ -127,6 +129,7 @@ def test_the_memory_plan_counts_the_base_once_whatever_the_clients():
     assert four.state_per_client == eight.state_per_client == F * C * 4
 
 
+@pytest.mark.slow
 def test_a_jitted_helper_reused_by_two_programs_reads_each_programs_base():
     """The engine's jitted helpers (local training, evaluation) are traced once and reused: the
     base a program binds enters them as an argument (`frozen.jit`), so the second program (the

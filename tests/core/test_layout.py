@@ -67,6 +67,7 @@ def test_shardings_and_storage_follow_the_declaration():
     assert rest == 4 * (10 + 1)                      # bias [10] and the scalar
 
 
+@pytest.mark.slow
 def test_a_global_output_bias_as_long_as_the_client_count_stays_global_in_bfloat16_runs():
     # N = 3 clients and 3 classes: FedAvg's global bias b [3] has the client count's length. The
     # old shape rule stored it as client rows in bfloat16 (and sharded it as rows).

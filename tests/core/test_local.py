@@ -84,6 +84,7 @@ _POSITIONS = np.arange(4097 + 5)
 
 @pytest.mark.parametrize("unroll", [False, True])      # the CPU's loop, the accelerators' default
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 16, 17, 100, 1000, 4097])
+@pytest.mark.slow
 def test_epoch_permutation_is_a_bijection(n, unroll):
     perm, positions = _PERMUTATIONS[unroll], _POSITIONS   # at least 5 positions beyond n return 0
     for k in range(3):
@@ -93,6 +94,7 @@ def test_epoch_permutation_is_a_bijection(n, unroll):
 
 
 @pytest.mark.parametrize("unroll", [False, pytest.param(True, marks=pytest.mark.slow)])  # (CPU: False)
+@pytest.mark.slow
 def test_epoch_permutations_are_uniform_over_all_orders(unroll):
     """50,400 keys on n = 7: each of the 5,040 orders about 10 times. Pearson's chi-square has
     5,039 degrees of freedom (mean 5,039, sd ≈ 100); a uniform shuffle stays below 5,039 + 5 sd.
@@ -117,6 +119,7 @@ def test_drop_last_skips_the_partial_batch():
 
 
 @pytest.mark.parametrize("backend", ["vmap", "chunked", "loop"])
+@pytest.mark.slow
 def test_ragged_clients_trained_together_equal_each_alone(backend):
     # Clients of 7 and 23 samples in one call equal each trained alone: the 7-sample client's
     # masked steps after its last real step change nothing.
@@ -187,6 +190,7 @@ def test_aux_gradient_and_on_step_hook(x64):
     np.testing.assert_allclose(out.hook_state[0], 0.5 * 15)
 
 
+@pytest.mark.slow
 def test_full_pass_is_the_mean_loss_and_gradient_over_all_samples(x64):
     data = make_data([11, 4])
     x, y, train, _, _, _ = make_raw([11, 4])
@@ -306,6 +310,7 @@ def _recording_trainer(backend, slots, **schedule):
 
 
 @pytest.mark.parametrize("backend", ["vmap", "loop"])
+@pytest.mark.slow
 def test_every_epoch_is_a_fresh_permutation_of_the_clients_samples(backend):
     data, train = _id_data()
     steps = [-(-n // BATCH) for n in SIZES]                       # ⌈n_i/B⌉: 3, 4, 1
@@ -341,6 +346,7 @@ def test_every_epoch_is_a_fresh_permutation_of_the_clients_samples(backend):
 
 
 @pytest.mark.parametrize("schedule", [{"epochs": EPOCHS}, {"steps": 9}])
+@pytest.mark.slow
 def test_epoch_e_of_client_i_is_the_permutation_keyed_by_its_epoch(schedule):
     """The order of epoch e is `epoch_permutation(fold_in(key_i, e), n_i, ·)`, the documented
     key schedule (benchmarks/peers/orders.py hands the peers these orders): with E epochs the

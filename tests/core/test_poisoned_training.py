@@ -46,6 +46,7 @@ def params_rows(trained):
                                         ("backdoor", {"attack_poison_fraction": 1.0,
                                                       "attack_target": 2,
                                                       "attack_trigger_size": 3})])
+@pytest.mark.slow
 def test_malicious_clients_train_on_their_poisoned_data(kind, extra):
     config = EngineConfig(**COMMON, attack=kind, attack_fraction=0.3, attack_seed=5, **extra)
     malicious = engine_lib.malicious_mask(0.3, 5, len(SIZES))

@@ -61,6 +61,7 @@ def ref_cclip(x, w, v, tau):
     ("norm_bound", {"aggregator_radius": 0.05},
      lambda x, w: (w / w.sum()) @ (x / np.maximum(1, np.linalg.norm(x, axis=1) / 0.05)[:, None])),
 ])
+@pytest.mark.slow
 def test_a_robust_fedavg_round_is_start_plus_the_rule_over_the_updates(kind, extra, ref):
     data, model = make_data(SIZES, feature_dim=5), linear_model()
     algo = algorithms.get("fedavg", model=model, **COMMON, aggregator=kind, **extra)
@@ -73,6 +74,7 @@ def test_a_robust_fedavg_round_is_start_plus_the_rule_over_the_updates(kind, ext
         np.testing.assert_allclose(flat(state.params), want, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_centered_clipping_iterates_from_the_previous_rounds_aggregate():
     data, model = make_data(SIZES, feature_dim=5), linear_model()
     tau = 0.02
@@ -92,6 +94,7 @@ def test_centered_clipping_iterates_from_the_previous_rounds_aggregate():
         center = step
 
 
+@pytest.mark.slow
 def test_a_server_optimiser_steps_along_the_robust_update():
     """--server-opt momentum (μ = 0) at η = 0.5 after the median: x + 0.5·median(Δ)."""
     data, model = make_data(SIZES, feature_dim=5), linear_model()
@@ -120,6 +123,7 @@ def test_the_default_aggregator_builds_todays_chain():
                                                     ).init({"w": jnp.ones(3)})
 
 
+@pytest.mark.slow
 def test_aggregator_mean_given_keeps_fedavgs_round_bit_for_bit():
     """Three rounds with --aggregator mean given equal the plain run's, and the plain run's
     server step is exactly Σ (n_i/Σn) θ_i of the trained clients (the metrics too)."""

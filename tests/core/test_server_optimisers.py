@@ -87,6 +87,7 @@ def _data():
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_three_rounds_follow_reddi_algorithm_2(case):
     """Each round t: Δ_t is what plain FedAvg's round makes of the same state with the same key
     (the mean model − x_t), the reference steps x_t with it, and the server optimiser's round
@@ -116,6 +117,7 @@ def test_three_rounds_follow_reddi_algorithm_2(case):
             np.testing.assert_allclose(got_v, v, rtol=2e-5, atol=1e-12, err_msg=f"{case} v_{t}")
 
 
+@pytest.mark.slow
 def test_fedavgm_with_momentum_zero_is_fedavg_with_a_server_learning_rate():
     """μ = 0: x_{t+1} = x_t + η Δ_t, each round, from Δ_t of plain FedAvg's round."""
     data, model = _data(), linear_model()
@@ -133,6 +135,7 @@ def test_fedavgm_with_momentum_zero_is_fedavg_with_a_server_learning_rate():
         np.testing.assert_allclose(flat(state.params), want, rtol=2e-6, atol=2e-7)
 
 
+@pytest.mark.slow
 def test_with_privacy_the_optimiser_steps_along_the_noised_mean_update():
     """clip → noised mean → optimiser: Δ_t is DP-FedAvg's x_t + noised mean − x_t (the same
     noise, from the round's key), then Algorithm 2's FedAdam step."""

@@ -258,6 +258,7 @@ def test_a_world_is_dealt_as_the_mapper_deals_its_rows():
 @pytest.mark.matrix
 @pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow)
                                   for n in HOST_STATE])
+@pytest.mark.slow
 def test_host_state_equals_device_state_bit_for_bit(name):
     """Every algorithm that declares host_state, at the suite's fast-compile XLA settings
     (tests/conftest.py)."""
@@ -319,6 +320,7 @@ def test_only_sampled_clients_hold_rows_and_the_prefetch_matches_its_call():
     assert sorted(s.store.ids.tolist()) == sorted(set().union(*sampled))
 
 
+@pytest.mark.slow
 def test_a_round_reading_rows_outside_its_participants_stops_with_an_error(monkeypatch):
     program = core.Program(_algo("ditto"), make_data(SIZES), mesh=None, state_placement="host")
     state = program.init(jax.random.key(0))

@@ -997,6 +997,7 @@ def test_synthetic_validation(kw, message):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_real_fashion_mnist_from_debian_package(tmp_path, monkeypatch):
     if not Path(_REAL_DEBIAN_DIR).is_dir():
         pytest.skip(

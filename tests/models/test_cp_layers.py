@@ -35,6 +35,7 @@ def dense_conv(x, kernel, padding, strides=(1, 1)):
 
 @pytest.mark.parametrize("padding", ["VALID", "SAME"])
 @pytest.mark.parametrize("strides", [(1, 1), (2, 1)])
+@pytest.mark.slow
 def test_four_stage_conv_equals_dense_conv(padding, strides):
     """Asymmetric everything (kernel 3×2, input 9×7, I_S = 4 ≠ I_T = 6) pins the factor roles:
     A^(1) kernel rows, A^(2) kernel columns, A^(3) input channels, A^(4) output channels."""
@@ -70,6 +71,7 @@ def test_spatial_stages_commute_and_bias_belongs_after_the_last_stage():
 
 
 @pytest.mark.parametrize("factored", [True, False])
+@pytest.mark.slow
 def test_cp_conv_layer_equals_dense_conv(factored):
     layer = cp.CPConv(6, (3, 3), rank=4, padding="SAME", factored=factored)
     x = rand((2, 8, 8, 3), 12)
@@ -112,6 +114,7 @@ COUNTS = {("mlp", (28, 28, 1)): {1: 79_510, 1.5: 52_926, 2: 39_556},
 
 
 @pytest.mark.parametrize("key", list(COUNTS))
+@pytest.mark.slow
 def test_parameter_counts_at_each_compression_rate(key):
     name, shape = key
     dense_model = models.get(name, shape, 10)
@@ -125,6 +128,7 @@ def test_parameter_counts_at_each_compression_rate(key):
         assert cp.num_floats(generic) == expected
 
 
+@pytest.mark.slow
 def test_cp_init_like_matches_the_dense_variance_and_keeps_biases():
     dense = models.get("mlp", (28, 28, 1), 10).init(jax.random.key(0))
     tree = cp.cp_init_like(jax.random.key(1), dense, 2.0)

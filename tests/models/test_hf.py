@@ -165,6 +165,7 @@ def _close(got, want, rtol=1e-5):
 
 @pytest.mark.parametrize("cfg", [LLAMA_GQA, LLAMA_MHA, LLAMA_MQA], ids=["gqa-tied-llama3", "mha-untied-bias",
                                                                          "mqa-linear-rope5"])
+@pytest.mark.slow
 def test_llama_logits_equal_a_float64_reference(tmp_path, cfg):
     rng = np.random.default_rng(0)
     w = llama_weights(cfg, rng)
@@ -189,6 +190,7 @@ def test_llama3_rope_scaling_hits_its_three_bands():
     np.testing.assert_allclose(got, ref, rtol=1e-14)
 
 
+@pytest.mark.slow
 def test_gpt2_logits_equal_a_float64_reference(tmp_path):
     rng = np.random.default_rng(1)
     w = gpt2_weights(GPT2, rng)
@@ -273,6 +275,7 @@ def test_bf16_file_loads_exactly_as_float32(tmp_path):
 # -- masks ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_padding_mask_hides_keys(tmp_path):
     """With a key mask, masked positions' tokens no longer reach later positions, and the logits
     equal the reference that leaves those keys out."""
@@ -302,6 +305,7 @@ def test_shifted_labels_by_hand():
     np.testing.assert_array_equal(hf.shifted_labels(x), [[1, 8, 10, 0], [5, 1, 1, 0]])
 
 
+@pytest.mark.slow
 def test_model_from_hf_loss_weight_metric_and_features(tmp_path):
     rng = np.random.default_rng(8)
     w = llama_weights(LLAMA_GQA, rng)

@@ -14,6 +14,7 @@ from fedjax_pfl.ops import tree_size
 @pytest.mark.parametrize("padding", ["VALID", "SAME", ((2, 1), (0, 3))])
 @pytest.mark.parametrize("strides", [(1, 1), (2, 2), (1, 3)])
 @pytest.mark.parametrize("kernel", [(5, 5), (3, 2), (1, 1)])
+@pytest.mark.slow
 def test_im2col_conv_equals_lax_conv(padding, strides, kernel):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 11, 13, 3)).astype(np.float32)
@@ -41,6 +42,7 @@ def test_im2col_conv_under_vmap_over_client_kernels():
     # (both kernel-gradient forms above in the quick suite; strides and uneven padding in the full)
     pytest.param(((2, 1), (0, 3)), (2, 1), (3, 4, 3, 5), marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_im2col_conv_gradients_equal_autodiff_of_lax_conv(x64, padding, strides, kernel):
     # The custom VJPs of patches_matmul (kernel gradient as (GᵀP)ᵀ or PᵀG, whichever operand
     # is narrower) and, at stride 1, of im2col_patches (col2im by in-place window adds) against
@@ -94,6 +96,7 @@ def test_winograd_matrices_compute_the_correlation(m, r):
     ("SAME", (3, 3), None), (((2, 1), (0, 3)), (3, 3), 2), ("VALID", (3, 2), 3),
     (((2, 1), (0, 3)), (2, 7), None), ("SAME", (2, 7), 2),
 ])
+@pytest.mark.slow
 def test_winograd_conv_equals_lax_conv(x64, padding, kernel, tile):
     # Output widths 9 to 14: three of the cases end in a partial last tile.
     rng = np.random.default_rng(4)
@@ -108,6 +111,7 @@ def test_winograd_conv_equals_lax_conv(x64, padding, kernel, tile):
 
 @pytest.mark.parametrize("padding,kernel", [("VALID", (5, 5, 3, 6)),
                                             pytest.param("SAME", (3, 3, 2, 5), marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_winograd_conv_gradients_equal_autodiff_of_lax_conv(x64, padding, kernel):
     # As the im2col test above: input and kernel gradients per client, under vmap over
     # per-client kernels, and forward-over-reverse (Per-FedAvg HF).
@@ -152,6 +156,7 @@ def test_winograd_float32_error_stays_near_im2col():
     assert err_winograd < 8 * err_im2col
 
 
+@pytest.mark.slow
 def test_conv2d_dispatches_to_the_impl_it_names():
     x = jnp.asarray(np.random.default_rng(8).normal(size=(2, 12, 12, 32)), jnp.float32)
     k = jnp.asarray(np.random.default_rng(9).normal(size=(5, 5, 32, 8)) / 30, jnp.float32)
@@ -181,6 +186,7 @@ def test_conv2d_picks_winograd_where_it_pays():
         models.get("cnn", (28, 28, 1), 10, conv="fft")
 
 
+@pytest.mark.slow
 def test_the_cnn_computes_the_same_function_with_either_conv():
     # Same parameters (structure and values), outputs equal up to float32 rounding.
     x = jnp.asarray(np.random.default_rng(7).normal(size=(3, 28, 28, 1)), jnp.float32)
@@ -268,6 +274,7 @@ def test_batchnorm_modules_are_rejected_and_small_inputs_explained():
 @pytest.mark.parametrize("rows", [pytest.param(1, marks=pytest.mark.slow), 10,
                                   pytest.param(16, marks=pytest.mark.slow), 17,
                                   pytest.param(40, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_dense_kernel_gradient_equals_autodiff_of_the_matmul(x64, rows):
     # The custom VJP (outer-product sum for ≤ 16 rows, dot above) against autodiff of x @ W,
     # for batched (3-D) inputs too, and under vmap over clients.

@@ -41,6 +41,7 @@ def random_b(adapters, seed=1):
         if jax.tree_util.keystr(p).endswith("'lora_B']") else a, adapters)
 
 
+@pytest.mark.slow
 def test_the_adapted_model_at_initialisation_is_the_base():
     model, base = mlp()
     x = jnp.asarray(np.random.default_rng(0).normal(size=(5, D_IN)), jnp.float32)
@@ -57,6 +58,7 @@ def test_the_adapted_model_at_initialisation_is_the_base():
                                   tmodel.apply(tbase, tokens))
 
 
+@pytest.mark.slow
 def test_the_forward_pass_against_numpy():
     """MLP: h = relu(x W0 + b0 + s x A0ᵀ B0ᵀ), out = h W1 + b1 + s h A1ᵀ B1ᵀ, s = α/r."""
     model, base = mlp()
@@ -87,6 +89,7 @@ def test_the_forward_pass_against_numpy():
     assert set(ad0) == {"Dense_0"}
 
 
+@pytest.mark.slow
 def test_the_merged_weights_are_w_plus_scaled_ba_and_give_the_same_logits():
     tmodel, tbase, tokens = transformer()
     adapted, config = lora.lora(tmodel, tbase, tokens, targets=["qkv", "mlp_out"], rank=2,
@@ -123,6 +126,7 @@ def test_peft_default_initialisation():
     assert not np.array_equal(a, adapted.init(jax.random.key(2))["Dense_0"]["lora_A"])
 
 
+@pytest.mark.slow
 def test_dropout_is_inverted_and_acts_in_training_only():
     """With a step key bound, each input of the low-rank term is kept w.p. 1 − p and scaled by
     1/(1 − p): over many keys the mean output is the output without dropout; without a key
@@ -160,6 +164,7 @@ def test_unknown_targets_and_bad_settings_are_one_line():
         lora.lora(model, base, x, targets=["all"], rank=2, alpha=1, dropout=1.0)
 
 
+@pytest.mark.slow
 def test_adapter_gradients_against_finite_differences():
     """∂loss/∂(A, B) of the adapted model against central differences, in float64 (a
     subprocess with x64 on)."""

@@ -5,6 +5,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from fedjax_pfl import export, models
@@ -25,6 +26,7 @@ def adapted_transformer():
     return model, base, adapters, config
 
 
+@pytest.mark.slow
 def test_peft_names_shapes_config_and_round_trip(tmp_path):
     _, _, adapters, config = adapted_transformer()
     written = export.save_peft(str(tmp_path), adapters, config)
@@ -47,6 +49,7 @@ def test_peft_names_shapes_config_and_round_trip(tmp_path):
     assert jax.tree.structure(back) == jax.tree.structure(adapters)
 
 
+@pytest.mark.slow
 def test_per_client_folders_and_merged_weights(tmp_path):
     model, base, adapters, config = adapted_transformer()
     personal = jax.tree.map(lambda a: jnp.stack([a, 2 * a, -a]), adapters)

@@ -29,6 +29,7 @@ def _hand_count(num_classes: int = 100) -> int:
     return total + gn(512) + 512 * num_classes + num_classes   # final GN, Dense
 
 
+@pytest.mark.slow
 def test_parameter_count_equals_the_hand_count():
     assert _hand_count() == 11_227_812
     for side in (32, 24):   # GAP head: the count does not depend on the image size

@@ -78,6 +78,7 @@ def test_lstm_layer_equals_numpy_float64(x64, masked):
     np.testing.assert_allclose(got, _np_lstm(p, x, mask), rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.slow
 def test_lstm_layer_gradient_equals_central_differences(x64):
     """Reverse mode through the scan and the input-projection matmul's custom VJP."""
     rng = np.random.default_rng(2)
@@ -131,6 +132,7 @@ def _moved(p, x, dirs, steps):
 
 
 @pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.slow
 def test_lstm_layer_gradient_of_every_parameter_equals_central_differences(x64, masked):
     """Reverse mode (the transpose of `lstm_recurrence`'s hand-written tangent, the recurrent
     kernel's gradient as one matmul after the scan) against central differences of the NumPy
@@ -173,6 +175,7 @@ def test_lstm_layer_forward_mode_jvp_equals_directional_difference(x64, masked):
 
 
 @pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.slow
 def test_lstm_layer_hessian_vector_product_equals_second_differences(x64, masked):
     """jax.jvp of jax.grad (Per-FedAvg HF's Hessian-vector product, algorithms/perfedavg.py):
     for random directions u, v of (params, x), uᵀ ∇²f v against the NumPy float64 mixed second
@@ -333,6 +336,7 @@ def test_tag_logreg_and_sent_lstm_parameter_counts():
 
 # ---------------------------------------------------------------- model compositions vs NumPy
 
+@pytest.mark.slow
 def test_char_lstm_equals_embedding_two_numpy_lstms_and_dense():
     v, c = 7, 6
     for output_tanh, last_only in ((False, False), (True, True)):
@@ -352,6 +356,7 @@ def test_char_lstm_equals_embedding_two_numpy_lstms_and_dense():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_padding_changes_neither_loss_nor_gradient_nor_accuracy_through_a_model():
     """CharLSTM + sequence_cross_entropy on a padded batch (extra PAD positions, a PAD-only
     example) against the per-sequence computation on the unpadded tokens."""
@@ -393,6 +398,7 @@ def test_padding_changes_neither_loss_nor_gradient_nor_accuracy_through_a_model(
         assert float(hits) == want_hits
 
 
+@pytest.mark.slow
 def test_sent_lstm_ignores_padding_anywhere():
     m = sequence.SentLSTM(9, embed=4, hidden=3, fc=5)
     x = np.array([[3, 1, 4, 1, 5]])
@@ -406,6 +412,7 @@ def test_sent_lstm_ignores_padding_anywhere():
     assert want.shape == (1, 2)
 
 
+@pytest.mark.slow
 def test_transformer_is_causal_and_last_only_reads_the_last_real_token():
     m = sequence.CausalTransformer(11, 11, max_len=8, width=16, heads=2, layers=2)
     rng = np.random.default_rng(5)
@@ -433,6 +440,7 @@ def test_transformer_is_causal_and_last_only_reads_the_last_real_token():
 INNER_PAD = np.array([[3, 0, 5, 0, 0, 7, 2, 0], [0, 4, 4, 0, 9, 1, 0, 6]])
 
 
+@pytest.mark.slow
 def test_transformer_real_positions_never_read_pad_keys():
     # Every value a PAD position carries comes from the PAD token's embedding row (and its
     # learned position): redrawing that row arbitrarily must leave the outputs at the real
@@ -452,6 +460,7 @@ def test_transformer_real_positions_never_read_pad_keys():
     assert np.abs(out2[~real] - out[~real]).min() > 1e-4
 
 
+@pytest.mark.slow
 def test_transformer_without_positions_reads_inner_padded_tokens_as_the_unpadded_sequence():
     # With the positional embedding zeroed the model sees only tokens and the causal order, so a
     # sequence with PADs inside equals, at its real positions, the same tokens without the PADs:

@@ -108,6 +108,7 @@ def test_gram_identity(x64):
 
 
 @pytest.mark.parametrize("shape", [(5, 4), pytest.param((3, 3, 4, 2), marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_fit_gradient_closed_form(x64, shape):
     """∇_{A^(n)} ½‖θ − ⟦A⟧‖² = A^(n)V_n − θ_(n)H_n = unfold(⟦A⟧ − θ, n) H_n (T16), and
     jax.grad of the naive objective agrees; the paper's eq. (15) sign does not (T17)."""
@@ -143,6 +144,7 @@ def _outer(vectors):
     return out
 
 
+@pytest.mark.slow
 def test_fixed_point_does_not_move_under_gd_or_adam(x64):
     f = [jnp.asarray(a) for a in factors_np((4, 3, 2), 2, seed=8)]
     theta = ops.cp_reconstruct(f)

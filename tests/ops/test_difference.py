@@ -32,6 +32,7 @@ def test_difference_actions_match_the_dense_matrix(x64):
     np.testing.assert_array_equal(lam.T @ lam, np.diag([1.0] + [2.0] * 6) - np.eye(d, k=1) - np.eye(d, k=-1))
 
 
+@pytest.mark.slow
 def test_piecewise_constant_fit_on_the_jump_set_of_r():
     # r ≠ 0 at 1, 4 and 7 (jumps after coordinates 1, 4, 7), r_9 = 0: runs [0..1], [2..4],
     # [5..7], [8..9]; each takes y's mean, the last is anchored at 0.
@@ -49,6 +50,7 @@ def test_piecewise_constant_fit_on_the_jump_set_of_r():
 
 
 @pytest.mark.parametrize("c", [0.0, 0.5, 3.0])
+@pytest.mark.slow
 def test_difference_solve_matches_a_dense_solve_per_leaf(x64, c):
     rng = np.random.default_rng(1)
     b = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(7,)), "c": rng.normal(size=(1,))}

@@ -35,6 +35,7 @@ def naive_weights_and_update(own_loss, cand_loss, slots, valid, own, pool):
     return w, new, dist
 
 
+@pytest.mark.slow
 def test_weights_update_and_distances_equal_the_naive_loop(x64):
     rng = np.random.default_rng(0)
     own = rng.normal(size=(M, 6)) + 10.0            # far from 0: the Gram must be centred
@@ -93,6 +94,7 @@ def test_candidates_are_distinct_valid_and_greedy_without_exploration(epsilon):
                 assert set(chosen.tolist()) == set(order[:C])
 
 
+@pytest.mark.slow
 def test_full_exploration_is_uniform_over_the_valid_entries():
     affinity = jnp.asarray(np.tile(np.arange(P, dtype=float), (1, 1)))      # 1 row
     valid = jnp.asarray(np.array([[True, True, False, True, True]]))

@@ -56,6 +56,7 @@ def test_knn_graph_in_blocks_equals_brute_force():
     assert edge_list(G.knn_graph(dense, 4)) == expected
 
 
+@pytest.mark.slow
 def test_incidence_and_laplacian_actions(x64):
     x = np.random.default_rng(1).normal(size=(9, 2))
     graph = G.knn_graph(G.euclidean_rows(jnp.asarray(x)), 2, num_nodes=9)
@@ -70,6 +71,7 @@ def test_incidence_and_laplacian_actions(x64):
 
 
 @pytest.mark.parametrize("method", ["cholesky", "cg", "auto"])
+@pytest.mark.slow
 def test_laplacian_solve_matches_a_dense_solve(x64, method):
     x = np.random.default_rng(4).normal(size=(12, 2))
     graph = G.knn_graph(G.euclidean_rows(jnp.asarray(x)), 3, num_nodes=12)
@@ -212,6 +214,7 @@ def subsamples(seed=17, n=5, s=6, dim=4):
     return x, counts
 
 
+@pytest.mark.slow
 def test_mmd_rows_match_numpy(x64):
     x, counts = subsamples()
     sigma = 1.7
@@ -317,6 +320,7 @@ def numpy_admm(z_t, linear, w, omega, q, *, eta, lam, rho, p, iters):
 
 @pytest.mark.parametrize("p", ["1", "2", "inf"])
 @pytest.mark.parametrize("method", ["cholesky", "cg"])
+@pytest.mark.slow
 def test_admm_iterates_follow_the_scaled_updates_at_rho_not_one(x64, p, method):
     rng = np.random.default_rng(30)
     n, d2 = 5, 3
@@ -333,6 +337,7 @@ def test_admm_iterates_follow_the_scaled_updates_at_rho_not_one(x64, p, method):
         np.testing.assert_allclose(np.asarray(a), b, rtol=1e-8, atol=1e-9, err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_fedpc_round_runs_that_admm_with_its_rho(x64):
     """One FedPC round with every parameter personal (personal='all', so Z holds whole models),
     K = 1 local step with B ≥ n_i (the uploaded ∇^(n) is the full-batch gradient of client n's

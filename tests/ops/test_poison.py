@@ -59,6 +59,7 @@ def client(start, n):
 
 
 @pytest.mark.parametrize("n,fraction", [(10, 0.5), (7, 0.3), (23, 0.1), (5, 1.0), (1, 0.2)])
+@pytest.mark.slow
 def test_a_backdoor_client_poisons_exactly_ceil_f_n_examples(n, fraction):
     p = DataPoison("backdoor", 0, fraction, 2, seed=3)
     chosen = np.asarray(p.chosen(client(40, n), jnp.arange(n)))

@@ -105,6 +105,7 @@ class ProjectL1BallTest(parameterized.TestCase):
 
 
 @pytest.mark.parametrize("p", ["1", "2", "inf"])
+@pytest.mark.slow
 def test_vmaps_over_the_columns_of_a_d2_by_m_matrix(p):
     v = jnp.asarray(np.random.default_rng(4).normal(size=(6, 5)), jnp.float32)    # d2 = 6, M = 5
     tau = jnp.float32(0.7)

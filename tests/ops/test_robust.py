@@ -157,6 +157,7 @@ def test_krum_and_multi_krum_average_the_lowest_scored(f, m):
 
 
 @pytest.mark.parametrize("f", [0, 1, 2])
+@pytest.mark.slow
 def test_bulyan_recursive_krum_then_the_values_nearest_the_median(f):
     u = updates(m=11, seed=3, outliers=(4,))
     x = flat(u, 11)
@@ -219,6 +220,7 @@ def test_bulyan_with_f_zero_is_the_mean():
     close(robust.bulyan(u, 0), flat(u, M).mean(axis=0))
 
 
+@pytest.mark.slow
 def test_the_median_of_identical_updates_is_that_update_bit_for_bit():
     """(and Krum's choice; the averaging rules to rounding: a mean of 3 equal floats is not
     always the float)"""
@@ -250,6 +252,7 @@ def test_the_unweighted_rules_ignore_the_weights():
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_the_robust_rules_hold_against_far_outliers():
     """Two of eleven updates 40 away: the mean moves by ~9, the robust rules stay near the
     others' (within their spread, ~1)."""
@@ -269,6 +272,7 @@ MASK = np.array([1, 0, 1, 1, 0, 1, 1, 1, 1], bool)       # seven participants
 
 
 @pytest.mark.parametrize("kind", robust.AGGREGATORS[1:])
+@pytest.mark.slow
 def test_masked_slots_never_influence_the_result(kind):
     """The masked rule equals the rule on the participants alone, and the empty slots' contents
     (here NaN, and then huge values) change nothing."""

@@ -46,6 +46,7 @@ def test_poisson_pld_equals_dp_accounting():
 
 
 @pytest.mark.parametrize("z, n, m, rounds", [(1.2, 100, 10, 200), (3.0, 3400, 10, 1500)])
+@pytest.mark.slow
 def test_fixed_rdp_equals_dp_accounting(z, n, m, rounds):
     want = _direct(_fixed(z, n, m), rounds, 1e-5,
                    dp_accounting.rdp.RdpAccountant(neighboring_relation=REPLACE_ONE))
@@ -53,6 +54,7 @@ def test_fixed_rdp_equals_dp_accounting(z, n, m, rounds):
     assert got == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_epsilons_equal_dp_accounting_after_each_round():
     poisson = privacy.epsilons(1.0, rounds=60, num_clients=200, rate=0.05, sampling="poisson",
                                delta=1e-5)
@@ -109,6 +111,7 @@ TFP_EXAMPLE = [  # (name in the source, our arguments, published ε)
 
 
 @pytest.mark.parametrize("name, kwargs, published", TFP_EXAMPLE, ids=[t[0] for t in TFP_EXAMPLE])
+@pytest.mark.slow
 def test_tf_privacy_published_example_privacy(name, kwargs, published):
     got = privacy.epsilon(num_clients=50, delta=1e-5, **kwargs)
     assert got == pytest.approx(published, abs=5e-8 + 1e-12), name   # 7 decimals; float slack
@@ -141,6 +144,7 @@ def _exact_gaussian_epsilon(mu, delta):
 
 
 @pytest.mark.parametrize("z, rounds", [(1.0, 10), (5.0, 1000)])
+@pytest.mark.slow
 def test_full_participation_against_the_exact_gaussian(z, rounds):
     exact = _exact_gaussian_epsilon(math.sqrt(rounds) / z, 1e-5)
     pld = privacy.epsilon(z, rounds=rounds, num_clients=8, rate=1.0, sampling="poisson",
@@ -157,6 +161,7 @@ def test_full_participation_against_the_exact_gaussian(z, rounds):
 # ----------------------------------------------------------------------------------------------
 # 4. Properties.
 
+@pytest.mark.slow
 def test_epsilon_grows_with_rounds_and_sampling_and_falls_with_noise():
     common = dict(num_clients=100, delta=1e-5)
     curve = privacy.epsilons(1.0, rounds=300, rate=0.05, sampling="poisson", **common)
@@ -192,6 +197,7 @@ def test_no_noise_is_infinite_epsilon_and_no_rounds_is_zero(kwargs):
     pytest.param(8.0, dict(rounds=100, num_clients=100, clients_per_round=10), 5e-2,
                  marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_noise_multiplier_for_is_the_smallest_within_tolerance(target, kwargs, tol):
     z = privacy.noise_multiplier_for(target, delta=1e-5, tolerance=tol, **kwargs)
     assert privacy.epsilon(z, delta=1e-5, **kwargs) <= target
@@ -258,6 +264,7 @@ def test_public_names():
     assert set(privacy.__all__) >= {"epsilon", "epsilons", "noise_multiplier_for"}
 
 
+@pytest.mark.slow
 def test_a_noise_search_keeps_dp_accountings_warnings_from_the_user(capfd, caplog):
     """Poisson q = 1/4 at small z: dp-accounting logs (absl) one "failed to converge ...
     Excluding this order" per RDP order α it leaves out, dozens during the search. None reaches

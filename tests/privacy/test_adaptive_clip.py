@@ -28,6 +28,7 @@ def _algo(**hp):
 
 
 @pytest.mark.parametrize("sampling", ["fixed", pytest.param("poisson", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_the_clip_follows_the_count_of_unclipped_updates(sampling):
     """Without noise (z = 0, so σ_b = 0): b_t is the number of participants whose update norm,
     computed here in float64 from each client trained alone, is within C_t, over D (M, or q·N
@@ -177,6 +178,7 @@ def test_client_state_on_the_host_gives_the_same_run(tmp_path):
     assert len({r["dp_clip"] for r in rows["device"]}) == 3
 
 
+@pytest.mark.slow
 def test_the_count_noise_is_drawn_apart_from_the_update_noise():
     """The link chain of adaptive clipping on zero updates (all M = 4 within C_0, so b̃·D =
     M + σ_b·η) and a fixed noise multiplier: the update noise ε (the new model times D/(zC))

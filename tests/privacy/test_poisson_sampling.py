@@ -193,6 +193,7 @@ OWN_BOUND = ("feddyn",)                     # θ also moves by −h/α (test_pri
 @pytest.mark.matrix
 @pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow)
                                   for n in PRIVATE])
+@pytest.mark.slow
 def test_every_private_algorithm_under_poisson_sampling(name):
     """No noise, every update clipped to C: the shared state moves at most C·|S|/(q·N) and stays
     finite (an empty slot's client took no step: SCAFFOLD's Δc would be 0/0); the rows of
@@ -267,6 +268,7 @@ def test_poisson_sampling_needs_the_private_step_and_a_padding_client():
     assert program.data.num_real_clients == len(SIZES)
 
 
+@pytest.mark.slow
 def test_the_run_accounts_poisson_sampling():
     """The run's ε after every round is the Poisson-subsampled Gaussian's (add or remove one),
     dp-accounting's RDP called directly here; its summary with --dp-accountant pld is PLD's."""

@@ -67,6 +67,7 @@ def test_benign_accuracy_and_asr_are_pooled_over_the_benign_clients():
     assert attack_metrics({"client": ev}, None, 4, None) == {"asr": pytest.approx(9 / 14)}
 
 
+@pytest.mark.slow
 def test_a_backdoored_run_reports_benign_accuracy_asr_and_the_malicious_set(tmp_path):
     summary, rows, printed = finished_cli_run(tmp_path, [
         "--algo", "fedavg", "--dataset", "digits", "--clients", "10", "--rounds", "2",

@@ -120,6 +120,7 @@ checkpoint.save(sys.argv[2], jax.device_put(back, rows))
 """
 
 
+@pytest.mark.slow
 def test_a_checkpoint_restores_on_another_device_count(tmp_path):
     """A checkpoint written on one device is restored on two (a subprocess of 2 CPU devices)
     into shardings over both, and that process's checkpoint, written sharded over its two
@@ -351,6 +352,7 @@ def test_a_numpy_leaf_of_another_dtype_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
+@pytest.mark.slow
 def test_a_non_default_prng_key_comes_back_as_its_own_implementation(tmp_path, impl):
     """A key made with jax.random.key(s, impl=...) is stored as its key data (4 uint32 words
     for the rbg family, 2 for the default threefry) and must be rebuilt with the SAME

@@ -48,6 +48,7 @@ def test_save_and_restore_compile_nothing_on_one_device(tmp_path):
     _check(checkpoint_compiles.scenario(str(tmp_path)), devices=1)
 
 
+@pytest.mark.slow
 def test_save_and_restore_compile_nothing_on_two_devices(tmp_path):
     """The layout orbax's replica-parallel writing sliced: 2 CPU devices, in a subprocess."""
     proc = subprocess.run(
@@ -116,6 +117,7 @@ print(before, "orbax.checkpoint" in sys.modules)
 """
 
 
+@pytest.mark.slow
 def test_orbax_is_imported_by_the_first_save_not_before(tmp_path):
     """orbax and TensorStore cost ~0.15-0.4 s to import (`python -X importtime`): the library
     and the runner leave them to the first checkpoint (a run without one never pays)."""

@@ -122,6 +122,7 @@ def _tiny(out, **fields):
     return cfg
 
 
+@pytest.mark.slow
 def test_a_warm_cache_gives_every_program_and_the_same_bits(tmp_path, monkeypatch, own_jax_cache,
                                                             no_figures):
     """The default setting writes into the directory the environment gives; a second run reads
@@ -159,6 +160,7 @@ def test_a_warm_cache_gives_every_program_and_the_same_bits(tmp_path, monkeypatc
     assert rows[0] == rows[1] == rows[2] and len(rows[0]) == 2
 
 
+@pytest.mark.slow
 def test_an_unusable_directory_warns_once_and_the_runs_finish(tmp_path, own_jax_cache,
                                                                no_figures):
     """A directory the run cannot write (here a path through a file: refused for root too) gives
@@ -177,6 +179,7 @@ def test_an_unusable_directory_warns_once_and_the_runs_finish(tmp_path, own_jax_
     assert helpers.metric_rows(tmp_path / "a") == helpers.metric_rows(tmp_path / "b")
 
 
+@pytest.mark.slow
 def test_a_sweep_group_writes_into_its_cache(tmp_path, own_jax_cache):
     """sweep.run_seeds (one vmapped program over the seeds) sets the cache as runner.run does,
     and each seed's summary counts the programs the group compiled."""

@@ -32,6 +32,7 @@ def cli_run(tmp_path_factory):
     return out, summary, rows, printed
 
 
+@pytest.mark.slow
 def test_fairness_is_the_spread_of_the_final_per_client_accuracies(cli_run):
     out, summary, _, printed = cli_run
     npz = np.load(out / "client_metrics.npz")
@@ -53,6 +54,7 @@ def test_fairness_is_the_spread_of_the_final_per_client_accuracies(cli_run):
     assert f"max {fair['acc_max']:.4f} ({CLIENTS} clients)" in printed
 
 
+@pytest.mark.slow
 def test_bytes_are_the_floats_sent_times_four(cli_run):
     _, summary, rows, printed = cli_run
     cost = summary["cost"]

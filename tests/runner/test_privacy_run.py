@@ -183,6 +183,7 @@ def test_a_target_epsilon_that_calls_for_useless_noise_or_the_accountants_floor_
     assert accounting.epsilon(plan.noise_multiplier, **common) == pytest.approx(1.0, rel=1e-2)
 
 
+@pytest.mark.slow
 def test_a_target_epsilon_a_run_can_learn_under_is_not_warned():
     """100 clients, M = 50 a round, 3 rounds, ε = 4: z ≈ 1 ≪ M, ε(z) at the target."""
     import warnings

@@ -20,6 +20,7 @@ _rows = helpers.metric_rows
 
 
 @pytest.mark.usefixtures("no_figures")
+@pytest.mark.slow
 def test_resume_at_round_k_equals_uninterrupted(tmp_path):
     """FedAvg's default configuration; every other algorithm's is checked the same way by
     tests/runner/test_defaults_train.py on the program it has just trained (compiled once)."""
@@ -59,6 +60,7 @@ def test_interrupted_run_records_what_finished_and_resumes(tmp_path, monkeypatch
 
 
 @pytest.mark.usefixtures("no_figures")
+@pytest.mark.slow
 def test_target_accuracy_stops_at_the_first_round_that_reaches_it(tmp_path):
     """--target-acc A: the run ends after the first evaluation with acc_mean >= A, found in an
     uninterrupted run's metrics; its rows are that run's first rows, its last checkpoint is the

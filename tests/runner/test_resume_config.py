@@ -23,6 +23,7 @@ def saved(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_without_overrides_it_is_the_saved_configuration_resumed(saved):
     out = str(saved / "run")
     cfg = runner.resume_config(out)
@@ -78,6 +79,7 @@ def test_a_folder_without_a_run_or_without_a_checkpoint_is_refused_first(saved, 
         runner.resume_config(str(saved / "run"), out=str(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_resumed_config_continues_the_run(tmp_path):
     """resume_config's configuration, run: the rounds after the checkpoint, as the uninterrupted
     run's (`helpers.default_prepared`: the command line's default fedavg, compiled once)."""

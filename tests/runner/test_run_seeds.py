@@ -28,6 +28,7 @@ def seeds_run(tmp_path_factory):
     return out, aggregate, summaries
 
 
+@pytest.mark.slow
 def test_the_aggregate_is_numpys_mean_and_std_of_the_seeds_summaries(seeds_run):
     out, aggregate, summaries = seeds_run
     assert json.loads((out / "summary.json").read_text()) == aggregate

@@ -40,6 +40,7 @@ def _truncate_an_array_file(ckpt):
     return biggest
 
 
+@pytest.mark.slow
 def test_resume_with_fewer_rounds_than_done_fails_before_compiling_and_writing(tmp_path, monkeypatch):
     prep = helpers.default_prepared("fedavg")
     out = tmp_path / "run"
@@ -52,6 +53,7 @@ def test_resume_with_fewer_rounds_than_done_fails_before_compiling_and_writing(t
     assert _snapshot(out) == before                                # config.json untouched
 
 
+@pytest.mark.slow
 def test_a_damaged_last_checkpoint_falls_back_to_the_one_before(tmp_path):
     prep = helpers.default_prepared("fedavg")
     runner.run(_config(tmp_path / "full", 8), prepared=prep, log=quiet)
@@ -173,6 +175,7 @@ def test_a_one_round_curve_is_drawn_with_markers():
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_log_tensorboard_in_a_real_run_holds_the_metrics_rows_and_overwrite_clears_it(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -221,6 +224,7 @@ def test_cli_resume_with_fewer_rounds_or_no_intact_checkpoint_is_one_line_exit_2
 
 
 @pytest.mark.parametrize("how", ["checkpoint_every_0", "checkpoints_removed"])
+@pytest.mark.slow
 def test_a_resume_with_no_checkpoint_is_refused_and_changes_no_file(tmp_path, capsys, monkeypatch,
                                                                    how):
     """--resume of a run that has nothing to continue from (made with --checkpoint-every 0, or

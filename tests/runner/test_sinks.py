@@ -104,6 +104,7 @@ def test_parse_log_flag_rejects_unknown_names_in_one_line(text):
 # what MLflow registers, process-wide, the first time it looks (MLflow probes it with find_spec).
 @pytest.mark.parametrize("sink,library", [("tensorboard", "tensorboard"), ("mlflow", "mlflow"),
                                           ("mlflow", "alembic"), ("wandb", "wandb")])
+@pytest.mark.slow
 def test_missing_library_names_the_extra(monkeypatch, tmp_path, sink, library):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     # None in sys.modules makes `import library` raise ModuleNotFoundError, as when it is absent

@@ -100,6 +100,7 @@ def _tree(root) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("sequential", [False, True])
+@pytest.mark.slow
 def test_sweep_resume_reuses_only_finished_runs_of_the_same_configuration(tmp_path, capsys,
                                                                            sequential):
     """--resume reuses a run only when it finished and its config.json is this run's: a changed

@@ -25,6 +25,7 @@ def cli_run(tmp_path_factory):
     return np.load(out / "client_metrics.npz"), summary, rows, printed
 
 
+@pytest.mark.slow
 def test_the_npz_marks_the_held_out_clients_and_counts_each_clients_rounds(cli_run):
     npz, summary, _, _ = cli_run
     unseen, sampled = npz["unseen"], npz["sampled"]
@@ -42,6 +43,7 @@ def test_the_npz_marks_the_held_out_clients_and_counts_each_clients_rounds(cli_r
     assert summary["unseen"]["rule"] == "the global model"
 
 
+@pytest.mark.slow
 def test_seen_and_unseen_accuracy_and_the_gap_from_the_npz(cli_run):
     npz, summary, rows, printed = cli_run
     acc, unseen = npz["accuracy"][-1], npz["unseen"]

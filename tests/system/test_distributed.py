@@ -174,6 +174,7 @@ class _Store:
         return self.values[key]
 
 
+@pytest.mark.slow
 def test_the_watchdog_finds_the_process_whose_counter_stopped_and_stops_the_main_thread():
     """Process 2 of 3 stops beating after 0.5 s, process 1 beats on: the watchdog (timeout
     1 s) names process 2, and the main thread, inside `stop_signals`, gets `PeerLost` (as a
