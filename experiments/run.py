@@ -560,6 +560,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if rows is not None:
             preset.update(preset_row(pre.preset, rows, pre.hp__server_opt or
                                      preset.get("server_opt") or "sgd"))
+        by_algo = preset.pop("algos", None)
+        if by_algo is not None:
+            preset.update(preset_algo(pre.preset, by_algo, pre.algo or preset.get("algo")))
         for key, value in preset.items():
             if key in dests:
                 defaults[key] = value
@@ -589,6 +592,16 @@ def preset_row(name: str, rows: Any, server_opt: str) -> dict[str, Any]:
         _fail(f"preset {name} has no row for --server-opt {server_opt}: its rows are "
               f"{sorted(rows)}")
     return {k: v for k, v in rows[server_opt].items() if k != "_doc"}
+
+
+def preset_algo(name: str, by_algo: Any, algo: str | None) -> dict[str, Any]:
+    """The settings a preset gives one algorithm beyond its common ones ("algos", keyed by
+    --algo: PFLlib's FedRep trains its head for 1 epoch and its body for 1 more, our
+    --local-epochs 2 --fedrep-head-epochs 1); none for an algorithm it does not name. Preset
+    settings like the others: explicit flags still win."""
+    if not isinstance(by_algo, dict) or not all(isinstance(r, dict) for r in by_algo.values()):
+        _fail(f"preset {name}: \"algos\" must map each --algo to a JSON object of settings")
+    return {k: v for k, v in by_algo.get(algo or "", {}).items() if k != "_doc"}
 
 
 def parse_on_top(argv: list[str], base: argparse.Namespace) -> argparse.Namespace:

@@ -20,16 +20,15 @@ DATA_DIR=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
 PRESETS=${PRESETS:-pfllib_fmnist_dir01 pfllib_fmnist_pat}
 ALGOS=${ALGOS:-fedavg fedprox perfedavg pfedme ditto apfl fedfomo fedamp fedala fedper fedrep fedrod fedbabu}
 
-# FedRep counts its head and body phases in epochs (it refuses --local-steps, and the preset's
-# E = 1 leaves no epoch for the body after --fedrep-head-epochs 1): PFLlib's FedRep trains the head
-# for 1 epoch (-pls 1) and then the body for 1 (-ls 1), our --local-epochs 2 --fedrep-head-epochs 1;
-# with LOCAL_STEPS set it runs FEDREP_ROUNDS (default 1) such rounds.
+# FedRep counts its head and body phases in epochs (it refuses --local-steps): the presets give it
+# PFLlib's 1 head epoch (-pls 1) and 1 body epoch (-ls 1), our --local-epochs 2
+# --fedrep-head-epochs 1; with LOCAL_STEPS set it runs FEDREP_ROUNDS (default 1) such rounds.
 FEDREP_ROUNDS=${FEDREP_ROUNDS:-$([[ -n $LOCAL_STEPS ]] && echo 1 || echo "$ROUNDS")}
 for preset in $PRESETS; do
   for algo in $ALGOS; do
     work=(); rounds=$ROUNDS; every=$EVAL_EVERY
     if [[ $algo == fedrep ]]; then
-      work=(--local-epochs 2 --fedrep-head-epochs 1); rounds=$FEDREP_ROUNDS
+      rounds=$FEDREP_ROUNDS
       if [[ -n $LOCAL_STEPS ]]; then every=$rounds; fi
     elif [[ -n $LOCAL_STEPS ]]; then
       work=(--local-steps "$LOCAL_STEPS")

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import run as cli  # noqa: E402  (experiments/run.py)
 
+from fedjax_pfl import algorithms
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "experiments" / "configs"
 PRESETS = sorted(p.stem for p in CONFIGS.glob("*.json"))
@@ -62,9 +64,10 @@ def test_each_preset_parses_and_names_only_flags_that_exist(name):
     flag (`hp__…`); the flags listed here from the parser, not from the preset loader."""
     preset = json.loads((CONFIGS / f"{name}.json").read_text(encoding="utf-8"))
     dests = {a.dest for a in cli.build_parser()._actions}
-    keys = [k for k in preset if k not in ("_doc", "rows")]
-    for row in preset.get("rows", {}).values():
+    keys = [k for k in preset if k not in ("_doc", "rows", "algos")]
+    for row in [*preset.get("rows", {}).values(), *preset.get("algos", {}).values()]:
         keys += [k for k in row if k != "_doc"]
+    assert set(preset.get("algos", {})) <= set(algorithms.names()), f"{name}: an algos key names no --algo"
     unknown = [k for k in keys if k not in dests and "hp__" + k not in dests]
     assert not unknown, f"{name}: no flag for {unknown}"
     assert isinstance(preset.get("_doc"), str) and preset["_doc"]     # its source, said
@@ -147,6 +150,18 @@ def test_pfllib_presets_are_pfllibs_protocol():
         == 10 / (1 - 0.75)
     assert _config(["--preset", "pfllib_fmnist_pat", "--algo", "fedavg"]
                    ).partition.classes_per_client == 2
+
+
+def test_pfllib_presets_give_fedrep_pfllibs_head_and_body_epochs():
+    """PFLlib's FedRep: 1 head epoch (plocal_epochs), then 1 body epoch: our --local-epochs 2
+    with --fedrep-head-epochs 1 (the head epochs are part of the local ones); the other
+    algorithms keep E = 1, and a flag given wins."""
+    for name in ("pfllib_fmnist_dir01", "pfllib_fmnist_pat"):
+        hp = _config(["--preset", name, "--algo", "fedrep"]).hparams
+        assert (hp["local_epochs"], hp["head_epochs"]) == (2, 1)
+        assert _config(["--preset", name, "--algo", "fedper"]).hparams["local_epochs"] == 1
+        hp = _config(["--preset", name, "--algo", "fedrep", "--local-epochs", "3"]).hparams
+        assert (hp["local_epochs"], hp["head_epochs"]) == (3, 1)
 
 
 def test_pflbench_preset_and_its_algorithm_settings():
