@@ -76,6 +76,7 @@ if os.environ.get("FEDJAX_PFL_TEST_GC") != "default":
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
 
+import helpers  # noqa: E402
 from helpers import make_data  # noqa: E402
 
 
@@ -132,7 +133,34 @@ _LONGEST_FIRST = ("tests/runner/test_defaults_train.py", "tests/core/test_shardi
                   "tests/cli/test_cli_fuzz.py")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--extended", action="store_true",
+        help="also run the extended cases: every algorithm of each matrix test (without it, "
+             "helpers.REPRESENTATIVE and each matrix's quick cases) and the tests and cases "
+             "marked `extended` (variants of a placement or fault that another case covers)")
+
+
+def _extended_only(item) -> bool:
+    """A case that only `--extended` runs: marked `extended`, or an algorithm in a `matrix` test
+    that is neither in helpers.REPRESENTATIVE nor one of its module's `QUICK` cases."""
+    if item.get_closest_marker("extended"):
+        return True
+    if not item.get_closest_marker("matrix"):
+        return False
+    name = item.callspec.params.get("name") if hasattr(item, "callspec") else None
+    quick = getattr(item.module, "QUICK", ())
+    quick = {quick} if isinstance(quick, str) else {q if isinstance(q, str) else q[0] for q in quick}
+    return isinstance(name, str) and name not in {*helpers.REPRESENTATIVE, *quick}
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--extended"):
+        dropped = [item for item in items if _extended_only(item)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if not _extended_only(item)]
+
     def rank(item):
         path = item.nodeid.split("::")[0]
         return _LONGEST_FIRST.index(path) if path in _LONGEST_FIRST else len(_LONGEST_FIRST)

@@ -65,7 +65,7 @@ def _bits(x) -> bytes:
 
 
 @pytest.mark.parametrize("model", ["linear", pytest.param("mlp", marks=pytest.mark.slow),
-                                   pytest.param("cnn", marks=pytest.mark.slow)])
+                                   pytest.param("cnn", marks=(pytest.mark.slow, pytest.mark.extended))])
 @pytest.mark.slow
 def test_the_initial_state_at_a_low_optimisation_level_has_the_same_bits(model):
     """The initial state's program compiled at `INIT_COMPILER_OPTIONS`' level against the same

@@ -98,15 +98,20 @@ SCRIPT = textwrap.dedent('''
 # algorithm is covered when it registers. One subprocess per group of algorithms (JAX starts
 # once, and the loop's eager operations, shared by all, compile once). The quick suite keeps
 # PGFed, the richest state layout (per-client models, momentum rows and an N×N matrix); the full
-# suite runs the rest in two groups that the two xdist workers share.
+# suite adds the representative algorithms (helpers.REPRESENTATIVE), and `--extended` the rest in
+# two groups that the two xdist workers share.
 QUICK = ("pgfed",)
-REST = sorted(set(algorithms.names()) - set(QUICK))
-GROUPS = {"quick": QUICK, "rest_a": tuple(REST[0::2]), "rest_b": tuple(REST[1::2])}
+REPRESENTATIVE = tuple(sorted(set(helpers.REPRESENTATIVE) - set(QUICK)))
+REST = sorted(set(algorithms.names()) - set(QUICK) - set(REPRESENTATIVE))
+GROUPS = {"quick": QUICK, "representative": REPRESENTATIVE, "rest_a": tuple(REST[0::2]),
+          "rest_b": tuple(REST[1::2])}
+_MARKS = {"quick": (), "representative": pytest.mark.slow,
+          "rest_a": (pytest.mark.slow, pytest.mark.extended),
+          "rest_b": (pytest.mark.slow, pytest.mark.extended)}
 
 
 @pytest.mark.matrix
-@pytest.mark.parametrize("group", [g if g == "quick" else pytest.param(g, marks=pytest.mark.slow)
-                                   for g in GROUPS])
+@pytest.mark.parametrize("group", [pytest.param(g, marks=_MARKS[g]) for g in GROUPS])
 def test_sharded_state_on_two_devices_equals_the_loop(group):
     env = {**os.environ, "FEDJAX_PFL_CPU_DEVICES": "2"}
     env["XLA_FLAGS"] = helpers.without_device_count(env.get("XLA_FLAGS", ""))

@@ -89,10 +89,12 @@ print(json.dumps({"devices": jax.device_count(), "calls": calls}))
 """
 
 
+# Device state on one device and host state on two; `--extended` adds the other two.
 @pytest.mark.slow           # each case starts JAX and compiles a run's programs
-@pytest.mark.parametrize("devices", [1, 2])
-@pytest.mark.parametrize("placement", ["device", "host"])
-def test_a_runs_checkpoints_compile_nothing(tmp_path, devices, placement):
+@pytest.mark.parametrize("placement, devices", [
+    ("device", 1), ("host", 2), pytest.param("device", 2, marks=pytest.mark.extended),
+    pytest.param("host", 1, marks=pytest.mark.extended)])
+def test_a_runs_checkpoints_compile_nothing(tmp_path, placement, devices):
     """Rounds 1 and 2 each end with a save, the resume restores round 2's and round 3 ends with a
     save: save, save, restore, save, none compiling a program."""
     proc = subprocess.run([sys.executable, "-c", _RUN, str(tmp_path / "run"), placement],

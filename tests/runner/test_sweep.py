@@ -186,7 +186,7 @@ SWEEP_PLACEMENTS = textwrap.dedent('''
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.extended), 2])
 def test_a_sweep_runs_with_every_placement_and_equals_separate_runs(devices):
     """Host data, host client state (each run's rows apart, each from its own initial rows) and
     two rounds per call give a sweep's runs bit for bit what device placement gives, and each

@@ -14,6 +14,15 @@ import numpy as np
 from fedjax_pfl.data.federated import FederatedData
 from fedjax_pfl.models.model import Model
 
+# The algorithms that stand for all of them in the cross-cutting matrix tests (those marked
+# `matrix`: every algorithm x one engine feature) of the README's test command: one of each kind of
+# state and model the engine places, shards, privatises and checkpoints. A global model (FedAvg),
+# a split model with staged epochs (FedRep), per-client models beside a global one (Ditto), a
+# pairwise server with an N x N matrix and momentum rows (PGFedMo), a client graph (FedPC), CP
+# layers (TDPFed) and adapters on a frozen base (FFA-LoRA). Each matrix's own quick cases run too.
+# `pytest --extended` runs every algorithm (tests/conftest.py; docs/decisions/test-suite-time.md).
+REPRESENTATIVE = ("fedavg", "fedrep", "ditto", "pgfedmo", "fedpc", "tdpfed", "ffa_lora")
+
 
 def make_data(sizes, *, num_classes=3, feature_dim=5, test_sizes=None, seed=0, images=False):
     """Clients with the given training sizes (ragged on purpose) and small test splits."""

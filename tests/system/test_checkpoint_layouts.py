@@ -104,10 +104,14 @@ def _close_rows(got, want, rtol):
                 assert a[key] == value, (a["round"], key)
 
 
+# The full suite writes on 2 devices and resumes on 1 with host state, and the reverse with
+# device state; `--extended` adds the other directions and Ditto's 5 clients on uneven slots.
 @pytest.mark.parametrize("algo,placement,written,resumed,clients", [
-    ("local", "device", 2, 1, 8), ("local", "device", 1, 2, 8),
-    ("pgfedmo", "host", 2, 1, 8), ("pgfedmo", "host", 1, 2, 8),
-    ("ditto", "host", 2, 1, 5),
+    pytest.param("local", "device", 2, 1, 8, marks=pytest.mark.extended),
+    ("local", "device", 1, 2, 8),
+    ("pgfedmo", "host", 2, 1, 8),
+    pytest.param("pgfedmo", "host", 1, 2, 8, marks=pytest.mark.extended),
+    pytest.param("ditto", "host", 2, 1, 5, marks=pytest.mark.extended),
 ])
 def test_a_checkpoint_resumes_on_another_device_count(tmp_path, algo, placement, written, resumed,
                                                       clients):
@@ -139,7 +143,7 @@ def test_a_checkpoint_resumes_on_another_device_count(tmp_path, algo, placement,
         _close_rows(got[2:], want[2:], rtol=1e-6)
 
 
-@pytest.mark.parametrize("written,resumed", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("written,resumed", [(2, 1), pytest.param(1, 2, marks=pytest.mark.extended)])
 def test_a_checkpoint_of_other_client_slots_is_refused_in_one_line_before_compiling(
         tmp_path, written, resumed):
     """5 clients are 6 client slots on 2 devices (padded to a multiple of the device count) and
@@ -171,7 +175,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("algo,placement", [("local", "device"), ("pgfedmo", "host")])
+@pytest.mark.parametrize("algo,placement", [pytest.param("local", "device", marks=pytest.mark.extended),
+                                             ("pgfedmo", "host")])
 def test_a_two_process_checkpoint_resumes_in_one_process_on_one_device(tmp_path, algo, placement):
     """Two processes on the loopback address (one CPU device each) write round 2's checkpoint,
     each its own shards (and, under host placement, its own store part); one process on one

@@ -105,6 +105,7 @@ def test_the_suite_runs_in_its_session_cache(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended      # (the cache itself: test_second_run_reads_the_cache_and_computes_the_same_bits)
 def test_host_data_on_two_devices_is_read_from_the_cache(tmp_path):
     """With the data in per-device blocks (--data-placement host on two devices) the rounds and
     the evaluation check that each client ran on the device holding its samples. That check is

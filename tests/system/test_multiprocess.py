@@ -106,7 +106,10 @@ def _two(tmp, name, extra, **kwargs):
     return outputs
 
 
+# Extended: the full suite has two processes' host state in test_checkpoint_layouts (written by
+# two, resumed by one) and their host data in test_data_placement.
 @pytest.mark.slow
+@pytest.mark.extended
 def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path):
     """--data-placement host and --state-placement host over two processes: each stages the
     round's participants from its host copy and provides its own device's replica of the buffer;
@@ -181,7 +184,10 @@ def test_two_processes_with_host_placement_equal_one_process_and_resume(tmp_path
                 assert a[key] == b[key], (run, a["round"], key, a[key], b[key])
 
 
+# Extended: the full suite's two-process sweep is the vmapped seeds of
+# test_seeds_over_two_processes_equal_one_process_and_only_process_0_prints.
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_sweep_over_two_processes_equals_one_process(tmp_path):
     """experiments/sweep.py with --coordinator: both processes run the sweep (one vmapped group of
     two seeds and a second algorithm), process 0 alone prints and writes results.md / .json;
