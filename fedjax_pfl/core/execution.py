@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pfl.core import checks, layout
+from fedjax_pfl.core import checks, chunking, layout
 from fedjax_pfl.core import rows as rows_lib
 from fedjax_pfl.core.chunking import AUTO_CHUNK, abstract, abstract_row, auto_chunk_size, traced_chunk_size
 from fedjax_pfl.core.clients import gather, scatter
@@ -72,15 +72,19 @@ class MapperCache:
     def auto_chunk(self, fn: Callable, key: tuple, specs: tuple, rows: int) -> int:
         """auto_chunk_size for `rows` clients, computed once per (function, argument shapes), and
         not compiled at all where the traced bounds already fit all `rows` clients in one chunk:
-        auto_chunk_size would then give at least `rows` too, and every chunk size ≥ rows runs the
-        same program (one vectorised chunk). That is most programs of small models: their probe
-        compilations were ~0.4 s each, a tenth of the test suite's time."""
+        within the memory budgets, and within `WORK_TARGET_SLACK` times the work target (the
+        work target is a plateau of speed, the memory budgets are not). auto_chunk_size would
+        then give `rows` or a chunk on the same plateau, and every chunk size ≥ rows runs the same
+        program (one vectorised chunk). That is most programs of small models: their probe
+        compilations were ~0.4 s each, a tenth of the test suite's time, and PGFedMo's default
+        run compiled one before its first round."""
         full_key = (fn, key)
         if full_key in self._auto_chunk:
             return self._auto_chunk[full_key]
         shared, row = specs
         if full_key not in self._traced_chunk:
-            self._traced_chunk[full_key] = traced_chunk_size(fn, *shared, *row)
+            self._traced_chunk[full_key] = traced_chunk_size(
+                fn, *shared, *row, flop_target=chunking.WORK_TARGET_SLACK * chunking.CHUNK_FLOP_TARGET)
         if rows <= self._traced_chunk[full_key]:
             return rows
         self._auto_chunk[full_key] = auto_chunk_size(fn, *shared, *row)

@@ -93,7 +93,7 @@ def test_the_engines_own_probes_are_bounded(ragged_data, monkeypatch):
     seen = []
     original = chunking.traced_chunk_size
     monkeypatch.setattr(execution, "traced_chunk_size",
-                        lambda fn, *args: seen.append((fn, args)) or original(fn, *args))
+                        lambda fn, *args, **kw: seen.append((fn, args)) or original(fn, *args, **kw))
     algo = algorithms.get("pgfedmo", model=models.get("mlp", (5,), 3), batch_size=4,
                           participation=0.5, local_steps=3)
     program = core.Program(algo, core.prepare_data(ragged_data, None), mesh=None)
@@ -127,7 +127,8 @@ def test_automatic_chunk_compiles_only_when_the_bounds_do_not_decide(monkeypatch
     one_client = lambda p, r: fn(p, r["x"], r["y"])
     params = jax.tree.map(lambda s: jnp.full(s.shape, 0.01, s.dtype), MLP)
     specs = ((chunking.abstract(params),), (chunking.abstract_row(rows),))
-    traced = chunking.traced_chunk_size(one_client, *specs[0], *specs[1])
+    traced = chunking.traced_chunk_size(one_client, *specs[0], *specs[1],
+                                        flop_target=chunking.WORK_TARGET_SLACK * 48e6)
     assert 6 <= traced < 10**6
 
     calls = []
@@ -148,6 +149,32 @@ def test_automatic_chunk_compiles_only_when_the_bounds_do_not_decide(monkeypatch
     np.testing.assert_allclose(jax.tree.leaves(out)[0],
                                jax.tree.leaves(jax.vmap(one_client, (None, 0))(params, rows))[0],
                                rtol=1e-6)
+
+
+def test_clients_within_twice_the_work_target_run_as_one_chunk_without_a_probe(monkeypatch):
+    """Where only the work target keeps the traced bounds from one chunk, and by less than
+    WORK_TARGET_SLACK = 2, the rows run as one chunk and nothing compiles; past it the probe
+    decides. Work target here: 4 clients' traced flops, so the slack allows 8."""
+    fn, args = PROGRAMS["mlp gradient"]
+    one_client = lambda p, r: fn(p, r["x"], r["y"])
+    row = {"x": S((16, 64), jnp.float32), "y": S((16,), jnp.int32)}
+    specs = ((MLP,), (row,))
+    bounds = analysis.traced_bounds(one_client, MLP, row)
+    assert bounds.temp_bytes * 100 < chunking.CHUNK_TEMP_BUDGET_BYTES     # memory never binds
+    monkeypatch.setattr(chunking, "CHUNK_FLOP_TARGET", 4 * bounds.flops)
+    assert chunking.WORK_TARGET_SLACK == 2.0
+    calls = []
+    monkeypatch.setattr(chunking, "compiled_for_analysis", lambda *a: calls.append(a) or
+                        pytest.fail("a probe compiled where the slack decides"))
+    monkeypatch.setattr(memo, "directory", lambda: None)
+    for rows in (4, 6, 8):
+        assert execution.MapperCache().auto_chunk(one_client, ("k",), specs, rows) == rows
+    assert not calls
+    # 9 rows are more than twice the work target: XLA's analysis decides.
+    probed = []
+    monkeypatch.setattr(chunking, "measured_step", lambda *a: probed.append(a) or bounds)
+    execution.MapperCache().auto_chunk(one_client, ("k",), specs, 9)
+    assert len(probed) == 1
 
 
 def test_evaluation_batch_of_a_small_model_needs_no_compilation(monkeypatch):
