@@ -128,13 +128,9 @@ def pytest_unconfigure(config):
 
 # Longest first, so that the two xdist workers (stealing each other's queued tests, see --dist in
 # pyproject.toml) end together instead of one waiting for a long test that started last.
-# (The files of the longest tests of a full run, 2026-12-03: each 20-65 s.)
-_LONGEST_FIRST = ("tests/system/test_multiprocess.py", "tests/core/test_data_placement.py",
-                  "tests/test_docs.py", "tests/core/test_state_placement.py",
-                  "tests/core/test_sharding.py", "tests/system/test_process_faults.py",
-                  "tests/system/test_checkpoint_layouts.py", "tests/runner/test_sweep.py",
-                  "tests/system/test_interrupts.py", "tests/runner/test_defaults_train.py",
-                  "tests/system/test_distributed.py", "tests/cli/test_cli_fuzz.py")
+_LONGEST_FIRST = ("tests/runner/test_defaults_train.py", "tests/core/test_sharding.py",
+                  "tests/system/test_interrupts.py", "tests/system/test_distributed.py",
+                  "tests/cli/test_cli_fuzz.py")
 
 
 def pytest_addoption(parser):
