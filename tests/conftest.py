@@ -156,10 +156,11 @@ def _extended_only(item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--extended"):
-        dropped = [item for item in items if _extended_only(item)]
+        extended = [_extended_only(item) for item in items]
+        dropped = [item for item, e in zip(items, extended) if e]
         if dropped:
             config.hook.pytest_deselected(items=dropped)
-            items[:] = [item for item in items if not _extended_only(item)]
+            items[:] = [item for item, e in zip(items, extended) if not e]
 
     def rank(item):
         path = item.nodeid.split("::")[0]

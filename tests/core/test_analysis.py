@@ -128,7 +128,7 @@ def test_automatic_chunk_compiles_only_when_the_bounds_do_not_decide(monkeypatch
     params = jax.tree.map(lambda s: jnp.full(s.shape, 0.01, s.dtype), MLP)
     specs = ((chunking.abstract(params),), (chunking.abstract_row(rows),))
     traced = chunking.traced_chunk_size(one_client, *specs[0], *specs[1],
-                                        flop_target=chunking.WORK_TARGET_SLACK * 48e6)
+                                        flop_target=chunking.WORK_TARGET_SLACK * chunking.CHUNK_FLOP_TARGET)
     assert 6 <= traced < 10**6
 
     calls = []
