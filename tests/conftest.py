@@ -107,17 +107,20 @@ def _ctrl_c_still_works():
     assert after_mask == mask, f"the test left the signal mask at {after_mask} (was {mask})"
 
 
-@pytest.fixture
-def no_figures(monkeypatch):
-    """Runs that write no PNGs: drawing them (~0.8 s per run directory) was two thirds of the
-    time of the per-algorithm resume checks (`helpers.check_resume_equals_uninterrupted`), and
-    what they show is not what resume must reproduce
-    (test_interrupted_run_records_what_finished_and_resumes, tests/cli/test_cli.py and
-    tests/system/test_interrupts.py check that runs write them)."""
-    from fedjax_pfl import plots
+@pytest.fixture(autouse=True)
+def _no_figures(request, monkeypatch):
+    """Runs write no PNGs unless the test is marked `figures`: every `plots.plot_*` writer does
+    nothing. Drawing a run's three figures (~0.8 s each) was 160 s of the suite's worker time
+    and two thirds of the per-algorithm resume checks (`helpers.check_resume_equals_uninterrupted`),
+    and what they show is not what a run must compute or resume. Tests marked `figures` check
+    that runs write them (tests/runner/test_plots.py, test_fairness_cost.py, test_resume.py's
+    interrupted run, tests/cli/test_cli.py's short runs); subprocess tests choose between
+    experiments/run.py and tests/support/run_no_figures.py."""
+    if request.node.get_closest_marker("figures") is None:
+        from fedjax_pfl import plots
 
-    monkeypatch.setattr(plots, "plot_label_distribution", lambda *args, **kwargs: None)
-    monkeypatch.setattr(plots, "plot_learning_curves", lambda *args, **kwargs: None)
+        for name in helpers.figure_writers(plots):
+            monkeypatch.setattr(plots, name, lambda *args, **kwargs: None)
 
 
 def pytest_unconfigure(config):

@@ -1,6 +1,9 @@
 """The suite's tiers: which cases the README's test command runs and which only `--extended` does
-(tests/conftest.py `_extended_only`, docs/decisions/test-suite-time.md)."""
+(tests/conftest.py `_extended_only`, docs/decisions/test-suite-time.md); and the figures, which
+runs draw only in tests marked `figures` (tests/conftest.py `_no_figures`)."""
 
+import pathlib
+import re
 import types
 
 import conftest
@@ -40,3 +43,27 @@ def test_the_representative_algorithms_are_registered_and_some_send_private_upli
 ])
 def test_extended_only_cases(markers, name, quick, extended):
     assert conftest._extended_only(_item(markers, name, quick)) is extended
+
+
+def test_every_figure_the_runner_writes_is_stubbed_outside_figures_tests(tmp_path):
+    """Each `plots.<name>(` the runner and the command lines call that writes a file is one of
+    `helpers.figure_writers`, and in this (unmarked) test each of them writes nothing."""
+    from fedjax_pfl import plots
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    sources = [*sorted((root / "fedjax_pfl").rglob("*.py")), *sorted((root / "experiments").glob("*.py"))]
+    called = {m for f in sources for m in re.findall(r"\bplots\.(plot_\w+)\(", f.read_text())}
+    assert called and called <= set(helpers.figure_writers(plots)), called
+    for name in helpers.figure_writers(plots):
+        assert getattr(plots, name)(None, str(tmp_path / f"{name}.png")) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.figures
+def test_a_figures_test_has_the_real_writers(tmp_path):
+    import numpy as np
+
+    from fedjax_pfl import plots
+
+    plots.plot_client_accuracy(np.array([0.5, 0.25]), str(tmp_path / "acc.png"))
+    assert (tmp_path / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -228,6 +228,7 @@ def test_every_flag_is_spelled_with_hyphens():
 
 
 @pytest.mark.slow
+@pytest.mark.figures
 def test_a_short_run_writes_every_output_file(tmp_path):
     out = tmp_path / "run"
     code = cli.main(["--algo", "fedavg_ft", "--rounds", "3", "--clients", "8", "--eval-every", "2",
@@ -319,6 +320,7 @@ def _short(out, *more):
 
 
 @pytest.mark.slow
+@pytest.mark.figures          # the figures are run files, rewritten with the rest
 def test_out_holding_another_run_is_refused_unless_overwrite(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(_short(out, "--seed", "1")) == 0
@@ -386,7 +388,6 @@ def test_out_where_no_file_can_be_made_fails_before_the_data_even_as_root(capsys
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("no_figures")       # five runs; test_a_short_run_… checks the figures
 def test_resume_refuses_incompatible_flags_and_extends_rounds(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(_short(out, "--algo", "pfedsop", "--pfedsop-rho", "2")) == 0
@@ -418,7 +419,6 @@ def test_resume_refuses_incompatible_flags_and_extends_rounds(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("no_figures")
 def test_header_pluralises_clients(tmp_path, capsys):
     assert cli.main(_short(tmp_path / "run")) == 0
     assert "fedavg on digits: 4 clients (" in capsys.readouterr().out

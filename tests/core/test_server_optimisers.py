@@ -293,7 +293,6 @@ FLAGS = ["--server-opt", "adam", "--server-lr", "0.03"]
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("no_figures")
 def test_resume_restores_the_server_optimiser_state_exactly(tmp_path):
     """FedAdam stopped at round 2 and resumed to round 4: the same metrics and final state bit
     for bit as an uninterrupted run, its moments m and v included (and they moved)."""

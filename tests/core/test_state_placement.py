@@ -376,11 +376,10 @@ def test_the_memory_plan_of_host_state():
 
 
 @pytest.mark.slow
-def test_resume_across_state_placements(tmp_path, no_figures):
+def test_resume_across_state_placements(tmp_path):
     """--resume may change --state-placement: a checkpoint written with the client rows on the
     devices restores into a host store holding exactly those rows, and one written from a host
-    store restores into the device state exactly. (No PNGs: drawing them was a third of this
-    test's time, and they do not depend on where the state is; tests/conftest.py `no_figures`.)"""
+    store restores into the device state exactly."""
     from fedjax_pfl import checkpoint, runner
     from fedjax_pfl.runner import checkpoints
 

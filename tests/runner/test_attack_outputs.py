@@ -89,7 +89,6 @@ def _redraw_flags(*extra):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("no_figures")
 def test_redrawn_masks_in_client_metrics_are_the_sets_the_rounds_attacked(tmp_path):
     """--attack-redraw: client_metrics.npz's [R, N] `malicious` against what each round did. One
     client a round, a learning rate of 1e-30 (a benign upload moves no float32 weight: x + Δ = x)
@@ -130,7 +129,6 @@ def test_redrawn_masks_in_client_metrics_are_the_sets_the_rounds_attacked(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("no_figures")
 @pytest.mark.parametrize("attack", [["--attack", "sign_flip", "--attack-scale", "4", "--attack-redraw"],
                                     ["--attack", "backdoor", "--aggregator", "median"]],
                          ids=["sign_flip_redrawn", "backdoor_median"])

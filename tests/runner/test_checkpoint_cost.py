@@ -66,7 +66,8 @@ import json, sys
 import run
 from fedjax_pfl import checkpoint, compiles, plots
 
-plots.plot_label_distribution = plots.plot_learning_curves = lambda *a, **k: None
+for name in [n for n in dir(plots) if n.startswith("plot_")]:   # no figures
+    setattr(plots, name, lambda *a, **k: None)
 calls = []
 
 def recorded(name, f):

@@ -123,8 +123,7 @@ def _tiny(out, **fields):
 
 
 @pytest.mark.slow
-def test_a_warm_cache_gives_every_program_and_the_same_bits(tmp_path, monkeypatch, own_jax_cache,
-                                                            no_figures):
+def test_a_warm_cache_gives_every_program_and_the_same_bits(tmp_path, monkeypatch, own_jax_cache):
     """The default setting writes into the directory the environment gives; a second run reads
     every program from it and writes nothing; compile_cache=False reads and writes nothing; the
     three runs' metrics are equal bit for bit."""
@@ -161,8 +160,7 @@ def test_a_warm_cache_gives_every_program_and_the_same_bits(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_an_unusable_directory_warns_once_and_the_runs_finish(tmp_path, own_jax_cache,
-                                                               no_figures):
+def test_an_unusable_directory_warns_once_and_the_runs_finish(tmp_path, own_jax_cache):
     """A directory the run cannot write (here a path through a file: refused for root too) gives
     one CompileCacheWarning over two runs, and both runs finish without a cache."""
     (tmp_path / "file").write_text("")

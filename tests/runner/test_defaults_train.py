@@ -29,7 +29,6 @@ BAR = 0.8
 
 
 @pytest.mark.slow     # per algorithm: 3 short runs (resume) and one of up to 50 rounds, 5–20 s
-@pytest.mark.usefixtures("no_figures")
 @pytest.mark.matrix
 @pytest.mark.parametrize("name", algorithms.names())
 def test_default_configuration_learns_digits_and_resumes_exactly(name, tmp_path):

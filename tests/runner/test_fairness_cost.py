@@ -25,7 +25,9 @@ CLIENTS, ROUNDS = 12, 3
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    """One tiny CLI run (FedAvg on digits, 12 clients, 3 rounds): its directory and its output."""
+    """One tiny CLI run (FedAvg on digits, 12 clients, 3 rounds): its directory and its output.
+    Module-scoped, it is set up before tests/conftest.py's function-scoped `_no_figures`: the run
+    draws its figures (test_the_figure_and_its_bars reads one)."""
     out = tmp_path_factory.mktemp("fair")
     summary, rows, printed = finished_cli_run(out, ["--algo", "fedavg", "--rounds", str(ROUNDS),
                                                     "--clients", str(CLIENTS)])

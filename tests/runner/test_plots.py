@@ -7,6 +7,8 @@ import pytest
 from fedjax_pfl import plots
 from fedjax_pfl.data import PartitionConfig, load_raw, partition_indices
 
+pytestmark = pytest.mark.figures     # the writers themselves (tests/conftest.py stubs them elsewhere)
+
 matplotlib.use("Agg")
 
 

@@ -19,7 +19,6 @@ def _config(algo, out, rounds, *flags, checkpoint_every=2):
 _rows = helpers.metric_rows
 
 
-@pytest.mark.usefixtures("no_figures")
 @pytest.mark.slow
 def test_resume_at_round_k_equals_uninterrupted(tmp_path):
     """FedAvg's default configuration; every other algorithm's is checked the same way by
@@ -28,6 +27,7 @@ def test_resume_at_round_k_equals_uninterrupted(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.figures
 def test_interrupted_run_records_what_finished_and_resumes(tmp_path, monkeypatch):
     """Ctrl-C after round 3 (KeyboardInterrupt where the runner waits): summary.json says so,
     metrics.jsonl and the learning curve hold rounds 1–3, the last checkpoint is round 3 (every
@@ -59,7 +59,6 @@ def test_interrupted_run_records_what_finished_and_resumes(tmp_path, monkeypatch
     assert not json.loads((out / "summary.json").read_text())["interrupted"]
 
 
-@pytest.mark.usefixtures("no_figures")
 @pytest.mark.slow
 def test_target_accuracy_stops_at_the_first_round_that_reaches_it(tmp_path):
     """--target-acc A: the run ends after the first evaluation with acc_mean >= A, found in an
@@ -130,7 +129,6 @@ def test_a_config_json_that_disagrees_with_its_checkpoint_names_every_differing_
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("no_figures")
 def test_resume_with_an_edited_config_json_is_refused_before_anything_is_loaded(tmp_path, capsys,
                                                                                monkeypatch):
     import os

@@ -13,7 +13,6 @@ import pytest
 from fedjax_pfl import checkpoint, core, plots, runner
 from fedjax_pfl.callbacks import Callback
 
-pytestmark = pytest.mark.usefixtures("no_figures")
 quiet = lambda *_: None
 
 

@@ -1,9 +1,9 @@
 """experiments/run.py without drawing the run's two PNGs, for subprocess tests that compare a
 run's metrics, checkpoints and summary but not its figures: `python tests/support/run_no_figures.py
-<run.py flags>` is `python experiments/run.py <run.py flags>` with
-`plots.plot_label_distribution` and `plots.plot_learning_curves` doing nothing. Importing
-matplotlib and drawing the two figures took ~1.5 s of CPU a run directory (tests/conftest.py's
-`no_figures` does the same in-process). Tests that check that a run writes its figures
+<run.py flags>` is `python experiments/run.py <run.py flags>` with every figure writer
+(`plots.plot_*`) doing nothing. Importing matplotlib and drawing the figures took ~1.5 s of CPU
+a run directory (tests/conftest.py's
+`_no_figures` does the same in-process). Tests that check that a run writes its figures
 (tests/cli/test_cli.py, tests/system/test_interrupts.py's stopped runs) use the real script.
 
 With FEDJAX_PFL_TEST_HOST_READS=DIR set, each process writes DIR/reads-K.json (K its process
@@ -22,8 +22,10 @@ import run  # noqa: E402
 
 from fedjax_pfl import plots  # noqa: E402
 
-plots.plot_label_distribution = lambda *args, **kwargs: None
-plots.plot_learning_curves = lambda *args, **kwargs: None
+# Every figure writer, as tests/conftest.py's `_no_figures` (helpers.figure_writers, not imported
+# here: helpers imports more than a run needs).
+for _name in [n for n in dir(plots) if n.startswith("plot_") and callable(getattr(plots, n))]:
+    setattr(plots, _name, lambda *args, **kwargs: None)
 
 _host_reads, _hashed = [], []
 if os.environ.get("FEDJAX_PFL_TEST_HOST_READS"):
