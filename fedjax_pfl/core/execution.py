@@ -443,9 +443,26 @@ def _debug_map(fn, shared, args, ids, stage):
     return jax.tree.map(lambda *rows: jnp.stack(rows), *outs)
 
 
+def host_max_length(loop: ClientLoop) -> int | None:
+    """The most steps any client of the traced dataset takes (`ClientLoop.host_length` over the
+    counts of `client_sizes`), or None where they are unknown."""
+    sizes = _SIZES.get()
+    if sizes is None or loop.host_length is None:
+        return None
+    lengths = np.asarray(loop.host_length(*sizes), np.int64)
+    return int(lengths.max()) if lengths.size else 0
+
+
 def _whole_loop(loop: ClientLoop, masked: bool = False) -> Callable:
     """One client's loop as a function (shared..., row) -> out (a lax.while_loop); with
-    `masked`, (shared..., row, valid), where an invalid (padding) row takes no steps."""
+    `masked`, (shared..., row, valid), where an invalid (padding) row takes no steps.
+
+    Where every client of the traced dataset takes at most one step (`host_max_length`: an
+    evaluation or a full-data pass of small clients in one batch), the step is straight-line
+    code selected by `length > 0` instead of a while loop: the same arithmetic, and one loop
+    less for XLA to compile (a loop's body and condition are separate computations that are
+    not fused with the code around them)."""
+    one_step = masked and (host_max_length(loop) or 2) <= 1
 
     def run_one(*args):
         if masked:
@@ -456,6 +473,10 @@ def _whole_loop(loop: ClientLoop, masked: bool = False) -> Callable:
         shared = tuple(shared)
         length = jnp.where(valid, loop.length(row), 0)
         carry = loop.init(shared, row)
+        if one_step:
+            stepped = loop.step(shared, carry, jnp.zeros((), jnp.int32))
+            carry = jax.tree.map(lambda a, b: jnp.where(length > 0, a, b), stepped, carry)
+            return loop.finish(shared, carry)
         _, carry = jax.lax.while_loop(lambda c: c[0] < length,
                                       lambda c: (c[0] + 1, loop.step(shared, c[1], c[0])),
                                       (jnp.zeros((), jnp.int32), carry))

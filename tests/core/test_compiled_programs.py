@@ -200,3 +200,37 @@ def test_a_run_compiles_its_programs_once_and_its_checkpoints_none(tmp_path):
     assert len(others) <= 8, others
     assert summary["compile"]["programs"] == len(log.programs)
     assert sorted(os.listdir(tmp_path / "checkpoints"))[-1] == "round_000003"
+
+
+# -- one-step loops ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("counts", [[1, 0, 1, 1], [2, 0, 1, 1]])
+def test_a_loop_of_at_most_one_step_compiles_without_a_while_loop(counts):
+    """Where every client of the traced dataset takes ≤ 1 step, the mapper runs the step as
+    straight-line code selected by the client's length: no while loop in the program, a client of
+    0 steps keeps its init (100), one of 1 step adds its value. With a client of 2 steps the
+    loop stays, and runs both steps."""
+    values = np.array([3.0, 5.0, 7.0, 11.0], np.float32)
+    rows = (jnp.arange(4, dtype=jnp.int32), jnp.array(counts, jnp.int32))       # (client, steps)
+
+    def run(values_by_client, rows):
+        def init(shared, row):
+            return (jnp.float32(100.0), row[0])
+
+        def step(shared, carry, t):
+            total, client = carry
+            return (total + shared[0][client, t], client)
+
+        loop = execution.ClientLoop(init, step, lambda shared, carry: carry[0],
+                                    lambda row: row[1], host_length=lambda train, test: train)
+        mapper = execution.client_mapper("chunked", chunk_size=4)
+        return mapper.run(loop, rows, shared=(values_by_client,))
+
+    table = jnp.asarray(np.stack([values, values * 10], axis=1))           # [4 clients, 2 steps]
+    with execution.client_sizes(np.array(counts), np.zeros(4)):
+        compiled = jax.jit(run).lower(table, rows).compile()
+    out = np.asarray(compiled(table, rows))
+    expected = [100.0 + sum(float(table[i, t]) for t in range(c)) for i, c in enumerate(counts)]
+    np.testing.assert_array_equal(out, np.array(expected, np.float32))
+    assert (" while(" in compiled.as_text()) is (max(counts) > 1)
