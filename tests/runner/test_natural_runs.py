@@ -19,6 +19,8 @@ jax_get = __import__("jax").device_get
 from fedjax_pfl.data.build import PartitionConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+# experiments/run.py drawing no figures (tests/support/run_no_figures.py): no test here reads them.
+NO_FIGURES = str(ROOT / "tests" / "support" / "run_no_figures.py")
 # The command line's subprocesses import this checkout's fedjax_pfl whatever is installed.
 _ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -128,14 +130,14 @@ def test_the_command_line_runs_a_natural_dataset_with_its_published_model(tmp_pa
     """`--dataset sent140 --data-dir DIR` alone picks the format and the dataset's model."""
     root, _ = _files(tmp_path_factory, "sent140")
     out = tmp_path_factory.mktemp("cli")
-    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), "--dataset",
+    p = subprocess.run([sys.executable, NO_FIGURES, "--dataset",
                         "sent140", "--data-dir", str(root), "--rounds", "1", "--out", str(out),
                         "--overwrite", "--quiet", "--model-options", "embed=8,hidden=8,fc=8"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300, env=_ENV)
     assert p.returncode == 0, p.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == "sent_lstm" and summary["clients"] == 4
-    bad = subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), "--dataset",
+    bad = subprocess.run([sys.executable, NO_FIGURES, "--dataset",
                           "sent140", "--data-dir", str(out / "nothing"), "--rounds", "1"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120, env=_ENV)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -2,7 +2,8 @@
 known point: `python tests/support/pause_run.py R <run.py flags>` prints "paused after round R" once
 round R and its checkpoint are written, then sleeps (up to a minute) so the test can send its
 signal. The pause is an ordinary round-end callback (fedjax_pfl.callbacks), run after the run's
-own writers."""
+own writers. With FEDJAX_PFL_TEST_NO_FIGURES=1 in the environment it draws no figures, as
+tests/support/run_no_figures.py (for the tests that do not read them)."""
 
 import os
 import sys
@@ -13,7 +14,12 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import run  # noqa: E402
 
+from fedjax_pfl import plots  # noqa: E402
 from fedjax_pfl.callbacks import Callback  # noqa: E402
+
+if os.environ.get("FEDJAX_PFL_TEST_NO_FIGURES") == "1":
+    for _name in [n for n in dir(plots) if n.startswith("plot_") and callable(getattr(plots, n))]:
+        setattr(plots, _name, lambda *args, **kwargs: None)
 
 
 class PauseAfter(Callback):

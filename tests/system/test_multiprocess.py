@@ -227,9 +227,13 @@ def test_an_interrupted_process_leaves_a_resumable_run(tmp_path):
     round 1 in both and reports the metrics of an uninterrupted run with the data on every
     device."""
     algo = ["--algo", "pgfedmo", "--checkpoint-every", "1"]
-    _two(tmp_path, "whole", algo + ["--rounds", "4", "--data-placement", "device"])
+    # The uninterrupted reference: one process on two devices (two processes give its results:
+    # test_seeds_over_two_processes_equal_one_process_and_only_process_0_prints).
+    whole = _cli(tmp_path, "whole", algo + ["--rounds", "4", "--data-placement", "device"],
+                 devices="2")
+    assert whole.wait(timeout=600) == 0, whole.stderr.read()[-3000:]
     algo += ["--data-placement", "sharded"]
-    env = _env("1")
+    env = {**_env("1"), "FEDJAX_PFL_TEST_NO_FIGURES": "1"}       # (tests/support/pause_run.py)
     port = _free_port()
     with helpers.ctrl_c_for_children():
         procs = [subprocess.Popen(
