@@ -117,10 +117,9 @@ def _no_figures(request, monkeypatch):
     interrupted run, tests/cli/test_cli.py's short runs); subprocess tests choose between
     experiments/run.py and tests/support/run_no_figures.py."""
     if request.node.get_closest_marker("figures") is None:
-        from fedjax_pfl import plots
+        import no_figures
 
-        for name in helpers.figure_writers(plots):
-            monkeypatch.setattr(plots, name, lambda *args, **kwargs: None)
+        no_figures.stub_all(monkeypatch.setattr)
 
 
 def pytest_unconfigure(config):

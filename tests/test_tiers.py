@@ -8,6 +8,7 @@ import types
 
 import conftest
 import helpers
+import no_figures
 import pytest
 
 from fedjax_pfl import algorithms
@@ -47,14 +48,14 @@ def test_extended_only_cases(markers, name, quick, extended):
 
 def test_every_figure_the_runner_writes_is_stubbed_outside_figures_tests(tmp_path):
     """Each `plots.<name>(` the runner and the command lines call that writes a file is one of
-    `helpers.figure_writers`, and in this (unmarked) test each of them writes nothing."""
+    `no_figures.writers`, and in this (unmarked) test each of them writes nothing."""
     from fedjax_pfl import plots
 
     root = pathlib.Path(__file__).resolve().parents[1]
     sources = [*sorted((root / "fedjax_pfl").rglob("*.py")), *sorted((root / "experiments").glob("*.py"))]
     called = {m for f in sources for m in re.findall(r"\bplots\.(plot_\w+)\(", f.read_text())}
-    assert called and called <= set(helpers.figure_writers(plots)), called
-    for name in helpers.figure_writers(plots):
+    assert called and called <= set(no_figures.writers()), called
+    for name in no_figures.writers():
         assert getattr(plots, name)(None, str(tmp_path / f"{name}.png")) is None
     assert list(tmp_path.iterdir()) == []
 

@@ -462,7 +462,8 @@ def _whole_loop(loop: ClientLoop, masked: bool = False) -> Callable:
     code selected by `length > 0` instead of a while loop: the same arithmetic, and one loop
     less for XLA to compile (a loop's body and condition are separate computations that are
     not fused with the code around them)."""
-    one_step = masked and (host_max_length(loop) or 2) <= 1
+    most = host_max_length(loop)
+    one_step = masked and most is not None and most <= 1
 
     def run_one(*args):
         if masked:

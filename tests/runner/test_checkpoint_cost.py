@@ -64,10 +64,10 @@ def test_save_and_restore_compile_nothing_on_two_devices(tmp_path):
 _RUN = """
 import json, sys
 import run
-from fedjax_pfl import checkpoint, compiles, plots
+import no_figures
+from fedjax_pfl import checkpoint, compiles
 
-for name in [n for n in dir(plots) if n.startswith("plot_")]:   # no figures
-    setattr(plots, name, lambda *a, **k: None)
+no_figures.stub_all()
 calls = []
 
 def recorded(name, f):
@@ -100,7 +100,7 @@ def test_a_runs_checkpoints_compile_nothing(tmp_path, placement, devices):
     save: save, save, restore, save, none compiling a program."""
     proc = subprocess.run([sys.executable, "-c", _RUN, str(tmp_path / "run"), placement],
                           env={**_env(devices), "PYTHONPATH": os.pathsep.join(
-                              [ROOT, os.path.join(ROOT, "experiments")])},
+                              [ROOT, os.path.join(ROOT, "experiments"), os.path.join(ROOT, "tests", "support")])},
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])

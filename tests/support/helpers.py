@@ -24,13 +24,6 @@ from fedjax_pfl.models.model import Model
 REPRESENTATIVE = ("fedavg", "fedrep", "ditto", "pgfedmo", "fedpc", "tdpfed", "ffa_lora")
 
 
-def figure_writers(plots_module) -> list[str]:
-    """The names of the figure writers of `fedjax_pfl.plots` (`plot_*`), which tests that do not
-    check figures replace with no-ops (tests/conftest.py's `_no_figures`,
-    tests/support/run_no_figures.py): a figure added to the runner is left out with the others."""
-    return [n for n in dir(plots_module) if n.startswith("plot_") and callable(getattr(plots_module, n))]
-
-
 def make_data(sizes, *, num_classes=3, feature_dim=5, test_sizes=None, seed=0, images=False):
     """Clients with the given training sizes (ragged on purpose) and small test splits."""
     x, y, train, test, scale, shift = make_raw(sizes, num_classes=num_classes,

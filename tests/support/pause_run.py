@@ -14,12 +14,12 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import run  # noqa: E402
 
-from fedjax_pfl import plots  # noqa: E402
 from fedjax_pfl.callbacks import Callback  # noqa: E402
 
 if os.environ.get("FEDJAX_PFL_TEST_NO_FIGURES") == "1":
-    for _name in [n for n in dir(plots) if n.startswith("plot_") and callable(getattr(plots, n))]:
-        setattr(plots, _name, lambda *args, **kwargs: None)
+    import no_figures  # (tests/support, this script's directory)
+
+    no_figures.stub_all()
 
 
 class PauseAfter(Callback):

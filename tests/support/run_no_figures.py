@@ -18,14 +18,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
+import no_figures  # noqa: E402  (tests/support, this script's directory)
 import run  # noqa: E402
 
-from fedjax_pfl import plots  # noqa: E402
-
-# Every figure writer, as tests/conftest.py's `_no_figures` (helpers.figure_writers, not imported
-# here: helpers imports more than a run needs).
-for _name in [n for n in dir(plots) if n.startswith("plot_") and callable(getattr(plots, n))]:
-    setattr(plots, _name, lambda *args, **kwargs: None)
+no_figures.stub_all()
 
 _host_reads, _hashed = [], []
 if os.environ.get("FEDJAX_PFL_TEST_HOST_READS"):
